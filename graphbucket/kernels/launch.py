@@ -1,0 +1,152 @@
+"""Host launchers for the split-KV MLA decode kernels: checks, workspace, launch.
+
+Graph safety: ``mla_decode`` reads only tensor metadata on the host (shapes, strides,
+dtypes, devices) and the frozen ``LaunchPlan``; it never reads device memory and never
+allocates, so it can be captured into a CUDA graph and replayed with new ``seq_lens``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from graphbucket.kernels.mla_decode import _mla_decode_merge_kernel, _mla_decode_stage1_kernel
+from graphbucket.plan import LaunchPlan
+
+LOG2E = 1.4426950408889634
+KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True, slots=True)
+class SplitWorkspace:
+    """Persistent stage-1 -> stage-2 buffers, sized once for the largest plan.
+
+    partial_o:   [max_batch, num_heads, max_splits, kv_lora_rank] float32
+    partial_lse: [max_batch, num_heads, max_splits] float32 (log2 units)
+    Any plan with batch <= max_batch and splits <= max_splits uses views of these.
+    """
+
+    partial_o: torch.Tensor
+    partial_lse: torch.Tensor
+
+    @classmethod
+    def allocate(cls, max_batch: int, num_heads: int, max_splits: int, kv_lora_rank: int,
+                 device: torch.device | str) -> SplitWorkspace:
+        shape = (max_batch, num_heads, max(1, max_splits))
+        return cls(torch.empty(*shape, kv_lora_rank, dtype=torch.float32, device=device),
+                   torch.empty(*shape, dtype=torch.float32, device=device))
+
+    @classmethod
+    def for_plans(cls, plans, device: torch.device | str) -> SplitWorkspace:
+        plans = list(plans)
+        if not plans:
+            raise ValueError("for_plans needs at least one LaunchPlan")
+        return cls.allocate(max(p.batch_size for p in plans), max(p.num_heads for p in plans),
+                            max(p.num_kv_splits for p in plans), plans[0].kv_lora_rank, device)
+
+    def fits(self, plan: LaunchPlan) -> bool:
+        b, h, s, d = self.partial_o.shape
+        return plan.batch_size <= b and plan.num_heads == h and plan.num_kv_splits <= s \
+            and plan.kv_lora_rank == d
+
+
+def _fail(name: str, got, expected: str, fix: str) -> None:
+    raise ValueError(f"{name}: got {got}, expected {expected}. {fix}")
+
+
+def check_mla_decode_args(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                          seq_lens: torch.Tensor, out: torch.Tensor, plan: LaunchPlan,
+                          workspace: SplitWorkspace | None, lse: torch.Tensor | None) -> None:
+    """Validate shapes, dtypes and devices against the plan (host metadata only, no sync)."""
+    d_qk = plan.kv_lora_rank + plan.qk_rope_dim
+    bs, nh = plan.batch_size, plan.num_heads
+    for name, t in (("q", q), ("kv_cache", kv_cache), ("block_table", block_table),
+                    ("seq_lens", seq_lens), ("out", out)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device != q.device:
+            _fail(f"{name}.device", t.device, str(q.device), "Keep every input on one device.")
+    if tuple(q.shape) != (bs, nh, d_qk):
+        _fail("q.shape", tuple(q.shape), f"{(bs, nh, d_qk)} from the plan",
+              "Plan with this batch size and head count, or pass a view of the static buffer.")
+    if kv_cache.dim() != 3 or kv_cache.shape[2] != d_qk:
+        _fail("kv_cache.shape", tuple(kv_cache.shape), f"[num_pages, page_size, {d_qk}]",
+              "The cache row is the latent (kv_lora_rank) followed by the rope part.")
+    if kv_cache.dtype not in KV_DTYPES or q.dtype != kv_cache.dtype:
+        _fail("dtypes", f"q={q.dtype}, kv_cache={kv_cache.dtype}",
+              "equal dtypes, one of bfloat16/float16/float32", "Cast q to the cache dtype.")
+    if kv_cache.stride(2) != 1 or q.stride(2) != 1 or out.stride(2) != 1:
+        raise ValueError("q, kv_cache and out need a contiguous last dimension")
+    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] < bs:
+        _fail("block_table", f"{block_table.dtype} {tuple(block_table.shape)}",
+              f"int32 [>= {bs}, max_pages]", "Pass an int32 table with one row per request.")
+    if seq_lens.dtype != torch.int32 or seq_lens.dim() != 1 or seq_lens.shape[0] < bs:
+        _fail("seq_lens", f"{seq_lens.dtype} {tuple(seq_lens.shape)}", f"int32 [>= {bs}]",
+              "Pass int32 lengths, one per request.")
+    if tuple(out.shape) != (bs, nh, plan.kv_lora_rank):
+        _fail("out.shape", tuple(out.shape), str((bs, nh, plan.kv_lora_rank)),
+              "Allocate out as [batch, heads, kv_lora_rank].")
+    if lse is not None and (lse.dtype != torch.float32 or tuple(lse.shape) != (bs, nh)):
+        _fail("lse", f"{lse.dtype} {tuple(lse.shape)}", f"float32 {(bs, nh)}",
+              "Pass lse=None or a float32 [batch, heads] tensor.")
+    if plan.use_stage2 and (workspace is None or not workspace.fits(plan)):
+        got = None if workspace is None else tuple(workspace.partial_o.shape)
+        _fail("workspace", got, f"partial_o covering {plan.workspace_shape}",
+              "Allocate SplitWorkspace.for_plans(all plans you will launch).")
+
+
+def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+               seq_lens: torch.Tensor, out: torch.Tensor, workspace: SplitWorkspace | None,
+               *, plan: LaunchPlan, sm_scale: float, lse: torch.Tensor | None = None,
+               check: bool = True) -> torch.Tensor:
+    """Paged MLA decode: ``out = softmax(q K^T * sm_scale) V`` per request and head.
+
+    q [B, H, kv_lora_rank + qk_rope_dim], kv_cache [num_pages, page_size, same] (bf16/fp16/
+    fp32, V = the first kv_lora_rank columns), block_table [>=B, max_pages] int32,
+    seq_lens [>=B] int32 on the device, out [B, H, kv_lora_rank] (written in full);
+    lse [B, H] float32 (natural log) if given. Rows with seq_len 0 give zeros.
+    Graph-safe: no device reads, no allocation; the plan fixes grid and split count.
+    """
+    if check:
+        check_mla_decode_args(q, kv_cache, block_table, seq_lens, out, plan, workspace, lse)
+    page_size = kv_cache.shape[1]
+    one_split = not plan.use_stage2
+    if one_split:
+        part_o = part_lse = out  # unused by the one-split variant; any pointer will do
+        po_strides, pl_strides = (0, 0, 0), (0, 0)
+    else:
+        part_o, part_lse = workspace.partial_o, workspace.partial_lse
+        po_strides, pl_strides = part_o.stride()[:3], part_lse.stride()[:2]
+    lse_arg = lse if lse is not None else out
+    lse_stride = lse.stride(0) if lse is not None else 0
+    _mla_decode_stage1_kernel[plan.grid](
+        q, kv_cache, block_table, seq_lens, out, lse_arg, part_o, part_lse,
+        plan.num_kv_splits, plan.num_heads, sm_scale * LOG2E,
+        q.stride(0), q.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1),
+        block_table.stride(0),
+        out.stride(0), out.stride(1),
+        lse_stride,
+        *po_strides, *pl_strides,
+        PAGE_SIZE=page_size, KV_LORA_RANK=plan.kv_lora_rank, ROPE_DIM=plan.qk_rope_dim,
+        BLOCK_H=plan.block_h, BLOCK_N=plan.block_n, ONE_SPLIT=one_split,
+        WRITE_LSE=lse is not None, num_warps=plan.num_warps, num_stages=plan.num_stages,
+    )
+    if not one_split:
+        _mla_decode_merge_kernel[plan.merge_grid](
+            part_o, part_lse, seq_lens, out, lse_arg,
+            plan.num_kv_splits,
+            *po_strides, *pl_strides,
+            out.stride(0), out.stride(1),
+            lse_stride,
+            BLOCK_N=plan.block_n, BLOCK_S=plan.merge_block_s, BLOCK_DV=plan.merge_block_dv,
+            WRITE_LSE=lse is not None, num_warps=4,
+        )
+    return out
+
+
+def default_sm_scale(qk_nope_dim: int = 128, qk_rope_dim: int = 64) -> float:
+    """Softmax scale of DeepSeek-V3-style MLA: 1/sqrt(qk_nope_head_dim + qk_rope_head_dim)."""
+    return 1.0 / math.sqrt(qk_nope_dim + qk_rope_dim)

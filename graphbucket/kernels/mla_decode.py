@@ -1,0 +1,176 @@
+"""Split-KV MLA decode over a paged latent KV cache (absorbed MLA, DeepSeek-V3 / Kimi shapes).
+
+Algorithm: flash-decoding. Stage 1 runs one program per (request, head block, KV split);
+each program streams its share of the request's tokens through an online softmax and
+writes a normalised partial output plus its log-sum-exp. Stage 2 merges the partials of
+a request with a blocked LSE merge (BLOCK_S splits per step, not one split at a time).
+With one split, stage 1 writes the final output and stage 2 is not launched.
+
+MLA specifics: the cache row is [kv_lora_rank latent | qk_rope_dim rope]; K is the whole
+row and V is its first kv_lora_rank columns, so each KV tile is loaded once and used for
+both dots. All heads share the single latent KV head, so BLOCK_H heads ride one tile.
+
+The split count is a runtime argument: a graph captured with any plan stays correct for
+any live length. Each program derives its token range from ``seq_lens`` on the device:
+
+    tiles_per_split = cdiv(cdiv(seq_len, BLOCK_N), num_kv_splits)
+    split s covers tokens [s * tiles_per_split * BLOCK_N, min(.. + tiles_per_split * BLOCK_N, seq_len))
+
+Splits that get no tokens exit at once; stage 2 recomputes the same formula, so it only
+reads partials that stage 1 wrote. Rows with ``seq_len == 0`` (padding) produce zeros.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _split_range(seq_len, split, num_kv_splits, BLOCK_N: tl.constexpr):
+    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_kv_splits)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+    return start, end
+
+
+@triton.jit
+def _mla_decode_stage1_kernel(
+    Q, KV, BLOCK_TABLE, SEQ_LENS, OUT, LSE, PART_O, PART_LSE,
+    num_kv_splits, num_heads, qk_scale_log2,
+    stride_q_b, stride_q_h,
+    stride_kv_page, stride_kv_tok,
+    stride_bt_b,
+    stride_o_b, stride_o_h,
+    stride_lse_b,
+    stride_po_b, stride_po_h, stride_po_s,
+    stride_pl_b, stride_pl_h,
+    PAGE_SIZE: tl.constexpr,
+    KV_LORA_RANK: tl.constexpr,
+    ROPE_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ONE_SPLIT: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+):
+    bid = tl.program_id(0)
+    head_block = tl.program_id(1)
+    split = tl.program_id(2)
+
+    offs_h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < num_heads
+    offs_c = tl.arange(0, KV_LORA_RANK)
+    offs_r = tl.arange(0, ROPE_DIM)
+
+    seq_len = tl.load(SEQ_LENS + bid)
+    start, end = _split_range(seq_len, split, num_kv_splits, BLOCK_N)
+
+    if start < end:
+        q_row = Q + bid * stride_q_b + offs_h[:, None] * stride_q_h
+        q_nope = tl.load(q_row + offs_c[None, :], mask=mask_h[:, None], other=0.0)
+        q_rope = tl.load(q_row + KV_LORA_RANK + offs_r[None, :], mask=mask_h[:, None], other=0.0)
+
+        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, KV_LORA_RANK], dtype=tl.float32)
+        bt_row = BLOCK_TABLE + bid * stride_bt_b
+
+        for tok0 in range(start, end, BLOCK_N):
+            offs_n = tok0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < end
+            page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
+            row = page.to(tl.int64) * stride_kv_page + (offs_n % PAGE_SIZE) * stride_kv_tok
+            kv = tl.load(KV + row[:, None] + offs_c[None, :], mask=mask_n[:, None], other=0.0)
+            k_rope = tl.load(KV + row[:, None] + KV_LORA_RANK + offs_r[None, :],
+                             mask=mask_n[:, None], other=0.0)
+
+            qk = tl.dot(q_nope, tl.trans(kv))
+            qk += tl.dot(q_rope, tl.trans(k_rope))
+            qk = tl.where(mask_n[None, :], qk * qk_scale_log2, float("-inf"))
+
+            # Every tile holds at least one live token, so m_new is finite after tile one.
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
+            m_i = m_new
+
+        # LSEs stay in log2 units between the stages; 0.693.. = ln 2 converts the final one.
+        lse_log2 = m_i + tl.log2(l_i)
+        out = acc / l_i[:, None]
+        if ONE_SPLIT:
+            o_ptr = OUT + bid * stride_o_b + offs_h[:, None] * stride_o_h + offs_c[None, :]
+            tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=mask_h[:, None])
+            if WRITE_LSE:
+                tl.store(LSE + bid * stride_lse_b + offs_h, lse_log2 * 0.6931471805599453,
+                         mask=mask_h)
+        else:
+            po_ptr = (PART_O + bid * stride_po_b + offs_h[:, None] * stride_po_h
+                      + split * stride_po_s + offs_c[None, :])
+            tl.store(po_ptr, out, mask=mask_h[:, None])
+            tl.store(PART_LSE + bid * stride_pl_b + offs_h * stride_pl_h + split, lse_log2,
+                     mask=mask_h)
+    elif ONE_SPLIT:
+        # Padding row (seq_len == 0): zeros and an empty-sum LSE, nothing else touched.
+        o_ptr = OUT + bid * stride_o_b + offs_h[:, None] * stride_o_h + offs_c[None, :]
+        tl.store(o_ptr, tl.zeros([BLOCK_H, KV_LORA_RANK], dtype=OUT.dtype.element_ty),
+                 mask=mask_h[:, None])
+        if WRITE_LSE:
+            tl.store(LSE + bid * stride_lse_b + offs_h,
+                     tl.full([BLOCK_H], float("-inf"), dtype=tl.float32), mask=mask_h)
+
+
+@triton.jit
+def _mla_decode_merge_kernel(
+    PART_O, PART_LSE, SEQ_LENS, OUT, LSE,
+    num_kv_splits,
+    stride_po_b, stride_po_h, stride_po_s,
+    stride_pl_b, stride_pl_h,
+    stride_o_b, stride_o_h,
+    stride_lse_b,
+    BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+):
+    bid = tl.program_id(0)
+    head = tl.program_id(1)
+    dv_block = tl.program_id(2)
+    offs_dv = dv_block * BLOCK_DV + tl.arange(0, BLOCK_DV)
+
+    seq_len = tl.load(SEQ_LENS + bid)
+    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    tiles_per_split = tl.maximum(tl.cdiv(num_tiles, num_kv_splits), 1)
+    # Same formula as stage 1: splits past this count got no tokens and wrote nothing.
+    num_active = tl.cdiv(num_tiles, tiles_per_split)
+
+    lse_row = PART_LSE + bid * stride_pl_b + head * stride_pl_h
+    o_row = PART_O + bid * stride_po_b + head * stride_po_h
+    m_i = float("-inf")
+    l_i = 0.0
+    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    for s0 in range(0, num_active, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        mask_s = offs_s < num_active
+        lse = tl.load(lse_row + offs_s, mask=mask_s, other=float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(lse, 0))
+        # Guard -inf - -inf: a block of only masked splits must not produce NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        w = tl.exp2(lse - m_safe)
+        part = tl.load(o_row + offs_s[:, None] * stride_po_s + offs_dv[None, :],
+                       mask=mask_s[:, None], other=0.0)
+        acc = acc * alpha + tl.sum(w[:, None] * part, 0)
+        l_i = l_i * alpha + tl.sum(w, 0)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    out = tl.where(l_i > 0.0, acc / l_safe, 0.0)
+    tl.store(OUT + bid * stride_o_b + head * stride_o_h + offs_dv, out.to(OUT.dtype.element_ty))
+    if WRITE_LSE:
+        if dv_block == 0:
+            lse_out = tl.where(l_i > 0.0, (m_i + tl.log2(l_safe)) * 0.6931471805599453,
+                               float("-inf"))
+            tl.store(LSE + bid * stride_lse_b + head, lse_out)
