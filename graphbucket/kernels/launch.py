@@ -111,42 +111,56 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     """
     if check:
         check_mla_decode_args(q, kv_cache, block_table, seq_lens, out, plan, workspace, lse)
-    page_size = kv_cache.shape[1]
-    one_split = not plan.use_stage2
-    if one_split:
-        part_o = part_lse = out  # unused by the one-split variant; any pointer will do
-        po_strides, pl_strides = (0, 0, 0), (0, 0)
-    else:
-        part_o, part_lse = workspace.partial_o, workspace.partial_lse
-        po_strides, pl_strides = part_o.stride()[:3], part_lse.stride()[:2]
-    lse_arg = lse if lse is not None else out
-    lse_stride = lse.stride(0) if lse is not None else 0
-    _mla_decode_stage1_kernel[plan.grid](
-        q, kv_cache, block_table, seq_lens, out, lse_arg, part_o, part_lse,
-        plan.num_kv_splits, plan.num_heads, sm_scale * LOG2E,
-        q.stride(0), q.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1),
-        block_table.stride(0),
-        out.stride(0), out.stride(1),
-        lse_stride,
-        *po_strides, *pl_strides,
-        PAGE_SIZE=page_size, KV_LORA_RANK=plan.kv_lora_rank, ROPE_DIM=plan.qk_rope_dim,
-        BLOCK_H=plan.block_h, BLOCK_N=plan.block_n, ONE_SPLIT=one_split,
-        WRITE_LSE=lse is not None, num_warps=plan.num_warps, num_stages=plan.num_stages,
-    )
-    if not one_split:
-        _mla_decode_merge_kernel[plan.merge_grid](
-            part_o, part_lse, seq_lens, out, lse_arg,
-            plan.num_kv_splits,
-            *po_strides, *pl_strides,
-            out.stride(0), out.stride(1),
-            lse_stride,
-            BLOCK_N=plan.block_n, BLOCK_S=plan.merge_block_s, BLOCK_DV=plan.merge_block_dv,
-            WRITE_LSE=lse is not None, num_warps=4,
-        )
+    workspace = workspace if plan.use_stage2 else None
+    launch_stage1(q, kv_cache, block_table, seq_lens, out, workspace, plan=plan,
+                  sm_scale=sm_scale, lse=lse)
+    if plan.use_stage2:
+        launch_merge(seq_lens, out, workspace, plan=plan, lse=lse)
     return out
 
 
 def default_sm_scale(qk_nope_dim: int = 128, qk_rope_dim: int = 64) -> float:
     """Softmax scale of DeepSeek-V3-style MLA: 1/sqrt(qk_nope_head_dim + qk_rope_head_dim)."""
     return 1.0 / math.sqrt(qk_nope_dim + qk_rope_dim)
+
+
+def _workspace_args(workspace: SplitWorkspace | None, out: torch.Tensor):
+    if workspace is None:  # one-split variant never touches the workspace
+        return out, out, (0, 0, 0), (0, 0)
+    part_o, part_lse = workspace.partial_o, workspace.partial_lse
+    return part_o, part_lse, part_o.stride()[:3], part_lse.stride()[:2]
+
+
+def launch_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                  seq_lens: torch.Tensor, out: torch.Tensor, workspace: SplitWorkspace | None,
+                  *, plan: LaunchPlan, sm_scale: float, lse: torch.Tensor | None) -> None:
+    """Stage 1 alone (unchecked). One split: writes ``out``; else partials in ``workspace``."""
+    part_o, part_lse, po_strides, pl_strides = _workspace_args(workspace, out)
+    _mla_decode_stage1_kernel[plan.grid](
+        q, kv_cache, block_table, seq_lens, out, out if lse is None else lse, part_o, part_lse,
+        plan.num_kv_splits, plan.num_heads, sm_scale * LOG2E,
+        q.stride(0), q.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1),
+        block_table.stride(0),
+        out.stride(0), out.stride(1),
+        0 if lse is None else lse.stride(0),
+        *po_strides, *pl_strides,
+        PAGE_SIZE=kv_cache.shape[1], KV_LORA_RANK=plan.kv_lora_rank, ROPE_DIM=plan.qk_rope_dim,
+        BLOCK_H=plan.block_h, BLOCK_N=plan.block_n, ONE_SPLIT=not plan.use_stage2,
+        WRITE_LSE=lse is not None, num_warps=plan.num_warps, num_stages=plan.num_stages,
+    )
+
+
+def launch_merge(seq_lens: torch.Tensor, out: torch.Tensor, workspace: SplitWorkspace, *,
+                 plan: LaunchPlan, lse: torch.Tensor | None) -> None:
+    """Stage 2 alone (unchecked): blocked LSE merge of the live splits into ``out``."""
+    part_o, part_lse, po_strides, pl_strides = _workspace_args(workspace, out)
+    _mla_decode_merge_kernel[plan.merge_grid](
+        part_o, part_lse, seq_lens, out, out if lse is None else lse,
+        plan.num_kv_splits,
+        *po_strides, *pl_strides,
+        out.stride(0), out.stride(1),
+        0 if lse is None else lse.stride(0),
+        BLOCK_N=plan.block_n, BLOCK_S=plan.merge_block_s, BLOCK_DV=plan.merge_block_dv,
+        WRITE_LSE=lse is not None, num_warps=4,
+    )

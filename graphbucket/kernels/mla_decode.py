@@ -14,7 +14,8 @@ The split count is a runtime argument: a graph captured with any plan stays corr
 any live length. Each program derives its token range from ``seq_lens`` on the device:
 
     tiles_per_split = cdiv(cdiv(seq_len, BLOCK_N), num_kv_splits)
-    split s covers tokens [s * tiles_per_split * BLOCK_N, min(.. + tiles_per_split * BLOCK_N, seq_len))
+    start(s) = s * tiles_per_split * BLOCK_N
+    split s covers [start(s), min(start(s) + tiles_per_split * BLOCK_N, seq_len))
 
 Splits that get no tokens exit at once; stage 2 recomputes the same formula, so it only
 reads partials that stage 1 wrote. Rows with ``seq_len == 0`` (padding) produce zeros.

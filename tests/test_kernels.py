@@ -1,0 +1,151 @@
+"""Numerics of the split-KV MLA decode kernels against the float64 reference.
+
+On a CPU machine these run through the Triton interpreter in fp16/fp32 (the interpreter's
+bf16 dot is wrong); on CUDA the same cases run in bf16 too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from graphbucket.kernels import SplitWorkspace, mla_decode
+from graphbucket.plan import LaunchPlan, plan_mla_decode
+from graphbucket.reference import mla_decode_reference
+from tests.kernel_cases import KV_LORA_RANK, SM_SCALE, DecodeCase, make_case, rel_l2
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+DTYPES = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float16, torch.float32]
+BLOCK_N = 32
+
+
+def run_kernel(case: DecodeCase, plan: LaunchPlan, *, with_lse: bool = True):
+    batch, heads, _ = case.q.shape
+    out = torch.full((batch, heads, KV_LORA_RANK), float("nan"), dtype=case.q.dtype,
+                     device=DEVICE)
+    lse = torch.full((batch, heads), float("nan"), device=DEVICE) if with_lse else None
+    ws = SplitWorkspace.for_plans([plan], DEVICE)
+    ws.partial_o.fill_(float("nan"))
+    ws.partial_lse.fill_(float("nan"))
+    mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, out, ws, plan=plan,
+               sm_scale=SM_SCALE, lse=lse)
+    return out, lse
+
+
+def check(case: DecodeCase, plan: LaunchPlan, tol: float = 1e-2):
+    out, lse = run_kernel(case, plan)
+    ref_out, ref_lse = mla_decode_reference(case.q.cpu(), case.kv_cache.cpu(),
+                                            case.block_table.cpu(), case.seq_lens.cpu(),
+                                            kv_lora_rank=KV_LORA_RANK, sm_scale=SM_SCALE)
+    assert not torch.isnan(out).any(), f"NaN or unwritten output under {plan.describe()}"
+    assert not torch.isnan(lse).any(), f"NaN or unwritten LSE under {plan.describe()}"
+    err = rel_l2(out.cpu(), ref_out)
+    assert err < tol, f"rel L2 {err:.2e} >= {tol} under {plan.describe()}"
+    live = case.seq_lens.cpu() > 0
+    lse_err = (lse.cpu().double()[live] - ref_lse[live]).abs().max().item()
+    assert lse_err < 2e-2, f"LSE error {lse_err:.2e} under {plan.describe()}"
+    return out
+
+
+def with_splits(plan: LaunchPlan, num_splits: int) -> LaunchPlan:
+    return dataclasses.replace(plan, num_kv_splits=num_splits)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seq_len", [1, 2, BLOCK_N - 1, BLOCK_N, BLOCK_N + 1, 15, 17, 63, 65])
+def test_lengths_around_block_and_page_edges(dtype, seq_len):
+    case = make_case([seq_len], 16, page_size=16, dtype=dtype, device=DEVICE)
+    base = plan_mla_decode(1, 16, seq_len, num_sms=4)
+    for splits in (1, 3, 8):  # 3 and 8 exceed the tile count for the short lengths
+        check(case, with_splits(base, splits))
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_scattered_pages_ragged_batch(page_size):
+    lens = [1, 70, 129, 33]
+    case = make_case(lens, 16, page_size=page_size, dtype=torch.float16, device=DEVICE)
+    check(case, plan_mla_decode(len(lens), 16, 1, num_sms=8))
+    check(case, with_splits(plan_mla_decode(len(lens), 16, 1, num_sms=8), 4))
+
+
+@pytest.mark.parametrize("num_heads", [8, 12, 16, 128])
+def test_head_counts_mask_partial_head_blocks(num_heads):
+    case = make_case([45, 3], num_heads, page_size=16, dtype=torch.float16, device=DEVICE)
+    base = plan_mla_decode(2, num_heads, 1, num_sms=4)
+    check(case, base)
+    check(case, with_splits(base, 2))
+
+
+def test_hint_far_below_and_far_above_live_length():
+    case = make_case([2500, 700], 16, page_size=64, dtype=torch.float32, device=DEVICE)
+    low = plan_mla_decode(2, 16, 1, num_sms=16)
+    high = plan_mla_decode(2, 16, 1 << 20, num_sms=16)
+    assert low.num_kv_splits == 1 and high.num_kv_splits > 1
+    a = check(case, low)
+    b = check(case, high)
+    assert rel_l2(a.cpu(), b.cpu().double()) < 1e-3  # topology changes speed, not the result
+
+
+def test_padding_rows_give_zeros_and_touch_nothing_else():
+    case = make_case([0, 40, 0, 1], 16, page_size=16, dtype=torch.float16, device=DEVICE)
+    for splits in (1, 4):
+        plan = with_splits(plan_mla_decode(4, 16, 1, num_sms=4), splits)
+        out = check(case, plan)
+        assert (out[0] == 0).all() and (out[2] == 0).all()
+        _, lse = run_kernel(case, plan)
+        assert torch.isinf(lse[0]).all() and (lse[0] < 0).all()
+
+
+def test_without_lse_output():
+    case = make_case([77], 16, page_size=16, dtype=torch.float16, device=DEVICE)
+    plan = with_splits(plan_mla_decode(1, 16, 1, num_sms=4), 2)
+    out, lse = run_kernel(case, plan, with_lse=False)
+    ref, _ = mla_decode_reference(case.q.cpu(), case.kv_cache.cpu(), case.block_table.cpu(),
+                                  case.seq_lens.cpu(), kv_lora_rank=KV_LORA_RANK,
+                                  sm_scale=SM_SCALE)
+    assert lse is None and rel_l2(out.cpu(), ref) < 1e-2
+
+
+def test_many_splits_merge_in_blocks():
+    # 40 splits > one merge block of 32: the blocked merge must carry its state across blocks.
+    case = make_case([40 * BLOCK_N - 5], 16, page_size=16, dtype=torch.float16, device=DEVICE)
+    check(case, with_splits(plan_mla_decode(1, 16, 1, num_sms=4), 40))
+
+
+def test_bad_inputs_raise_before_launch():
+    case = make_case([10], 16, page_size=16, dtype=torch.float16, device=DEVICE)
+    plan = plan_mla_decode(1, 16, 10, num_sms=4)
+    out = torch.zeros(1, 16, KV_LORA_RANK, dtype=torch.float16, device=DEVICE)
+    ws = SplitWorkspace.for_plans([plan], DEVICE)
+    with pytest.raises(ValueError, match="dtypes"):
+        mla_decode(case.q.float(), case.kv_cache, case.block_table, case.seq_lens, out, ws,
+                   plan=plan, sm_scale=SM_SCALE)
+    with pytest.raises(ValueError, match="seq_lens"):
+        mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens.long(), out, ws,
+                   plan=plan, sm_scale=SM_SCALE)
+    with pytest.raises(ValueError, match="q.shape"):
+        mla_decode(case.q[:, :8], case.kv_cache, case.block_table, case.seq_lens, out, ws,
+                   plan=plan, sm_scale=SM_SCALE)
+    big = with_splits(plan, 64)
+    with pytest.raises(ValueError, match="workspace"):
+        mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, out, ws,
+                   plan=big, sm_scale=SM_SCALE)
+    assert (out == 0).all()
+
+
+@pytest.mark.slow
+def test_a_few_thousand_tokens_fp16():
+    case = make_case([3001, 1], 16, page_size=64, dtype=torch.float16, device=DEVICE)
+    check(case, plan_mla_decode(2, 16, 3001, num_sms=8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seq_len", [1, 31, 32, 33, 4095, 70000])
+def test_gpu_bf16_long_and_short(seq_len):
+    case = make_case([seq_len, max(1, seq_len // 3), 0], 16, page_size=64,
+                     dtype=torch.bfloat16, device="cuda")
+    for hint in (1, seq_len, 131072):
+        check(case, plan_mla_decode(3, 16, hint, num_sms=132))
