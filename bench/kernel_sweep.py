@@ -59,6 +59,15 @@ class Problem:
         return tables.contiguous(), q, out, seq_lens
 
 
+def rotated_calls(problem: Problem, tables, q, out, seq_lens, ws, plan, scale):
+    """One decode call per rotation, each over its own pages: what one graph replay runs."""
+    def call():
+        for r in range(tables.shape[0]):
+            mla_decode(q[r], problem.cache, tables[r], seq_lens, out[r], ws, plan=plan,
+                       sm_scale=scale, check=False)
+    return call
+
+
 def sweep(args) -> list[dict]:
     problem = Problem(max(args.contexts) * max(args.batches))
     max_splits = max(args.splits)
@@ -73,11 +82,7 @@ def sweep(args) -> list[dict]:
             for splits in args.splits:
                 plan = dataclasses.replace(base, num_kv_splits=splits)
 
-                def call(plan=plan):
-                    for r in range(rotations):
-                        mla_decode(q[r], problem.cache, tables[r], seq_lens, out[r], ws,
-                                   plan=plan, sm_scale=scale, check=False)
-
+                call = rotated_calls(problem, tables, q, out, seq_lens, ws, plan, scale)
                 us = time_replays(call, calls_per_graph=rotations)
                 gbps = kv_bytes(context, batch) / (us * 1e3)
                 rows.append({"context": context, "batch": batch, "heads": HEADS,
@@ -87,6 +92,11 @@ def sweep(args) -> list[dict]:
                 print(f"[{len(rows)}/{total}] ctx={context} b={batch} splits={splits} "
                       f"{us:.2f} us {gbps:.0f} GB/s", flush=True)
     return rows
+
+
+def time_merge(seq_lens, out, ws, plan) -> float:
+    return time_replays(lambda: launch_merge(seq_lens, out, ws, plan=plan, lse=None),
+                        calls_per_graph=1)
 
 
 def merge_cost(splits_list: list[int]) -> list[dict]:
@@ -100,8 +110,7 @@ def merge_cost(splits_list: list[int]) -> list[dict]:
         ws.partial_lse.normal_()
         seq_lens = torch.full((1,), 131072, dtype=torch.int32, device="cuda")
         out = torch.empty(1, HEADS, RANK, dtype=torch.bfloat16, device="cuda")
-        us = time_replays(lambda: launch_merge(seq_lens, out, ws, plan=plan, lse=None),
-                          calls_per_graph=1)
+        us = time_merge(seq_lens, out, ws, plan)
         rows.append({"splits": splits, "batch": 1, "heads": HEADS, "merge_us": round(us, 3)})
     return rows
 

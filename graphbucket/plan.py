@@ -7,22 +7,26 @@ hashable and doubles as the graph key (two buckets with equal plans share one gr
 ``plan_mla_decode`` is a pure host function of (batch size, heads, hint). It never reads
 device data, so it is safe to call on the replay path and in CPU-only tests.
 
-Split-count formula (all integer arithmetic)::
+Formula (integer arithmetic)::
 
-    head_blocks  = cdiv(num_heads, block_h)
-    budget       = pow2_floor(max(1, PROGRAMS_PER_SM * num_sms // (batch * head_blocks)))
-    wanted       = pow2_ceil(cdiv(cdiv(hint, block_n), MIN_TILES_PER_SPLIT))
-    num_splits   = clamp(wanted, 1, min(budget, max_splits))
+    rows         = batch * cdiv(num_heads, block_h)          # programs without splitting
+    stream       = LONG_STREAM if rows < num_sms // 4 else WIDE_STREAM
+    budget       = min(stream.ctas_per_sm * num_sms // rows, max_splits)    # >= 1
+    wanted       = pow2_ceil(cdiv(hint, stream.block_n))     # one tile per split at most
+    num_splits   = clamp(wanted, 1, budget)
 
-Where the constants come from:
-- PROGRAMS_PER_SM = 4: a read-only Triton grid over the same paged cache reached 82 % of
-  the H200 copy bandwidth with 4 programs per SM and 32-token tiles, 73 % with 2 per SM
-  and 64-token tiles (batch 1, 128K). One program per SM leaves HBM idle.
-- MIN_TILES_PER_SPLIT = 4: each split writes a float32 partial of block_h x 512 values
-  (32 KiB at 16 heads), about the size of 28 tokens of KV. Four 32-token tiles per split
-  keep that overhead under ~25 % of the split's own reads at the smallest split size.
-- Powers of two: neighbouring hints map to the same plan, so ladders alias more graphs,
-  and stage 2 sees a small set of split counts.
+Where the constants come from (H200 measurements, bench/NOTES.md):
+- The kernel streams roughly 10-12 GB/s per program, so HBM saturates only with
+  several hundred programs resident: the split budget fills exactly the resident slots
+  (one full wave), not a power of two; 256 or 512 splits at batch 1 ran 2 partial waves.
+- LONG_STREAM (few rows, long splits): 64-token tiles, 3 pipeline stages, 94 KB of
+  shared memory -> 2 programs per SM. Best at batch 1 and 8 (128K: 54 us at 264 splits).
+- WIDE_STREAM (many rows): 32-token tiles, 2 stages, 56 KB -> 4 programs per SM.
+  Best at batch 64 (3 % ahead of LONG_STREAM).
+- wanted: at batch 1 more splits kept paying down to one tile per split at short
+  contexts (256 tokens: 7.2 us at 8 splits against 12.9 us at 2), so the hint asks for
+  one split per tile and the budget caps it; powers of two keep neighbouring hints on
+  one plan, so ladders alias more graphs.
 The ladder tuner measures these choices on the GPU at hand and may replace them.
 """
 
@@ -30,12 +34,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PROGRAMS_PER_SM = 4
-MIN_TILES_PER_SPLIT = 4
 MAX_KV_SPLITS = 512
 H200_NUM_SMS = 132
-# Stage 2 merges this many splits per step; one fixed value keeps one compiled merge kernel.
-MERGE_BLOCK_S = 32
+# Stage 2 merges this many splits per step (one fixed value: one compiled merge kernel).
+# Measured on the H200 at batch 1: 256 x 32-column tiles merge 256 splits in 4.3 us,
+# 32 x 64 tiles took 9.2 us (latency of 8 dependent steps), see bench/NOTES.md.
+MERGE_BLOCK_S = 256
+MERGE_BLOCK_DV = 32
 
 
 def cdiv(a: int, b: int) -> int:
@@ -48,6 +53,19 @@ def pow2_floor(x: int) -> int:
 
 def pow2_ceil(x: int) -> int:
     return 1 << (max(1, x) - 1).bit_length()
+
+
+@dataclass(frozen=True, slots=True)
+class StreamConfig:
+    """Stage-1 tile shape and how many such programs one SM holds at once."""
+
+    block_n: int
+    num_stages: int
+    ctas_per_sm: int
+
+
+LONG_STREAM = StreamConfig(block_n=64, num_stages=3, ctas_per_sm=2)
+WIDE_STREAM = StreamConfig(block_n=32, num_stages=2, ctas_per_sm=4)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +88,7 @@ class LaunchPlan:
     qk_rope_dim: int
     merge_block_s: int
     merge_block_dv: int
+    merge_num_warps: int = 4
 
     @property
     def num_head_blocks(self) -> int:
@@ -101,10 +120,14 @@ class LaunchPlan:
         )
 
 
-def split_budget(batch_size: int, num_head_blocks: int, *, num_sms: int) -> int:
-    """Largest power-of-two split count that keeps the grid near PROGRAMS_PER_SM per SM."""
-    programs = PROGRAMS_PER_SM * num_sms // (batch_size * num_head_blocks)
-    return min(pow2_floor(max(1, programs)), MAX_KV_SPLITS)
+def stream_config(rows: int, num_sms: int) -> StreamConfig:
+    """Long 64-token streams while the grid is thin; shorter tiles, more residents when wide."""
+    return LONG_STREAM if rows < num_sms // 4 else WIDE_STREAM
+
+
+def split_budget(rows: int, stream: StreamConfig, *, num_sms: int, max_splits: int) -> int:
+    """Splits that fill the resident program slots of every SM exactly once (one wave)."""
+    return max(1, min(stream.ctas_per_sm * num_sms // rows, max_splits))
 
 
 def head_block_size(num_heads: int) -> int:
@@ -121,36 +144,34 @@ def plan_mla_decode(
     num_sms: int = H200_NUM_SMS,
     kv_lora_rank: int = 512,
     qk_rope_dim: int = 64,
-    block_n: int = 32,
     max_splits: int = MAX_KV_SPLITS,
+    stream: StreamConfig | None = None,
 ) -> LaunchPlan:
     """Plan one MLA decode launch for ``batch_size`` requests whose lengths are near ``hint``.
 
     Pure host arithmetic: deterministic, monotone non-decreasing in ``hint``, bounded by
     the SM-derived budget and ``max_splits``. Any plan is correct for any live length;
-    the hint only decides speed.
+    the hint only decides speed. ``stream`` overrides the automatic tile configuration.
     """
     for name, value in (("batch_size", batch_size), ("num_heads", num_heads), ("hint", hint),
                         ("num_sms", num_sms), ("max_splits", max_splits)):
-        if not isinstance(value, int) or value < 1:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     block_h = head_block_size(num_heads)
-    budget = min(split_budget(batch_size, cdiv(num_heads, block_h), num_sms=num_sms),
-                 pow2_floor(max_splits))
-    wanted = pow2_ceil(cdiv(cdiv(hint, block_n), MIN_TILES_PER_SPLIT))
-    num_splits = max(1, min(wanted, budget))
+    rows = batch_size * cdiv(num_heads, block_h)
+    stream = stream or stream_config(rows, num_sms)
+    budget = split_budget(rows, stream, num_sms=num_sms, max_splits=max_splits)
+    wanted = pow2_ceil(cdiv(hint, stream.block_n))
     return LaunchPlan(
         batch_size=batch_size,
         num_heads=num_heads,
-        num_kv_splits=num_splits,
+        num_kv_splits=max(1, min(wanted, budget)),
         block_h=block_h,
-        block_n=block_n,
+        block_n=stream.block_n,
         num_warps=4 if block_h == 16 else 8,
-        num_stages=2,
+        num_stages=stream.num_stages,
         kv_lora_rank=kv_lora_rank,
         qk_rope_dim=qk_rope_dim,
         merge_block_s=MERGE_BLOCK_S,
-        merge_block_dv=64,
+        merge_block_dv=MERGE_BLOCK_DV,
     )

@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from graphbucket.kernels import SplitWorkspace, mla_decode
-from graphbucket.plan import LaunchPlan, plan_mla_decode
+from graphbucket.plan import LONG_STREAM, WIDE_STREAM, LaunchPlan, plan_mla_decode
 from graphbucket.reference import mla_decode_reference
 from tests.kernel_cases import KV_LORA_RANK, SM_SCALE, DecodeCase, make_case, rel_l2
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPES = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float16, torch.float32]
-BLOCK_N = 32
+STREAMS = {"long": LONG_STREAM, "wide": WIDE_STREAM}
 
 
 def run_kernel(case: DecodeCase, plan: LaunchPlan, *, with_lse: bool = True):
@@ -55,20 +55,25 @@ def with_splits(plan: LaunchPlan, num_splits: int) -> LaunchPlan:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("seq_len", [1, 2, BLOCK_N - 1, BLOCK_N, BLOCK_N + 1, 15, 17, 63, 65])
-def test_lengths_around_block_and_page_edges(dtype, seq_len):
+@pytest.mark.parametrize("stream", ["long", "wide"])
+@pytest.mark.parametrize("seq_len", [1, 2, 15, 17, 31, 32, 33, 63, 64, 65])
+def test_lengths_around_block_and_page_edges(dtype, stream, seq_len):
+    # Tiles are 64 (long) or 32 (wide) tokens; pages are 16, so 15/17 straddle a page.
     case = make_case([seq_len], 16, page_size=16, dtype=dtype, device=DEVICE)
-    base = plan_mla_decode(1, 16, seq_len, num_sms=4)
-    for splits in (1, 3, 8):  # 3 and 8 exceed the tile count for the short lengths
+    base = plan_mla_decode(1, 16, seq_len, num_sms=4, stream=STREAMS[stream])
+    for splits in (1, 3):  # 3 splits exceed the tile count for every length here
         check(case, with_splits(base, splits))
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 64])
-def test_scattered_pages_ragged_batch(page_size):
+@pytest.mark.parametrize("stream", ["long", "wide"])
+def test_scattered_pages_ragged_batch(page_size, stream):
+    # page 64 with either tile takes the one-page-per-tile path; 1 and 16 gather per token.
     lens = [1, 70, 129, 33]
     case = make_case(lens, 16, page_size=page_size, dtype=torch.float16, device=DEVICE)
-    check(case, plan_mla_decode(len(lens), 16, 1, num_sms=8))
-    check(case, with_splits(plan_mla_decode(len(lens), 16, 1, num_sms=8), 4))
+    plan = plan_mla_decode(len(lens), 16, 1, num_sms=8, stream=STREAMS[stream])
+    check(case, plan)
+    check(case, with_splits(plan, 4))
 
 
 @pytest.mark.parametrize("num_heads", [8, 12, 16, 128])
@@ -110,9 +115,12 @@ def test_without_lse_output():
 
 
 def test_many_splits_merge_in_blocks():
-    # 40 splits > one merge block of 32: the blocked merge must carry its state across blocks.
-    case = make_case([40 * BLOCK_N - 5], 16, page_size=16, dtype=torch.float16, device=DEVICE)
-    check(case, with_splits(plan_mla_decode(1, 16, 1, num_sms=4), 40))
+    # More live splits than one merge block: the merge must carry its state across blocks.
+    plan = plan_mla_decode(1, 16, 1, num_sms=4, stream=WIDE_STREAM)
+    splits = plan.merge_block_s + 9
+    case = make_case([splits * plan.block_n - 5], 16, page_size=32, dtype=torch.float16,
+                     device=DEVICE)
+    check(case, with_splits(plan, splits))
 
 
 def test_bad_inputs_raise_before_launch():

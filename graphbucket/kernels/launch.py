@@ -133,10 +133,13 @@ def _workspace_args(workspace: SplitWorkspace | None, out: torch.Tensor):
 
 def launch_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                   seq_lens: torch.Tensor, out: torch.Tensor, workspace: SplitWorkspace | None,
-                  *, plan: LaunchPlan, sm_scale: float, lse: torch.Tensor | None) -> None:
-    """Stage 1 alone (unchecked). One split: writes ``out``; else partials in ``workspace``."""
+                  *, plan: LaunchPlan, sm_scale: float, lse: torch.Tensor | None):
+    """Stage 1 alone (unchecked). One split: writes ``out``; else partials in ``workspace``.
+
+    Returns Triton's handle of the launched kernel (registers, shared memory, spills).
+    """
     part_o, part_lse, po_strides, pl_strides = _workspace_args(workspace, out)
-    _mla_decode_stage1_kernel[plan.grid](
+    return _mla_decode_stage1_kernel[plan.grid](
         q, kv_cache, block_table, seq_lens, out, out if lse is None else lse, part_o, part_lse,
         plan.num_kv_splits, plan.num_heads, sm_scale * LOG2E,
         q.stride(0), q.stride(1),
@@ -146,7 +149,8 @@ def launch_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
         0 if lse is None else lse.stride(0),
         *po_strides, *pl_strides,
         PAGE_SIZE=kv_cache.shape[1], KV_LORA_RANK=plan.kv_lora_rank, ROPE_DIM=plan.qk_rope_dim,
-        BLOCK_H=plan.block_h, BLOCK_N=plan.block_n, ONE_SPLIT=not plan.use_stage2,
+        BLOCK_H=plan.block_h, BLOCK_N=plan.block_n,
+        TILE_IN_PAGE=kv_cache.shape[1] % plan.block_n == 0, ONE_SPLIT=not plan.use_stage2,
         WRITE_LSE=lse is not None, num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
 
@@ -162,5 +166,5 @@ def launch_merge(seq_lens: torch.Tensor, out: torch.Tensor, workspace: SplitWork
         out.stride(0), out.stride(1),
         0 if lse is None else lse.stride(0),
         BLOCK_N=plan.block_n, BLOCK_S=plan.merge_block_s, BLOCK_DV=plan.merge_block_dv,
-        WRITE_LSE=lse is not None, num_warps=4,
+        WRITE_LSE=lse is not None, num_warps=plan.merge_num_warps,
     )

@@ -52,6 +52,7 @@ def _mla_decode_stage1_kernel(
     ROPE_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    TILE_IN_PAGE: tl.constexpr,
     ONE_SPLIT: tl.constexpr,
     WRITE_LSE: tl.constexpr,
 ):
@@ -80,8 +81,14 @@ def _mla_decode_stage1_kernel(
         for tok0 in range(start, end, BLOCK_N):
             offs_n = tok0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
-            page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
-            row = page.to(tl.int64) * stride_kv_page + (offs_n % PAGE_SIZE) * stride_kv_tok
+            if TILE_IN_PAGE:
+                # Tiles start at multiples of BLOCK_N, so the whole tile sits in one page:
+                # one scalar table load, and the tile is one contiguous run of cache rows.
+                page = tl.load(bt_row + tok0 // PAGE_SIZE).to(tl.int64)
+                row = page * stride_kv_page + (offs_n % PAGE_SIZE) * stride_kv_tok
+            else:
+                page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
+                row = page.to(tl.int64) * stride_kv_page + (offs_n % PAGE_SIZE) * stride_kv_tok
             kv = tl.load(KV + row[:, None] + offs_c[None, :], mask=mask_n[:, None], other=0.0)
             k_rope = tl.load(KV + row[:, None] + KV_LORA_RANK + offs_r[None, :],
                              mask=mask_n[:, None], other=0.0)

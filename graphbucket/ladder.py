@@ -1,0 +1,399 @@
+"""Context buckets: which captured graph serves a decode step, chosen on the host.
+
+A ``Bucket`` covers the host-known context lengths ``(previous max_len, max_len]`` and
+carries a ``hint``: the representative length the kernel plans with when that bucket's
+FULL graph is captured. A ``BucketLadder`` is an ordered list of buckets that covers
+``1..max_model_len`` exactly, with no gaps and no overlaps.
+
+``BucketLadder.select`` maps a batch's lengths (the scheduler's ``seq_lens_cpu``) to a
+bucket index with ``bisect`` over the bucket bounds. It is pure host arithmetic and never
+reads device memory, so it is safe on the replay path of every decode step.
+
+Ladders come from ``default_ladder`` (the five buckets used in the field), from
+``ladder_from_plans`` (one bucket per distinct launch plan), or from a JSON file written
+by the ladder tuner (``BucketLadder.load``).
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+import sys
+from bisect import bisect_left
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# Upper bounds of the buckets used in the field (Kimi-K3 / DeepSeek-V3 deployments):
+# <=64, 65..4K, 4K+1..16K, 16K+1..64K, 64K+1..max_model_len.
+DEFAULT_BOUNDS = (64, 4096, 16384, 65536)
+DEFAULT_MAX_MODEL_LEN = 131072
+
+_SELECT_KEYS = ("max", "min")
+_JSON_KEYS = frozenset({"max_model_len", "buckets", "meta"})
+_BUCKET_KEYS = frozenset({"max_len", "hint"})
+
+
+def _as_int(name: str, value: object) -> int:
+    # bool is an int subclass; a True hint is a caller mistake, not the length 1.
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    """Lengths ``(previous max_len, max_len]``; the graph is planned with ``hint``."""
+
+    max_len: int
+    hint: int
+
+    def __post_init__(self) -> None:
+        # Normalise numpy / torch integers to int so buckets hash, compare and serialise
+        # the same whatever produced them.
+        object.__setattr__(self, "max_len", _as_int("Bucket.max_len", self.max_len))
+        object.__setattr__(self, "hint", _as_int("Bucket.hint", self.hint))
+        if self.hint < 1:
+            raise ValueError(
+                f"Bucket(max_len={self.max_len}) has hint={self.hint}; a hint is a context "
+                "length the kernel plans with and must be >= 1 (use the bucket's max_len)"
+            )
+
+
+def _validate(buckets: tuple[Bucket, ...], max_model_len: int) -> None:
+    if max_model_len < 1:
+        raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+    if not buckets:
+        raise ValueError(
+            f"a BucketLadder needs at least one bucket; got none (for max_model_len="
+            f"{max_model_len} use [Bucket(max_len={max_model_len}, hint={max_model_len})] "
+            "or default_ladder())"
+        )
+    lower = 0
+    for i, b in enumerate(buckets):
+        if b.max_len <= lower:
+            raise ValueError(
+                f"bucket {i} has max_len={b.max_len}, not above the previous bound {lower}; "
+                "bucket bounds must be strictly increasing (sort them and drop duplicates)"
+            )
+        if not lower < b.hint <= b.max_len:
+            raise ValueError(
+                f"bucket {i} covers lengths {lower + 1}..{b.max_len} but has hint={b.hint}; "
+                f"the hint must lie inside its bucket (e.g. hint={b.max_len}, the bucket top)"
+            )
+        lower = b.max_len
+    if lower != max_model_len:
+        raise ValueError(
+            f"the ladder covers lengths 1..{lower} but max_model_len={max_model_len}; the last "
+            f"bucket's max_len must equal max_model_len (set it to {max_model_len}"
+            + (" or add a bucket above it)" if lower < max_model_len else " or drop buckets)")
+        )
+
+
+def _rebuild(buckets: tuple[Bucket, ...], max_model_len: int, meta: dict) -> BucketLadder:
+    return BucketLadder(buckets, max_model_len, meta=meta)
+
+
+class BucketLadder:
+    """Ordered buckets covering ``1..max_model_len``; immutable, validated on construction.
+
+    ``meta`` is a free-form dict (device name, heads, who tuned it) kept through JSON
+    round trips; it takes no part in equality, hashing or selection.
+    """
+
+    __slots__ = ("_buckets", "_bounds", "_hints", "_max_model_len", "meta")
+
+    _buckets: tuple[Bucket, ...]
+    _bounds: tuple[int, ...]
+    _hints: tuple[int, ...]
+    _max_model_len: int
+    meta: dict[str, Any]
+
+    def __init__(
+        self,
+        buckets: Iterable[Bucket],
+        max_model_len: int,
+        *,
+        meta: Mapping[str, Any] | None = None,
+    ) -> None:
+        buckets = tuple(buckets)
+        for i, b in enumerate(buckets):
+            if not isinstance(b, Bucket):
+                raise TypeError(f"bucket {i} must be a Bucket, got {type(b).__name__} {b!r}")
+        max_model_len = _as_int("max_model_len", max_model_len)
+        _validate(buckets, max_model_len)
+        if meta is not None and not isinstance(meta, Mapping):
+            raise TypeError(f"meta must be a mapping or None, got {type(meta).__name__}")
+        init = object.__setattr__
+        init(self, "_buckets", buckets)
+        init(self, "_bounds", tuple(b.max_len for b in buckets))
+        init(self, "_hints", tuple(b.hint for b in buckets))
+        init(self, "_max_model_len", max_model_len)
+        init(self, "meta", dict(meta or {}))
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"BucketLadder is immutable; build a new ladder to change {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"BucketLadder is immutable; cannot delete {name!r}")
+
+    def __reduce__(self) -> tuple:
+        # The default slots pickling restores state with setattr, which is blocked.
+        return (_rebuild, (self._buckets, self._max_model_len, self.meta))
+
+    # ---- container protocol -------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._buckets)
+
+    def __iter__(self) -> Iterator[Bucket]:
+        return iter(self._buckets)
+
+    def __getitem__(self, index: int) -> Bucket:
+        return self._buckets[index]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, BucketLadder):
+            return NotImplemented
+        return self._max_model_len == other._max_model_len and self._buckets == other._buckets
+
+    def __hash__(self) -> int:
+        return hash((self._max_model_len, self._buckets))
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"Bucket(max_len={b.max_len}, hint={b.hint})" for b in self._buckets)
+        return f"BucketLadder([{inner}], max_model_len={self._max_model_len})"
+
+    @property
+    def bounds(self) -> tuple[int, ...]:
+        """Inclusive upper bound of each bucket, strictly increasing; the last is max_model_len."""
+        return self._bounds
+
+    @property
+    def hints(self) -> tuple[int, ...]:
+        return self._hints
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    @property
+    def ranges(self) -> tuple[tuple[int, int], ...]:
+        """Inclusive ``(first, last)`` length of each bucket, e.g. ``((1, 64), (65, 4096))``."""
+        lowers = (0,) + self._bounds[:-1]
+        return tuple((lo + 1, hi) for lo, hi in zip(lowers, self._bounds, strict=True))
+
+    # ---- selection (runs every decode step) ---------------------------------------------
+
+    def bucket_for(self, length: int) -> int:
+        """Index of the bucket holding one host-known ``length`` (0 is padding -> bucket 0)."""
+        length = _as_int("length", length)
+        if length < 0:
+            raise ValueError(f"sequence length {length} is negative; lengths must be >= 0")
+        if length > self._max_model_len:
+            raise self._above_top(length)
+        return bisect_left(self._bounds, length)
+
+    def select(self, seq_lens_cpu: Any, *, key: str = "max") -> int:
+        """Index of the bucket whose graph serves this batch; host arithmetic only.
+
+        ``seq_lens_cpu``: the batch's context lengths as known to the host: a sequence of
+        ints, a 1-D integer numpy array or a CPU integer torch tensor, shape ``(batch,)``.
+        ``key="max"`` picks the bucket of the longest request (every request fits its
+        split budget); ``key="min"`` that of the shortest. Zeros are padding rows and are
+        ignored by both keys; an all-padding batch selects bucket 0.
+
+        Graph safety: reads host memory only; a CUDA tensor is rejected, never synced.
+        """
+        lens = seq_lens_cpu
+        # Plain lists skip numpy entirely: max/min over 64 Python ints costs ~1 us.
+        if type(lens) is not list and type(lens) is not tuple:
+            lens = _host_lengths(lens)
+        if len(lens) == 0:
+            raise ValueError("cannot select a bucket for an empty batch (seq_lens_cpu is empty)")
+        if isinstance(lens, np.ndarray):
+            lo, hi = int(lens.min()), int(lens.max())
+        else:
+            lo, hi = _as_int("sequence length", min(lens)), _as_int("sequence length", max(lens))
+        if lo < 0:
+            raise ValueError(
+                f"sequence length {lo} is negative; lengths must be >= 0 (0 marks a padding row)"
+            )
+        if hi > self._max_model_len:
+            raise self._above_top(hi)
+        if key == "max":
+            length = hi
+        elif key == "min":
+            length = lo if lo > 0 else _min_positive(lens)
+        else:
+            raise ValueError(f"key must be one of {_SELECT_KEYS}, got {key!r}")
+        return bisect_left(self._bounds, length)
+
+    def _above_top(self, length: int) -> ValueError:
+        return ValueError(
+            f"sequence length {length} is above the ladder top (max_model_len="
+            f"{self._max_model_len}); no captured graph covers it. Raise max_model_len or "
+            "add a bucket above it, or cap the scheduler's lengths at max_model_len"
+        )
+
+    # ---- JSON ---------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "max_model_len": self._max_model_len,
+            "buckets": [{"max_len": b.max_len, "hint": b.hint} for b in self._buckets],
+            "meta": dict(self.meta),
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json() + "\n")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> BucketLadder:
+        if not isinstance(data, Mapping):
+            raise ValueError(f"a ladder must be a JSON object, got {type(data).__name__}")
+        unknown = set(data) - _JSON_KEYS
+        missing = {"max_model_len", "buckets"} - set(data)
+        if unknown or missing:
+            raise ValueError(
+                f"ladder JSON keys must be {sorted(_JSON_KEYS)} (meta optional); missing "
+                f"{sorted(missing)}, unknown {sorted(unknown)} (free-form data goes in meta)"
+            )
+        if not isinstance(data["buckets"], list):
+            raise ValueError(f"ladder 'buckets' must be a list, got {data['buckets']!r}")
+        buckets = []
+        for i, entry in enumerate(data["buckets"]):
+            if not isinstance(entry, Mapping) or set(entry) != _BUCKET_KEYS:
+                raise ValueError(
+                    f"ladder bucket {i} must be an object with keys 'max_len' and 'hint', "
+                    f"got {entry!r}"
+                )
+            buckets.append(Bucket(max_len=entry["max_len"], hint=entry["hint"]))
+        return cls(buckets, data["max_model_len"], meta=data.get("meta"))
+
+    @classmethod
+    def from_json(cls, text: str) -> BucketLadder:
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def load(cls, path: str | Path) -> BucketLadder:
+        return cls.from_json(Path(path).read_text())
+
+
+def _host_lengths(lens: Any) -> np.ndarray | Sequence[int]:
+    """A 1-D integer numpy array or a sequence for ``select``; rejects device tensors."""
+    # torch is optional: if it was never imported, no tensor can exist.
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(lens, torch.Tensor):
+        if lens.device.type != "cpu":
+            raise TypeError(
+                f"seq_lens_cpu is a tensor on {lens.device}; reading device lengths would "
+                "synchronize the stream on every decode step. Pass the scheduler's host "
+                "copy (a list, numpy array or CPU tensor)"
+            )
+        lens = lens.numpy()
+    if isinstance(lens, np.ndarray):
+        if lens.ndim != 1 or lens.dtype.kind not in "iu":
+            raise TypeError(
+                f"seq_lens_cpu must be a 1-D integer array, got shape {lens.shape} "
+                f"dtype {lens.dtype}"
+            )
+        return lens
+    if isinstance(lens, Sequence) and not isinstance(lens, (str, bytes)):
+        return lens
+    hint = " (for one length use bucket_for)" if isinstance(lens, int) else ""
+    raise TypeError(
+        "seq_lens_cpu must be a sequence of ints, a 1-D integer numpy array or a CPU "
+        f"integer torch tensor, got {type(lens).__name__}{hint}"
+    )
+
+
+def _min_positive(lens: np.ndarray | Sequence[int]) -> int:
+    if isinstance(lens, np.ndarray):
+        positive = lens[lens > 0]
+        return int(positive.min()) if positive.size else 0
+    return min((n for n in lens if n > 0), default=0)
+
+
+def default_ladder(max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> BucketLadder:
+    """The field's buckets <=64, ..4K, ..16K, ..64K, ..max_model_len, each hinted at its top.
+
+    A plan made from a bucket's upper bound has enough splits for every length in the
+    bucket (plans are monotone in the hint). Bounds at or above ``max_model_len`` are
+    dropped and the last bucket ends at ``max_model_len``, so small models get fewer buckets.
+    """
+    max_model_len = _as_int("max_model_len", max_model_len)
+    if max_model_len < 1:
+        raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+    bounds = [b for b in DEFAULT_BOUNDS if b < max_model_len] + [max_model_len]
+    return BucketLadder(
+        [Bucket(max_len=b, hint=b) for b in bounds],
+        max_model_len,
+        meta={"source": "default_ladder"},
+    )
+
+
+def ladder_from_plans(
+    plan_fn: Callable[[int], Hashable],
+    *,
+    max_model_len: int,
+    candidate_hints: Iterable[int] | None = None,
+    meta: Mapping[str, Any] | None = None,
+) -> BucketLadder:
+    """One bucket per run of equal plans, e.g. ``lambda h: plan_mla_decode(1, 16, h)``.
+
+    Samples ``plan_fn`` at ``candidate_hints`` (default: powers of two 1, 2, 4, ... up to
+    ``max_model_len``, plus ``max_model_len``; candidates above ``max_model_len`` are
+    dropped). Consecutive samples with equal plans form one bucket. Between the last
+    sample of a run and the first sample of the next, a binary search finds the largest
+    length that still maps to the run's plan; that length is the bucket's ``max_len`` and
+    its ``hint``, so each bucket's plan equals the plan at its top. The last bucket ends
+    at ``max_model_len``.
+
+    The search assumes ``plan_fn`` is monotone in the hint, as ``plan_mla_decode`` is
+    (its split count never decreases). Then equal plans are contiguous and the buckets
+    are exactly the distinct plans: one captured graph each, none aliased.
+    """
+    max_model_len = _as_int("max_model_len", max_model_len)
+    if max_model_len < 1:
+        raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+    if candidate_hints is None:
+        candidates = {1 << k for k in range(max_model_len.bit_length())}
+    else:
+        candidates = {_as_int("candidate hint", h) for h in candidate_hints}
+        if min(candidates, default=1) < 1:
+            raise ValueError(f"candidate hints must be >= 1, got {min(candidates)}")
+    hints = sorted({h for h in candidates if h <= max_model_len} | {max_model_len})
+    plans = [plan_fn(h) for h in hints]
+    buckets = []
+    start = 0
+    while start < len(hints):
+        end = start
+        while end + 1 < len(hints) and plans[end + 1] == plans[start]:
+            end += 1
+        top = hints[end]
+        if end + 1 < len(hints):
+            top = _last_with_plan(plan_fn, plans[start], top, hints[end + 1])
+        buckets.append(Bucket(max_len=top, hint=top))
+        start = end + 1
+    return BucketLadder(buckets, max_model_len, meta=meta)
+
+
+def _last_with_plan(plan_fn: Callable[[int], Hashable], plan: Hashable, lo: int, hi: int) -> int:
+    # Invariant: plan_fn(lo) == plan != plan_fn(hi); about log2(hi - lo) calls.
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if plan_fn(mid) == plan:
+            lo = mid
+        else:
+            hi = mid
+    return lo

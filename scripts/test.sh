@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Install what the tests need, lint, and run the test suite. Extra args go to pytest.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+source scripts/_install.sh
+
+install_runtime
+install_test
+install_package
+
+"$PY" -m ruff check .
+"$PY" -m pytest -q tests "$@"

@@ -1,0 +1,78 @@
+"""LaunchPlan and plan_mla_decode: pure host planning."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from graphbucket.plan import (
+    LONG_STREAM,
+    MAX_KV_SPLITS,
+    WIDE_STREAM,
+    LaunchPlan,
+    plan_mla_decode,
+)
+
+HINTS = [1, 2, 31, 32, 33, 64, 65, 255, 256, 1000, 4096, 16384, 65536, 100_000, 131072, 1 << 20]
+
+
+@pytest.mark.parametrize("batch", [1, 2, 8, 32, 64, 256])
+@pytest.mark.parametrize("heads", [8, 12, 16, 32, 64, 128])
+def test_monotone_in_hint_and_bounded_by_budget(batch, heads):
+    plans = [plan_mla_decode(batch, heads, h, num_sms=132) for h in HINTS]
+    splits = [p.num_kv_splits for p in plans]
+    assert splits == sorted(splits), f"split count not monotone in the hint: {splits}"
+    assert splits[0] == 1, "hint 1 must plan one split"
+    stream = LONG_STREAM if plans[0].block_n == LONG_STREAM.block_n else WIDE_STREAM
+    resident = stream.ctas_per_sm * 132
+    for p in plans:
+        assert 1 <= p.num_kv_splits <= MAX_KV_SPLITS
+        grid_programs = p.grid[0] * p.grid[1] * p.grid[2]
+        assert p.num_kv_splits == 1 or grid_programs <= resident, (
+            f"{p.describe()} launches {grid_programs} programs > {resident} resident slots")
+
+
+def test_long_context_at_batch_one_fills_the_machine():
+    plan = plan_mla_decode(1, 16, 131072, num_sms=132)
+    assert plan.grid == (1, 1, 264) and plan.use_stage2
+    assert plan_mla_decode(1, 16, 131072, num_sms=66).num_kv_splits == 132
+
+
+def test_deterministic_and_hashable():
+    rng = random.Random(7)
+    for _ in range(200):
+        args = (rng.randint(1, 128), rng.choice([8, 12, 16, 128]), rng.randint(1, 1 << 18))
+        a, b = plan_mla_decode(*args), plan_mla_decode(*args)
+        assert a == b and hash(a) == hash(b)
+        assert len({a, b}) == 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.num_kv_splits = 7
+
+
+def test_one_split_plan_has_no_stage2_and_no_workspace():
+    plan = plan_mla_decode(4, 16, 1)
+    assert not plan.use_stage2 and plan.workspace_shape == (0, 0, 0, 0)
+    long = plan_mla_decode(4, 16, 65536)
+    assert long.use_stage2
+    assert long.workspace_shape == (4, 16, long.num_kv_splits, 512)
+    assert long.merge_grid == (4, 16, 512 // long.merge_block_dv)
+
+
+def test_partial_head_blocks_are_counted():
+    assert plan_mla_decode(1, 12, 10).num_head_blocks == 1
+    assert plan_mla_decode(1, 128, 10).num_head_blocks == 4
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "8"])
+def test_bad_arguments_raise(bad):
+    with pytest.raises(ValueError, match="positive int"):
+        plan_mla_decode(bad, 16, 10)
+    with pytest.raises(ValueError, match="positive int"):
+        plan_mla_decode(1, 16, bad)
+
+
+def test_max_splits_caps_the_budget():
+    assert plan_mla_decode(1, 16, 1 << 20, max_splits=7).num_kv_splits == 7
+    assert isinstance(plan_mla_decode(1, 16, 1 << 20), LaunchPlan)
