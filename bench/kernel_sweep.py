@@ -73,13 +73,14 @@ def sweep(args) -> list[dict]:
     max_splits = max(args.splits)
     ws = SplitWorkspace.allocate(max(args.batches), HEADS, max_splits, RANK, "cuda")
     rows, scale = [], default_sm_scale()
-    total = len(args.contexts) * len(args.batches) * len(args.splits)
+    total = len(args.contexts) * len(args.batches) * (len(args.splits) + 1)
     for context in args.contexts:
         for batch in args.batches:
             tables, q, out, seq_lens = problem.inputs(context, batch)
             rotations = tables.shape[0]
             base = plan_mla_decode(batch, HEADS, context)
-            for splits in args.splits:
+            # The plan's own split count is timed too, so every shape has a planned row.
+            for splits in sorted(set(args.splits) | {base.num_kv_splits}):
                 plan = dataclasses.replace(base, num_kv_splits=splits)
 
                 call = rotated_calls(problem, tables, q, out, seq_lens, ws, plan, scale)

@@ -85,13 +85,14 @@ def test_head_counts_mask_partial_head_blocks(num_heads):
 
 
 def test_hint_far_below_and_far_above_live_length():
-    case = make_case([2500, 700], 16, page_size=64, dtype=torch.float32, device=DEVICE)
+    case = make_case([2500, 700], 16, page_size=64, dtype=DTYPES[-1], device=DEVICE)
     low = plan_mla_decode(2, 16, 1, num_sms=16)
     high = plan_mla_decode(2, 16, 1 << 20, num_sms=16)
     assert low.num_kv_splits == 1 and high.num_kv_splits > 1
     a = check(case, low)
     b = check(case, high)
-    assert rel_l2(a.cpu(), b.cpu().double()) < 1e-3  # topology changes speed, not the result
+    # Topology changes speed, not the result (beyond the output dtype's rounding).
+    assert rel_l2(a.cpu(), b.cpu().double()) < (1e-3 if DTYPES[-1] == torch.float32 else 1e-2)
 
 
 def test_padding_rows_give_zeros_and_touch_nothing_else():
@@ -128,6 +129,10 @@ def test_bad_inputs_raise_before_launch():
     plan = plan_mla_decode(1, 16, 10, num_sms=4)
     out = torch.zeros(1, 16, KV_LORA_RANK, dtype=torch.float16, device=DEVICE)
     ws = SplitWorkspace.for_plans([plan], DEVICE)
+    if ON_GPU:
+        with pytest.raises(ValueError, match="float32 caches"):
+            mla_decode(case.q.float(), case.kv_cache.float(), case.block_table, case.seq_lens,
+                       out, ws, plan=plan, sm_scale=SM_SCALE)
     with pytest.raises(ValueError, match="dtypes"):
         mla_decode(case.q.float(), case.kv_cache, case.block_table, case.seq_lens, out, ws,
                    plan=plan, sm_scale=SM_SCALE)

@@ -77,6 +77,9 @@ def check_mla_decode_args(q: torch.Tensor, kv_cache: torch.Tensor, block_table: 
     if kv_cache.dtype not in KV_DTYPES or q.dtype != kv_cache.dtype:
         _fail("dtypes", f"q={q.dtype}, kv_cache={kv_cache.dtype}",
               "equal dtypes, one of bfloat16/float16/float32", "Cast q to the cache dtype.")
+    if kv_cache.dtype == torch.float32 and kv_cache.is_cuda:
+        _fail("kv_cache.dtype", kv_cache.dtype, "bfloat16 or float16 on a GPU",
+              "float32 caches exist for the CPU interpreter; their tiles overflow shared memory.")
     if kv_cache.stride(2) != 1 or q.stride(2) != 1 or out.stride(2) != 1:
         raise ValueError("q, kv_cache and out need a contiguous last dimension")
     if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] < bs:

@@ -1,0 +1,68 @@
+"""The decode-attention backend protocol: plan on the host, run on the device.
+
+A backend turns (batch size, heads, host hint) into a frozen ``LaunchPlan``, describes the
+persistent workspace its kernels need for a set of plans, and launches one decode with a
+given plan. ``plan`` is a pure host function; ``run`` only launches and never reads device
+memory, so whatever ``run`` launches can be captured into a FULL CUDA graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from graphbucket.plan import LaunchPlan
+
+
+@runtime_checkable
+class WorkspaceSpec(Protocol):
+    """Shape of a backend's persistent workspace, sized for every plan it must serve."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def allocate(self, device: torch.device | str) -> Any:
+        """Allocate once, before capture; ``None`` when no plan needs a workspace."""
+        ...
+
+
+@runtime_checkable
+class DecodeBackend(Protocol):
+    """A paged MLA decode implementation behind graphbucket's capture and dispatch.
+
+    Shapes (B = batch, H = heads, D = kv_lora_rank + qk_rope_dim, R = kv_lora_rank):
+    q [B, H, D]; kv_cache [num_pages, page_size, D]; block_table [>= B, max_pages] int32;
+    seq_lens [>= B] int32 on the device; out [B, H, R]; lse [B, H] float32 or None.
+    """
+
+    name: str
+    kv_lora_rank: int
+    qk_rope_dim: int
+
+    def plan(self, batch_size: int, num_heads: int, hint: int) -> LaunchPlan:
+        """Every host decision for ``batch_size`` requests planned at context ``hint``."""
+        ...
+
+    def workspace_spec(self, plans: Iterable[LaunchPlan]) -> WorkspaceSpec:
+        """The persistent workspace that serves every plan in ``plans``."""
+        ...
+
+    def run(self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+            seq_lens: torch.Tensor, out: torch.Tensor, workspace: Any, *, plan: LaunchPlan,
+            sm_scale: float, lse: torch.Tensor | None = None) -> torch.Tensor:
+        """Launch one decode with ``plan``; graph-safe (no device reads, no host sync)."""
+        ...
+
+
+class NoWorkspace:
+    """A ``WorkspaceSpec`` for backends that keep no persistent state between launches."""
+
+    nbytes = 0
+
+    def allocate(self, device: torch.device | str) -> None:
+        return None
+
+    def __repr__(self) -> str:
+        return "NoWorkspace()"

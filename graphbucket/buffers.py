@@ -1,0 +1,283 @@
+"""Every static tensor the captured graphs touch, allocated once at the worst case.
+
+``StaticBuffers`` owns seq_info (``seq_lens``, ``block_table``, ``positions`` and the
+caller's ``inputs``), the backend's persistent workspace and the ``output``. seq_info
+lives in one device arena so that ``stage`` moves a whole host batch with one
+non-blocking copy from a pinned staging arena. Staging arenas form a ring of
+``num_staging_slots``; an event per slot guards its reuse, so a stage never overwrites
+pinned memory whose copy is still in flight.
+
+Padding rows (``batch_size <= row < padded_bs``) get seq_len 0, position 0, zero inputs
+and a block-table row of zeros (page 0, a valid page): kernels read nothing for them and
+write only their own output rows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from graphbucket.backends.base import DecodeBackend, WorkspaceSpec
+from graphbucket.batch import HostBatch
+from graphbucket.context import DecodeContext
+from graphbucket.plan import LaunchPlan
+
+_ALIGN = 256  # bytes; keeps every arena view aligned for any dtype and vector loads
+
+
+@dataclass(frozen=True, slots=True)
+class InputSpec:
+    """One per-request model input, e.g. ``InputSpec("hidden", (7168,), torch.bfloat16)``."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True, slots=True)
+class BufferSpec:
+    """Per-request geometry of the static buffers; the batch capacity is given separately.
+
+    ``num_pages`` is the KV cache's page count (block-table entries must lie in
+    [0, num_pages)); ``output_shape``/``output_dtype`` describe one request's output row.
+    """
+
+    max_pages_per_seq: int
+    num_pages: int
+    page_size: int
+    num_heads: int
+    output_shape: tuple[int, ...]
+    output_dtype: torch.dtype
+    inputs: tuple[InputSpec, ...] = ()
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "device", _concrete(torch.device(self.device)))
+        object.__setattr__(self, "output_shape", tuple(self.output_shape))
+        object.__setattr__(self, "inputs", tuple(self.inputs))
+        for name in ("max_pages_per_seq", "num_pages", "page_size", "num_heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"BufferSpec.{name} must be a positive int, got {value!r}")
+        names = [s.name for s in self.inputs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"BufferSpec.inputs repeats a name: {names}")
+
+    @property
+    def max_context_len(self) -> int:
+        return self.max_pages_per_seq * self.page_size
+
+
+def _concrete(device: torch.device) -> torch.device:
+    # "cuda" and "cuda:0" compare unequal; pin the index so device checks are exact.
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+@dataclass(frozen=True, slots=True)
+class _Segment:
+    name: str
+    offset: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+    def view(self, arena: torch.Tensor) -> torch.Tensor:
+        return arena[self.offset:self.offset + self.nbytes].view(self.dtype).view(self.shape)
+
+
+def _layout(spec: BufferSpec, max_bs: int) -> tuple[dict[str, _Segment], int]:
+    # block_table goes last: a stage copies the arena prefix up to row padded_bs of it.
+    wanted = [("seq_lens", (max_bs,), torch.int32), ("positions", (max_bs,), torch.int64)]
+    wanted += [(f"input:{s.name}", (max_bs, *s.shape), s.dtype) for s in spec.inputs]
+    wanted += [("block_table", (max_bs, spec.max_pages_per_seq), torch.int32)]
+    segments, offset = {}, 0
+    for name, shape, dtype in wanted:
+        seg = _Segment(name, offset, tuple(shape), dtype)
+        segments[name] = seg
+        offset += -(-seg.nbytes // _ALIGN) * _ALIGN
+    return segments, offset
+
+
+@dataclass(eq=False, slots=True)
+class _StagingSlot:
+    arena: torch.Tensor  # uint8, host; pinned when the buffers live on CUDA
+    seq_lens: np.ndarray
+    positions: np.ndarray
+    block_table: np.ndarray
+    inputs: dict[str, np.ndarray]  # raw-bits views (same-size integer dtype as the input)
+    event: torch.cuda.Event | None
+    in_flight: bool = False
+    dirty_cols: int = 0  # block-table columns that may hold non-zero entries
+
+
+_RAW_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _raw_bits(t: torch.Tensor) -> torch.Tensor:
+    """The same memory as a same-size integer tensor (numpy has no bfloat16)."""
+    return t.view(_RAW_DTYPES[t.element_size()])
+
+
+def _staging_slot(segments: dict[str, _Segment], nbytes: int, pin: bool) -> _StagingSlot:
+    arena = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
+    views = {name: seg.view(arena) for name, seg in segments.items()}
+    inputs = {name[6:]: _raw_bits(t).numpy() for name, t in views.items()
+              if name.startswith("input:")}
+    return _StagingSlot(arena, views["seq_lens"].numpy(), views["positions"].numpy(),
+                        views["block_table"].numpy(), inputs,
+                        torch.cuda.Event() if pin else None)
+
+
+@dataclass(eq=False)
+class StaticBuffers:
+    """seq_info + persistent workspace + output, shared by every graph (static addresses).
+
+    seq_lens [max_bs] int32, positions [max_bs] int64, block_table [max_bs, max_pages]
+    int32, inputs name -> [max_bs, *shape], output [max_bs, *output_shape], all on
+    ``spec.device``. Graph-safe: nothing here is ever reallocated; ``stage`` only copies.
+    """
+
+    spec: BufferSpec
+    max_batch_size: int
+    seq_lens: torch.Tensor
+    positions: torch.Tensor
+    block_table: torch.Tensor
+    inputs: dict[str, torch.Tensor]
+    output: torch.Tensor
+    workspace: Any
+    workspace_nbytes: int
+    _arena: torch.Tensor
+    _bt_offset: int
+    _slots: list[_StagingSlot]
+    _next_slot: int = 0
+    _prefixes: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=dict)
+    staging_waits: int = 0
+
+    @classmethod
+    def allocate(cls, spec: BufferSpec, *, max_batch_size: int, workspace: WorkspaceSpec,
+                 num_staging_slots: int = 2) -> StaticBuffers:
+        """Allocate everything once for ``max_batch_size`` requests (before any capture)."""
+        if max_batch_size < 1 or num_staging_slots < 1:
+            raise ValueError(f"need max_batch_size >= 1 and num_staging_slots >= 1, got "
+                             f"{max_batch_size} and {num_staging_slots}")
+        segments, nbytes = _layout(spec, max_batch_size)
+        arena = torch.zeros(nbytes, dtype=torch.uint8, device=spec.device)
+        views = {name: seg.view(arena) for name, seg in segments.items()}
+        pin = spec.device.type == "cuda" and torch.cuda.is_available()
+        return cls(
+            spec=spec, max_batch_size=max_batch_size, seq_lens=views["seq_lens"],
+            positions=views["positions"], block_table=views["block_table"],
+            inputs={s.name: views[f"input:{s.name}"] for s in spec.inputs},
+            output=torch.zeros(max_batch_size, *spec.output_shape, dtype=spec.output_dtype,
+                               device=spec.device),
+            workspace=workspace.allocate(spec.device), workspace_nbytes=workspace.nbytes,
+            _arena=arena, _bt_offset=segments["block_table"].offset,
+            _slots=[_staging_slot(segments, nbytes, pin) for _ in range(num_staging_slots)])
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes: seq_info arena + output + workspace."""
+        out = self.output.numel() * self.output.element_size()
+        return self._arena.numel() + out + self.workspace_nbytes
+
+    def staging_tensors(self) -> list[torch.Tensor]:
+        """The host staging arenas (pinned on CUDA); for tests and diagnostics."""
+        return [slot.arena for slot in self._slots]
+
+    def stage(self, batch: HostBatch, padded_bs: int) -> None:
+        """Copy a validated host batch into rows [0, padded_bs) of seq_info; pad the rest.
+
+        One pinned host -> device copy (non-blocking) of the arena prefix, plus device ->
+        device copies for inputs already on the device. Graph-safe and sync-free, except
+        that a staging slot whose previous copy is still in flight is waited for (the GPU
+        is a whole ring of steps behind; counted in ``staging_waits``).
+        """
+        bs = batch.batch_size
+        assert bs <= padded_bs <= self.max_batch_size, (bs, padded_bs, self.max_batch_size)
+        index, slot = self._acquire_slot()
+        _fill_slot(slot, batch, padded_bs)
+        views = self._prefixes.get(padded_bs) or self._prefix_views(padded_bs)
+        views[0].copy_(views[1][index], non_blocking=slot.event is not None)
+        for name, t in batch.inputs.items():
+            if t.device.type != "cpu":
+                self.inputs[name][:bs].copy_(t, non_blocking=True)
+                if padded_bs > bs:
+                    self.inputs[name][bs:padded_bs].zero_()
+        if slot.event is not None:
+            slot.event.record()
+            slot.in_flight = True
+
+    def _prefix_views(self, padded_bs: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        # Arena prefix that holds rows [0, padded_bs) of every seq_info tensor (block_table
+        # is laid out last); cached per size so a step slices nothing.
+        nbytes = self._bt_offset + padded_bs * self.block_table.stride(0) * 4
+        views = (self._arena[:nbytes], [slot.arena[:nbytes] for slot in self._slots])
+        self._prefixes[padded_bs] = views
+        return views
+
+    def _acquire_slot(self) -> tuple[int, _StagingSlot]:
+        index = self._next_slot
+        slot = self._slots[index]
+        self._next_slot = (index + 1) % len(self._slots)
+        if slot.in_flight and not slot.event.query():
+            self.staging_waits += 1
+            slot.event.synchronize()  # its copy has not landed: rewriting it now would race
+        slot.in_flight = False
+        return index, slot
+
+    def context(self, batch_size: int, plan: LaunchPlan, backend: DecodeBackend,
+                sm_scale: float) -> DecodeContext:
+        """Views of rows [0, batch_size) with the plan a graph is captured (or run) with."""
+        if not 1 <= batch_size <= self.max_batch_size:
+            raise ValueError(f"batch_size {batch_size} outside [1, {self.max_batch_size}]")
+        return DecodeContext(
+            batch_size=batch_size, plan=plan, backend=backend, sm_scale=sm_scale,
+            seq_lens=self.seq_lens[:batch_size], block_table=self.block_table[:batch_size],
+            positions=self.positions[:batch_size],
+            inputs={name: t[:batch_size] for name, t in self.inputs.items()},
+            workspace=self.workspace)
+
+    def close(self) -> None:
+        """Drop every tensor (call after the graphs that captured them are gone)."""
+        self._slots.clear()
+        self._prefixes.clear()
+        self.inputs.clear()
+        self.workspace = None
+        empty = torch.empty(0)
+        self.seq_lens = self.positions = self.block_table = self.output = self._arena = empty
+
+
+def _fill_slot(slot: _StagingSlot, batch: HostBatch, padded_bs: int) -> None:
+    bs, cols = batch.batch_size, batch.block_table.shape[1]
+    slot.seq_lens[:bs] = batch.seq_lens
+    positions = slot.positions[:bs]
+    if batch.positions is not None:
+        positions[:] = batch.positions
+    else:
+        positions[:] = batch.seq_lens
+        positions -= 1
+        if batch.min_len == 0:
+            np.maximum(positions, 0, out=positions)
+    table, dirty = slot.block_table, slot.dirty_cols
+    table[:bs, :cols] = batch.block_table
+    if dirty > cols:
+        table[:bs, cols:dirty] = 0
+    for name, t in batch.inputs.items():
+        if t.device.type == "cpu":
+            slot.inputs[name][:bs] = _raw_bits(t).numpy()
+    if padded_bs > bs:
+        slot.seq_lens[bs:padded_bs] = 0
+        slot.positions[bs:padded_bs] = 0
+        table[bs:padded_bs, :max(cols, dirty)] = 0
+        for name in batch.inputs:
+            slot.inputs[name][bs:padded_bs] = 0
+    slot.dirty_cols = max(cols, dirty)

@@ -1,0 +1,74 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from graphbucket.batch import DecodeBatch, validate_batch
+from tests._toy import HIDDEN, PAGE, toy_spec
+
+SPEC = toy_spec(max_pages=20, num_pages=64)
+
+
+def batch(lens=(40, 7), table=None, hidden=None, **kw) -> DecodeBatch:
+    table = np.arange(2 * 3, dtype=np.int32).reshape(2, 3) if table is None else table
+    hidden = torch.zeros(len(lens), HIDDEN) if hidden is None else hidden
+    return DecodeBatch(list(lens), table, {"hidden": hidden}, **kw)
+
+
+def test_valid_batch_is_normalised():
+    host = validate_batch(batch(lens=(40, 0), table=np.arange(10).reshape(2, 5)), SPEC)
+    assert host.seq_lens.dtype.kind == "i" and host.seq_lens.tolist() == [40, 0]
+    assert host.block_table.tolist() == [[0, 1, 2], [5, 6, 7]]  # the 3 columns 40 tokens use
+    assert host.positions is None  # staged as seq_len - 1
+    assert (host.batch_size, host.min_len, host.max_len) == (2, 0, 40)
+
+
+def test_accepts_numpy_and_cpu_tensors():
+    b = DecodeBatch(torch.tensor([3, 4]), torch.zeros(2, 1, dtype=torch.int64),
+                    {"hidden": torch.zeros(2, HIDDEN)}, positions_cpu=np.array([5, 6]))
+    host = validate_batch(b, SPEC)
+    assert host.positions.tolist() == [5, 6] and host.seq_lens.tolist() == [3, 4]
+
+
+@pytest.mark.parametrize("bad, exc, match", [
+    (dict(lens=()), ValueError, "empty"),
+    (dict(lens=(5, -1)), ValueError, "must be >= 0"),
+    (dict(lens=(20 * PAGE + 1, 1), table=np.zeros((2, 20), np.int32)), ValueError,
+     "above the buffers' capacity 320"),
+    (dict(table=np.zeros((3, 3), np.int32)), ValueError, "3 rows; expected 2"),
+    (dict(table=np.zeros((2, 21), np.int32)), ValueError, "at most max_pages_per_seq=20"),
+    (dict(lens=(100, 1)), ValueError, "7 pages of 16, but block_table_cpu has only 3"),
+    (dict(table=np.full((2, 3), 64, np.int32)), ValueError, r"\[0, 0\] = 64 points outside"),
+    (dict(table=np.array([[0, 1, 2], [-1, 0, 0]], np.int32)), ValueError, r"\[1, 0\] = -1"),
+    (dict(table=np.zeros((2, 3), np.float32)), TypeError, "expected integers"),
+    (dict(hidden=torch.zeros(2, HIDDEN, dtype=torch.float16)), TypeError,
+     "dtype torch.float16; expected torch.float32"),
+    (dict(hidden=torch.zeros(2, HIDDEN + 1)), ValueError, r"expected \(2, 32\)"),
+    (dict(hidden=torch.zeros(2, HIDDEN, device="meta")), TypeError, "is on meta"),
+    (dict(positions_cpu=[1, 2, 3]), ValueError, "positions_cpu has shape"),
+])
+def test_bad_batches_raise_with_got_and_expected(bad, exc, match):
+    with pytest.raises(exc, match=match):
+        validate_batch(batch(**bad), SPEC)
+
+
+def test_device_lengths_are_rejected_not_read():
+    b = DecodeBatch(torch.zeros(2, dtype=torch.int32, device="meta"), np.zeros((2, 1), np.int32),
+                    {"hidden": torch.zeros(2, HIDDEN)})
+    with pytest.raises(TypeError, match="host .CPU. copy"):
+        validate_batch(b, SPEC)
+
+
+def test_missing_or_extra_inputs():
+    with pytest.raises(ValueError, match=r"keys \[\]; expected \['hidden'\]"):
+        validate_batch(DecodeBatch([1], np.zeros((1, 1), np.int32)), SPEC)
+    with pytest.raises(TypeError, match="expected a DecodeBatch"):
+        validate_batch({"seq_lens_cpu": [1]}, SPEC)
+
+
+def test_out_of_range_padding_past_live_pages_is_zeroed():
+    # Engines often pad tables with -1; entries past a row's live pages are never read.
+    table = np.array([[3, 4, -1], [5, -1, -1]], np.int32)
+    host = validate_batch(batch(lens=(30, 7), table=table), SPEC)
+    assert host.block_table.tolist() == [[3, 4], [5, 0]]

@@ -1,0 +1,163 @@
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from graphbucket.backends import get_backend
+from graphbucket.batch import DecodeBatch, validate_batch
+from graphbucket.buffers import BufferSpec, InputSpec, StaticBuffers
+from tests._toy import HIDDEN, toy_spec
+
+MAX_BS, MAX_PAGES = 4, 20
+
+
+def make_buffers(device, *, slots=2) -> StaticBuffers:
+    backend = get_backend("triton", num_sms=2, kv_lora_rank=64, qk_rope_dim=16)
+    plans = [backend.plan(bs, 16, hint) for bs in (1, 2, 4) for hint in (1, 320)]
+    return StaticBuffers.allocate(toy_spec(max_pages=MAX_PAGES, device=device),
+                                  max_batch_size=MAX_BS, workspace=backend.workspace_spec(plans),
+                                  num_staging_slots=slots)
+
+
+def host_batch(lens, cols, *, seed=0, input_device="cpu"):
+    rng = np.random.default_rng(seed)
+    table = rng.integers(1, 64, size=(len(lens), cols), dtype=np.int32)
+    hidden = torch.from_numpy(rng.standard_normal((len(lens), HIDDEN)).astype(np.float32))
+    batch = DecodeBatch(list(lens), table, {"hidden": hidden.to(input_device)})
+    return validate_batch(batch, toy_spec(max_pages=MAX_PAGES, device=input_device)), batch
+
+
+def static_tensors(buf: StaticBuffers) -> dict[str, torch.Tensor]:
+    tensors = {"seq_lens": buf.seq_lens, "positions": buf.positions,
+               "block_table": buf.block_table, "output": buf.output,
+               "partial_o": buf.workspace.partial_o, "partial_lse": buf.workspace.partial_lse}
+    tensors.update({f"input:{k}": v for k, v in buf.inputs.items()})
+    return tensors
+
+
+def test_allocation_is_typed_and_sized_for_the_worst_case(device):
+    buf = make_buffers(device)
+    assert buf.seq_lens.shape == (MAX_BS,) and buf.seq_lens.dtype == torch.int32
+    assert buf.positions.shape == (MAX_BS,) and buf.positions.dtype == torch.int64
+    assert buf.block_table.shape == (MAX_BS, MAX_PAGES) and buf.block_table.dtype == torch.int32
+    assert buf.inputs["hidden"].shape == (MAX_BS, HIDDEN)
+    assert buf.output.shape == (MAX_BS, HIDDEN) and buf.output.dtype == torch.float32
+    backend = get_backend("triton", num_sms=2, kv_lora_rank=64, qk_rope_dim=16)
+    max_splits = max(backend.plan(bs, 16, 320).num_kv_splits for bs in (1, 2, 4))
+    assert buf.workspace.partial_o.shape == (MAX_BS, 16, max_splits, 64)
+    assert all(t.device.type == torch.device(device).type for t in static_tensors(buf).values())
+    assert buf.nbytes >= buf.output.numel() * 4 + buf.workspace.partial_o.numel() * 4
+
+
+def test_seq_info_views_do_not_overlap(device):
+    buf = make_buffers(device)
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+                   for t in (buf.seq_lens, buf.positions, buf.block_table, buf.inputs["hidden"]))
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in itertools.pairwise(spans))
+
+
+def test_stage_copies_live_rows_and_pads_neutrally(device):
+    buf = make_buffers(device)
+    host, batch = host_batch([37, 5, 0], cols=3)
+    buf.stage(host, padded_bs=4)
+    assert buf.seq_lens.tolist() == [37, 5, 0, 0]
+    assert buf.positions.tolist() == [36, 4, 0, 0]
+    table = buf.block_table.cpu()
+    assert torch.equal(table[:3, :3], torch.from_numpy(host.block_table))
+    assert not table[3].any() and not table[:, 3:].any()
+    hidden = buf.inputs["hidden"].cpu()
+    assert torch.equal(hidden[:3], batch.inputs["hidden"]) and not hidden[3].any()
+
+
+def test_restaging_a_smaller_batch_leaves_no_stale_rows(device):
+    buf = make_buffers(device, slots=1)  # one slot: the same staging memory every time
+    buf.stage(host_batch([300, 300, 300, 300], cols=19, seed=1)[0], padded_bs=4)
+    host, _ = host_batch([20], cols=2, seed=2)
+    buf.stage(host, padded_bs=2)
+    table = buf.block_table.cpu()
+    assert table[0, :2].tolist() == host.block_table[0].tolist()
+    assert not table[0, 2:].any() and not table[1].any()  # row 1 is padding: all page 0
+    assert buf.seq_lens[:2].tolist() == [20, 0]
+    assert not buf.inputs["hidden"][1].any()
+
+
+def test_static_addresses_never_change(device):
+    buf = make_buffers(device)
+    before = {k: (t.data_ptr(), t.shape) for k, t in static_tensors(buf).items()}
+    staging = [t.data_ptr() for t in buf.staging_tensors()]
+    for seed, lens in enumerate([[1], [300, 2, 3, 4], [64, 65], [0, 0, 1]]):
+        host, _ = host_batch(lens, cols=max(1, -(-max(lens) // 16)), seed=seed)
+        buf.stage(host, padded_bs=4 if len(lens) > 2 else 2)
+    assert {k: (t.data_ptr(), t.shape) for k, t in static_tensors(buf).items()} == before
+    assert [t.data_ptr() for t in buf.staging_tensors()] == staging
+
+
+def test_context_views_share_the_static_storage(device):
+    buf = make_buffers(device)
+    backend = get_backend("reference", kv_lora_rank=64, qk_rope_dim=16)
+    plan = backend.plan(2, 16, 1)
+    ctx = buf.context(2, plan, backend, 0.1)
+    assert ctx.plan is plan and ctx.batch_size == 2 and ctx.workspace is buf.workspace
+    assert ctx.seq_lens.data_ptr() == buf.seq_lens.data_ptr() and ctx.seq_lens.shape == (2,)
+    assert ctx.block_table.shape == (2, MAX_PAGES) and ctx.inputs["hidden"].shape == (2, HIDDEN)
+    with pytest.raises(ValueError, match="outside"):
+        buf.context(MAX_BS + 1, plan, backend, 0.1)
+
+
+class _BusyEvent:
+    """An event whose copy never lands until someone waits on it."""
+
+    def __init__(self):
+        self.waited = 0
+
+    def query(self):
+        return False
+
+    def synchronize(self):
+        self.waited += 1
+
+    def record(self):
+        pass
+
+
+def test_staging_waits_for_a_slot_whose_copy_is_in_flight():
+    buf = make_buffers("cpu", slots=2)
+    events = [_BusyEvent(), _BusyEvent()]
+    for slot, ev in zip(buf._slots, events, strict=True):
+        slot.event = ev
+    host, _ = host_batch([5], cols=1)
+    for _ in range(3):
+        buf.stage(host, padded_bs=1)
+    # Step 3 reuses slot 0, whose copy from step 1 is still in flight: it waits first.
+    assert [ev.waited for ev in events] == [1, 0] and buf.staging_waits == 1
+
+
+def test_close_releases_every_tensor():
+    buf = make_buffers("cpu")
+    buf.close()
+    assert buf.workspace is None and buf.inputs == {} and buf.staging_tensors() == []
+    assert buf.output.numel() == 0 and buf.seq_lens.numel() == 0
+
+
+def test_spec_validation():
+    with pytest.raises(ValueError, match="page_size must be a positive int"):
+        BufferSpec(max_pages_per_seq=4, num_pages=4, page_size=0, num_heads=16,
+                   output_shape=(4,), output_dtype=torch.float32)
+    with pytest.raises(ValueError, match="repeats a name"):
+        BufferSpec(max_pages_per_seq=4, num_pages=4, page_size=16, num_heads=16,
+                   output_shape=(4,), output_dtype=torch.float32,
+                   inputs=(InputSpec("x", (1,), torch.int64), InputSpec("x", (2,), torch.int64)))
+
+
+@pytest.mark.gpu
+def test_staging_memory_is_pinned_and_device_inputs_copy_directly():
+    buf = make_buffers("cuda")
+    assert all(t.is_pinned() for t in buf.staging_tensors())
+    host, batch = host_batch([40, 3], cols=3, input_device="cuda")
+    buf.stage(host, padded_bs=4)
+    torch.cuda.synchronize()
+    assert torch.equal(buf.inputs["hidden"][:2], batch.inputs["hidden"])
+    assert not buf.inputs["hidden"][2:].any()
