@@ -9,4 +9,4 @@ install_test
 install_package
 
 "$PY" -m ruff check .
-"$PY" -m pytest -q tests "$@"
+"$PY" -m pytest -q tests bench/test_tpot.py --benchmark-disable "$@"

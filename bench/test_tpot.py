@@ -1,0 +1,118 @@
+"""TPOT suite (pytest-benchmark): one round = one full decode step of one policy.
+
+On CUDA: the DeepSeek-V3 TP8-shaped model (``GRAPHBUCKET_TPOT_LAYERS`` layers, default 4;
+the real model has 61), bf16, page 64, max_model_len 128K, batch {1, 8} x context
+{1 .. 128K} x policy {eager, fixed-1, fixed-max, ladder}. Each runner is captured once per
+module. The benchmark's own statistics time one step plus a synchronize per round: the
+latency of an isolated step, host launch and sync included (noisier, ~70 us above TPOT).
+``extra_info["tpot_ms"]`` is the TPOT: CUDA-event time of back-to-back steps, what
+``bench/tpot.py`` reports; ``extra_info`` also holds ``floor_ms`` and the split count.
+
+Without CUDA: the tiny model through the Triton interpreter at contexts {1, 40, 100},
+batch 1, all four policies; run with ``--benchmark-disable``. Either way every test checks
+its policy's output: against the float64 reference on CPU, against eager on CUDA.
+
+    python3 -m pytest bench/test_tpot.py --benchmark-disable            # CPU smoke
+    python3 -m pytest bench/test_tpot.py --benchmark-json=tpot.json     # H200
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from bench.tpot import (
+    BATCHES,
+    CONTEXTS,
+    MAX_MODEL_LEN,
+    TpotBench,
+    default_layers,
+    sync,
+    time_tpot,
+)
+from graphbucket.models import deepseek_v3_tp8, tiny
+from graphbucket.runner import POLICIES
+
+ON_GPU = torch.cuda.is_available()
+if ON_GPU:
+    contexts, batches = CONTEXTS, BATCHES
+else:
+    contexts, batches = [1, 40, 100], [1]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    if ON_GPU:
+        b = TpotBench.build(deepseek_v3_tp8(num_layers=default_layers()),
+                            max_model_len=MAX_MODEL_LEN, batches=batches)
+    else:
+        b = TpotBench.build(tiny(), max_model_len=128, batches=batches, page_size=16,
+                            dtype=torch.float32, device="cpu", backend_kwargs={"num_sms": 2})
+    yield b
+    b.close()
+
+
+@pytest.fixture(scope="module")
+def expected():
+    return {}
+
+
+def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double().cpu(), want.double().cpu()
+    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+def want_output(bench: TpotBench, expected: dict, context: int, batch: int) -> torch.Tensor:
+    """Float64 reference on CPU; the eager policy's output on CUDA (cached per shape)."""
+    key = (context, batch)
+    if key not in expected:
+        decode = bench.batch(context, batch)
+        if ON_GPU:
+            expected[key] = bench.runners["eager"].step(decode).clone()
+        else:
+            lens = np.asarray(decode.seq_lens_cpu)
+            expected[key] = bench.model.forward_reference(
+                decode.inputs["hidden"], positions=lens - 1, seq_lens=lens,
+                block_table=decode.block_table_cpu, slot_mapping=decode.inputs["slot_mapping"])
+    return expected[key]
+
+
+@pytest.mark.parametrize("batch", batches)
+@pytest.mark.parametrize("context", contexts)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_tpot(benchmark, bench, expected, policy, context, batch):
+    runner, decode = bench.runners[policy], bench.batch(context, batch)
+    plan = bench.plan(policy, context, batch)
+    benchmark.group = f"tpot bs={batch} ctx={context}"
+    benchmark.extra_info.update(policy=policy, context=context, batch=batch,
+                                splits=plan.num_kv_splits, layers=bench.model.config.num_layers)
+
+    def step_and_sync():
+        runner.step(decode)
+        sync()
+
+    rounds = 1  # CPU: the interpreter is slow and the timing meaningless
+    if ON_GPU:
+        tpot = time_tpot(lambda: runner.step(decode))
+        rounds = max(3, min(20, int(300 / tpot)))
+        benchmark.extra_info["tpot_ms"] = round(tpot, 4)
+        benchmark.extra_info["floor_ms"] = round(
+            bench.floor_bytes(context, batch) / (bench_copy_gbps() * 1e6), 4)
+    benchmark.pedantic(step_and_sync, rounds=rounds, warmup_rounds=1, iterations=1)
+    got = runner.step(decode).clone()
+    want = want_output(bench, expected, context, batch)
+    assert torch.isfinite(got).all()
+    assert rel_l2(got, want) < (2e-2 if ON_GPU else 1e-4), (policy, context, batch)
+
+
+_COPY_GBPS: list[float] = []
+
+
+def bench_copy_gbps() -> float:
+    """The device-to-device copy bandwidth, measured once per session (for floor_ms)."""
+    if not _COPY_GBPS:
+        from bench.gpu_timing import copy_gbps
+
+        _COPY_GBPS.append(copy_gbps())
+    return _COPY_GBPS[0]

@@ -1,0 +1,219 @@
+"""TPOT per policy over context length: one full decode step of the MLA decoder, timed.
+
+Policies (DESIGN.md): ``eager`` (no graphs, planned from the live lengths each step),
+``fixed-1`` / ``fixed-max`` (one graph per batch size, hinted at 1 / max_model_len) and
+``ladder`` (one graph per batch size and bucket of the default ladder). Every policy runs
+the same model and kernels through ``GraphBucketRunner``, captured once.
+
+TPOT = CUDA-event time of N back-to-back ``runner.step`` calls / N (host selection,
+staging and replay included; for eager, the Python forward too), median of 5 runs. The
+model's weights (~172 MB per layer) are several times the 60 MB L2, so each step reads
+them, and the context's KV, cold. ``floor_ms`` = bytes one step must read (weights, the
+context's KV rows, activations) / the device-to-device copy bandwidth of the same run.
+
+    python3 bench/tpot.py --layers 4 --out bench/results      # writes h200-tpot.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from graphbucket.backends import get_backend  # noqa: E402
+from graphbucket.batch import DecodeBatch  # noqa: E402
+from graphbucket.ladder import BucketLadder  # noqa: E402
+from graphbucket.models import (  # noqa: E402
+    PRESETS,
+    MLAConfig,
+    MLADecoder,
+    decode_batch,
+    prefill_random,
+    random_block_table,
+)
+from graphbucket.plan import LaunchPlan  # noqa: E402
+from graphbucket.runner import POLICIES, GraphBucketRunner  # noqa: E402
+
+CONTEXTS = [1, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 100_000, 131072]
+BATCHES = [1, 8]
+MAX_MODEL_LEN = 131072
+PAGE_SIZE = 64
+LAYERS_ENV = "GRAPHBUCKET_TPOT_LAYERS"
+DEFAULT_LAYERS = 4
+
+
+def default_layers() -> int:
+    return int(os.environ.get(LAYERS_ENV, DEFAULT_LAYERS))
+
+
+@dataclass(eq=False)
+class TpotBench:
+    """One model, one scattered block table and one captured runner per policy."""
+
+    model: MLADecoder
+    runners: dict[str, GraphBucketRunner]
+    block_table: np.ndarray           # int32 [max batch, max pages per request]
+    hidden: dict[int, torch.Tensor]   # batch size -> seeded [B, D] inputs on the device
+    max_model_len: int
+
+    @classmethod
+    def build(cls, config: MLAConfig, *, max_model_len: int = MAX_MODEL_LEN,
+              batches: list[int] = BATCHES, policies: tuple[str, ...] = POLICIES,
+              page_size: int = PAGE_SIZE, dtype: torch.dtype = torch.bfloat16,
+              device: str = "cuda", seed: int = 0, backend_kwargs: dict | None = None,
+              ladder: BucketLadder | None = None) -> TpotBench:
+        pages = -(-max_model_len // page_size)
+        model = MLADecoder(config, num_pages=max(batches) * pages, page_size=page_size,
+                           dtype=dtype, device=device, seed=seed)
+        rng = np.random.default_rng(seed)
+        table = random_block_table(max(batches), pages, model.num_pages, rng)
+        prefill_random(model, table, [max_model_len] * max(batches), seed=seed)
+        gen = torch.Generator(device=device).manual_seed(seed)
+        hidden = {b: torch.randn(b, config.hidden_size, generator=gen, device=device).to(dtype)
+                  for b in batches}
+        runners = {}
+        for policy in policies:
+            backend = get_backend("triton", device=device, kv_lora_rank=config.kv_lora_rank,
+                                  qk_rope_dim=config.qk_rope_dim, **(backend_kwargs or {}))
+            runners[policy] = GraphBucketRunner.for_policy(
+                policy, model, spec=model.buffer_spec(max_model_len), batch_sizes=batches,
+                max_model_len=max_model_len, sm_scale=config.sm_scale, backend=backend,
+                ladder=ladder, progress=False)
+            runners[policy].capture()
+        return cls(model, runners, table, hidden, max_model_len)
+
+    def batch(self, context: int, batch: int) -> DecodeBatch:
+        """``batch`` requests at ``context`` tokens each (the decoded token included)."""
+        cols = -(-context // self.model.page_size)
+        return decode_batch(self.model, [context] * batch, self.block_table[:batch, :cols],
+                            self.hidden[batch])
+
+    def plan(self, policy: str, context: int, batch: int) -> LaunchPlan:
+        """The plan the policy's step launches for this shape (host arithmetic only)."""
+        runner = self.runners[policy]
+        if runner.is_eager:
+            return runner.backend.plan(batch, self.model.config.num_heads, context)
+        return runner.plans[(batch, runner.ladder.select([context] * batch))]
+
+    def floor_bytes(self, context: int, batch: int) -> int:
+        """Weights + the context's KV rows (every layer) + activations one step must read.
+
+        Activations per layer and request: the hidden state in and out, the MLA query and
+        the attention output; split-KV partials are not counted (an algorithm's choice).
+        """
+        cfg, elt = self.model.config, self.model.kv_caches[0].element_size()
+        act = cfg.num_layers * (2 * cfg.hidden_size + cfg.num_heads * (cfg.kv_dim
+                                                                       + cfg.kv_lora_rank))
+        return (self.model.weight_bytes() + batch * context * self.model.kv_row_bytes()
+                + batch * act * elt)
+
+    def close(self) -> None:
+        for runner in self.runners.values():
+            runner.close()
+        self.runners.clear()
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def time_tpot(step: Callable[[], object], *, reps: int = 5, min_ms: float = 30.0,
+              max_steps: int = 200) -> float:
+    """Median milliseconds per step over ``reps`` runs of n back-to-back steps (CUDA events)."""
+    for _ in range(3):
+        step()
+    sync()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    step()
+    stop.record()
+    stop.synchronize()
+    n = max(3, min(max_steps, int(min_ms / max(start.elapsed_time(stop), 1e-3))))
+    samples = []
+    for _ in range(reps):
+        start.record()
+        for _ in range(n):
+            step()
+        stop.record()
+        stop.synchronize()
+        samples.append(start.elapsed_time(stop) / n)
+    return statistics.median(samples)
+
+
+def measure_row(bench: TpotBench, policy: str, context: int, batch: int,
+                copy_gbps: float) -> dict:
+    runner, decode = bench.runners[policy], bench.batch(context, batch)
+    plan = bench.plan(policy, context, batch)
+    tpot = time_tpot(lambda: runner.step(decode))
+    return {"policy": policy, "context": context, "batch": batch, "tpot_ms": round(tpot, 4),
+            "floor_ms": round(bench.floor_bytes(context, batch) / (copy_gbps * 1e6), 4),
+            "splits": plan.num_kv_splits}
+
+
+def run(bench: TpotBench, *, policies, contexts, batches, copy_gbps: float) -> list[dict]:
+    rows, total = [], len(policies) * len(contexts) * len(batches)
+    for batch in batches:
+        for context in contexts:
+            for policy in policies:
+                rows.append(measure_row(bench, policy, context, batch, copy_gbps))
+                r = rows[-1]
+                print(f"[{len(rows)}/{total}] bs={batch} ctx={context} {policy:<9} "
+                      f"{r['tpot_ms']:.3f} ms (floor {r['floor_ms']:.3f}, splits "
+                      f"{r['splits']})", flush=True)
+    return rows
+
+
+def meta_for(bench: TpotBench, args, copy_gbps: float) -> dict:
+    from bench.gpu_timing import run_meta
+
+    cfg, ladder = bench.model.config, bench.runners.get("ladder")
+    captures = {p: r.capture().describe() for p, r in bench.runners.items() if not r.is_eager}
+    return {**run_meta(), "model": cfg.name, "layers": cfg.num_layers,
+            "copy_gbps": round(copy_gbps, 1), "dtype": "bfloat16", "page_size": PAGE_SIZE,
+            "max_model_len": bench.max_model_len,
+            "weights_mb": round(bench.model.weight_bytes() / 1e6, 1),
+            "ladder": ladder.ladder.to_dict()["buckets"] if ladder else None,
+            "captures": captures,
+            "timing": "CUDA events over back-to-back runner.step calls, median of 5 runs"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=default_layers())
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--preset", default="deepseek-v3-tp8", choices=sorted(PRESETS))
+    ap.add_argument("--contexts", type=int, nargs="+", default=CONTEXTS)
+    ap.add_argument("--batches", type=int, nargs="+", default=BATCHES)
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("tpot.py times CUDA decode steps and needs a CUDA GPU; on CPU run "
+                 "`python3 -m pytest bench/test_tpot.py --benchmark-disable`")
+    from bench.gpu_timing import copy_gbps
+
+    gbps = copy_gbps()
+    print(f"copy bandwidth {gbps:.0f} GB/s", flush=True)
+    bench = TpotBench.build(PRESETS[args.preset](num_layers=args.layers),
+                            batches=args.batches, policies=tuple(args.policies))
+    rows = run(bench, policies=args.policies, contexts=args.contexts, batches=args.batches,
+               copy_gbps=gbps)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "h200-tpot.json")
+    with open(path, "w") as f:
+        json.dump({"meta": meta_for(bench, args, gbps), "rows": rows}, f, indent=1)
+    print(f"wrote {path}")
+    bench.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,19 @@
+"""A small MLA decoder with DeepSeek-V3 / Kimi-like per-rank shapes, for benchmarks and
+examples: seeded random weights, a paged latent cache, absorbed-MLA decode through the
+backend with the context's frozen plan, and a float64 reference path for tests."""
+
+from __future__ import annotations
+
+from graphbucket.models.config import PRESETS, MLAConfig, deepseek_v3_tp8, kimi_tp8, tiny
+from graphbucket.models.mla import MLADecoder
+from graphbucket.models.paging import (
+    decode_batch,
+    prefill_random,
+    random_block_table,
+    slot_mapping_for,
+)
+from graphbucket.models.reference import decode_reference
+
+__all__ = ["PRESETS", "MLAConfig", "MLADecoder", "decode_batch", "decode_reference",
+           "deepseek_v3_tp8", "kimi_tp8", "prefill_random", "random_block_table",
+           "slot_mapping_for", "tiny"]

@@ -1,0 +1,138 @@
+"""``MLADecoder``: absorbed-MLA decode over a paged latent KV cache, one token per request.
+
+Per layer (D hidden, H heads, R = kv_lora_rank, P = qk_rope_dim)::
+
+    h        = RMSNorm(x)
+    q_a|kv_a = h @ [W_qa | W_kva]                       # one fused projection
+    q        = RMSNorm(q_a) @ W_qb -> [B, H, nope | P]
+    cache[slot_mapping] = [RMSNorm(kv_a[:R]) | rotary(kv_a[R:])]   # before attention
+    q_mla    = [q_nope @ W_UK  | rotary(q_rope)]          # [B, H, R + P]
+    o        = MLA(q_mla, cache, seq_lens) @ W_UV -> o_proj     # ctx.attend, frozen plan
+    x        = x + o;  x = x + SwiGLU(RMSNorm(x))
+
+then a final RMSNorm. The new token is stored before attention, so ``seq_lens`` counts it.
+The forward reads ``ctx.inputs["hidden"]`` [B, D] (the new token's embedding) and
+``ctx.inputs["slot_mapping"]`` [B] int64; rows with a negative slot or seq_len 0
+(padding) store nothing.
+
+Graph safety: ``forward(ctx)`` reads no device data on the host and launches a fixed
+sequence of kernels whose shapes depend only on the batch size; the attention launch
+uses ``ctx.plan``. Intermediates are allocated inside the forward, so a captured graph
+takes them from its pool.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from graphbucket.buffers import BufferSpec, InputSpec
+from graphbucket.context import DecodeContext
+from graphbucket.models import ops
+from graphbucket.models.config import MLAConfig
+from graphbucket.models.reference import decode_reference
+from graphbucket.models.weights import MLALayerWeights, random_weights
+
+HIDDEN_INPUT = "hidden"
+SLOT_INPUT = "slot_mapping"
+
+
+class MLADecoder:
+    """Seeded random MLA decoder with one paged latent cache per layer.
+
+    kv_caches[l]: [num_pages, page_size, R + P] in ``dtype`` on ``device``. Call the model
+    as ``model(ctx)``; it is the ``forward`` a ``GraphBucketRunner`` captures.
+    """
+
+    def __init__(self, config: MLAConfig, *, num_pages: int, page_size: int = 64,
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cuda",
+                 seed: int = 0) -> None:
+        self.config, self.num_pages, self.page_size = config, num_pages, page_size
+        self.dtype, self.device = dtype, torch.device(device)
+        self.layers, self.final_norm = random_weights(config, seed=seed, device=self.device,
+                                                      dtype=dtype)
+        self.kv_caches = [torch.zeros(num_pages, page_size, config.kv_dim, dtype=dtype,
+                                      device=self.device) for _ in range(config.num_layers)]
+        self.rope = ops.rope_cache(config.qk_rope_dim, config.max_position, config.rope_theta,
+                                   device=self.device)
+
+    def __call__(self, ctx: DecodeContext) -> torch.Tensor:
+        return self.forward(ctx)
+
+    # ---- shapes the runner needs ------------------------------------------------------
+
+    def input_specs(self) -> tuple[InputSpec, ...]:
+        return (InputSpec(HIDDEN_INPUT, (self.config.hidden_size,), self.dtype),
+                InputSpec(SLOT_INPUT, (), torch.int64))
+
+    def buffer_spec(self, max_model_len: int) -> BufferSpec:
+        """Static-buffer geometry for a runner serving contexts up to ``max_model_len``."""
+        if max_model_len > self.config.max_position:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the rotary table "
+                             f"(max_position={self.config.max_position}); build the config "
+                             "with a larger max_position")
+        return BufferSpec(max_pages_per_seq=-(-max_model_len // self.page_size),
+                          num_pages=self.num_pages, page_size=self.page_size,
+                          num_heads=self.config.num_heads,
+                          output_shape=(self.config.hidden_size,), output_dtype=self.dtype,
+                          inputs=self.input_specs(), device=self.device)
+
+    # ---- decode ---------------------------------------------------------------------
+
+    def forward(self, ctx: DecodeContext) -> torch.Tensor:
+        """One decode step -> final hidden states [B, D] in the model dtype."""
+        cfg = self.config
+        x = ctx.inputs[HIDDEN_INPUT]
+        h = ops.rms_norm(x, self.layers[0].attn_norm, cfg.rms_eps)
+        for i, (layer, cache) in enumerate(zip(self.layers, self.kv_caches, strict=True)):
+            o = self._attention(layer, cache, h, ctx)
+            x, h = ops.add_rms_norm(x, o, layer.mlp_norm, cfg.rms_eps)
+            d = F.linear(ops.silu_mul(F.linear(h, layer.w_gate_up)), layer.w_down)
+            next_norm = (self.layers[i + 1].attn_norm if i + 1 < len(self.layers)
+                         else self.final_norm)
+            x, h = ops.add_rms_norm(x, d, next_norm, cfg.rms_eps)
+        return h
+
+    def _attention(self, layer: MLALayerWeights, cache: torch.Tensor, h: torch.Tensor,
+                   ctx: DecodeContext) -> torch.Tensor:
+        cfg = self.config
+        bs, q_lora = h.shape[0], cfg.q_lora_rank
+        qkv_a = F.linear(h, layer.w_qkv_a)                          # [B, Q + R + P]
+        ops.store_kv(qkv_a[:, q_lora:], layer.kv_a_norm, self.rope, ctx.positions,
+                     ctx.inputs[SLOT_INPUT], ctx.seq_lens, cache, cfg.rms_eps)
+        q_b = F.linear(ops.rms_norm(qkv_a[:, :q_lora], layer.q_a_norm, cfg.rms_eps),
+                       layer.w_q_b)                                 # [B, H * (nope + P)]
+        q_nope = q_b.view(bs, cfg.num_heads, cfg.qk_head_dim)[..., :cfg.qk_nope_dim]
+        q_latent = torch.bmm(q_nope.transpose(0, 1), layer.w_uk)    # [H, B, R]
+        q = ops.assemble_q(q_latent, q_b, self.rope, ctx.positions, nope_dim=cfg.qk_nope_dim)
+        attn = torch.empty(bs, cfg.num_heads, cfg.kv_lora_rank, dtype=h.dtype, device=h.device)
+        ctx.attend(q, cache, attn)
+        o = torch.bmm(attn.transpose(0, 1), layer.w_uv)             # [H, B, v_head]
+        return F.linear(o.transpose(0, 1).reshape(bs, -1), layer.w_o)
+
+    # ---- float reference (tests) -----------------------------------------------------
+
+    def reference_caches(self, dtype: torch.dtype = torch.float64) -> list[torch.Tensor]:
+        """Copies of every layer's cache in ``dtype``, for ``forward_reference`` to update."""
+        return [cache.to(dtype, copy=True) for cache in self.kv_caches]
+
+    def forward_reference(self, hidden, *, positions, seq_lens, block_table, slot_mapping,
+                          caches: list[torch.Tensor] | None = None,
+                          dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """The same step in plain torch ``dtype`` (see ``models.reference``); writes its new
+        rows into ``caches`` (default: fresh copies of the model's caches)."""
+        caches = self.reference_caches(dtype) if caches is None else caches
+        return decode_reference(self, hidden, positions=positions, seq_lens=seq_lens,
+                                block_table=block_table, slot_mapping=slot_mapping,
+                                caches=caches, dtype=dtype)
+
+    # ---- accounting (for roofline floors) ---------------------------------------------
+
+    def weight_bytes(self) -> int:
+        tensors = [t for layer in self.layers for t in layer.tensors()] + [self.final_norm]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def kv_row_bytes(self) -> int:
+        """Bytes of one token's cache rows over all layers."""
+        elt = torch.empty((), dtype=self.dtype).element_size()
+        return self.config.num_layers * self.config.kv_dim * elt

@@ -1,0 +1,194 @@
+"""Fused Triton helpers of the MLA decoder: RMSNorm (+residual), latent-cache store, query
+assembly, SwiGLU gate. One program per row (or per row and head); fp32 math, model dtype out.
+
+They exist to keep a decode step at ~16 kernels per layer: a graph replays every kernel
+with a few microseconds of dependency latency, and at short contexts those add up to
+more than the weights take to stream.
+
+Graph safety: every launcher reads tensor metadata only (shapes, strides) and launches a
+fixed grid; masks, lengths and slots are read on the device. Nothing allocates except the
+returned outputs (which a captured forward allocates from the graph's pool).
+
+Rotary embedding: half-split ("neox") pairs (x[i], x[i + P/2]) with a precomputed fp32
+table ``rope_cache [max_position, P]`` = cos | sin. DeepSeek's checkpoints pair adjacent
+channels instead; that is a fixed permutation of the rope channels and costs the same.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # CPU: kernels run in Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+def rope_cache(rope_dim: int, max_position: int, theta: float, *,
+               device: torch.device | str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[max_position, rope_dim] table: cos of each half-pair angle, then its sin (fp64 math)."""
+    inv_freq = theta ** (-torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)
+    angles = torch.arange(max_position, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    return torch.cat([angles.cos(), angles.sin()], dim=-1).to(device=device, dtype=dtype)
+
+
+@triton.jit
+def _rms_norm_kernel(X, DELTA, RES, OUT, W, stride_x, stride_d, stride_r, stride_o, n, eps,
+                     BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_DELTA:
+        x += tl.load(DELTA + row * stride_d + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(RES + row * stride_r + offs, x.to(RES.dtype.element_ty), mask=mask)
+    inv = tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)
+    w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(OUT + row * stride_o + offs, (x * inv * w).to(OUT.dtype.element_ty), mask=mask)
+
+
+def _norm_launch(x, delta, res, out, weight, eps):
+    n = x.shape[1]
+    assert x.stride(1) == 1 and out.stride(1) == 1 and weight.numel() == n, "rows must be dense"
+    block = triton.next_power_of_2(n)
+    d, r = (delta, res) if delta is not None else (x, x)
+    _rms_norm_kernel[(x.shape[0],)](x, d, r, out, weight, x.stride(0), d.stride(0),
+                                    r.stride(0), out.stride(0), n, eps, BLOCK=block,
+                                    HAS_DELTA=delta is not None,
+                                    num_warps=8 if block >= 4096 else 4)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each row of x [B, N] (rows may be strided) -> new dense [B, N]."""
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _norm_launch(x, None, None, out, weight, eps)
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, RMSNorm(x + delta)) for x, delta [B, N]: the residual add fused in."""
+    res = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty_like(res)
+    _norm_launch(x, delta, res, out, weight, eps)
+    return res, out
+
+
+@triton.jit
+def _rotate(src, cs_row, offs_h, HALF: tl.constexpr, mask):
+    x1 = tl.load(src + offs_h, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF + offs_h, mask=mask, other=0.0).to(tl.float32)
+    c = tl.load(cs_row + offs_h, mask=mask, other=0.0)
+    s = tl.load(cs_row + HALF + offs_h, mask=mask, other=0.0)
+    return x1 * c - x2 * s, x2 * c + x1 * s
+
+
+@triton.jit
+def _kv_store_kernel(KV, W, ROPE, POS, SLOT, SEQ_LENS, CACHE, stride_kv, stride_rope,
+                     stride_page, stride_tok, num_slots, max_pos, eps,
+                     R: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr,
+                     BLOCK_H: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    b = tl.program_id(0)
+    slot = tl.load(SLOT + b).to(tl.int64)
+    valid = (slot >= 0) & (slot < num_slots) & (tl.load(SEQ_LENS + b) > 0)
+    slot = tl.where(valid, slot, 0)  # address arithmetic only; every store is masked
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_h = tl.arange(0, BLOCK_H)
+    mask_r = offs_r < R
+    mask_h = offs_h < HALF
+    lat = tl.load(KV + b * stride_kv + offs_r, mask=mask_r, other=0.0).to(tl.float32)
+    inv = tl.rsqrt(tl.sum(lat * lat, axis=0) / R + eps)
+    lat = lat * inv * tl.load(W + offs_r, mask=mask_r, other=0.0).to(tl.float32)
+    pos = tl.minimum(tl.maximum(tl.load(POS + b), 0), max_pos - 1)
+    k1, k2 = _rotate(KV + b * stride_kv + R, ROPE + pos * stride_rope, offs_h, HALF, mask_h)
+    row = CACHE + (slot // PAGE_SIZE) * stride_page + (slot % PAGE_SIZE) * stride_tok
+    ty = CACHE.dtype.element_ty
+    tl.store(row + offs_r, lat.to(ty), mask=mask_r & valid)
+    tl.store(row + R + offs_h, k1.to(ty), mask=mask_h & valid)
+    tl.store(row + R + HALF + offs_h, k2.to(ty), mask=mask_h & valid)
+
+
+def store_kv(kv_a: torch.Tensor, norm_weight: torch.Tensor, rope: torch.Tensor,
+             positions: torch.Tensor, slot_mapping: torch.Tensor, seq_lens: torch.Tensor,
+             kv_cache: torch.Tensor, eps: float) -> None:
+    """Write each row's [RMSNorm(latent) | rotary(k_rope)] into ``kv_cache`` at its slot.
+
+    kv_a [B, R + P] (rows may be strided), positions [B] int64, slot_mapping [B] int64
+    (page * page_size + offset), seq_lens [B] int32, kv_cache [num_pages, page_size, R + P].
+    Rows whose slot is negative or past the cache, or whose seq_len is 0 (padding), write
+    nothing. Graph-safe: the skip is a device-side mask.
+    """
+    num_pages, page_size, dim = kv_cache.shape
+    r = norm_weight.numel()
+    half = (dim - r) // 2
+    assert kv_a.shape[1] == dim and kv_a.stride(1) == 1 and kv_cache.stride(2) == 1
+    _kv_store_kernel[(kv_a.shape[0],)](
+        kv_a, norm_weight, rope, positions, slot_mapping, seq_lens, kv_cache, kv_a.stride(0),
+        rope.stride(0), kv_cache.stride(0), kv_cache.stride(1), num_pages * page_size,
+        rope.shape[0], eps, R=r, HALF=half, BLOCK_R=triton.next_power_of_2(r),
+        BLOCK_H=triton.next_power_of_2(half), PAGE_SIZE=page_size, num_warps=4)
+
+
+@triton.jit
+def _q_assemble_kernel(QL, QB, ROPE, POS, Q, stride_ql_h, stride_ql_b, stride_qb, stride_q_b,
+                       stride_q_h, stride_rope, max_pos,
+                       R: tl.constexpr, HALF: tl.constexpr, NOPE: tl.constexpr,
+                       HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_h = tl.arange(0, BLOCK_H)
+    mask_r = offs_r < R
+    mask_h = offs_h < HALF
+    q = Q + b * stride_q_b + h * stride_q_h
+    lat = tl.load(QL + h * stride_ql_h + b * stride_ql_b + offs_r, mask=mask_r, other=0.0)
+    tl.store(q + offs_r, lat.to(Q.dtype.element_ty), mask=mask_r)
+    pos = tl.minimum(tl.maximum(tl.load(POS + b), 0), max_pos - 1)
+    src = QB + b * stride_qb + h * HEAD_DIM + NOPE
+    q1, q2 = _rotate(src, ROPE + pos * stride_rope, offs_h, HALF, mask_h)
+    tl.store(q + R + offs_h, q1.to(Q.dtype.element_ty), mask=mask_h)
+    tl.store(q + R + HALF + offs_h, q2.to(Q.dtype.element_ty), mask=mask_h)
+
+
+def assemble_q(q_latent: torch.Tensor, q_b: torch.Tensor, rope: torch.Tensor,
+               positions: torch.Tensor, *, nope_dim: int) -> torch.Tensor:
+    """The MLA kernel's query [B, H, R + P]: absorbed latent, then the roped rope part.
+
+    q_latent [H, B, R] (the W_UK bmm's output), q_b [B, H * (nope + P)] (q_b's output;
+    per head the nope part then the rope part), positions [B] int64. Graph-safe.
+    """
+    heads, batch, r = q_latent.shape
+    head_dim = q_b.shape[1] // heads
+    half = (head_dim - nope_dim) // 2
+    q = torch.empty(batch, heads, r + 2 * half, dtype=q_latent.dtype, device=q_latent.device)
+    assert q_latent.stride(2) == 1 and q_b.stride(1) == 1
+    _q_assemble_kernel[(batch, heads)](
+        q_latent, q_b, rope, positions, q, q_latent.stride(0), q_latent.stride(1),
+        q_b.stride(0), q.stride(0), q.stride(1), rope.stride(0), rope.shape[0],
+        R=r, HALF=half, NOPE=nope_dim, HEAD_DIM=head_dim, BLOCK_R=triton.next_power_of_2(r),
+        BLOCK_H=triton.next_power_of_2(half), num_warps=4)
+    return q
+
+
+@triton.jit
+def _silu_mul_kernel(GU, OUT, stride_gu, stride_o, n, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(GU + b * stride_gu + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(GU + b * stride_gu + n + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(OUT + b * stride_o + offs, (g * tl.sigmoid(g) * u).to(OUT.dtype.element_ty),
+             mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU gate: gate_up [B, 2 * I] (gate, then up) -> silu(gate) * up [B, I]."""
+    batch, n = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(batch, n, dtype=gate_up.dtype, device=gate_up.device)
+    block = min(1024, triton.next_power_of_2(n))
+    _silu_mul_kernel[(batch, triton.cdiv(n, block))](gate_up, out, gate_up.stride(0),
+                                                      out.stride(0), n, BLOCK=block)
+    return out

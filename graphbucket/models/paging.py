@@ -1,0 +1,68 @@
+"""Host helpers around the paged latent cache: scattered block tables, slot mappings,
+random prefill, and a ``DecodeBatch`` for ``MLADecoder``.
+
+Benchmarks need no real prefill: a decode step reads the context's cache rows, whatever
+they hold, so random rows (N(0, 1), like a normalised latent) give the same traffic.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from graphbucket.batch import DecodeBatch
+
+if TYPE_CHECKING:
+    from graphbucket.models.mla import MLADecoder
+
+
+def random_block_table(num_requests: int, pages_per_request: int, num_pages: int,
+                       rng: np.random.Generator) -> np.ndarray:
+    """int32 [num_requests, pages_per_request] of distinct pages scattered over the cache."""
+    need = num_requests * pages_per_request
+    if need > num_pages:
+        raise ValueError(f"{num_requests} requests x {pages_per_request} pages = {need} pages, "
+                         f"but the cache has {num_pages}; allocate more pages")
+    pages = rng.permutation(num_pages)[:need].astype(np.int32)
+    return pages.reshape(num_requests, pages_per_request)
+
+
+def slot_mapping_for(block_table: np.ndarray, positions, page_size: int) -> np.ndarray:
+    """int64 [B] cache slot (page * page_size + offset) of the token at each position;
+    -1 where the position is negative (a row that stores nothing)."""
+    pos = np.asarray(positions, dtype=np.int64)
+    safe = np.maximum(pos, 0)
+    pages = np.asarray(block_table)[np.arange(pos.shape[0]), safe // page_size].astype(np.int64)
+    return np.where(pos >= 0, pages * page_size + safe % page_size, -1)
+
+
+def prefill_random(model: MLADecoder, block_table: np.ndarray, seq_lens, *,
+                   seed: int = 0) -> None:
+    """Fill every page the first ``seq_lens`` tokens of each request use, in every layer,
+    with seeded N(0, 1) rows (whole pages; a stand-in for a real prefill)."""
+    page = model.page_size
+    used = [np.asarray(block_table)[b, : -(-int(n) // page)] for b, n in enumerate(seq_lens)]
+    pages = np.unique(np.concatenate(used + [np.zeros(0, np.int32)]))
+    if pages.size == 0:
+        return
+    idx = torch.from_numpy(pages.astype(np.int64)).to(model.device)
+    gen = torch.Generator(device=model.device).manual_seed(seed)
+    for cache in model.kv_caches:
+        rows = torch.randn(idx.numel(), page, cache.shape[2], generator=gen, device=model.device)
+        cache.index_copy_(0, idx, rows.to(cache.dtype))
+
+
+def decode_batch(model: MLADecoder, seq_lens, block_table: np.ndarray,
+                 hidden: torch.Tensor) -> DecodeBatch:
+    """A ``DecodeBatch`` decoding the token at position seq_len - 1 of each request.
+
+    seq_lens [B] ints (the new token included), block_table int [B, cols], hidden [B, D]
+    (host or device tensor, the model dtype). The slot mapping is derived on the host.
+    """
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    table = np.asarray(block_table, dtype=np.int32)
+    slots = slot_mapping_for(table, lens - 1, model.page_size)
+    return DecodeBatch(lens.astype(np.int32), table, {"hidden": hidden,
+                       "slot_mapping": torch.from_numpy(slots)})

@@ -1,0 +1,77 @@
+"""Float reference of ``MLADecoder``'s decode step: plain torch in float64, no Triton.
+
+The math is written out again (RMSNorm, rotary from angles computed in float64, the
+absorbed projections as einsums) and attention is ``graphbucket.reference``'s
+``mla_decode_reference``, so it checks the fused kernels, the cache store and the MLA
+kernel together. Reads lengths and slots on the host: for tests, not for the replay path.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from graphbucket.reference import mla_decode_reference
+
+if TYPE_CHECKING:
+    from graphbucket.models.mla import MLADecoder
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.to(x.dtype)
+
+
+def rotary_ref(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Half-split rotary of x [B, ..., P] at positions [B], angles in float64."""
+    p = x.shape[-1]
+    inv_freq = theta ** (-torch.arange(0, p, 2, dtype=torch.float64, device=x.device) / p)
+    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]   # [B, P/2]
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (p // 2,)
+    cos, sin = angles.cos().view(shape).to(x.dtype), angles.sin().view(shape).to(x.dtype)
+    x1, x2 = x[..., : p // 2], x[..., p // 2:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def _as(t, device, dtype=None) -> torch.Tensor:
+    t = torch.as_tensor(np.asarray(t) if not isinstance(t, torch.Tensor) else t)
+    return t.to(device=device, dtype=dtype or t.dtype)
+
+
+def decode_reference(model: MLADecoder, hidden, *, positions, seq_lens, block_table,
+                     slot_mapping, caches: list[torch.Tensor],
+                     dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """One decode step in ``dtype``; writes the new rows into ``caches`` (one per layer,
+    [num_pages, page_size, R + P] in ``dtype``, e.g. ``model.reference_caches()``).
+
+    hidden [B, D]; positions, seq_lens, slot_mapping [B]; block_table [B, cols] (tensors
+    on any device, numpy arrays or lists). Returns the final hidden states [B, D].
+    """
+    cfg, dev = model.config, caches[0].device
+    x = _as(hidden, dev, dtype)
+    positions, seq_lens = _as(positions, dev, torch.int64), _as(seq_lens, dev, torch.int32)
+    block_table, slots = _as(block_table, dev, torch.int32), _as(slot_mapping, dev, torch.int64)
+    num_slots = model.num_pages * model.page_size
+    live = [b for b, (s, n) in enumerate(zip(slots.tolist(), seq_lens.tolist(), strict=True))
+            if 0 <= s < num_slots and n > 0]
+    bs, heads, r = x.shape[0], cfg.num_heads, cfg.kv_lora_rank
+    for layer, cache in zip(model.layers, caches, strict=True):
+        w = layer.to(dtype)
+        w = type(w)(*(t.to(dev) for t in w.tensors()))
+        h = rms_norm_ref(x, w.attn_norm, cfg.rms_eps)
+        q_a, kv = (h @ w.w_qkv_a.T).split([cfg.q_lora_rank, cfg.kv_dim], dim=-1)
+        row = torch.cat([rms_norm_ref(kv[:, :r], w.kv_a_norm, cfg.rms_eps),
+                         rotary_ref(kv[:, r:], positions, cfg.rope_theta)], dim=-1)
+        cache.view(-1, cfg.kv_dim)[slots[live]] = row[live]
+        q = (rms_norm_ref(q_a, w.q_a_norm, cfg.rms_eps) @ w.w_q_b.T).view(bs, heads, -1)
+        q_nope, q_rope = q.split([cfg.qk_nope_dim, cfg.qk_rope_dim], dim=-1)
+        q_mla = torch.cat([torch.einsum("bhn,hnr->bhr", q_nope, w.w_uk),
+                           rotary_ref(q_rope, positions, cfg.rope_theta)], dim=-1)
+        attn, _ = mla_decode_reference(q_mla, cache, block_table, seq_lens, kv_lora_rank=r,
+                                       sm_scale=cfg.sm_scale, dtype=dtype)
+        o = torch.einsum("bhr,hrv->bhv", attn, w.w_uv).reshape(bs, -1) @ w.w_o.T
+        x = x + o
+        g, u = (rms_norm_ref(x, w.mlp_norm, cfg.rms_eps) @ w.w_gate_up.T).chunk(2, dim=-1)
+        x = x + (torch.nn.functional.silu(g) * u) @ w.w_down.T
+    return rms_norm_ref(x, model.final_norm.to(device=dev, dtype=dtype), cfg.rms_eps)

@@ -1,0 +1,223 @@
+"""MLADecoder: Triton decode (kernels through the interpreter on CPU) against the float64
+reference, the cache store through slot_mapping, multi-step decoding, runner capture."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from graphbucket.backends import get_backend
+from graphbucket.context import DecodeContext
+from graphbucket.models import (
+    MLADecoder,
+    decode_batch,
+    deepseek_v3_tp8,
+    kimi_tp8,
+    ops,
+    prefill_random,
+    random_block_table,
+    slot_mapping_for,
+    tiny,
+)
+from graphbucket.models.reference import rotary_ref
+from graphbucket.runner import GraphBucketRunner
+
+PAGE, PAGES = 16, 32
+
+
+def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double().cpu(), want.double().cpu()
+    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+def tiny_model(dtype=torch.float32, **kw) -> MLADecoder:
+    return MLADecoder(tiny(), num_pages=PAGES, page_size=PAGE, dtype=dtype, device="cpu", **kw)
+
+
+def triton_backend(cfg, **kw):
+    return get_backend("triton", kv_lora_rank=cfg.kv_lora_rank, qk_rope_dim=cfg.qk_rope_dim,
+                       **kw)
+
+
+def context(model, batch, *, hint: int, backend=None) -> DecodeContext:
+    """An eager context over the batch's own tensors, planned with ``hint``."""
+    cfg, dev = model.config, model.device
+    backend = backend or triton_backend(cfg, num_sms=2)
+    lens = torch.as_tensor(np.asarray(batch.seq_lens_cpu), dtype=torch.int32, device=dev)
+    plan = backend.plan(lens.shape[0], cfg.num_heads, hint)
+    return DecodeContext(
+        batch_size=lens.shape[0], plan=plan, backend=backend, sm_scale=cfg.sm_scale,
+        seq_lens=lens, block_table=torch.as_tensor(batch.block_table_cpu, device=dev),
+        positions=(lens.long() - 1).clamp_min(0),
+        inputs={k: v.to(dev) for k, v in batch.inputs.items()},
+        workspace=backend.workspace_spec([plan]).allocate(dev))
+
+
+def reference(model, batch, caches):
+    lens = np.asarray(batch.seq_lens_cpu)
+    return model.forward_reference(batch.inputs["hidden"], positions=np.maximum(lens - 1, 0),
+                                   seq_lens=lens, block_table=batch.block_table_cpu,
+                                   slot_mapping=batch.inputs["slot_mapping"], caches=caches)
+
+
+def setup_batch(model, lens, *, seed=0, pages=8):
+    rng = np.random.default_rng(seed)
+    table = random_block_table(len(lens), pages, model.num_pages, rng)
+    prefill_random(model, table, [pages * model.page_size] * len(lens), seed=seed)
+    hidden = torch.from_numpy(rng.standard_normal((len(lens), model.config.hidden_size)))
+    return decode_batch(model, lens, table, hidden.to(model.dtype))
+
+
+def test_presets_have_the_per_rank_shapes():
+    ds, kimi = deepseek_v3_tp8(), kimi_tp8(num_layers=61)
+    assert (ds.num_heads, ds.hidden_size, ds.q_lora_rank, ds.kv_dim, ds.intermediate_size) \
+        == (16, 7168, 1536, 576, 2304)
+    assert ds.sm_scale == pytest.approx(1 / math.sqrt(192))
+    assert kimi.num_heads == 12 and kimi.num_layers == 61 and kimi.kv_dim == 576
+    assert 85e6 < ds.layer_params() < 87e6  # ~172 MB of bf16 weights per layer
+    with pytest.raises(ValueError, match="num_heads must be a positive int"):
+        tiny().__class__(**{**_fields(tiny()), "num_heads": 0})
+
+
+def _fields(cfg):
+    return {f: getattr(cfg, f) for f in cfg.__dataclass_fields__}
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 1e-2)])
+@pytest.mark.parametrize("hint", [1, 100])
+def test_decode_matches_the_float_reference(dtype, tol, hint):
+    model = tiny_model(dtype)
+    batch = setup_batch(model, [40, 100])
+    ref_caches = model.reference_caches()
+    ctx = context(model, batch, hint=hint)
+    assert ctx.plan.num_kv_splits == (1 if hint == 1 else 4)
+    out = model(ctx)
+    assert out.shape == (2, model.config.hidden_size) and out.dtype == dtype
+    want = reference(model, batch, ref_caches)
+    assert rel_l2(out, want) < tol
+    for cache, ref_cache in zip(model.kv_caches, ref_caches, strict=True):
+        assert rel_l2(cache, ref_cache) < tol
+
+
+def test_the_new_row_lands_at_its_slot_and_padding_rows_store_nothing():
+    model = tiny_model()
+    batch = setup_batch(model, [37, 0, 50])
+    slots = batch.inputs["slot_mapping"].clone()
+    slots[1] = 0            # a zero-padded row (as staged buffers pad): seq_len 0 masks it
+    slots[2] = -1           # a live row that stores nothing
+    batch.inputs["slot_mapping"] = slots
+    before = [c.clone() for c in model.kv_caches]
+    ref_caches = model.reference_caches()
+    model(context(model, batch, hint=64))
+    reference(model, batch, ref_caches)
+    slot = int(slots[0])
+    for cache, old, ref_cache in zip(model.kv_caches, before, ref_caches, strict=True):
+        changed = (cache != old).any(dim=-1).flatten().nonzero().flatten().tolist()
+        assert changed == [slot]
+        row = cache.view(-1, cache.shape[-1])[slot]
+        assert rel_l2(row, ref_cache.view(-1, cache.shape[-1])[slot]) < 1e-5
+
+
+def test_several_steps_with_growing_lengths_across_pages():
+    model = tiny_model()
+    rng = np.random.default_rng(3)
+    table = random_block_table(2, 8, PAGES, rng)
+    prefill_random(model, table, [15, 31], seed=3)
+    ref_caches = model.reference_caches()
+    for step, lens in enumerate([[15, 31], [16, 32], [17, 33], [18, 34]]):
+        hidden = torch.from_numpy(rng.standard_normal((2, model.config.hidden_size))).float()
+        batch = decode_batch(model, lens, table, hidden)
+        out = model(context(model, batch, hint=max(lens)))
+        assert rel_l2(out, reference(model, batch, ref_caches)) < 1e-5, step
+    for cache, ref_cache in zip(model.kv_caches, ref_caches, strict=True):
+        assert rel_l2(cache, ref_cache) < 1e-5
+
+
+def test_store_kv_rotates_with_the_table_at_large_positions():
+    cfg = tiny()
+    rope = ops.rope_cache(cfg.qk_rope_dim, cfg.max_position, cfg.rope_theta, device="cpu")
+    kv = torch.randn(2, cfg.kv_dim)
+    cache = torch.zeros(4, PAGE, cfg.kv_dim)
+    pos = torch.tensor([4000, 4095])
+    ops.store_kv(kv, torch.ones(cfg.kv_lora_rank), rope, pos, torch.tensor([5, 63]),
+                 torch.tensor([1, 1], dtype=torch.int32), cache, cfg.rms_eps)
+    rows = cache.view(-1, cfg.kv_dim)[[5, 63]]
+    want = rotary_ref(kv[:, cfg.kv_lora_rank:].double(), pos, cfg.rope_theta)
+    assert rel_l2(rows[:, cfg.kv_lora_rank:], want) < 1e-5
+
+
+def test_slot_mapping_for_pages_and_negative_positions():
+    table = np.array([[7, 3], [2, 9]], dtype=np.int32)
+    assert slot_mapping_for(table, [17, -1], 16).tolist() == [3 * 16 + 1, -1]
+    with pytest.raises(ValueError, match="allocate more pages"):
+        random_block_table(3, 12, PAGES, np.random.default_rng(0))
+
+
+def test_runner_padding_rows_leave_the_cache_alone():
+    """A batch of 1 replays the size-2 graph; the padded row's zeroed slot_mapping points
+    at slot 0, which a live request owns: it must stay untouched."""
+    model = tiny_model()
+    table = np.arange(4, dtype=np.int32)[None, :]        # page 0 belongs to the request
+    prefill_random(model, table, [64])
+    backend = triton_backend(model.config, num_sms=2)
+    runner = GraphBucketRunner.for_policy("ladder", model, spec=model.buffer_spec(128),
+                                          batch_sizes=[2], max_model_len=128,
+                                          sm_scale=model.config.sm_scale, backend=backend)
+    before = [c.clone() for c in model.kv_caches]
+    runner.capture()                                      # warm-up and capture store nothing
+    assert all(torch.equal(c, b) for c, b in zip(model.kv_caches, before, strict=True))
+    hidden = torch.randn(1, model.config.hidden_size)
+    batch = decode_batch(model, [50], table, hidden)
+    ref_caches = model.reference_caches()
+    out = runner.step(batch)
+    assert rel_l2(out, reference(model, batch, ref_caches)) < 1e-5
+    slot = int(batch.inputs["slot_mapping"][0])
+    for cache, old in zip(model.kv_caches, before, strict=True):
+        changed = (cache != old).any(dim=-1).flatten().nonzero().flatten().tolist()
+        assert changed == [slot] and slot != 0
+    runner.close()
+
+
+# ---- GPU: the real per-rank shapes in bf16 ----------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", [deepseek_v3_tp8, kimi_tp8])
+def test_gpu_preset_bf16_matches_the_reference(preset):
+    cfg = preset(num_layers=2)
+    model = MLADecoder(cfg, num_pages=256, page_size=64, dtype=torch.bfloat16, device="cuda")
+    batch = setup_batch(model, [700, 3000], pages=64)
+    ref_caches = model.reference_caches()
+    backend = get_backend("triton", device="cuda")
+    for hint in (1, 3000):
+        out = model(context(model, batch, hint=hint, backend=backend))
+        assert torch.isfinite(out).all()
+        assert rel_l2(out, reference(model, batch, ref_caches)) < 2e-2, hint
+
+
+@pytest.mark.gpu
+def test_gpu_graph_replays_sync_free_and_match_eager():
+    model = MLADecoder(deepseek_v3_tp8(num_layers=2), num_pages=512, page_size=64,
+                       device="cuda")
+    kw = dict(spec=model.buffer_spec(8192), batch_sizes=[1, 4], max_model_len=8192,
+              sm_scale=model.config.sm_scale)
+    ladder = GraphBucketRunner.for_policy("ladder", model, **kw)
+    eager = GraphBucketRunner.for_policy("eager", model, **kw)
+    ladder.capture()
+    rng = np.random.default_rng(0)
+    table = random_block_table(4, 128, 512, rng)
+    prefill_random(model, table, [8192] * 4)
+    for lens in ([1], [63, 64, 65], [5000, 100, 8000, 4097]):
+        hidden = torch.randn(len(lens), 7168, dtype=torch.bfloat16, device="cuda")
+        batch = decode_batch(model, lens, table[: len(lens)], hidden)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = ladder.step(batch).clone()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert rel_l2(got, eager.step(batch)) < 1e-2, lens
+    ladder.close()
+    eager.close()
