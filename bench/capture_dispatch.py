@@ -6,9 +6,12 @@ bf16, page 64) for capture sizes 1..64, once with the default ladder and once wi
 single bucket (hint = max_model_len), and measures:
 
 - graphs captured / aliased, capture seconds, pool bytes of both captures;
-- syncs on the replay path: steps under ``torch.cuda.set_sync_debug_mode("warn")``;
+- syncs on the replay path: steps under ``torch.cuda.set_sync_debug_mode("warn")``, with
+  each warning's message, the Python line that triggered it and its stack (``sync_sites``);
 - host time of one step (validate + select + stage + replay launch) with the GPU idle,
-  as a median over random batch sizes and lengths, and its breakdown.
+  as a median over random batch sizes and lengths, and its breakdown; medians per
+  batch-size class and per bucket of the same steps; and a grid of fixed batch sizes x
+  buckets, so a target can be read where it holds and where it does not.
 
     python3 bench/capture_dispatch.py --out bench/results      # CUDA: h200-capture.{json,md}
     python3 bench/capture_dispatch.py --cpu-smoke              # tiny CPU run of the same code
@@ -17,13 +20,16 @@ single bucket (hint = max_model_len), and measures:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
 import sys
 import tempfile
 import time
+import traceback
 import warnings
+from bisect import bisect_left
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,7 +38,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from graphbucket.backends import get_backend  # noqa: E402
-from graphbucket.batch import DecodeBatch, validate_batch  # noqa: E402
+from graphbucket.batch import BatchValidator, DecodeBatch  # noqa: E402
 from graphbucket.buffers import BufferSpec, InputSpec  # noqa: E402
 from graphbucket.context import DecodeContext  # noqa: E402
 from graphbucket.ladder import BucketLadder, default_ladder  # noqa: E402
@@ -40,6 +46,9 @@ from graphbucket.runner import GraphBucketRunner  # noqa: E402
 
 SEED = 0
 TARGETS = {"syncs_on_replay": 0, "pool_ratio_max": 1.2, "step_host_us_median_max": 20.0}
+# Batch-size classes of the per-class host medians: (label, smallest, largest).
+BATCH_CLASSES = (("1", 1, 1), ("2-8", 2, 8), ("9-64", 9, 64))
+GRID_BATCH_SIZES, GRID_STEPS = (1, 8, 64), 40
 
 
 @dataclass(frozen=True)
@@ -102,13 +111,19 @@ def make_runner(cfg: Config, model: MLADecoder, ladder: BucketLadder) -> GraphBu
                              sm_scale=(cfg.rank + cfg.rope) ** -0.5, backend=backend)
 
 
-def random_batches(cfg: Config, ladder: BucketLadder, n: int) -> list[DecodeBatch]:
-    """Random batch size in 1..max, a random bucket, lengths uniform inside that bucket."""
-    rng = np.random.default_rng(SEED)
+def random_batches(cfg: Config, ladder: BucketLadder, n: int, *, batch_size: int | None = None,
+                   bucket: int | None = None, seed: int = SEED) -> list[DecodeBatch]:
+    """Random batch size in 1..max, a random bucket, lengths uniform inside that bucket
+    (``batch_size`` / ``bucket`` pin one of them)."""
+    rng = np.random.default_rng(seed)
     batches = []
     for _ in range(n):
         bs = int(rng.integers(1, max(cfg.batch_sizes) + 1))
         lo, hi = ladder.ranges[int(rng.integers(len(ladder)))]
+        if batch_size is not None:
+            bs = batch_size
+        if bucket is not None:
+            lo, hi = ladder.ranges[bucket]
         lens = rng.integers(lo, hi + 1, size=bs).tolist()
         cols = -(-max(lens) // cfg.page)
         table = rng.integers(0, cfg.num_pages, size=(bs, cols), dtype=np.int32)
@@ -127,39 +142,111 @@ def capture_record(runner: GraphBucketRunner) -> dict:
                        for r in runner.records]}
 
 
-def count_syncs(runner: GraphBucketRunner, batches: list[DecodeBatch], cuda: bool) -> int:
-    """Steps under sync debug mode "warn"; every synchronizing call warns once per call."""
-    with warnings.catch_warnings(record=True) as caught:
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_SYNC_MESSAGE = "called a synchronizing"  # c10::cuda::warn_or_error_on_sync
+
+
+def _site(frame: traceback.FrameSummary) -> str:
+    path = frame.filename
+    if path.startswith(_TORCH_DIR):
+        path = "torch/" + os.path.relpath(path, _TORCH_DIR)
+    elif os.path.isabs(path):
+        path = os.path.relpath(path)
+    return f"{path}:{frame.lineno} {frame.name}"
+
+
+def count_syncs(runner: GraphBucketRunner, batches: list[DecodeBatch], cuda: bool
+                ) -> tuple[int, list[dict], int]:
+    """Steps under sync debug mode "warn"; every synchronizing call warns once per call.
+
+    Returns (syncs, sites, staging waits): each caught sync warning with its message, the
+    Python file:line that triggered it, its stack (innermost last) and the step it came
+    from, so a GPU run says where a sync comes from without a second run.
+    """
+    sites: list[dict] = []
+    step = {"index": -1, "batch": None, "gc": False}
+
+    def on_gc(phase: str, info: dict) -> None:  # a finalizer run by the collector can sync
+        step["gc"] = True
+
+    def record(message, category, filename, lineno, file=None, line=None) -> None:
+        text = str(message)
+        if "synchroniz" not in text.lower():
+            return
+        stack = traceback.extract_stack()[:-1]  # drop this hook
+        stack = [f for f in stack if not f.filename.endswith(("warnings.py",))]
+        batch = step["batch"]
+        sites.append({"message": text, "category": category.__name__,
+                      "site": f"{filename}:{lineno}", "step": step["index"],
+                      "batch_size": None if batch is None else len(batch.seq_lens_cpu),
+                      "max_len": None if batch is None else int(max(batch.seq_lens_cpu)),
+                      "gc_ran_this_step": step["gc"],
+                      "stack": [_site(f) for f in stack[-14:]]})
+
+    waits_before = runner.stats().staging_waits
+    gc.callbacks.append(on_gc)
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = record
         if cuda:
             torch.cuda.set_sync_debug_mode("warn")
         try:
-            for batch in batches:
+            for i, batch in enumerate(batches):
+                step["index"], step["batch"], step["gc"] = i, batch, False
                 runner.step(batch)
         finally:
             if cuda:
                 torch.cuda.set_sync_debug_mode(0)
-    return sum("synchroniz" in str(w.message) for w in caught)
+            gc.callbacks.remove(on_gc)
+    # Only a flagged call counts; set_sync_debug_mode itself warns once per process that
+    # the mode "does not yet detect all synchronizing operations" (kept in sync_sites).
+    syncs = sum(_SYNC_MESSAGE in s["message"] for s in sites)
+    return syncs, sites, runner.stats().staging_waits - waits_before
 
 
-def host_times(runner: GraphBucketRunner, batches: list[DecodeBatch], cuda: bool) -> dict:
-    """Host microseconds per step with the GPU idle at each start, total and by phase."""
-    graphs, ladder, buffers = runner.graphs, runner.ladder, runner.buffers
-    sizes = sorted(runner.batch_sizes)
-    total, check, stage, replay = [], [], [], []
+def _batch_class(bs: int) -> str:
+    return next(label for label, lo, hi in BATCH_CLASSES if lo <= bs <= hi)
+
+
+def _summary(values: list[float]) -> dict:
+    if not values:
+        return {"n": 0}
+    return {"n": len(values), "median": round(statistics.median(values), 2),
+            "p90": round(float(np.percentile(values, 90)), 2)}
+
+
+def _timed_steps(runner: GraphBucketRunner, batches: list[DecodeBatch], cuda: bool
+                 ) -> list[float]:
+    """Host microseconds of ``runner.step`` per batch, the GPU idle at each start."""
+    times = []
     for batch in batches:
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         runner.step(batch)
-        t1 = time.perf_counter()
-        total.append((t1 - t0) * 1e6)
+        times.append((time.perf_counter() - t0) * 1e6)
+    if cuda:
+        torch.cuda.synchronize()
+    return times
+
+
+def host_times(runner: GraphBucketRunner, batches: list[DecodeBatch], cuda: bool) -> dict:
+    """Host microseconds per step with the GPU idle at each start: overall, by phase, by
+    batch-size class and by bucket of the same random steps."""
+    graphs, ladder, buffers = runner.graphs, runner.ladder, runner.buffers
+    validate, bounds = BatchValidator(buffers.spec), ladder.bounds
+    sizes = sorted(runner.batch_sizes)
+    total = _timed_steps(runner, batches, cuda)
+    check, stage, replay = [], [], []
+    by_class: dict[str, list[float]] = {label: [] for label, _, _ in BATCH_CLASSES}
+    by_bucket: dict[str, list[float]] = {str(b.max_len): [] for b in ladder}
+    for batch, t in zip(batches, total, strict=True):
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        host = validate_batch(batch, buffers.spec)
-        bucket = ladder.bucket_for(host.max_len)
-        padded = next(s for s in sizes if s >= host.batch_size)
+        host = validate(batch)
+        bucket = bisect_left(bounds, host.max_len)
+        padded = sizes[bisect_left(sizes, host.batch_size)]
         t1 = time.perf_counter()
         buffers.stage(host, padded)
         t2 = time.perf_counter()
@@ -168,12 +255,36 @@ def host_times(runner: GraphBucketRunner, batches: list[DecodeBatch], cuda: bool
         check.append((t1 - t0) * 1e6)
         stage.append((t2 - t1) * 1e6)
         replay.append((t3 - t2) * 1e6)
+        by_class[_batch_class(host.batch_size)].append(t)
+        by_bucket[str(ladder[bucket].max_len)].append(t)
+    if cuda:
+        torch.cuda.synchronize()
     med = statistics.median
     return {"step_host_us_median": round(med(total), 2),
             "step_host_us_p90": round(float(np.percentile(total, 90)), 2),
             "step_host_us_breakdown_median": {"validate_select": round(med(check), 2),
                                               "stage": round(med(stage), 2),
-                                              "replay_launch": round(med(replay), 2)}}
+                                              "replay_launch": round(med(replay), 2)},
+            "step_host_us_by_batch_class": {k: _summary(v) for k, v in by_class.items()},
+            "step_host_us_by_bucket": {k: _summary(v) for k, v in by_bucket.items()}}
+
+
+def host_grid(cfg: Config, runner: GraphBucketRunner, ladder: BucketLadder, cuda: bool
+              ) -> dict:
+    """Median host step us for fixed batch sizes x buckets (GRID_STEPS random steps each)."""
+    steps = GRID_STEPS if cuda else 2  # the CPU smoke run only checks that this runs
+    grid = {}
+    for bs in GRID_BATCH_SIZES:
+        if bs > max(cfg.batch_sizes):
+            continue
+        row = {}
+        for bucket, b in enumerate(ladder):
+            batches = random_batches(cfg, ladder, steps, batch_size=bs, bucket=bucket,
+                                     seed=SEED + 1 + bucket)
+            _timed_steps(runner, batches[:2], cuda)  # first touches of this key
+            row[str(b.max_len)] = _summary(_timed_steps(runner, batches, cuda))["median"]
+        grid[str(bs)] = row
+    return grid
 
 
 def max_error_vs_eager(cfg: Config, model: MLADecoder, runner: GraphBucketRunner,
@@ -208,6 +319,7 @@ def run(cfg: Config, steps: int) -> dict:
     batches = random_batches(cfg, ladder, steps)
     for batch in batches[:10]:  # first touches (pinned pages, caches) outside the timing
         runner.step(batch)
+    syncs, sync_sites, sync_waits = count_syncs(runner, batches, cuda)
     result = {
         "buckets": [{"max_len": b.max_len, "hint": b.hint} for b in ladder],
         "batch_sizes": list(cfg.batch_sizes),
@@ -215,11 +327,14 @@ def run(cfg: Config, steps: int) -> dict:
                                       "pool_bytes")},
         "pool_bytes_single_bucket": single_rec["pool_bytes"],
         "graphs_captured_single_bucket": single_rec["graphs_captured"],
-        "syncs_on_replay": count_syncs(runner, batches, cuda),
+        "syncs_on_replay": syncs,
         "replay_steps": len(batches),
+        "staging_waits_while_counting_syncs": sync_waits,
         **host_times(runner, batches, cuda),
+        "step_host_us_grid_median": host_grid(cfg, runner, ladder, cuda),
         "staging_waits": runner.stats().staging_waits,
         "max_rel_l2_vs_eager": max_error_vs_eager(cfg, model, runner, batches[:20]),
+        "sync_sites": sync_sites,
         "graphs": ladder_rec["graphs"],
         "config": {k: str(v) if isinstance(v, torch.dtype) else v
                    for k, v in cfg.__dict__.items()},
@@ -231,6 +346,9 @@ def run(cfg: Config, steps: int) -> dict:
         "pool_ratio": round(ratio, 3),
         "pool_ratio_ok": ratio <= TARGETS["pool_ratio_max"],
         "step_host_us_ok": result["step_host_us_median"] <= TARGETS["step_host_us_median_max"],
+        "step_host_us_ok_by_batch_class": {
+            k: v.get("median", 0.0) <= TARGETS["step_host_us_median_max"]
+            for k, v in result["step_host_us_by_batch_class"].items()},
     }
     return result
 
@@ -251,6 +369,17 @@ def markdown(result: dict) -> str:
          f"{result['step_host_us_p90']} (target <= 20)"),
         ("host step breakdown us", ", ".join(f"{k} {v}" for k, v in
                                            result["step_host_us_breakdown_median"].items())),
+        ("host step us median by batch size", ", ".join(
+            f"{k}: {v.get('median', '-')} (n={v['n']})"
+            for k, v in result["step_host_us_by_batch_class"].items())),
+        ("host step us median by bucket (max_len)", ", ".join(
+            f"{k}: {v.get('median', '-')} (n={v['n']})"
+            for k, v in result["step_host_us_by_bucket"].items())),
+        *((f"host step us median, batch {bs}, by bucket", ", ".join(
+            f"{k}: {v}" for k, v in row.items()))
+          for bs, row in result["step_host_us_grid_median"].items()),
+        ("sync sites", "; ".join(sorted({f"{s['site']} ({s['message'][:60]})"
+                                         for s in result["sync_sites"]})) or "none"),
         ("max rel L2 vs eager", f"{result['max_rel_l2_vs_eager']:.2e}"),
     ]
     meta = result["meta"]

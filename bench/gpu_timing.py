@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import datetime
 import platform
-import statistics
 import sys
-from collections.abc import Callable
 
 import torch
 import triton
 
-L2_FLUSH_BYTES = 4 * 60 * 1024 * 1024  # four H200 L2s: enough distinct bytes to evict it
+# Moved into the package (the ladder tuner times the kernel too); re-exported here.
+from graphbucket.timing import L2_FLUSH_BYTES, time_replays, warm_gpu  # noqa: F401
 
 
 def run_meta(command: str | None = None) -> dict:
@@ -24,21 +23,6 @@ def run_meta(command: str | None = None) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "command": command or " ".join(["python3"] + sys.argv),
     }
-
-
-def warm_gpu(seconds: float = 1.0) -> None:
-    """Bring clocks up from idle before measuring a ceiling (idle SM clocks sit near 345 MHz)."""
-    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-    start = torch.cuda.Event(enable_timing=True)
-    stop = torch.cuda.Event(enable_timing=True)
-    start.record()
-    while True:
-        for _ in range(20):
-            a @ a
-        stop.record()
-        stop.synchronize()
-        if start.elapsed_time(stop) > seconds * 1e3:
-            return
 
 
 def copy_gbps(nbytes: int = 2 << 30) -> float:
@@ -58,39 +42,3 @@ def copy_gbps(nbytes: int = 2 << 30) -> float:
     stop.synchronize()
     eager_us = start.elapsed_time(stop) * 1e3 / 20
     return 2 * nbytes / (min(us, eager_us) * 1e3)
-
-
-def time_replays(fn: Callable[[], None], *, calls_per_graph: int, reps: int = 7,
-                 min_ms: float = 20.0) -> float:
-    """Median microseconds per call of ``fn`` (one graph holds ``calls_per_graph`` calls).
-
-    ``fn`` must itself issue ``calls_per_graph`` calls over distinct inputs so that
-    consecutive calls find a cold L2 when the inputs are large enough.
-    """
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # compile and warm up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    stop.record()
-    stop.synchronize()
-    one_ms = max(start.elapsed_time(stop), 1e-3)
-    replays = max(1, min(200, int(min_ms / one_ms)))
-    samples = []
-    for _ in range(reps):
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        stop.record()
-        stop.synchronize()
-        samples.append(start.elapsed_time(stop) * 1e3 / (replays * calls_per_graph))
-    del graph
-    return statistics.median(samples)

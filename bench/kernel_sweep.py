@@ -11,7 +11,6 @@ device-to-device copy; ``frac_of_copy`` is the kernel's bandwidth over that ceil
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -20,52 +19,21 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.gpu_timing import L2_FLUSH_BYTES, copy_gbps, run_meta, time_replays  # noqa: E402
+from bench.gpu_timing import copy_gbps, run_meta, time_replays  # noqa: E402
 from graphbucket.kernels import SplitWorkspace, default_sm_scale  # noqa: E402
-from graphbucket.kernels.launch import launch_merge, mla_decode  # noqa: E402
-from graphbucket.plan import cdiv, plan_mla_decode  # noqa: E402
+from graphbucket.kernels.launch import launch_merge  # noqa: E402
+from graphbucket.plan import plan_mla_decode  # noqa: E402
+from graphbucket.timing import Problem, rotated_calls  # noqa: E402
 
 CONTEXTS = [1, 64, 256, 1024, 4096, 16384, 65536, 131072]
 BATCHES = [1, 8, 64]
 SPLITS = [1 << i for i in range(10)]  # 1 .. 512
 HEADS, PAGE, DIM, RANK = 16, 64, 576, 512
-MAX_ROTATIONS = 32
 
 
 def kv_bytes(context: int, batch: int) -> int:
     q_and_out = batch * HEADS * (DIM + RANK) * 2
     return batch * context * DIM * 2 + q_and_out
-
-
-class Problem:
-    """One cache large enough for the biggest shape; R rotations of scattered block tables."""
-
-    def __init__(self, max_tokens: int):
-        self.num_pages = cdiv(max_tokens, PAGE)
-        self.cache = torch.empty(self.num_pages, PAGE, DIM, dtype=torch.bfloat16, device="cuda")
-        self.cache.normal_()
-
-    def inputs(self, context: int, batch: int):
-        pages_per_req = cdiv(context, PAGE)
-        per_call = max(1, batch * pages_per_req)
-        rotations = max(1, min(MAX_ROTATIONS, L2_FLUSH_BYTES // kv_bytes(context, batch),
-                               self.num_pages // per_call))
-        perm = torch.randperm(self.num_pages, device="cuda", dtype=torch.int64)
-        tables = perm[: rotations * per_call].to(torch.int32).view(rotations, batch,
-                                                                   pages_per_req)
-        q = torch.randn(rotations, batch, HEADS, DIM, dtype=torch.bfloat16, device="cuda")
-        out = torch.empty(rotations, batch, HEADS, RANK, dtype=torch.bfloat16, device="cuda")
-        seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-        return tables.contiguous(), q, out, seq_lens
-
-
-def rotated_calls(problem: Problem, tables, q, out, seq_lens, ws, plan, scale):
-    """One decode call per rotation, each over its own pages: what one graph replay runs."""
-    def call():
-        for r in range(tables.shape[0]):
-            mla_decode(q[r], problem.cache, tables[r], seq_lens, out[r], ws, plan=plan,
-                       sm_scale=scale, check=False)
-    return call
 
 
 def sweep(args) -> list[dict]:
@@ -81,7 +49,7 @@ def sweep(args) -> list[dict]:
             base = plan_mla_decode(batch, HEADS, context)
             # The plan's own split count is timed too, so every shape has a planned row.
             for splits in sorted(set(args.splits) | {base.num_kv_splits}):
-                plan = dataclasses.replace(base, num_kv_splits=splits)
+                plan = base.with_splits(splits)
 
                 call = rotated_calls(problem, tables, q, out, seq_lens, ws, plan, scale)
                 us = time_replays(call, calls_per_graph=rotations)
@@ -105,7 +73,7 @@ def merge_cost(splits_list: list[int]) -> list[dict]:
     rows = []
     for splits in splits_list:
         plan = plan_mla_decode(1, HEADS, 1 << 20, max_splits=splits)
-        plan = dataclasses.replace(plan, num_kv_splits=splits)
+        plan = plan.with_splits(splits)
         ws = SplitWorkspace.for_plans([plan], "cuda")
         ws.partial_o.normal_()
         ws.partial_lse.normal_()
@@ -139,9 +107,10 @@ def markdown(meta: dict, rows: list[dict], merges: list[dict]) -> str:
              "", "| context | batch | best splits | us | GB/s | of copy | planned splits | "
              "planned us |", "|---|---|---|---|---|---|---|---|"]
     for r in best_rows(rows):
+        plan_us = "-" if r["plan_us"] is None else f"{r['plan_us']:.1f}"
         lines.append(f"| {r['context']} | {r['batch']} | {r['splits']} | {r['us']:.1f} | "
-                     f"{r['gbps']:.0f} | {100 * r['frac_of_copy']:.0f} % | {r['plan_splits']} | "
-                     f"{r['plan_us']:.1f} |")
+                     f"{r['gbps']:.0f} | {100 * r['frac_of_copy']:.0f} % | "
+                     f"{r['planned_splits']} | {plan_us} |")
     lines += ["", "Stage 2 (merge) alone, batch 1:", "", "| splits | us |", "|---|---|"]
     lines += [f"| {m['splits']} | {m['merge_us']:.2f} |" for m in merges]
     return "\n".join(lines) + "\n"
@@ -153,7 +122,14 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=CONTEXTS)
     ap.add_argument("--batches", type=int, nargs="+", default=BATCHES)
     ap.add_argument("--splits", type=int, nargs="+", default=SPLITS)
+    ap.add_argument("--render", metavar="JSON", help="only rewrite the markdown of a saved run")
     args = ap.parse_args()
+    if args.render:
+        with open(args.render) as f:
+            saved = json.load(f)
+        with open(os.path.splitext(args.render)[0] + ".md", "w") as f:
+            f.write(markdown(saved["meta"], saved["rows"], saved["merge"]))
+        return
     if not torch.cuda.is_available():
         sys.exit("kernel_sweep.py times CUDA-graph replays and needs a CUDA GPU")
     torch.manual_seed(0)

@@ -86,12 +86,40 @@ def merge_variants() -> list[dict]:
     return rows
 
 
+def markdown(saved: dict) -> str:
+    """Best stage-1 configuration per shape and every merge variant, as markdown."""
+    meta, best = saved["meta"], {}
+    for r in saved["stage1"]:
+        k = (r["context"], r["batch"], r["splits"])
+        if k not in best or r["us"] < best[k]["us"]:
+            best[k] = r
+    lines = [f"# Kernel variants ({meta['gpu']})", "", f"{meta['date']}, torch {meta['torch']}, "
+             f"triton {meta['triton']}, copy {meta['copy_gbps']:.0f} GB/s. "
+             f"Command: `{meta['command']}`", "",
+             "| context | batch | splits | best block_n / warps / stages | us | of copy |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {c} | {b} | {s} | {r['block_n']} / {r['num_warps']} / {r['num_stages']} | "
+              f"{r['us']:.1f} | {100 * r['frac_of_copy']:.0f} % |"
+              for (c, b, s), r in best.items()]
+    lines += ["", "| merge splits | block_s x block_dv, warps | us |", "|---|---|---|"]
+    lines += [f"| {m['splits']} | {m['block_s']} x {m['block_dv']}, {m['num_warps']} | "
+              f"{m['us']:.2f} |" for m in saved["merge"]]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--focus", action="store_true",
                     help="split counts that fill whole waves, for a few stage-1 configs")
+    ap.add_argument("--render", metavar="JSON", help="only rewrite the markdown of a saved run")
     args = ap.parse_args()
+    if args.render:
+        with open(args.render) as f:
+            text = markdown(json.load(f))
+        with open(os.path.splitext(args.render)[0] + ".md", "w") as f:
+            f.write(text)
+        return
     if args.focus:
         SHAPES[:] = [(c, 1, s) for c in (131072, 65536) for s in (132, 198, 264, 396, 528)]
         SHAPES.extend([(16384, 1, 132), (16384, 1, 264), (131072, 8, 33), (131072, 8, 49)])
@@ -108,6 +136,8 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "h200-kernel-variants.json"), "w") as f:
         json.dump({"meta": meta, "stage1": stage1, "merge": merges}, f, indent=1)
+    with open(os.path.join(args.out, "h200-kernel-variants.md"), "w") as f:
+        f.write(markdown({"meta": meta, "stage1": stage1, "merge": merges}))
     best = {}
     for r in stage1:
         k = (r["context"], r["batch"], r["splits"])

@@ -41,7 +41,7 @@ from graphbucket.models import (  # noqa: E402
     random_block_table,
 )
 from graphbucket.plan import LaunchPlan  # noqa: E402
-from graphbucket.runner import POLICIES, GraphBucketRunner  # noqa: E402
+from graphbucket.runner import BENCH_POLICIES, POLICIES, GraphBucketRunner  # noqa: E402
 
 CONTEXTS = [1, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 100_000, 131072]
 BATCHES = [1, 8]
@@ -194,7 +194,8 @@ def main() -> None:
     ap.add_argument("--preset", default="deepseek-v3-tp8", choices=sorted(PRESETS))
     ap.add_argument("--contexts", type=int, nargs="+", default=CONTEXTS)
     ap.add_argument("--batches", type=int, nargs="+", default=BATCHES)
-    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    ap.add_argument("--policies", nargs="+", default=list(BENCH_POLICIES),
+                    choices=BENCH_POLICIES)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("tpot.py times CUDA decode steps and needs a CUDA GPU; on CPU run "

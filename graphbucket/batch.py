@@ -5,6 +5,11 @@ block table and the model inputs. ``validate_batch`` checks it against a ``Buffe
 with host arithmetic only and returns a ``HostBatch`` of normalised numpy arrays; every
 caller mistake raises TypeError/ValueError naming what was received, what was expected
 and the fix, before a single byte is staged or a kernel launched.
+
+Validation runs on every decode step, so ``BatchValidator`` looks the spec's constants up
+once and each check is one comparison or one numpy reduction: the block table's live
+columns are checked with a single unsigned max (negative entries wrap above any page
+count), which is the only work proportional to the table's size.
 """
 
 from __future__ import annotations
@@ -18,6 +23,19 @@ import torch
 
 if TYPE_CHECKING:
     from graphbucket.buffers import BufferSpec
+
+_NUMPY_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32,
+                           torch.int64, torch.float16, torch.float32, torch.float64})
+_RAW_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def numpy_view_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a tensor is viewed as before ``.numpy()``: itself, or a same-size integer
+    where numpy has no equivalent (bfloat16, float8): staging copies bits, never values."""
+    if dtype in _NUMPY_DTYPES:
+        return dtype
+    return _RAW_DTYPES[torch.empty((), dtype=dtype).element_size()]
+
 
 @dataclass(frozen=True, slots=True)
 class DecodeBatch:
@@ -38,12 +56,15 @@ class DecodeBatch:
     positions_cpu: Any = None
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: built on every decode step, and a frozen dataclass's __init__ costs ~4x more.
+@dataclass(slots=True, eq=False)
 class HostBatch:
     """A validated ``DecodeBatch`` as numpy integer arrays.
 
     seq_lens [B]; block_table [B, need] (only the columns the longest request uses, every
-    entry inside the cache); positions [B] or None (then ``seq_len - 1``); inputs as given.
+    entry inside the cache); positions [B] or None (then ``seq_len - 1``); inputs as given,
+    split into ``host_inputs`` (name, numpy view in ``numpy_view_dtype``) and
+    ``device_inputs`` (name, tensor on the buffers' device).
     """
 
     seq_lens: np.ndarray
@@ -52,23 +73,25 @@ class HostBatch:
     inputs: Mapping[str, torch.Tensor]
     min_len: int
     max_len: int
-
-    @property
-    def batch_size(self) -> int:
-        return self.seq_lens.shape[0]
+    batch_size: int
+    host_inputs: tuple[tuple[str, np.ndarray], ...] = ()
+    device_inputs: tuple[tuple[str, torch.Tensor], ...] = ()
 
 
 def _host_ints(name: str, value: Any, ndim: int) -> np.ndarray:
-    if isinstance(value, torch.Tensor):
-        if value.device.type != "cpu":
-            raise TypeError(
-                f"{name} is a tensor on {value.device}; expected a host (CPU) copy. Reading "
-                "device data would synchronize every decode step: pass the scheduler's host "
-                "copy (list, numpy array or CPU tensor)")
-        value = value.numpy()
-    arr = np.asarray(value)
-    if arr.size == 0 and not isinstance(value, np.ndarray):
-        arr = arr.astype(np.int64)  # np.asarray([]) is float64; emptiness is reported later
+    if type(value) is np.ndarray:
+        arr = value
+    else:
+        if isinstance(value, torch.Tensor):
+            if not value.is_cpu:
+                raise TypeError(
+                    f"{name} is a tensor on {value.device}; expected a host (CPU) copy. "
+                    "Reading device data would synchronize every decode step: pass the "
+                    "scheduler's host copy (list, numpy array or CPU tensor)")
+            value = value.numpy()
+        arr = np.asarray(value)
+        if arr.size == 0 and not isinstance(value, np.ndarray):
+            arr = arr.astype(np.int64)  # np.asarray([]) is float64; emptiness is reported later
     if arr.dtype.kind not in "iu":
         raise TypeError(f"{name} has dtype {arr.dtype}; expected integers. Cast it to int32")
     if arr.ndim != ndim:
@@ -76,49 +99,124 @@ def _host_ints(name: str, value: Any, ndim: int) -> np.ndarray:
     return arr
 
 
-def _check_lengths(lens: np.ndarray, raw: Any, spec: BufferSpec) -> tuple[int, int]:
-    if lens.shape[0] == 0:
-        raise ValueError("seq_lens_cpu is empty; a decode step needs at least one request")
-    if type(raw) is list:  # builtins beat two numpy reductions on scheduler-sized lists
-        lo, hi = int(min(raw)), int(max(raw))
-    else:
-        lo, hi = int(lens.min()), int(lens.max())
-    if lo < 0:
-        raise ValueError(f"seq_lens_cpu holds {lo}; lengths must be >= 0 (0 = padding row)")
-    if hi > spec.max_context_len:
-        raise ValueError(
-            f"seq_lens_cpu holds {hi}, above the buffers' capacity {spec.max_context_len} "
-            f"(max_pages_per_seq={spec.max_pages_per_seq} x page_size={spec.page_size}); "
-            "cap lengths at max_model_len or allocate more pages per request")
-    return lo, hi
-
-
-def _check_block_table(bt: np.ndarray, lens: np.ndarray, max_len: int, spec: BufferSpec
-                       ) -> np.ndarray:
-    rows, cols = bt.shape
-    if rows != lens.shape[0]:
-        raise ValueError(f"block_table_cpu has {rows} rows; expected {lens.shape[0]}, one per "
-                         "request in seq_lens_cpu")
-    if cols > spec.max_pages_per_seq:
-        raise ValueError(f"block_table_cpu has {cols} columns; expected at most "
-                         f"max_pages_per_seq={spec.max_pages_per_seq}. Trim unused columns")
-    need = -(-max_len // spec.page_size)
-    if cols < need:
-        row = int(lens.argmax())
-        raise ValueError(f"request {row} has seq_len {max_len} = {need} pages of "
-                         f"{spec.page_size}, but block_table_cpu has only {cols} columns")
-    live = bt[:, :need]
-    if live.size and not _all_below(live, spec.num_pages):
-        return _sanitize_block_table(live, lens, spec)
-    return live
-
-
 def _all_below(table: np.ndarray, limit: int) -> bool:
+    if table.size <= 8:  # a few entries (batch 1, short context): builtins beat a reduction
+        entries = table.ravel().tolist()
+        return min(entries) >= 0 and max(entries) < limit
     # One pass: viewed as unsigned, negative entries wrap above any limit too.
     if table.dtype.kind == "i" and table.dtype.itemsize in (4, 8):
         return bool(table.view(np.uint32 if table.dtype.itemsize == 4 else np.uint64).max()
                     < limit)
     return bool(table.min() >= 0 and table.max() < limit)
+
+
+class BatchValidator:
+    """``validate_batch`` for one ``BufferSpec``, with the spec's constants looked up once.
+
+    Graph safety: host arithmetic only; a device tensor where a host copy is expected is
+    rejected, never read.
+    """
+
+    __slots__ = ("spec", "_max_len", "_max_pages", "_num_pages", "_page", "_device",
+                 "_inputs")
+
+    def __init__(self, spec: BufferSpec) -> None:
+        self.spec = spec
+        self._max_len, self._max_pages = spec.max_context_len, spec.max_pages_per_seq
+        self._num_pages, self._page, self._device = spec.num_pages, spec.page_size, spec.device
+        # (name, dtype, per-request shape, dtype viewed as before .numpy() or None if same)
+        self._inputs = tuple((s.name, s.dtype, tuple(s.shape),
+                              None if s.dtype in _NUMPY_DTYPES else numpy_view_dtype(s.dtype))
+                             for s in spec.inputs)
+
+    def __call__(self, batch: DecodeBatch) -> HostBatch:
+        if type(batch) is not DecodeBatch and not isinstance(batch, DecodeBatch):
+            raise TypeError(f"expected a DecodeBatch, got {type(batch).__name__}")
+        raw = batch.seq_lens_cpu
+        lens = _host_ints("seq_lens_cpu", raw, 1)
+        min_len, max_len = self._lengths(lens, raw)
+        table = self._block_table(_host_ints("block_table_cpu", batch.block_table_cpu, 2),
+                                  lens, max_len)
+        positions = batch.positions_cpu
+        if positions is not None:
+            positions = _host_ints("positions_cpu", positions, 1)
+            if positions.shape != lens.shape:
+                raise ValueError(f"positions_cpu has shape {positions.shape}; expected "
+                                 f"{lens.shape}, one per request")
+        bs = lens.shape[0]
+        inputs = batch.inputs
+        host, device = self._split_inputs(inputs, bs)
+        return HostBatch(lens, table, positions, inputs, min_len, max_len, bs, host, device)
+
+    def _lengths(self, lens: np.ndarray, raw: Any) -> tuple[int, int]:
+        n = lens.shape[0]
+        if n == 0:
+            raise ValueError("seq_lens_cpu is empty; a decode step needs at least one request")
+        if n == 1:
+            lo = hi = int(lens[0])
+        elif type(raw) is list:  # builtins beat two numpy reductions on scheduler-sized lists
+            lo, hi = int(min(raw)), int(max(raw))
+        else:
+            lo, hi = int(lens.min()), int(lens.max())
+        if lo < 0:
+            raise ValueError(f"seq_lens_cpu holds {lo}; lengths must be >= 0 (0 = padding row)")
+        if hi > self._max_len:
+            raise ValueError(
+                f"seq_lens_cpu holds {hi}, above the buffers' capacity {self._max_len} "
+                f"(max_pages_per_seq={self._max_pages} x page_size={self._page}); "
+                "cap lengths at max_model_len or allocate more pages per request")
+        return lo, hi
+
+    def _block_table(self, bt: np.ndarray, lens: np.ndarray, max_len: int) -> np.ndarray:
+        rows, cols = bt.shape
+        if rows != lens.shape[0]:
+            raise ValueError(f"block_table_cpu has {rows} rows; expected {lens.shape[0]}, one "
+                             "per request in seq_lens_cpu")
+        if cols > self._max_pages:
+            raise ValueError(f"block_table_cpu has {cols} columns; expected at most "
+                             f"max_pages_per_seq={self._max_pages}. Trim unused columns")
+        need = -(-max_len // self._page)
+        if cols < need:
+            row = int(lens.argmax())
+            raise ValueError(f"request {row} has seq_len {max_len} = {need} pages of "
+                             f"{self._page}, but block_table_cpu has only {cols} columns")
+        live = bt if cols == need else bt[:, :need]
+        if need and not _all_below(live, self._num_pages):
+            return _sanitize_block_table(live, lens, self.spec)
+        return live
+
+    def _split_inputs(self, inputs: Mapping[str, torch.Tensor], bs: int
+                      ) -> tuple[tuple[tuple[str, np.ndarray], ...],
+                                 tuple[tuple[str, torch.Tensor], ...]]:
+        if len(inputs) != len(self._inputs):
+            raise self._keys_error(inputs)
+        host, device = [], []
+        for name, dtype, shape, view in self._inputs:
+            t = inputs.get(name)
+            if t is None and name not in inputs:
+                raise self._keys_error(inputs)
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"inputs[{name!r}] is a {type(t).__name__}; expected a tensor")
+            if t.dtype != dtype:
+                raise TypeError(f"inputs[{name!r}] has dtype {t.dtype}; expected {dtype}. "
+                                f"Cast it with .to({dtype})")
+            on_host = t.is_cpu
+            if not on_host and t.device != self._device:
+                raise TypeError(f"inputs[{name!r}] is on {t.device}; expected the CPU or "
+                                f"{self._device}. Move it with .to({str(self._device)!r})")
+            t_shape = t.shape
+            if t_shape[0] != bs or t_shape[1:] != shape:
+                raise ValueError(f"inputs[{name!r}] has shape {tuple(t_shape)}; expected "
+                                 f"{(bs, *shape)} (batch, *InputSpec.shape)")
+            if on_host:
+                host.append((name, t.numpy() if view is None else t.view(view).numpy()))
+            else:
+                device.append((name, t))
+        return tuple(host), tuple(device)
+
+    def _keys_error(self, inputs: Mapping[str, torch.Tensor]) -> ValueError:
+        return ValueError(f"inputs has keys {sorted(inputs)}; expected "
+                          f"{sorted(i[0] for i in self._inputs)} (one tensor per InputSpec)")
 
 
 def _sanitize_block_table(bt: np.ndarray, lens: np.ndarray, spec: BufferSpec) -> np.ndarray:
@@ -136,44 +234,18 @@ def _sanitize_block_table(bt: np.ndarray, lens: np.ndarray, spec: BufferSpec) ->
     return np.where(used, bt, 0)
 
 
-def _check_inputs(inputs: Mapping[str, torch.Tensor], batch_size: int, spec: BufferSpec
-                  ) -> Mapping[str, torch.Tensor]:
-    if len(inputs) != len(spec.inputs) or any(s.name not in inputs for s in spec.inputs):
-        raise ValueError(f"inputs has keys {sorted(inputs)}; expected "
-                         f"{sorted(s.name for s in spec.inputs)} (one tensor per InputSpec)")
-    for s in spec.inputs:
-        t = inputs[s.name]
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"inputs[{s.name!r}] is a {type(t).__name__}; expected a tensor")
-        if t.dtype != s.dtype:
-            raise TypeError(f"inputs[{s.name!r}] has dtype {t.dtype}; expected {s.dtype}. "
-                            f"Cast it with .to({s.dtype})")
-        if t.device.type != "cpu" and t.device != spec.device:
-            raise TypeError(f"inputs[{s.name!r}] is on {t.device}; expected the CPU or "
-                            f"{spec.device}. Move it with .to({str(spec.device)!r})")
-        if t.shape[0] != batch_size or t.shape[1:] != s.shape:
-            raise ValueError(f"inputs[{s.name!r}] has shape {tuple(t.shape)}; expected "
-                             f"{(batch_size, *s.shape)} (batch, *InputSpec.shape)")
-    return inputs
+_VALIDATORS: dict[int, BatchValidator] = {}
 
 
 def validate_batch(batch: DecodeBatch, spec: BufferSpec) -> HostBatch:
     """Check ``batch`` against ``spec`` on the host; raise before anything is staged.
 
     Graph safety: host arithmetic only; a device tensor where a host copy is expected is
-    rejected, never read.
+    rejected, never read. Hot loops should hold a ``BatchValidator(spec)`` instead.
     """
-    if not isinstance(batch, DecodeBatch):
-        raise TypeError(f"expected a DecodeBatch, got {type(batch).__name__}")
-    lens = _host_ints("seq_lens_cpu", batch.seq_lens_cpu, 1)
-    min_len, max_len = _check_lengths(lens, batch.seq_lens_cpu, spec)
-    table = _host_ints("block_table_cpu", batch.block_table_cpu, 2)
-    table = _check_block_table(table, lens, max_len, spec)
-    positions = batch.positions_cpu
-    if positions is not None:
-        positions = _host_ints("positions_cpu", positions, 1)
-        if positions.shape != lens.shape:
-            raise ValueError(f"positions_cpu has shape {positions.shape}; expected "
-                             f"{lens.shape}, one per request")
-    inputs = _check_inputs(batch.inputs, lens.shape[0], spec)
-    return HostBatch(lens, table, positions, inputs, min_len, max_len)
+    validator = _VALIDATORS.get(id(spec))
+    if validator is None or validator.spec is not spec:
+        if len(_VALIDATORS) >= 64:
+            _VALIDATORS.clear()
+        validator = _VALIDATORS[id(spec)] = BatchValidator(spec)
+    return validator(batch)

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from graphbucket.backends.base import DecodeBackend, WorkspaceSpec
-from graphbucket.batch import HostBatch
+from graphbucket.batch import HostBatch, numpy_view_dtype
 from graphbucket.context import DecodeContext
 from graphbucket.plan import LaunchPlan
 
@@ -109,32 +109,73 @@ def _layout(spec: BufferSpec, max_bs: int) -> tuple[dict[str, _Segment], int]:
 
 @dataclass(eq=False, slots=True)
 class _StagingSlot:
+    """One pinned staging arena and what is known about the bytes it still holds.
+
+    Dirt tracking lets a stage zero only what an earlier stage left behind: block-table
+    entries outside rows [0, table_rows) x columns [0, table_cols) are zero, and so are
+    seq_lens / positions / input rows from ``live_rows`` on.
+    """
+
     arena: torch.Tensor  # uint8, host; pinned when the buffers live on CUDA
     seq_lens: np.ndarray
     positions: np.ndarray
     block_table: np.ndarray
-    inputs: dict[str, np.ndarray]  # raw-bits views (same-size integer dtype as the input)
-    event: torch.cuda.Event | None
+    inputs: dict[str, np.ndarray]  # viewed as numpy_view_dtype (raw bits where numpy has none)
+    event: torch.Event | None  # torch.Event records on the current stream in C++
     in_flight: bool = False
-    dirty_cols: int = 0  # block-table columns that may hold non-zero entries
+    table_rows: int = 0
+    table_cols: int = 0
+    live_rows: int = 0
+
+    def fill(self, batch: HostBatch, padded_bs: int) -> None:
+        """Rows [0, bs) from ``batch``; rows [bs, padded_bs) neutral (zeros)."""
+        bs, lens = batch.batch_size, batch.seq_lens
+        self.seq_lens[:bs] = lens
+        positions = self.positions[:bs]
+        if batch.positions is not None:
+            positions[...] = batch.positions
+        else:
+            np.subtract(lens, 1, out=positions, dtype=np.int64)
+            if batch.min_len == 0:
+                np.maximum(positions, 0, out=positions)
+        for name, arr in batch.host_inputs:
+            self.inputs[name][:bs] = arr
+        live = self.live_rows
+        top = padded_bs if padded_bs < live else live
+        if top > bs:
+            self.seq_lens[bs:top] = 0
+            self.positions[bs:top] = 0
+            for arr in self.inputs.values():  # device inputs too: the prefix copy pads them
+                arr[bs:top] = 0
+        self.live_rows = bs if live <= padded_bs else live
+        self._fill_table(batch.block_table, bs, padded_bs)
+
+    def _fill_table(self, src: np.ndarray, bs: int, padded_bs: int) -> None:
+        table, cols = self.block_table, src.shape[1]
+        rows, dirty = self.table_rows, self.table_cols
+        table[:bs, :cols] = src
+        if dirty > cols and rows:
+            table[:min(bs, rows), cols:dirty] = 0
+        top = padded_bs if padded_bs < rows else rows
+        if top > bs:
+            table[bs:top, :dirty] = 0
+        if rows <= padded_bs:
+            self.table_rows, self.table_cols = bs, cols
+        elif cols > dirty:
+            self.table_cols = cols
 
 
-_RAW_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _raw_bits(t: torch.Tensor) -> torch.Tensor:
-    """The same memory as a same-size integer tensor (numpy has no bfloat16)."""
-    return t.view(_RAW_DTYPES[t.element_size()])
-
-
-def _staging_slot(segments: dict[str, _Segment], nbytes: int, pin: bool) -> _StagingSlot:
+def _staging_slot(segments: dict[str, _Segment], nbytes: int, device: torch.device | None
+                  ) -> _StagingSlot:
+    """A staging arena; pinned, with a reuse event, when ``device`` (a CUDA device) is given."""
+    pin = device is not None
     arena = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
     views = {name: seg.view(arena) for name, seg in segments.items()}
-    inputs = {name[6:]: _raw_bits(t).numpy() for name, t in views.items()
-              if name.startswith("input:")}
+    inputs = {name[6:]: t.view(numpy_view_dtype(t.dtype)).numpy()
+              for name, t in views.items() if name.startswith("input:")}
     return _StagingSlot(arena, views["seq_lens"].numpy(), views["positions"].numpy(),
                         views["block_table"].numpy(), inputs,
-                        torch.cuda.Event() if pin else None)
+                        torch.Event(device) if pin else None)
 
 
 @dataclass(eq=False)
@@ -181,7 +222,8 @@ class StaticBuffers:
                                device=spec.device),
             workspace=workspace.allocate(spec.device), workspace_nbytes=workspace.nbytes,
             _arena=arena, _bt_offset=segments["block_table"].offset,
-            _slots=[_staging_slot(segments, nbytes, pin) for _ in range(num_staging_slots)])
+            _slots=[_staging_slot(segments, nbytes, spec.device if pin else None)
+                    for _ in range(num_staging_slots)])
 
     @property
     def nbytes(self) -> int:
@@ -204,16 +246,15 @@ class StaticBuffers:
         bs = batch.batch_size
         assert bs <= padded_bs <= self.max_batch_size, (bs, padded_bs, self.max_batch_size)
         index, slot = self._acquire_slot()
-        _fill_slot(slot, batch, padded_bs)
+        slot.fill(batch, padded_bs)
         views = self._prefixes.get(padded_bs) or self._prefix_views(padded_bs)
-        views[0].copy_(views[1][index], non_blocking=slot.event is not None)
-        for name, t in batch.inputs.items():
-            if t.device.type != "cpu":
-                self.inputs[name][:bs].copy_(t, non_blocking=True)
-                if padded_bs > bs:
-                    self.inputs[name][bs:padded_bs].zero_()
-        if slot.event is not None:
-            slot.event.record()
+        event = slot.event
+        views[0].copy_(views[1][index], non_blocking=event is not None)
+        # Rows [bs, padded_bs) of a device input were zeroed by the prefix copy above.
+        for name, t in batch.device_inputs:
+            self.inputs[name][:bs].copy_(t, non_blocking=True)
+        if event is not None:
+            event.record()
             slot.in_flight = True
 
     def _prefix_views(self, padded_bs: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -227,11 +268,12 @@ class StaticBuffers:
     def _acquire_slot(self) -> tuple[int, _StagingSlot]:
         index = self._next_slot
         slot = self._slots[index]
-        self._next_slot = (index + 1) % len(self._slots)
-        if slot.in_flight and not slot.event.query():
-            self.staging_waits += 1
-            slot.event.synchronize()  # its copy has not landed: rewriting it now would race
-        slot.in_flight = False
+        self._next_slot = index + 1 if index + 1 < len(self._slots) else 0
+        if slot.in_flight:
+            if not slot.event.query():
+                self.staging_waits += 1
+                slot.event.synchronize()  # its copy has not landed: rewriting it would race
+            slot.in_flight = False
         return index, slot
 
     def context(self, batch_size: int, plan: LaunchPlan, backend: DecodeBackend,
@@ -255,29 +297,3 @@ class StaticBuffers:
         empty = torch.empty(0)
         self.seq_lens = self.positions = self.block_table = self.output = self._arena = empty
 
-
-def _fill_slot(slot: _StagingSlot, batch: HostBatch, padded_bs: int) -> None:
-    bs, cols = batch.batch_size, batch.block_table.shape[1]
-    slot.seq_lens[:bs] = batch.seq_lens
-    positions = slot.positions[:bs]
-    if batch.positions is not None:
-        positions[:] = batch.positions
-    else:
-        positions[:] = batch.seq_lens
-        positions -= 1
-        if batch.min_len == 0:
-            np.maximum(positions, 0, out=positions)
-    table, dirty = slot.block_table, slot.dirty_cols
-    table[:bs, :cols] = batch.block_table
-    if dirty > cols:
-        table[:bs, cols:dirty] = 0
-    for name, t in batch.inputs.items():
-        if t.device.type == "cpu":
-            slot.inputs[name][:bs] = _raw_bits(t).numpy()
-    if padded_bs > bs:
-        slot.seq_lens[bs:padded_bs] = 0
-        slot.positions[bs:padded_bs] = 0
-        table[bs:padded_bs, :max(cols, dirty)] = 0
-        for name in batch.inputs:
-            slot.inputs[name][bs:padded_bs] = 0
-    slot.dirty_cols = max(cols, dirty)

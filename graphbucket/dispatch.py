@@ -12,17 +12,18 @@ for it. With no captured graphs at all (the ``eager`` policy), every step runs t
 
 from __future__ import annotations
 
-import bisect
 import logging
+from bisect import bisect_left
 from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
 from graphbucket.backends.base import DecodeBackend
-from graphbucket.batch import DecodeBatch, HostBatch, validate_batch
+from graphbucket.batch import BatchValidator, DecodeBatch, HostBatch
 from graphbucket.buffers import StaticBuffers
 from graphbucket.capture import Forward, GraphCapture
+from graphbucket.graph import Graph
 from graphbucket.ladder import BucketLadder
 from graphbucket.plan import LaunchPlan
 
@@ -106,9 +107,15 @@ class Dispatcher:
             raise ValueError(f"capture size {self.batch_sizes[-1]} exceeds the buffers' "
                              f"max_batch_size {buffers.max_batch_size}")
         # padded[b] = smallest capture size >= b, for b in 1..max capture size.
-        self._padded = [0] + [self.batch_sizes[bisect.bisect_left(self.batch_sizes, b)]
+        self._padded = [0] + [self.batch_sizes[bisect_left(self.batch_sizes, b)]
                               for b in range(1, self.batch_sizes[-1] + 1)]
-        self._counts: Counter[tuple[int, int]] = Counter()
+        self._validate = BatchValidator(buffers.spec)
+        self._bounds, self._top = ladder.bounds, ladder.max_model_len
+        # Per (padded size, bucket), flattened as padded * len(ladder) + bucket: the graph
+        # (looked up on first use) and its replay count.
+        self._graph_at: list[Graph | None] = [None] * ((self.batch_sizes[-1] + 1) * len(ladder))
+        self._replays = [0] * len(self._graph_at)
+        self._outputs: list[torch.Tensor | None] = [None] * (self.batch_sizes[-1] + 1)
         self._steps = self._eager_steps = self._fallbacks = self._errors = 0
         self._warned = False
 
@@ -123,11 +130,8 @@ class Dispatcher:
         the ladder top, block table outside the cache, wrong dtype/device/shape).
         """
         try:
-            host = validate_batch(batch, self.buffers.spec)
-            if self.select_key == "max":  # select()'s default key, without a second pass
-                bucket = self.ladder.bucket_for(host.max_len)
-            else:
-                bucket = self.ladder.select(host.seq_lens, key=self.select_key)
+            host = self._validate(batch)
+            bucket = self._bucket(host)
         except (TypeError, ValueError):
             self._errors += 1
             raise
@@ -140,9 +144,29 @@ class Dispatcher:
             return self._fallback(host)
         padded = self._padded[bs]
         self.buffers.stage(host, padded)
-        self.graphs.graph(padded, bucket).replay()
-        self._counts[(padded, bucket)] += 1
-        return self.buffers.output[:bs]
+        key = padded * len(self._bounds) + bucket
+        graph = self._graph_at[key] or self._lookup(padded, bucket, key)
+        graph.replay()
+        self._replays[key] += 1
+        out = self._outputs[bs]
+        if out is None:  # slicing a tensor costs ~1 us: one view per batch size, kept
+            out = self._outputs[bs] = self.buffers.output[:bs]
+        return out
+
+    def _bucket(self, host: HostBatch) -> int:
+        # Lengths are validated ints >= 0: select()'s checks reduce to the ladder top.
+        length = host.max_len
+        if length > self._top:
+            return self.ladder.bucket_for(length)  # raises, naming the ladder top
+        if self.select_key == "max":
+            return bisect_left(self._bounds, length)
+        if host.min_len > 0:
+            return bisect_left(self._bounds, host.min_len)
+        return self.ladder.select(host.seq_lens, key="min")  # zeros are padding rows
+
+    def _lookup(self, padded: int, bucket: int, key: int) -> Graph:
+        graph = self._graph_at[key] = self.graphs.graph(padded, bucket)
+        return graph
 
     def _fallback(self, host: HostBatch) -> torch.Tensor:
         self._fallbacks += 1
@@ -156,12 +180,19 @@ class Dispatcher:
         return self.eager.run(host)
 
     def stats(self) -> DispatchStats:
+        nb = len(self._bounds)
+        counts = {divmod(key, nb): n for key, n in enumerate(self._replays) if n}
         by_key: Counter[tuple[int, LaunchPlan]] = Counter()
         if self.graphs is not None:
-            for (bs, bucket), n in self._counts.items():
+            for (bs, bucket), n in counts.items():
                 by_key[(bs, self.graphs.plans[(bs, bucket)])] += n
         waits = self.buffers.staging_waits + self.eager.overflow_staging_waits
         return DispatchStats(steps=self._steps, replays=dict(by_key),
-                             replays_by_bucket=dict(self._counts), eager_steps=self._eager_steps,
+                             replays_by_bucket=counts, eager_steps=self._eager_steps,
                              eager_fallbacks=self._fallbacks, errors=self._errors,
                              staging_waits=waits)
+
+    def close(self) -> None:
+        """Drop the graphs and output views looked up so far (the runner owns them)."""
+        self._graph_at = [None] * len(self._graph_at)
+        self._outputs = [None] * len(self._outputs)

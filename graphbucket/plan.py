@@ -12,7 +12,7 @@ Formula (integer arithmetic)::
     rows         = batch * cdiv(num_heads, block_h)          # programs without splitting
     stream       = LONG_STREAM if rows < num_sms // 4 else WIDE_STREAM
     budget       = min(stream.ctas_per_sm * num_sms // rows, max_splits)    # >= 1
-    wanted       = pow2_ceil(cdiv(hint, stream.block_n))     # one tile per split at most
+    wanted       = pow2_ceil(cdiv(cdiv(hint, stream.block_n), stream.min_tiles_per_split))
     num_splits   = clamp(wanted, 1, budget)
 
 Where the constants come from (H200 measurements, bench/NOTES.md):
@@ -22,8 +22,10 @@ Where the constants come from (H200 measurements, bench/NOTES.md):
 - LONG_STREAM (few rows, long splits): 64-token tiles, 3 pipeline stages, 94 KB of
   shared memory -> 2 programs per SM. Best at batch 1 and 8 (128K: 54 us at 264 splits).
 - WIDE_STREAM (many rows): 32-token tiles, 2 stages, 56 KB -> 4 programs per SM.
-  Best at batch 64 (3 % ahead of LONG_STREAM).
-- wanted: at batch 1 more splits kept paying down to one tile per split at short
+  Best at batch 64 (3 % ahead of LONG_STREAM). With that many rows the grid is already
+  wide, and a split pays for its partial store and merge only over >= 8 tiles (batch 64:
+  1 split best at 256 tokens, 4 at 1K, 8-16 from 4K on).
+- wanted (LONG): at batch 1 more splits kept paying down to one tile per split at short
   contexts (256 tokens: 7.2 us at 8 splits against 12.9 us at 2), so the hint asks for
   one split per tile and the budget caps it; powers of two keep neighbouring hints on
   one plan, so ladders alias more graphs.
@@ -32,14 +34,16 @@ The ladder tuner measures these choices on the GPU at hand and may replace them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 MAX_KV_SPLITS = 512
 H200_NUM_SMS = 132
-# Stage 2 merges this many splits per step (one fixed value: one compiled merge kernel).
-# Measured on the H200 at batch 1: 256 x 32-column tiles merge 256 splits in 4.3 us,
-# 32 x 64 tiles took 9.2 us (latency of 8 dependent steps), see bench/NOTES.md.
+# Stage 2 merges MERGE_BLOCK_S splits per step. Measured on the H200 at batch 1:
+# 256 x 32-column tiles merge 256 splits in 4.8 us, 32 x 64 tiles took 9.2 us (8 dependent
+# steps). At batch 64 with 2 live splits the 256-row tile cost ~45 us (16K programs of
+# mostly masked work), so plans with few splits use 32 rows: two compiled merge variants.
 MERGE_BLOCK_S = 256
+MERGE_BLOCK_S_SMALL = 32
 MERGE_BLOCK_DV = 32
 
 
@@ -62,10 +66,11 @@ class StreamConfig:
     block_n: int
     num_stages: int
     ctas_per_sm: int
+    min_tiles_per_split: int
 
 
-LONG_STREAM = StreamConfig(block_n=64, num_stages=3, ctas_per_sm=2)
-WIDE_STREAM = StreamConfig(block_n=32, num_stages=2, ctas_per_sm=4)
+LONG_STREAM = StreamConfig(block_n=64, num_stages=3, ctas_per_sm=2, min_tiles_per_split=1)
+WIDE_STREAM = StreamConfig(block_n=32, num_stages=2, ctas_per_sm=4, min_tiles_per_split=8)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +117,11 @@ class LaunchPlan:
             return (0, 0, 0, 0)
         return (self.batch_size, self.num_heads, self.num_kv_splits, self.kv_lora_rank)
 
+    def with_splits(self, num_kv_splits: int) -> LaunchPlan:
+        """The same plan with another split budget (and the merge tile that goes with it)."""
+        return replace(self, num_kv_splits=num_kv_splits,
+                       merge_block_s=merge_block_s(num_kv_splits))
+
     def describe(self) -> str:
         stage2 = f"+merge(bs={self.merge_block_s})" if self.use_stage2 else " one-split"
         return (
@@ -128,6 +138,10 @@ def stream_config(rows: int, num_sms: int) -> StreamConfig:
 def split_budget(rows: int, stream: StreamConfig, *, num_sms: int, max_splits: int) -> int:
     """Splits that fill the resident program slots of every SM exactly once (one wave)."""
     return max(1, min(stream.ctas_per_sm * num_sms // rows, max_splits))
+
+
+def merge_block_s(num_splits: int) -> int:
+    return MERGE_BLOCK_S_SMALL if num_splits <= MERGE_BLOCK_S_SMALL else MERGE_BLOCK_S
 
 
 def head_block_size(num_heads: int) -> int:
@@ -161,17 +175,18 @@ def plan_mla_decode(
     rows = batch_size * cdiv(num_heads, block_h)
     stream = stream or stream_config(rows, num_sms)
     budget = split_budget(rows, stream, num_sms=num_sms, max_splits=max_splits)
-    wanted = pow2_ceil(cdiv(hint, stream.block_n))
+    wanted = pow2_ceil(cdiv(cdiv(hint, stream.block_n), stream.min_tiles_per_split))
+    num_splits = max(1, min(wanted, budget))
     return LaunchPlan(
         batch_size=batch_size,
         num_heads=num_heads,
-        num_kv_splits=max(1, min(wanted, budget)),
+        num_kv_splits=num_splits,
         block_h=block_h,
         block_n=stream.block_n,
         num_warps=4 if block_h == 16 else 8,
         num_stages=stream.num_stages,
         kv_lora_rank=kv_lora_rank,
         qk_rope_dim=qk_rope_dim,
-        merge_block_s=MERGE_BLOCK_S,
+        merge_block_s=merge_block_s(num_splits),
         merge_block_dv=MERGE_BLOCK_DV,
     )

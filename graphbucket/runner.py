@@ -24,13 +24,31 @@ from graphbucket.buffers import BufferSpec, StaticBuffers
 from graphbucket.capture import CaptureSummary, Forward, GraphCapture, GraphRecord, plan_table
 from graphbucket.dispatch import Dispatcher, DispatchStats, EagerExecutor
 from graphbucket.ladder import Bucket, BucketLadder, default_ladder
+from graphbucket.tuned import find_tuned_ladder
 
 POLICIES = ("eager", "fixed-1", "fixed-max", "ladder")
+# Benchmark-only: the field's default ladder, to compare against a shipped tuned one.
+BENCH_POLICIES = (*POLICIES, "default-ladder")
 
 
-def policy_ladder(policy: str, max_model_len: int, ladder: BucketLadder | None = None
-                  ) -> BucketLadder | None:
-    """The ladder a policy captures (None for ``eager``); ``ladder`` overrides the default."""
+def device_ladder(spec: BufferSpec, max_model_len: int) -> BucketLadder:
+    """The ladder tuned for this GPU and head count when one ships, else the default."""
+    if spec.device.type == "cuda" and torch.cuda.is_available():
+        name = torch.cuda.get_device_name(spec.device)
+        tuned = find_tuned_ladder(name, spec.num_heads, max_model_len)
+        if tuned is not None:
+            return tuned
+    return default_ladder(max_model_len)
+
+
+def policy_ladder(policy: str, max_model_len: int, ladder: BucketLadder | None = None, *,
+                  spec: BufferSpec | None = None) -> BucketLadder | None:
+    """The ladder a policy captures (None for ``eager``); ``ladder`` overrides the default.
+
+    For ``ladder`` without an explicit one: the shipped tuned ladder of ``spec``'s GPU and
+    head count (graphbucket/ladders/), else ``default_ladder``. ``default-ladder`` always
+    takes the field's five-bucket default (benchmarks compare the two).
+    """
     if policy == "eager":
         return None
     if policy == "fixed-1":
@@ -38,12 +56,16 @@ def policy_ladder(policy: str, max_model_len: int, ladder: BucketLadder | None =
     if policy == "fixed-max":
         return BucketLadder([Bucket(max_model_len, max_model_len)], max_model_len,
                             meta={"policy": policy})
+    if policy == "default-ladder":
+        return default_ladder(max_model_len)
     if policy == "ladder":
         if ladder is not None and ladder.max_model_len != max_model_len:
             raise ValueError(f"ladder covers 1..{ladder.max_model_len} but max_model_len="
                              f"{max_model_len}; pass a ladder that ends at max_model_len")
-        return ladder if ladder is not None else default_ladder(max_model_len)
-    raise ValueError(f"unknown policy {policy!r}; expected one of {POLICIES}")
+        if ladder is not None:
+            return ladder
+        return device_ladder(spec, max_model_len) if spec else default_ladder(max_model_len)
+    raise ValueError(f"unknown policy {policy!r}; expected one of {BENCH_POLICIES}")
 
 
 class GraphBucketRunner:
@@ -97,7 +119,7 @@ class GraphBucketRunner:
                    ladder: BucketLadder | None = None, **kwargs) -> GraphBucketRunner:
         """A runner for ``eager``, ``fixed-1``, ``fixed-max`` or ``ladder`` (see POLICIES)."""
         return cls(forward, spec=spec, batch_sizes=batch_sizes, sm_scale=sm_scale,
-                   ladder=policy_ladder(policy, max_model_len, ladder),
+                   ladder=policy_ladder(policy, max_model_len, ladder, spec=spec),
                    max_model_len=max_model_len, **kwargs)
 
     @property
@@ -139,6 +161,7 @@ class GraphBucketRunner:
         if self._closed:
             return
         self._closed = True
+        self._dispatcher.close()
         if self._capture is not None:
             self._capture.close()
         self._eager.close()

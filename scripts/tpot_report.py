@@ -16,7 +16,9 @@ import json
 import sys
 from pathlib import Path
 
-POLICIES = ("eager", "fixed-1", "fixed-max", "ladder")
+# "ladder" is the runner's choice (the shipped tuned ladder of the GPU when there is one);
+# "default-ladder" the field's five buckets.
+POLICIES = ("eager", "fixed-1", "fixed-max", "default-ladder", "ladder")
 
 
 def fmt_context(n: int) -> str:

@@ -72,3 +72,36 @@ def test_out_of_range_padding_past_live_pages_is_zeroed():
     table = np.array([[3, 4, -1], [5, -1, -1]], np.int32)
     host = validate_batch(batch(lens=(30, 7), table=table), SPEC)
     assert host.block_table.tolist() == [[3, 4], [5, 0]]
+
+
+def test_validator_splits_host_and_device_inputs_and_matches_validate_batch():
+    from graphbucket.batch import BatchValidator
+
+    b = batch(lens=(40, 7))
+    host = BatchValidator(SPEC)(b)
+    assert host.batch_size == 2 and host.device_inputs == ()
+    (name, arr), = host.host_inputs
+    assert name == "hidden" and isinstance(arr, np.ndarray) and arr.shape == (2, HIDDEN)
+    again = validate_batch(b, SPEC)
+    assert again.block_table.tolist() == host.block_table.tolist()
+    assert (again.min_len, again.max_len) == (host.min_len, host.max_len) == (7, 40)
+
+
+def test_wide_tables_are_checked_only_over_live_columns():
+    # Columns past the longest request's pages are never staged, so never checked.
+    table = np.full((2, 20), 10_000, np.int32)
+    table[:, :3] = [[0, 1, 2], [3, 4, 5]]
+    host = validate_batch(batch(lens=(40, 7), table=table), SPEC)
+    assert host.block_table.tolist() == [[0, 1, 2], [3, 4, 5]]
+    table[0, 2] = 64
+    with pytest.raises(ValueError, match=r"\[0, 2\] = 64 points outside"):
+        validate_batch(batch(lens=(40, 7), table=table), SPEC)
+
+
+@pytest.mark.parametrize("table", [np.array([[3, 4, 5]], np.int64),
+                                   np.array([[3, 4, 5]], np.uint16),
+                                   torch.tensor([[3, 4, 5]], dtype=torch.int32)])
+def test_any_integer_table_type_is_accepted(table):
+    host = validate_batch(DecodeBatch(np.array([40], np.int32), table,
+                                      {"hidden": torch.zeros(1, HIDDEN)}), SPEC)
+    assert host.block_table.tolist() == [[3, 4, 5]] and host.max_len == 40

@@ -161,3 +161,62 @@ def test_staging_memory_is_pinned_and_device_inputs_copy_directly():
     torch.cuda.synchronize()
     assert torch.equal(buf.inputs["hidden"][:2], batch.inputs["hidden"])
     assert not buf.inputs["hidden"][2:].any()
+
+
+def _expected_seq_info(host, padded_bs: int) -> dict[str, np.ndarray]:
+    """Rows [0, padded_bs) of seq_info as a from-scratch stage would leave them."""
+    bs, cols = host.batch_size, host.block_table.shape[1]
+    table = np.zeros((padded_bs, MAX_PAGES), np.int32)
+    table[:bs, :cols] = host.block_table
+    lens = np.zeros(padded_bs, np.int32)
+    lens[:bs] = host.seq_lens
+    positions = np.zeros(padded_bs, np.int64)
+    positions[:bs] = np.maximum(host.seq_lens.astype(np.int64) - 1, 0)
+    hidden = np.zeros((padded_bs, HIDDEN), np.float32)
+    hidden[:bs] = host.inputs["hidden"].numpy()
+    return {"block_table": table, "seq_lens": lens, "positions": positions, "hidden": hidden}
+
+
+@pytest.mark.parametrize("slots", [1, 2, 3])
+def test_random_restaging_matches_a_fresh_stage_every_step(slots):
+    # Staging zeroes only what earlier stages of the same slot left behind; whatever the
+    # order of wide/narrow and large/small batches, rows [0, padded) must come out exactly
+    # as if the staging memory had been zero.
+    buf = make_buffers("cpu", slots=slots)
+    rng = np.random.default_rng(slots)
+    for step in range(200):
+        bs = int(rng.integers(1, MAX_BS + 1))
+        lens = rng.integers(0, MAX_PAGES * 16 + 1, size=bs).tolist()
+        host, _ = host_batch(lens, cols=max(1, -(-max(lens) // 16)), seed=step)
+        padded = int(rng.integers(bs, MAX_BS + 1))
+        buf.stage(host, padded_bs=padded)
+        want = _expected_seq_info(host, padded)
+        got = {"block_table": buf.block_table[:padded].numpy(),
+               "seq_lens": buf.seq_lens[:padded].numpy(),
+               "positions": buf.positions[:padded].numpy(),
+               "hidden": buf.inputs["hidden"][:padded].numpy()}
+        for name, value in want.items():
+            assert np.array_equal(got[name], value), (step, name, lens, padded)
+
+
+def test_unsigned_lengths_with_padding_rows_stage_position_zero():
+    buf = make_buffers("cpu")
+    batch = DecodeBatch(np.array([0, 17], np.uint32), np.array([[1, 2], [3, 4]], np.int32),
+                        {"hidden": torch.zeros(2, HIDDEN)})
+    buf.stage(validate_batch(batch, toy_spec(max_pages=MAX_PAGES)), padded_bs=2)
+    assert buf.positions[:2].tolist() == [0, 16] and buf.seq_lens[:2].tolist() == [0, 17]
+
+
+def test_bfloat16_inputs_are_staged_bit_for_bit():
+    spec = BufferSpec(max_pages_per_seq=4, num_pages=8, page_size=16, num_heads=16,
+                      output_shape=(4,), output_dtype=torch.bfloat16,
+                      inputs=(InputSpec("h", (3,), torch.bfloat16),
+                              InputSpec("ids", (), torch.int64)))
+    backend = get_backend("reference", kv_lora_rank=64, qk_rope_dim=16)
+    buf = StaticBuffers.allocate(spec, max_batch_size=2,
+                                 workspace=backend.workspace_spec([backend.plan(2, 16, 1)]))
+    h = torch.randn(1, 3).to(torch.bfloat16)
+    batch = DecodeBatch([5], np.zeros((1, 1), np.int32), {"h": h, "ids": torch.tensor([7])})
+    buf.stage(validate_batch(batch, spec), padded_bs=2)
+    assert torch.equal(buf.inputs["h"][0], h[0]) and not buf.inputs["h"][1].any()
+    assert buf.inputs["ids"].tolist() == [7, 0]

@@ -158,3 +158,23 @@ def test_capture_sizes_must_fit_the_buffers():
         Dispatcher(dispatcher.buffers, LADDER, [1, 8], None, dispatcher.eager)
     with pytest.raises(ValueError, match="select_key must be"):
         Dispatcher(dispatcher.buffers, LADDER, [1], None, dispatcher.eager, select_key="mean")
+
+
+def test_min_key_with_padding_rows_and_counts_over_many_steps():
+    dispatcher, _ = make_dispatcher("cpu", select_key="min")
+    for _ in range(3):
+        dispatcher.step(batch_of([0, 300, 40]))  # zeros are padding: min live length is 40
+    dispatcher.step(batch_of([20]))
+    assert dispatcher.stats().replays_by_bucket == {(4, 1): 3, (1, 0): 1}
+    with pytest.raises(ValueError, match="above the ladder top"):
+        dispatcher.step(batch_of([0, 321]))
+
+
+def test_repeated_steps_return_the_same_static_view_until_close():
+    dispatcher, _ = make_dispatcher("cpu")
+    first = dispatcher.step(batch_of([5, 6]))
+    second = dispatcher.step(batch_of([7, 8], seed=1))
+    assert first.data_ptr() == second.data_ptr() == dispatcher.buffers.output.data_ptr()
+    assert second.shape == (2, 32)
+    dispatcher.close()
+    assert dispatcher.step(batch_of([9])).shape == (1, 32)  # looked up again after close

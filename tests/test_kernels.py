@@ -6,8 +6,6 @@ bf16 dot is wrong); on CUDA the same cases run in bf16 too.
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -51,7 +49,7 @@ def check(case: DecodeCase, plan: LaunchPlan, tol: float = 1e-2):
 
 
 def with_splits(plan: LaunchPlan, num_splits: int) -> LaunchPlan:
-    return dataclasses.replace(plan, num_kv_splits=num_splits)
+    return plan.with_splits(num_splits)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -124,15 +122,21 @@ def test_many_splits_merge_in_blocks():
     check(case, with_splits(plan, splits))
 
 
+@pytest.mark.slow
+def test_many_splits_wide_merge_tile():
+    # Above 32 splits the merge takes 256-split steps: 300 splits need two of them.
+    plan = with_splits(plan_mla_decode(1, 16, 1, num_sms=4, stream=WIDE_STREAM), 300)
+    assert plan.merge_block_s == 256
+    case = make_case([300 * plan.block_n - 7], 16, page_size=32, dtype=torch.float16,
+                     device=DEVICE)
+    check(case, plan)
+
+
 def test_bad_inputs_raise_before_launch():
     case = make_case([10], 16, page_size=16, dtype=torch.float16, device=DEVICE)
     plan = plan_mla_decode(1, 16, 10, num_sms=4)
     out = torch.zeros(1, 16, KV_LORA_RANK, dtype=torch.float16, device=DEVICE)
     ws = SplitWorkspace.for_plans([plan], DEVICE)
-    if ON_GPU:
-        with pytest.raises(ValueError, match="float32 caches"):
-            mla_decode(case.q.float(), case.kv_cache.float(), case.block_table, case.seq_lens,
-                       out, ws, plan=plan, sm_scale=SM_SCALE)
     with pytest.raises(ValueError, match="dtypes"):
         mla_decode(case.q.float(), case.kv_cache, case.block_table, case.seq_lens, out, ws,
                    plan=plan, sm_scale=SM_SCALE)
@@ -153,6 +157,14 @@ def test_bad_inputs_raise_before_launch():
 def test_a_few_thousand_tokens_fp16():
     case = make_case([3001, 1], 16, page_size=64, dtype=torch.float16, device=DEVICE)
     check(case, plan_mla_decode(2, 16, 3001, num_sms=8))
+
+
+@pytest.mark.gpu
+def test_gpu_float32_cache_fits_shared_memory():
+    # bf16 plans pipeline 3 x 64-token tiles; float32 rows are twice as wide.
+    case = make_case([3000, 70], 16, page_size=64, dtype=torch.float32, device="cuda")
+    for hint in (1, 3000):
+        check(case, plan_mla_decode(2, 16, hint, num_sms=132))
 
 
 @pytest.mark.gpu

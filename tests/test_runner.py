@@ -44,6 +44,10 @@ def test_policy_ladders():
     assert policy_ladder("fixed-max", 320).hints == (320,)
     assert policy_ladder("ladder", 320) == default_ladder(320)
     assert policy_ladder("ladder", 320, LADDER) is LADDER
+    assert policy_ladder("default-ladder", 320) == default_ladder(320)
+    # Without CUDA no tuned ladder applies: the runner's ladder is the default one.
+    cpu_spec = toy_spec(max_pages=20)
+    assert policy_ladder("ladder", 320, spec=cpu_spec) == default_ladder(320)
     with pytest.raises(ValueError, match="ends at max_model_len"):
         policy_ladder("ladder", 640, LADDER)
     with pytest.raises(ValueError, match="unknown policy 'fixed-2'"):

@@ -13,7 +13,9 @@ from graphbucket.models.paging import (
     slot_mapping_for,
 )
 from graphbucket.models.reference import decode_reference
+from graphbucket.models.tp import TPMLADecoder, shard_config, shard_weights, tp_full_config
 
-__all__ = ["PRESETS", "MLAConfig", "MLADecoder", "decode_batch", "decode_reference",
-           "deepseek_v3_tp8", "kimi_tp8", "prefill_random", "random_block_table",
-           "slot_mapping_for", "tiny"]
+__all__ = ["PRESETS", "MLAConfig", "MLADecoder", "TPMLADecoder", "decode_batch",
+           "decode_reference", "deepseek_v3_tp8", "kimi_tp8", "prefill_random",
+           "random_block_table", "shard_config", "shard_weights", "slot_mapping_for", "tiny",
+           "tp_full_config"]

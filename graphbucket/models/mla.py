@@ -41,16 +41,19 @@ class MLADecoder:
     """Seeded random MLA decoder with one paged latent cache per layer.
 
     kv_caches[l]: [num_pages, page_size, R + P] in ``dtype`` on ``device``. Call the model
-    as ``model(ctx)``; it is the ``forward`` a ``GraphBucketRunner`` captures.
+    as ``model(ctx)``; it is the ``forward`` a ``GraphBucketRunner`` captures. ``weights``
+    (per-layer weights, final norm [D]) replaces the seeded draw, e.g. a tensor-parallel shard.
     """
 
     def __init__(self, config: MLAConfig, *, num_pages: int, page_size: int = 64,
                  dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cuda",
-                 seed: int = 0) -> None:
+                 seed: int = 0,
+                 weights: tuple[list[MLALayerWeights], torch.Tensor] | None = None) -> None:
         self.config, self.num_pages, self.page_size = config, num_pages, page_size
         self.dtype, self.device = dtype, torch.device(device)
-        self.layers, self.final_norm = random_weights(config, seed=seed, device=self.device,
-                                                      dtype=dtype)
+        if weights is None:
+            weights = random_weights(config, seed=seed, device=self.device, dtype=dtype)
+        self.layers, self.final_norm = weights
         self.kv_caches = [torch.zeros(num_pages, page_size, config.kv_dim, dtype=dtype,
                                       device=self.device) for _ in range(config.num_layers)]
         self.rope = ops.rope_cache(config.qk_rope_dim, config.max_position, config.rope_theta,
@@ -85,13 +88,19 @@ class MLADecoder:
         x = ctx.inputs[HIDDEN_INPUT]
         h = ops.rms_norm(x, self.layers[0].attn_norm, cfg.rms_eps)
         for i, (layer, cache) in enumerate(zip(self.layers, self.kv_caches, strict=True)):
-            o = self._attention(layer, cache, h, ctx)
+            o = self._all_reduce(self._attention(layer, cache, h, ctx))
             x, h = ops.add_rms_norm(x, o, layer.mlp_norm, cfg.rms_eps)
-            d = F.linear(ops.silu_mul(F.linear(h, layer.w_gate_up)), layer.w_down)
+            d = self._all_reduce(F.linear(ops.silu_mul(F.linear(h, layer.w_gate_up)),
+                                          layer.w_down))
             next_norm = (self.layers[i + 1].attn_norm if i + 1 < len(self.layers)
                          else self.final_norm)
             x, h = ops.add_rms_norm(x, d, next_norm, cfg.rms_eps)
         return h
+
+    def _all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """Sum a row-parallel projection's output (o_proj, MLP down) over tensor-parallel
+        ranks; one rank holds the whole sum (``models.tp.TPMLADecoder`` overrides this)."""
+        return partial
 
     def _attention(self, layer: MLALayerWeights, cache: torch.Tensor, h: torch.Tensor,
                    ctx: DecodeContext) -> torch.Tensor:

@@ -1,0 +1,347 @@
+"""Ladder tuning, the choosing step: bucket bounds and hints from measured decode times.
+
+Pure host arithmetic (no torch at import). The measuring step that fills the timing table
+on a GPU is ``graphbucket.timing.measure_split_times``; ``scripts/tune_ladder.py`` runs both.
+
+Input: ``times[(context, batch, splits)] -> us`` over measured contexts c_1 < ... < c_n and
+the capture batch sizes, and ``splits_for(batch, hint)``: the split count of a graph
+captured with ``hint`` (``plan_splits`` wraps ``plan_mla_decode``). Hints matter only
+through it.
+
+- ``oracle(c, b)`` = min over the split counts measured at (c, b).
+- ``cost(c, b, h)`` = ``times[(c, b, splits_for(b, h))]``. Every split count a considered
+  hint plans must have been measured: a missing one raises ``ValueError`` (no nearest-
+  neighbour guess; ``splits_to_measure`` lists what to measure, and the measuring step
+  measures exactly that).
+- A ladder is a partition of c_1..c_n into at most ``max_buckets`` contiguous groups, one
+  hint each. Group c_i..c_j becomes ``Bucket(max_len=c_j, hint)``; the last group's bucket
+  ends at ``max_model_len``.
+- Objective: the sum over contexts and batches of cost / oracle (relative time, so a 128K
+  context weighs as much as a 64-token one). A dynamic program over (groups used, prefix
+  of contexts) finds the exact optimum. Ties, in order: the smaller worst cost / oracle,
+  fewer buckets (a graph that buys nothing still costs capture time and memory), smaller
+  hints (lexicographic), earlier bounds. Within one group, equal cost goes to the smaller
+  hint. Sums compare after rounding to 1e-9, so ties do not hang on float summation order.
+
+Hints must lie inside their bucket (``BucketLadder`` validates ``lower < hint <= max_len``),
+so group c_i..c_j may only use hints in (c_{i-1}, c_j]. Candidates there: the given hints
+(default: powers of two up to ``max_model_len``, and ``max_model_len``) that fall inside,
+the bucket top c_j, and the bucket's lowest length c_{i-1} + 1 (kept only when it plans
+split counts no other candidate plans). Since ``splits_for`` is monotone in the hint, a
+group can reach exactly the split counts between ``splits_for(b, c_{i-1} + 1)`` and
+``splits_for(b, c_j)``; for ``plan_mla_decode``, constant between consecutive powers of
+two, the powers of two and the top already reach all of them.
+
+What the restriction costs: a group cannot plan more splits than its top context asks for
+(over-splitting below one tile per split, which sometimes pays at short contexts) nor
+fewer than its lowest length asks for. The tuner also solves the problem with every hint
+allowed in every group (not a valid ladder, a lower bound) and reports it as
+``unrestricted_mean_over_oracle``, so the price is measured rather than guessed. The
+ladder is optimal at the measured contexts only; lengths between them take their bucket's
+hint untested, so measure densely where the oracle's split count changes.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from graphbucket.ladder import Bucket, BucketLadder, default_ladder
+from graphbucket.plan import H200_NUM_SMS, MAX_KV_SPLITS, plan_mla_decode, pow2_ceil
+
+TimeKey = tuple[int, int, int]  # (context, batch, splits)
+TimeTable = Mapping[TimeKey, float]
+SplitsFn = Callable[[int, int], int]  # (batch, hint) -> split count
+
+_NDIGITS = 9  # rounding before comparing sums of cost/oracle ratios
+
+
+def candidate_hints(max_model_len: int) -> list[int]:
+    """Powers of two 1, 2, 4, ... up to ``max_model_len``, and ``max_model_len``."""
+    _check_positive("max_model_len", max_model_len)
+    return sorted({1 << k for k in range(max_model_len.bit_length())} | {max_model_len})
+
+
+def plan_splits(num_heads: int, *, num_sms: int = H200_NUM_SMS,
+                max_splits: int = MAX_KV_SPLITS) -> SplitsFn:
+    """``splits_for(batch, hint)`` of ``plan_mla_decode`` on a GPU with ``num_sms`` SMs."""
+    @functools.cache
+    def splits_for(batch: int, hint: int) -> int:
+        return plan_mla_decode(batch, num_heads, hint, num_sms=num_sms,
+                               max_splits=max_splits).num_kv_splits
+    return splits_for
+
+
+def hints_to_measure(contexts: Iterable[int], max_model_len: int, *,
+                     ladders: Iterable[BucketLadder] = ()) -> list[int]:
+    """Every hint the chooser may plan with (and the hints of ``ladders`` to compare with)."""
+    contexts = sorted(set(contexts))
+    hints = set(candidate_hints(max_model_len)) | set(contexts)
+    hints |= {c + 1 for c in contexts if c < max_model_len}
+    for ladder in ladders:
+        hints |= set(ladder.hints)
+    return sorted(h for h in hints if h <= max_model_len)
+
+
+def splits_to_measure(batches: Iterable[int], splits_for: SplitsFn, hints: Iterable[int], *,
+                      max_splits: int = MAX_KV_SPLITS) -> dict[int, list[int]]:
+    """Per batch: the split counts ``hints`` plan, plus the powers of two up to twice the
+    largest of them (capped at ``max_splits``) so the oracle sees past the plan's budget."""
+    hints = list(hints)
+    out = {}
+    for batch in sorted(set(batches)):
+        planned = {splits_for(batch, h) for h in hints}
+        top = min(max_splits, pow2_ceil(2 * max(planned)))
+        out[batch] = sorted(planned | {1 << k for k in range(top.bit_length())})
+    return out
+
+
+def times_to_rows(times: TimeTable) -> list[dict[str, Any]]:
+    """The timing table as JSON rows ``{"context", "batch", "splits", "us"}``, sorted."""
+    return [{"context": c, "batch": b, "splits": s, "us": round(float(us), 4)}
+            for (c, b, s), us in sorted(times.items())]
+
+
+def times_from_rows(rows: Iterable[Mapping[str, Any]]) -> dict[TimeKey, float]:
+    """Inverse of ``times_to_rows``."""
+    return {(int(r["context"]), int(r["batch"]), int(r["splits"])): float(r["us"]) for r in rows}
+
+
+@dataclass(frozen=True, slots=True)
+class TuneResult:
+    """The chosen ladder, the ladder it is compared with, and per-(context, batch) rows.
+
+    ``rows``: oracle, tuned and baseline microseconds and split counts, and their ratios
+    over the oracle. ``summary``: mean and max of those ratios, and the unrestricted bound.
+    """
+
+    ladder: BucketLadder
+    baseline: BucketLadder
+    rows: tuple[dict[str, Any], ...]
+    summary: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ladder": self.ladder.to_dict(), "default_ladder": self.baseline.to_dict(),
+                "summary": dict(self.summary), "rows": [dict(r) for r in self.rows]}
+
+
+class _Table:
+    """Times indexed by (context, batch), with the oracle and a loud lookup."""
+
+    def __init__(self, times: TimeTable) -> None:
+        by_shape: dict[tuple[int, int], dict[int, float]] = defaultdict(dict)
+        for key, us in times.items():
+            if len(key) != 3:
+                raise ValueError(f"timing keys are (context, batch, splits), got {key!r}")
+            for name, value in zip(("context", "batch", "splits"), key, strict=True):
+                _check_positive(f"timing key {name}", value)
+            if not (isinstance(us, (int, float)) and math.isfinite(us) and us > 0):
+                raise ValueError(f"time for {key} must be a positive finite us, got {us!r}")
+            by_shape[(key[0], key[1])][key[2]] = float(us)
+        if not by_shape:
+            raise ValueError("the timing table is empty; measure some (context, batch, splits)")
+        self.contexts = sorted({c for c, _ in by_shape})
+        self.batches = sorted({b for _, b in by_shape})
+        holes = [(c, b) for c in self.contexts for b in self.batches if (c, b) not in by_shape]
+        if holes:
+            raise ValueError(f"the timing table has no time at all for (context, batch) in "
+                             f"{holes}; every measured context needs every batch")
+        self.by_shape = dict(by_shape)
+        self.oracle = {cb: min(split_us.items(), key=lambda kv: (kv[1], kv[0]))
+                       for cb, split_us in self.by_shape.items()}
+
+    def us(self, context: int, batch: int, splits: int) -> float:
+        measured = self.by_shape[(context, batch)]
+        if splits not in measured:
+            raise ValueError(
+                f"no time measured for context={context} batch={batch} splits={splits} (a "
+                f"hint plans that split count); measured splits: {sorted(measured)}. Measure "
+                "every count splits_to_measure() lists for these hints")
+        return measured[splits]
+
+    def ratio(self, context: int, batch: int, splits: int) -> float:
+        return self.us(context, batch, splits) / self.oracle[(context, batch)][1]
+
+
+@dataclass(frozen=True, slots=True)
+class _Choice:
+    total: float  # sum of cost / oracle
+    worst: float  # max of cost / oracle
+    hints: tuple[int, ...]
+    ends: tuple[int, ...]  # exclusive end index of each group into the sorted contexts
+
+    def key(self) -> tuple:
+        return (round(self.total, _NDIGITS), round(self.worst, _NDIGITS), len(self.hints),
+                self.hints, self.ends)
+
+
+def choose_ladder(times: TimeTable, splits_for: SplitsFn, *, max_model_len: int,
+                  max_buckets: int, hints: Iterable[int] | None = None,
+                  baseline: BucketLadder | None = None,
+                  meta: Mapping[str, Any] | None = None) -> TuneResult:
+    """The ladder of at most ``max_buckets`` buckets minimising summed cost / oracle.
+
+    ``times``: ``{(context, batch, splits): us}``; ``splits_for(batch, hint)``: the plan's
+    split count; ``hints``: candidate hints (default ``candidate_hints(max_model_len)``);
+    ``baseline``: the ladder to compare with (default ``default_ladder``); ``meta`` is
+    merged into the ladder's meta (device, heads, date: the caller knows them).
+    Deterministic; see the module docstring for the method and the tie-breaks.
+    """
+    _check_positive("max_model_len", max_model_len)
+    _check_positive("max_buckets", max_buckets)
+    table = _Table(times)
+    if table.contexts[-1] > max_model_len:
+        raise ValueError(f"measured context {table.contexts[-1]} is above max_model_len="
+                         f"{max_model_len}; drop it from the table or raise max_model_len")
+    hints = candidate_hints(max_model_len) if hints is None else sorted(set(hints))
+    for h in hints:
+        _check_positive("candidate hint", h)
+    groups = _GroupCosts(table, splits_for, hints, max_model_len)
+    best = _partition(len(table.contexts), max_buckets, groups.restricted)
+    free = _partition(len(table.contexts), max_buckets, groups.unrestricted)
+    bounds = [table.contexts[e - 1] for e in best.ends[:-1]] + [max_model_len]
+    buckets = [Bucket(max_len=b, hint=h) for b, h in zip(bounds, best.hints, strict=True)]
+    baseline = baseline if baseline is not None else default_ladder(max_model_len)
+    num = len(table.contexts) * len(table.batches)
+    tuned_meta = {"source": "graphbucket.tuning", **dict(meta or {}),
+                  "batch_sizes": table.batches, "contexts": table.contexts,
+                  "max_buckets": max_buckets,
+                  "mean_over_oracle": round(best.total / num, 4),
+                  "max_over_oracle": round(best.worst, 4)}
+    ladder = BucketLadder(buckets, max_model_len, meta=tuned_meta)
+    rows = compare_ladders(table, splits_for, {"tuned": ladder, "default": baseline})
+    summary = {"tuned_mean_over_oracle": _mean(rows, "tuned_over_oracle"),
+               "tuned_max_over_oracle": max(r["tuned_over_oracle"] for r in rows),
+               "default_mean_over_oracle": _mean(rows, "default_over_oracle"),
+               "default_max_over_oracle": max(r["default_over_oracle"] for r in rows),
+               "unrestricted_mean_over_oracle": round(free.total / num, 4),
+               "unrestricted_max_over_oracle": round(free.worst, 4)}
+    return TuneResult(ladder, baseline, tuple(rows), summary)
+
+
+def choose_per_batch(times: TimeTable, splits_for: SplitsFn, **kwargs: Any
+                     ) -> dict[int, TuneResult]:
+    """``choose_ladder`` on each batch size's rows alone: what per-batch ladders would buy.
+
+    One ``BucketLadder`` serves every capture batch size, so where batch sizes disagree on
+    the best hint (H200, 16 heads: from 4K tokens batch 1 wants hint >= 16K for 256 splits,
+    while batch 8 runs 4-15 % faster at 32 splits, hint 2048, than at its 33-split budget)
+    a shared ladder must favour one; this measures the price of sharing.
+    """
+    batches = sorted({b for _, b, _ in times})
+    return {b: choose_ladder({k: us for k, us in times.items() if k[1] == b}, splits_for,
+                             **kwargs) for b in batches}
+
+
+def compare_ladders(times: TimeTable | _Table, splits_for: SplitsFn,
+                    ladders: Mapping[str, BucketLadder]) -> list[dict[str, Any]]:
+    """Per measured (context, batch): the oracle and, per named ladder, the time of the
+    graph that ladder replays there (``{name}_us``, ``{name}_splits``, ``{name}_hint``,
+    ``{name}_over_oracle``)."""
+    table = times if isinstance(times, _Table) else _Table(times)
+    rows = []
+    for c in table.contexts:
+        for b in table.batches:
+            oracle_splits, oracle_us = table.oracle[(c, b)]
+            row: dict[str, Any] = {"context": c, "batch": b, "oracle_us": oracle_us,
+                                   "oracle_splits": oracle_splits}
+            for name, ladder in ladders.items():
+                hint = ladder[ladder.bucket_for(c)].hint
+                splits = splits_for(b, hint)
+                us = table.us(c, b, splits)
+                row.update({f"{name}_us": us, f"{name}_splits": splits, f"{name}_hint": hint,
+                            f"{name}_over_oracle": round(us / oracle_us, 4)})
+            rows.append(row)
+    return rows
+
+
+class _GroupCosts:
+    """Best hint and its summed / worst cost over oracle for each contiguous group."""
+
+    def __init__(self, table: _Table, splits_for: SplitsFn, hints: Sequence[int],
+                 max_model_len: int) -> None:
+        self.table, self.splits_for, self.hints = table, splits_for, hints
+        self.max_model_len = max_model_len
+        self._memo: dict[tuple[int, int, bool], tuple[float, float, int]] = {}
+        self._per_context: dict[int, list[tuple[float, float]]] = {}
+        everything = set(hints_to_measure(table.contexts, max_model_len)) | set(hints)
+        self._everything = sorted(h for h in everything if h <= max_model_len)
+
+    def _context_costs(self, hint: int) -> list[tuple[float, float]]:
+        """Per context: (sum over batches, max over batches) of cost / oracle with ``hint``."""
+        if hint not in self._per_context:
+            t, b_all = self.table, self.table.batches
+            costs = []
+            for c in t.contexts:
+                ratios = [t.ratio(c, b, self.splits_for(b, hint)) for b in b_all]
+                costs.append((sum(ratios), max(ratios)))
+            self._per_context[hint] = costs
+        return self._per_context[hint]
+
+    def _group_hints(self, i: int, j: int, restricted: bool) -> list[int]:
+        """Candidate hints of group contexts[i:j], one per distinct split tuple."""
+        if not restricted:
+            pool, extra = self._everything, []
+        else:
+            lower = self.table.contexts[i - 1] if i > 0 else 0
+            top = self.table.contexts[j - 1] if j < len(self.table.contexts) \
+                else self.max_model_len
+            pool = sorted({h for h in self.hints if lower < h <= top} | {top})
+            extra = [lower + 1]
+        seen: dict[tuple[int, ...], int] = {}
+        for h in [*pool, *extra]:
+            seen.setdefault(tuple(self.splits_for(b, h) for b in self.table.batches), h)
+        return sorted(seen.values())
+
+    def _best(self, i: int, j: int, restricted: bool) -> tuple[float, float, int]:
+        key = (i, j, restricted)
+        if key not in self._memo:
+            options = []
+            for h in self._group_hints(i, j, restricted):
+                costs = self._context_costs(h)[i:j]
+                total, worst = sum(s for s, _ in costs), max(m for _, m in costs)
+                options.append((round(total, _NDIGITS), round(worst, _NDIGITS), h, total, worst))
+            _, _, h, total, worst = min(options)
+            self._memo[key] = (total, worst, h)
+        return self._memo[key]
+
+    def restricted(self, i: int, j: int) -> tuple[float, float, int]:
+        return self._best(i, j, True)
+
+    def unrestricted(self, i: int, j: int) -> tuple[float, float, int]:
+        return self._best(i, j, False)
+
+
+def _partition(n: int, max_buckets: int,
+               group: Callable[[int, int], tuple[float, float, int]]) -> _Choice:
+    """Exact DP: best split of contexts[0:n] into <= max_buckets contiguous groups."""
+    layer = {0: _Choice(0.0, 0.0, (), ())}  # prefix end -> best choice with k groups
+    finals = []
+    for _ in range(min(max_buckets, n)):
+        nxt: dict[int, _Choice] = {}
+        for j in range(1, n + 1):
+            options = []
+            for i, prev in layer.items():
+                if i < j:
+                    total, worst, hint = group(i, j)
+                    options.append(_Choice(prev.total + total, max(prev.worst, worst),
+                                           prev.hints + (hint,), prev.ends + (j,)))
+            if options:
+                nxt[j] = min(options, key=_Choice.key)
+        layer = nxt
+        if n in layer:
+            finals.append(layer[n])
+    return min(finals, key=_Choice.key)
+
+
+def _mean(rows: list[dict[str, Any]], key: str) -> float:
+    return round(sum(r[key] for r in rows) / len(rows), 4)
+
+
+def _check_positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")

@@ -1,0 +1,221 @@
+"""Tune a bucket ladder on this GPU: measure the decode kernel, choose buckets, write JSON.
+
+Measures the Triton MLA decode kernel (cold L2, graph replays) at every context x batch x
+split count that a hint can plan, chooses at most ``--max-buckets`` buckets minimising
+time relative to the best split count per context (graphbucket.tuning), and writes the
+ladder (BucketLadder.load reads it), a report with the raw timing table, and a plot.
+
+    python3 scripts/tune_ladder.py --heads 16 --batches 1 8 --max-buckets 6 \\
+        --max-model-len 131072 --out graphbucket/ladders/h200-h16.json \\
+        --report bench/results/h200-ladder-tune.json --plot bench/results/h200-ladder-tune.png
+
+``--from-times REPORT`` re-chooses from a saved report's timing table, without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from graphbucket.ladder import default_ladder  # noqa: E402
+from graphbucket.tuning import (  # noqa: E402
+    TuneResult,
+    choose_ladder,
+    choose_per_batch,
+    hints_to_measure,
+    plan_splits,
+    splits_to_measure,
+    times_from_rows,
+    times_to_rows,
+)
+
+CONTEXTS = [1, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 102400, 131072]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--heads", type=int, default=None, help="attention heads per GPU (16)")
+    ap.add_argument("--batches", type=int, nargs="+", default=None,
+                    help="capture batch sizes to tune for (1 8)")
+    ap.add_argument("--contexts", type=int, nargs="+", default=None,
+                    help="context lengths to measure (1 .. 128K, 14 points)")
+    ap.add_argument("--max-buckets", type=int, default=6)
+    ap.add_argument("--max-model-len", type=int, default=131072)
+    ap.add_argument("--out", type=Path, help="ladder JSON to write")
+    ap.add_argument("--report", type=Path, help="report JSON to write (keeps the timing table)")
+    ap.add_argument("--plot", type=Path, help="PNG plot to write (needs matplotlib)")
+    ap.add_argument("--from-times", type=Path, metavar="REPORT",
+                    help="choose from this report's timing table instead of measuring")
+    ap.add_argument("--quiet", action="store_true", help="no progress line per measurement")
+    return ap.parse_args(argv)
+
+
+def measure(args: argparse.Namespace) -> tuple[dict, dict]:
+    """Time the kernel on this GPU; returns (timing table, measurement meta)."""
+    import torch
+
+    from bench.gpu_timing import run_meta
+    from graphbucket.timing import measure_split_times
+
+    if not torch.cuda.is_available():
+        sys.exit("measuring needs a CUDA GPU; without one pass --from-times REPORT")
+    heads, batches = args.heads or 16, sorted(args.batches or [1, 8])
+    contexts = sorted(args.contexts or [c for c in CONTEXTS if c <= args.max_model_len])
+    meta = {**run_meta(), "num_heads": heads, "batches": batches, "contexts": contexts}
+    splits_for = plan_splits(heads, num_sms=meta["num_sms"])
+    hints = hints_to_measure(contexts, args.max_model_len,
+                             ladders=[default_ladder(args.max_model_len)])
+    per_batch = splits_to_measure(batches, splits_for, hints)
+    print(f"{meta['gpu']} ({meta['num_sms']} SMs), {heads} heads: {len(contexts)} contexts, "
+          + ", ".join(f"batch {b}: splits {s}" for b, s in per_batch.items()), flush=True)
+    times = measure_split_times(contexts, batches, per_batch, heads, progress=not args.quiet)
+    return times, meta
+
+
+def load_times(args: argparse.Namespace) -> tuple[dict, dict]:
+    """The timing table and meta of a saved report, narrowed to ``--batches``/``--contexts``."""
+    data = json.loads(args.from_times.read_text())
+    if "times" not in data or "meta" not in data:
+        sys.exit(f"{args.from_times} has no 'times'/'meta'; pass a report this script wrote")
+    meta, times = dict(data["meta"]), times_from_rows(data["times"])
+    if args.heads is not None and args.heads != meta["num_heads"]:
+        sys.exit(f"{args.from_times} was measured with {meta['num_heads']} heads, not "
+                 f"--heads {args.heads}; re-measure on the GPU for another head count")
+    keep_b, keep_c = set(args.batches or meta["batches"]), set(args.contexts or meta["contexts"])
+    missing = (keep_b - set(meta["batches"])) | (keep_c - set(meta["contexts"]))
+    if missing:
+        sys.exit(f"{args.from_times} has no measurements for {sorted(missing)}")
+    times = {k: us for k, us in times.items() if k[1] in keep_b and k[0] in keep_c}
+    meta.update(batches=sorted(keep_b), contexts=sorted(keep_c),
+                measured_with=meta.get("measured_with", meta["command"]),
+                measured_date=meta.get("measured_date", meta["date"]),
+                command=shlex.join(["python3", *sys.argv]),
+                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+    return times, meta
+
+
+def summary_table(result: TuneResult) -> str:
+    lines = [f"tuned: {result.ladder!r}",
+             "context batch | oracle us (splits) | tuned us (splits) x | default us (splits) x"]
+    for r in result.rows:
+        lines.append(f"{r['context']:>7} {r['batch']:>5} | {r['oracle_us']:9.2f} "
+                     f"({r['oracle_splits']:>3}) | {r['tuned_us']:9.2f} ({r['tuned_splits']:>3}) "
+                     f"{r['tuned_over_oracle']:.3f} | {r['default_us']:9.2f} "
+                     f"({r['default_splits']:>3}) {r['default_over_oracle']:.3f}")
+    lines.append(", ".join(f"{k} {v}" for k, v in result.summary.items()))
+    return "\n".join(lines)
+
+
+def report_markdown(report: dict) -> str:
+    """The report as a short markdown table (written beside the report JSON)."""
+    meta, summary = report["meta"], report["summary"]
+    bounds = ", ".join(f"<={b['max_len']}: hint {b['hint']}" for b in report["ladder"]["buckets"])
+    lines = [f"# Tuned ladder, {meta['num_heads']} heads ({meta['gpu']})", "",
+             f"{meta['date']}, torch {meta['torch']}, triton {meta['triton']}. "
+             f"Command: `{meta['command']}`", "", f"Tuned buckets: {bounds}", "",
+             f"Time over the best measured split count (mean / worst): tuned "
+             f"{summary['tuned_mean_over_oracle']:.3f} / {summary['tuned_max_over_oracle']:.3f},"
+             f" default ladder {summary['default_mean_over_oracle']:.3f} / "
+             f"{summary['default_max_over_oracle']:.3f}.", "",
+             "| context | batch | oracle us (splits) | tuned us (splits) | tuned x | "
+             "default us (splits) | default x |", "|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        lines.append(f"| {r['context']} | {r['batch']} | {r['oracle_us']:.1f} "
+                     f"({r['oracle_splits']}) | {r['tuned_us']:.1f} ({r['tuned_splits']}) | "
+                     f"{r['tuned_over_oracle']:.3f} | {r['default_us']:.1f} "
+                     f"({r['default_splits']}) | {r['default_over_oracle']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def render_png(result: TuneResult, meta: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: skipped the PNG plot (pip install matplotlib; "
+              "re-plot later with --from-times)", file=sys.stderr)
+        return False
+    batches = sorted({r["batch"] for r in result.rows})
+    fig, axes = plt.subplots(2, len(batches), figsize=(6 * len(batches), 7), squeeze=False,
+                             sharex=True, gridspec_kw={"height_ratios": [2, 1]})
+    styles = {"oracle": ("k", "o", "oracle (best split count)"),
+              "tuned": ("tab:blue", "s", f"tuned ({len(result.ladder)} buckets)"),
+              "default": ("tab:orange", "^", f"default ({len(result.baseline)} buckets)")}
+    for col, batch in enumerate(batches):
+        rows = [r for r in result.rows if r["batch"] == batch]
+        ctx = [r["context"] for r in rows]
+        top, bottom = axes[0][col], axes[1][col]
+        for name, (color, marker, label) in styles.items():
+            top.loglog(ctx, [r[f"{name}_us"] for r in rows], color=color, marker=marker,
+                       label=label, lw=1.2, ms=4)
+            if name != "oracle":
+                bottom.semilogx(ctx, [r[f"{name}_over_oracle"] for r in rows], color=color,
+                                marker=marker, lw=1.2, ms=4)
+        for bound in result.ladder.bounds[:-1]:
+            for ax in (top, bottom):
+                ax.axvline(bound, color="tab:blue", alpha=0.25, lw=0.8)
+        bottom.axhline(1.03, color="grey", ls="--", lw=0.8)
+        top.set_title(f"batch {batch}, {meta['num_heads']} heads")
+        top.set_ylabel("decode attention, us")
+        bottom.set_ylabel("time / oracle")
+        bottom.set_xlabel("context length (tokens)")
+        top.grid(True, which="both", alpha=0.3)
+        bottom.grid(True, which="both", alpha=0.3)
+        top.legend(fontsize=8)
+    fig.suptitle(f"Ladder tuning on {meta['gpu']} ({meta['date']})")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        print("matplotlib is not installed: --plot will be skipped (the report keeps the "
+              "timing table; re-plot with --from-times)", file=sys.stderr)
+    times, meta = load_times(args) if args.from_times else measure(args)
+    splits_for = plan_splits(meta["num_heads"], num_sms=meta["num_sms"])
+    ladder_meta = {"device": meta["gpu"], "num_sms": meta["num_sms"],
+                   "num_heads": meta["num_heads"],
+                   "date": meta.get("measured_date", meta["date"])}
+    result = choose_ladder(times, splits_for, max_model_len=args.max_model_len,
+                           max_buckets=args.max_buckets, meta=ladder_meta)
+    print(summary_table(result), flush=True)
+    per_batch = choose_per_batch(times, splits_for, max_model_len=args.max_model_len,
+                                 max_buckets=args.max_buckets, meta=ladder_meta)
+    for batch, alone in per_batch.items():
+        print(f"batch {batch} alone: {alone.ladder!r} mean x "
+              f"{alone.summary['tuned_mean_over_oracle']} max x "
+              f"{alone.summary['tuned_max_over_oracle']}")
+    meta.update(max_model_len=args.max_model_len, max_buckets=args.max_buckets)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        result.ladder.save(args.out)
+        print(f"wrote {args.out}")
+    if args.report:
+        args.report.parent.mkdir(parents=True, exist_ok=True)
+        report = {"meta": meta, **result.to_dict(),
+                  "per_batch": {str(b): {"ladder": r.ladder.to_dict(), "summary": r.summary}
+                                for b, r in per_batch.items()},
+                  "times": times_to_rows(times)}
+        args.report.write_text(json.dumps(report, indent=1) + "\n")
+        args.report.with_suffix(".md").write_text(report_markdown(report))
+        print(f"wrote {args.report} and its .md")
+    if args.plot and render_png(result, meta, args.plot):
+        print(f"wrote {args.plot}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,276 @@
+"""CPU tests for the ladder tuner's choosing step and the shipped-ladder lookup."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from graphbucket.ladder import Bucket, BucketLadder, default_ladder
+from graphbucket.plan import cdiv, pow2_ceil
+from graphbucket.tuned import LADDER_DIR, clip_ladder, device_slugs, find_tuned_ladder
+from graphbucket.tuning import (
+    candidate_hints,
+    choose_ladder,
+    choose_per_batch,
+    hints_to_measure,
+    plan_splits,
+    splits_to_measure,
+    times_from_rows,
+    times_to_rows,
+)
+
+SPLITS = [1, 2, 4, 8, 16]
+
+
+def capped_splits(cap: int = 16):
+    """A small plan function: one split per 64-token tile, powers of two, at most ``cap``."""
+    return lambda batch, hint: min(cap, pow2_ceil(cdiv(hint, 64)))
+
+
+def table(best: dict[int, int], batches=(1,), good: float = 10.0, bad: float = 20.0) -> dict:
+    """Context c runs in ``good`` us at split count best[c], ``bad`` at any other."""
+    return {(c, b, s): good if s == best[c] else bad for c in best for b in batches for s in SPLITS}
+
+
+def test_known_optimum_recovered():
+    # One split is best up to 256 tokens, 16 splits from 512 on.
+    best = {64: 1, 128: 1, 256: 1, 512: 16, 1024: 16, 2048: 16}
+    result = choose_ladder(table(best), capped_splits(), max_model_len=2048, max_buckets=2)
+    # Smallest hint planning 1 split is 1; 16 splits need a hint above 512 -> 1024.
+    assert result.ladder == BucketLadder([Bucket(256, 1), Bucket(2048, 1024)], 2048)
+    assert all(r["tuned_over_oracle"] == 1.0 for r in result.rows)
+    assert result.summary["tuned_max_over_oracle"] == 1.0
+
+
+def test_bucket_limit_respected_and_more_buckets_never_hurt():
+    best = {64: 1, 128: 2, 256: 4, 512: 8, 1024: 16}
+    times = table(best)
+    means = []
+    for max_buckets in range(1, 7):
+        result = choose_ladder(times, capped_splits(), max_model_len=4096,
+                               max_buckets=max_buckets)
+        assert len(result.ladder) <= max_buckets
+        means.append(result.summary["tuned_mean_over_oracle"])
+    assert means == sorted(means, reverse=True)
+    assert means[4] == 1.0  # five contexts, five split counts, five buckets
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_bounds_increase_cover_max_model_len_and_hold_their_hints(seed):
+    rng = random.Random(seed)
+    contexts = sorted(rng.sample([1, 64, 100, 128, 256, 300, 512, 1024, 2048, 4096], 7))
+    times = {(c, b, s): rng.uniform(5, 50) for c in contexts for b in (1, 8) for s in SPLITS}
+    result = choose_ladder(times, capped_splits(), max_model_len=8192, max_buckets=4)
+    ladder = result.ladder
+    assert list(ladder.bounds) == sorted(set(ladder.bounds))
+    assert ladder.bounds[-1] == 8192 and set(ladder.bounds[:-1]) <= set(contexts)
+    for (lo, hi), hint in zip(ladder.ranges, ladder.hints, strict=True):
+        assert lo <= hint <= hi
+    assert result.summary["unrestricted_mean_over_oracle"] <= \
+        result.summary["tuned_mean_over_oracle"]
+
+
+def _brute_force(times, splits_for, contexts, max_model_len, max_buckets):
+    """Every partition into <= max_buckets groups, every in-range hint per group."""
+    oracle = {(c, b): min(us for (c2, b2, _), us in times.items() if (c2, b2) == (c, b))
+              for c, b, _ in times}
+    batches = sorted({b for _, b, _ in times})
+    best = None
+    for k in range(1, max_buckets + 1):
+        for cuts in itertools.combinations(range(1, len(contexts)), k - 1):
+            ends = [*cuts, len(contexts)]
+            total, start = 0.0, 0
+            for end in ends:
+                lower = contexts[start - 1] if start else 0
+                top = contexts[end - 1] if end < len(contexts) else max_model_len
+                total += min(
+                    sum(times[(c, b, splits_for(b, h))] / oracle[(c, b)]
+                        for c in contexts[start:end] for b in batches)
+                    for h in range(lower + 1, top + 1))
+                start = end
+            best = total if best is None else min(best, total)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_dynamic_program_matches_brute_force(seed):
+    rng = random.Random(100 + seed)
+    contexts = [32, 64, 128, 200, 256, 512]
+    times = {(c, b, s): rng.uniform(5, 50) for c in contexts for b in (1, 4) for s in SPLITS}
+    splits_for = capped_splits()
+    for max_buckets in (1, 2, 3):
+        result = choose_ladder(times, splits_for, max_model_len=1024, max_buckets=max_buckets)
+        total = result.summary["tuned_mean_over_oracle"] * len(contexts) * 2
+        expected = _brute_force(times, splits_for, contexts, 1024, max_buckets)
+        assert total == pytest.approx(expected, abs=1e-3)
+
+
+def test_ties_break_deterministically():
+    # Every split count costs the same: one bucket, the smallest hint.
+    flat = {(c, 1, s): 7.0 for c in (64, 512, 4096) for s in SPLITS}
+    result = choose_ladder(flat, capped_splits(), max_model_len=4096, max_buckets=3)
+    assert result.ladder == BucketLadder([Bucket(4096, 1)], 4096)
+    # Dict order does not matter.
+    items = list(table({64: 1, 128: 1, 256: 4, 512: 16}).items())
+    ladders = set()
+    for seed in range(5):
+        random.Random(seed).shuffle(items)
+        ladders.add(choose_ladder(dict(items), capped_splits(), max_model_len=1024,
+                                  max_buckets=4).ladder)
+    assert ladders == {BucketLadder([Bucket(128, 1), Bucket(256, 256), Bucket(1024, 1024)],
+                                    1024)}
+    # Equal cost, fewer buckets: four buckets allowed, two suffice, two are used.
+    two = choose_ladder(table({64: 1, 128: 1, 256: 1, 512: 16}), capped_splits(),
+                        max_model_len=1024, max_buckets=4)
+    assert two.ladder == BucketLadder([Bucket(256, 1), Bucket(1024, 1024)], 1024)
+
+
+def test_objective_is_relative_so_long_contexts_do_not_dominate():
+    # Hint 256 (4 splits): short 1.0x, long 1.05x (+50 us). Hint 4096 (64 splits): short 1.5x
+    # (+5 us), long 1.0x. Absolute time would pick 4096; relative time picks 256.
+    times = {}
+    for s in [1, 2, 4, 8, 16, 32, 64]:
+        times[(256, 1, s)] = {4: 10.0, 64: 15.0}.get(s, 30.0)
+        times[(4096, 1, s)] = {4: 1050.0, 64: 1000.0}.get(s, 3000.0)
+    result = choose_ladder(times, capped_splits(64), max_model_len=4096, max_buckets=1)
+    assert result.ladder == BucketLadder([Bucket(4096, 256)], 4096)
+
+
+def test_missing_split_count_is_an_error_not_a_guess():
+    times = table({64: 1, 1024: 16})
+    del times[(1024, 1, 4)]
+    with pytest.raises(ValueError, match="context=1024 batch=1 splits=4"):
+        choose_ladder(times, capped_splits(), max_model_len=1024, max_buckets=2)
+    with pytest.raises(ValueError, match="above max_model_len"):
+        choose_ladder(table({64: 1, 1024: 16}), capped_splits(), max_model_len=512,
+                      max_buckets=2)
+    with pytest.raises(ValueError, match="every batch"):
+        choose_ladder({(64, 1, 1): 1.0, (128, 8, 1): 1.0}, capped_splits(),
+                      max_model_len=512, max_buckets=2)
+
+
+def test_json_round_trip_of_ladder_and_report(tmp_path: Path):
+    times = table({64: 1, 128: 1, 256: 4, 512: 16}, batches=(1, 8))
+    result = choose_ladder(times, capped_splits(), max_model_len=1024, max_buckets=3,
+                           meta={"device": "NVIDIA H200", "num_heads": 16, "date": "today"})
+    path = tmp_path / "ladder.json"
+    result.ladder.save(path)
+    loaded = BucketLadder.load(path)
+    assert loaded == result.ladder and loaded.meta == result.ladder.meta
+    assert loaded.meta["num_heads"] == 16 and loaded.meta["batch_sizes"] == [1, 8]
+    report = {**result.to_dict(), "times": times_to_rows(times)}
+    again = json.loads(json.dumps(report))
+    assert again == report
+    assert BucketLadder.from_dict(again["ladder"]) == result.ladder
+    for row in again["rows"]:
+        assert {"context", "batch", "oracle_us", "tuned_us", "default_us", "tuned_over_oracle",
+                "default_over_oracle"} <= set(row)
+    # Re-choosing from the saved table (tune_ladder.py --from-times) gives the same ladder.
+    rechosen = choose_ladder(times_from_rows(again["times"]), capped_splits(),
+                             max_model_len=1024, max_buckets=3)
+    assert rechosen.ladder == result.ladder and rechosen.rows == result.rows
+
+
+def test_measurement_plan_covers_every_hint_the_chooser_may_use():
+    contexts = [1, 64, 128, 1000, 131072]
+    splits_for = plan_splits(16, num_sms=132)
+    hints = hints_to_measure(contexts, 131072, ladders=[default_ladder()])
+    assert set(candidate_hints(131072)) <= set(hints) and {1001, 1000, 4096} <= set(hints)
+    per_batch = splits_to_measure([1, 8], splits_for, hints)
+    assert per_batch[1] == [1, 2, 4, 8, 16, 32, 64, 128, 256, 264, 512]
+    assert per_batch[8] == [1, 2, 4, 8, 16, 32, 33, 64, 128]
+    for batch in (1, 8):
+        assert {splits_for(batch, h) for h in range(1, 131073, 97)} <= set(per_batch[batch])
+
+
+def toy_us(context: int, batch: int, splits: int, num_sms: int = 132) -> float:
+    """Toy H200: bytes / bandwidth, per-program tile latency in waves, a per-split merge."""
+    tiles = cdiv(context, 64)
+    per_split = cdiv(tiles, splits)  # splits past the tile count are empty and exit early
+    waves = cdiv(batch * cdiv(tiles, per_split), 2 * num_sms)
+    stage1 = max(waves * (1.0 + 6.0 * per_split), batch * context * 1152 / 4.0e6)
+    merge = 0.0 if splits == 1 else 2.0 + 0.004 * batch * splits
+    return 3.0 + stage1 + merge
+
+
+def test_toy_cost_model_tuned_within_three_percent_of_oracle():
+    contexts = [1, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 102400,
+                131072]
+    splits_for = plan_splits(16, num_sms=132)
+    hints = hints_to_measure(contexts, 131072, ladders=[default_ladder()])
+    per_batch = splits_to_measure([1, 8], splits_for, hints)
+    times = {(c, b, s): toy_us(c, b, s) for c in contexts for b in (1, 8) for s in per_batch[b]}
+    result = choose_ladder(times, splits_for, max_model_len=131072, max_buckets=6)
+    assert len(result.ladder) <= 6
+    assert max(r["tuned_over_oracle"] for r in result.rows) <= 1.03
+    assert result.summary["tuned_mean_over_oracle"] <= result.summary["default_mean_over_oracle"]
+    alone = choose_per_batch(times, splits_for, max_model_len=131072, max_buckets=6)
+    assert sorted(alone) == [1, 8]
+    for batch, res in alone.items():
+        shared = [r["tuned_over_oracle"] for r in result.rows if r["batch"] == batch]
+        assert res.summary["tuned_mean_over_oracle"] <= sum(shared) / len(shared) + 1e-4
+
+
+# ---- shipped ladders ----------------------------------------------------------------------
+
+
+def _write(directory: Path, name: str, max_model_len: int, heads: int, tag: str) -> None:
+    ladder = BucketLadder([Bucket(64, 1), Bucket(4096, 2048), Bucket(max_model_len, 16384)],
+                          max_model_len, meta={"num_heads": heads, "tag": tag})
+    ladder.save(directory / name)
+
+
+def test_device_slugs():
+    assert device_slugs("NVIDIA H200") == ["h200"]
+    assert device_slugs("NVIDIA H100 80GB HBM3") == ["h100-80gb-hbm3", "h100-80gb", "h100"]
+    assert device_slugs("AMD Instinct MI355X") == ["mi355x"]
+    with pytest.raises(ValueError, match="no model word"):
+        device_slugs("NVIDIA")
+
+
+def test_find_tuned_ladder_picks_device_and_heads(tmp_path: Path):
+    _write(tmp_path, "h200-h16.json", 131072, 16, "h200/16")
+    _write(tmp_path, "h200-h12.json", 131072, 12, "h200/12")
+    _write(tmp_path, "h100-h16.json", 131072, 16, "h100/16")
+    _write(tmp_path, "h100-80gb-hbm3-h16.json", 131072, 16, "h100-hbm3/16")
+
+    def tag(name, heads, top=131072):
+        ladder = find_tuned_ladder(name, heads, top, directory=tmp_path)
+        return None if ladder is None else ladder.meta["tag"]
+
+    assert tag("NVIDIA H200", 16) == "h200/16"
+    assert tag("NVIDIA H200", 12) == "h200/12"
+    assert tag("NVIDIA H200 NVL", 16) == "h200/16"  # falls back to the shorter slug
+    assert tag("NVIDIA H100 80GB HBM3", 16) == "h100-hbm3/16"  # the specific file wins
+    assert tag("NVIDIA H100 PCIe", 16) == "h100/16"
+    assert tag("NVIDIA H200", 8) is None
+    assert tag("NVIDIA A100-SXM4-80GB", 16) is None
+    assert tag("NVIDIA H200", 16, top=262144) is None  # never stretched past what was measured
+
+
+def test_find_tuned_ladder_clips_to_a_smaller_max_model_len(tmp_path: Path):
+    _write(tmp_path, "h200-h16.json", 131072, 16, "x")
+    ladder = find_tuned_ladder("NVIDIA H200", 16, 3000, directory=tmp_path)
+    assert ladder == BucketLadder([Bucket(64, 1), Bucket(3000, 2048)], 3000)
+    assert ladder.meta["clipped_from"] == 131072
+    assert clip_ladder(ladder, 1000) == BucketLadder([Bucket(64, 1), Bucket(1000, 1000)], 1000)
+
+
+def test_find_tuned_ladder_rejects_a_mislabelled_file(tmp_path: Path):
+    _write(tmp_path, "h200-h16.json", 131072, 12, "x")
+    with pytest.raises(ValueError, match="num_heads=12"):
+        find_tuned_ladder("NVIDIA H200", 16, 131072, directory=tmp_path)
+
+
+def test_shipped_ladders_load_and_match_their_names():
+    shipped = sorted(LADDER_DIR.glob("*-h*.json"))
+    for path in shipped:
+        ladder = BucketLadder.load(path)
+        heads = int(path.stem.rsplit("-h", 1)[1])
+        assert ladder.meta["num_heads"] == heads
+        slug = path.stem.rsplit("-h", 1)[0]
+        assert find_tuned_ladder(slug, heads, ladder.max_model_len) == ladder
