@@ -63,24 +63,24 @@ def sweep(args) -> list[dict]:
     return rows
 
 
-def time_merge(seq_lens, out, ws, plan) -> float:
+def time_merge(plan) -> float:
+    """Stage 2 alone at a long context (every split live), over random partials."""
+    ws = SplitWorkspace.for_plans([plan], "cuda")
+    ws.partial_o.normal_()
+    ws.partial_lse.normal_()
+    seq_lens = torch.full((plan.batch_size,), 131072, dtype=torch.int32, device="cuda")
+    out = torch.empty(plan.batch_size, HEADS, RANK, dtype=torch.bfloat16, device="cuda")
     return time_replays(lambda: launch_merge(seq_lens, out, ws, plan=plan, lse=None),
                         calls_per_graph=1)
 
 
 def merge_cost(splits_list: list[int]) -> list[dict]:
-    """Stage 2 alone at batch 1 over a long context (every split live)."""
+    """Stage 2 alone at batch 1 for each split count."""
     rows = []
     for splits in splits_list:
-        plan = plan_mla_decode(1, HEADS, 1 << 20, max_splits=splits)
-        plan = plan.with_splits(splits)
-        ws = SplitWorkspace.for_plans([plan], "cuda")
-        ws.partial_o.normal_()
-        ws.partial_lse.normal_()
-        seq_lens = torch.full((1,), 131072, dtype=torch.int32, device="cuda")
-        out = torch.empty(1, HEADS, RANK, dtype=torch.bfloat16, device="cuda")
-        us = time_merge(seq_lens, out, ws, plan)
-        rows.append({"splits": splits, "batch": 1, "heads": HEADS, "merge_us": round(us, 3)})
+        plan = plan_mla_decode(1, HEADS, 1 << 20, max_splits=splits).with_splits(splits)
+        rows.append({"splits": splits, "batch": 1, "heads": HEADS,
+                     "merge_us": round(time_merge(plan), 3)})
     return rows
 
 
