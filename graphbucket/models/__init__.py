@@ -1,6 +1,7 @@
 """A small MLA decoder with DeepSeek-V3 / Kimi-like per-rank shapes, for benchmarks and
 examples: seeded random weights, a paged latent cache, absorbed-MLA decode through the
-backend with the context's frozen plan, and a float64 reference path for tests."""
+backend with the context's frozen plan, a float64 reference path for tests, and its
+tensor-parallel shard (``TPMLADecoder``: heads and MLP columns split, all-reduces inside)."""
 
 from __future__ import annotations
 
