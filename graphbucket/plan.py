@@ -38,10 +38,12 @@ from dataclasses import dataclass, replace
 
 MAX_KV_SPLITS = 512
 H200_NUM_SMS = 132
-# Stage 2 merges MERGE_BLOCK_S splits per step. Measured on the H200 at batch 1:
-# 256 x 32-column tiles merge 256 splits in 4.8 us, 32 x 64 tiles took 9.2 us (8 dependent
-# steps). At batch 64 with 2 live splits the 256-row tile cost ~45 us (16K programs of
-# mostly masked work), so plans with few splits use 32 rows: two compiled merge variants.
+# Stage 2 merges up to MERGE_BLOCK_S splits per step, in a tile just large enough for the
+# plan's split count (32, 64, 128 or 256 rows: four compiled merge variants at most).
+# Measured on the H200 at batch 1 (bench/results/h200-kernel-variants-*.md): 64 splits
+# merge in 3.6 us with 64 rows against 4.9 us with 256; 256 splits in 4.3-4.8 us with 256
+# rows against 9.2 us with 32 (8 dependent steps). At batch 64 with 2 live splits a
+# 256-row tile cost ~45 us: 16K programs of mostly masked work.
 MERGE_BLOCK_S = 256
 MERGE_BLOCK_S_SMALL = 32
 MERGE_BLOCK_DV = 32
@@ -141,7 +143,7 @@ def split_budget(rows: int, stream: StreamConfig, *, num_sms: int, max_splits: i
 
 
 def merge_block_s(num_splits: int) -> int:
-    return MERGE_BLOCK_S_SMALL if num_splits <= MERGE_BLOCK_S_SMALL else MERGE_BLOCK_S
+    return min(MERGE_BLOCK_S, max(MERGE_BLOCK_S_SMALL, pow2_ceil(num_splits)))
 
 
 def head_block_size(num_heads: int) -> int:

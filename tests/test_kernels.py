@@ -122,6 +122,16 @@ def test_many_splits_merge_in_blocks():
     check(case, with_splits(plan, splits))
 
 
+@pytest.mark.parametrize("splits", [33, 100])
+def test_mid_size_merge_tiles(splits):
+    # 33 splits take the 64-row merge tile, 100 the 128-row one (one step each).
+    plan = with_splits(plan_mla_decode(1, 16, 1, num_sms=4, stream=WIDE_STREAM), splits)
+    assert plan.merge_block_s == (64 if splits == 33 else 128)
+    case = make_case([splits * plan.block_n - 3], 16, page_size=32, dtype=torch.float16,
+                     device=DEVICE)
+    check(case, plan)
+
+
 @pytest.mark.slow
 def test_many_splits_wide_merge_tile():
     # Above 32 splits the merge takes 256-split steps: 300 splits need two of them.

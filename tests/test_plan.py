@@ -60,6 +60,13 @@ def test_one_split_plan_has_no_stage2_and_no_workspace():
     assert long.merge_grid == (4, 16, 512 // long.merge_block_dv)
 
 
+def test_merge_tile_fits_the_split_count():
+    tiles = {n: plan_mla_decode(1, 16, 1).with_splits(n).merge_block_s
+             for n in (2, 32, 33, 64, 65, 128, 129, 264, 512)}
+    assert tiles == {2: 32, 32: 32, 33: 64, 64: 64, 65: 128, 128: 128, 129: 256, 264: 256,
+                     512: 256}
+
+
 def test_partial_head_blocks_are_counted():
     assert plan_mla_decode(1, 12, 10).num_head_blocks == 1
     assert plan_mla_decode(1, 128, 10).num_head_blocks == 4
