@@ -1,25 +1,46 @@
 #!/usr/bin/env bash
-# GPU evidence in one call: GPU tests, kernel sweep, capture/dispatch bench, TPOT sweep.
+# GPU evidence in one call: GPU tests, kernel sweep, capture/dispatch bench, ladder tune,
+# TPOT per policy, and the demo's GPU path.
 # Usage (on a CUDA machine, from the repo root): OUT=/some/dir bash bench/run_gpu.sh [steps]
-# steps: any of tests gputests sweep capture tpot (default: tests sweep capture).
-# Logs and JSON go under $OUT. TPOT_LAYERS sets the tpot model's layer count (default 4).
+# steps: any of tests gputests sweep capture tune tpot demo
+#        (default: tests sweep capture tune tpot).
+# Every step has a time limit so one hang cannot eat the rest; everything written under
+# $OUT/r is packed into $OUT/gpu-results.tgz (the device tool returns at most 8 files).
+# TPOT_LAYERS sets the tpot model's layer count (default 4).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-bench/results}
-mkdir -p "$OUT"
+R="$OUT/r"
+mkdir -p "$R"
 export PYTHONUNBUFFERED=1
-steps=${*:-tests sweep capture}
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+steps=${*:-tests sweep capture tune tpot}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$R/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 for step in $steps; do
+  echo "== $step $(date -u +%H:%M:%S)"
   case $step in
-    tests) python3 -m pytest -q -x tests -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/tests.log" ;;
-    gputests) python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/tests.log" ;;
-    sweep) python3 bench/kernel_sweep.py --out "$OUT" > "$OUT/sweep.log" 2>&1; tail -40 "$OUT/sweep.log" ;;
-    capture) python3 bench/capture_dispatch.py --out "$OUT" 2>&1 | tail -30 ;;
-    tpot) python3 bench/tpot.py --layers "${TPOT_LAYERS:-4}" --out "$OUT" > "$OUT/tpot.log" 2>&1
-          tail -5 "$OUT/tpot.log"
-          python3 scripts/tpot_report.py --json "$OUT/h200-tpot.json" ;;
+    tests) timeout 240 python3 -m pytest -q tests -p no:cacheprovider > "$R/tests.log" 2>&1
+           tail -15 "$R/tests.log" ;;
+    gputests) timeout 240 python3 -m pytest -q -m gpu tests -p no:cacheprovider \
+                > "$R/tests.log" 2>&1; tail -15 "$R/tests.log" ;;
+    sweep) timeout 240 python3 bench/kernel_sweep.py --out "$R" > "$R/sweep.log" 2>&1
+           tail -42 "$R/sweep.log" ;;
+    capture) timeout 120 python3 bench/capture_dispatch.py --out "$R" > "$R/capture.log" 2>&1
+             tail -20 "$R/capture.log" ;;
+    tune) for h in 16 12; do
+            suffix=$([ "$h" = 16 ] && echo "" || echo "-h$h")
+            timeout 150 python3 scripts/tune_ladder.py --heads "$h" --batches 1 8 \
+              --max-buckets 6 --max-model-len 131072 --out "$R/h200-h$h.json" \
+              --report "$R/h200-ladder-tune$suffix.json" --plot "$R/h200-ladder-tune$suffix.png" \
+              > "$R/tune-h$h.log" 2>&1; tail -3 "$R/tune-h$h.log"
+            # the TPOT step below should run with the ladder just tuned
+            cp "$R/h200-h$h.json" "graphbucket/ladders/h200-h$h.json" 2>/dev/null
+          done ;;
+    tpot) timeout 240 python3 bench/tpot.py --layers "${TPOT_LAYERS:-4}" --out "$R" \
+            > "$R/tpot.log" 2>&1; tail -5 "$R/tpot.log"
+          python3 scripts/tpot_report.py --json "$R/h200-tpot.json" ;;
+    demo) timeout 240 python3 scripts/demo.py 2>&1 | tee "$R/demo.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done
+tar czf "$OUT/gpu-results.tgz" -C "$R" .
