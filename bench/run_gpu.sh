@@ -2,7 +2,8 @@
 # GPU evidence in one call: GPU tests, kernel sweep, capture/dispatch bench, ladder tune,
 # TPOT per policy, and the demo's GPU path.
 # Usage (on a CUDA machine, from the repo root): OUT=/some/dir bash bench/run_gpu.sh [steps]
-# steps: any of tests gputests sweep capture tune tpot demo
+# steps: any of tests gputests sweep capture tune tpot demo tp
+#        (tp needs 2 GPUs: TP=2 decode, numerics vs TP=1, TPOT ladder vs fixed-1)
 #        (default: tests sweep capture tune tpot).
 # Every step has a time limit so one hang cannot eat the rest; everything written under
 # $OUT/r is packed into $OUT/gpu-results.tgz (the device tool returns at most 8 files).
@@ -39,6 +40,9 @@ for step in $steps; do
     tpot) timeout 240 python3 bench/tpot.py --layers "${TPOT_LAYERS:-4}" --out "$R" \
             > "$R/tpot.log" 2>&1; tail -5 "$R/tpot.log"
           python3 scripts/tpot_report.py --json "$R/h200-tpot.json" ;;
+    tp) NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+          timeout 300 python3 scripts/tp_decode.py --world-size 2 --out "$R" > "$R/tp.log" 2>&1
+        tail -12 "$R/tp.log" ;;
     demo) timeout 240 python3 scripts/demo.py 2>&1 | tee "$R/demo.log" ;;
     *) echo "unknown step $step" ;;
   esac
