@@ -273,6 +273,8 @@ def main() -> None:
         run_rank(int(os.environ["RANK"]), args, "env://", int(os.environ["LOCAL_RANK"]))
         return
     check_devices(args)
+    if args.cpu:  # spawned ranks import Triton afresh: CPU tensors need the interpreter there
+        os.environ["TRITON_INTERPRET"] = "1"
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     mp.spawn(run_rank, args=(args, "env://"), nprocs=args.world_size)
 

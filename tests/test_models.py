@@ -86,6 +86,7 @@ def _fields(cfg):
     return {f: getattr(cfg, f) for f in cfg.__dataclass_fields__}
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 1e-2)])
 @pytest.mark.parametrize("hint", [1, 100])
 def test_decode_matches_the_float_reference(dtype, tol, hint):
@@ -102,6 +103,7 @@ def test_decode_matches_the_float_reference(dtype, tol, hint):
         assert rel_l2(cache, ref_cache) < tol
 
 
+@pytest.mark.interpreter
 def test_the_new_row_lands_at_its_slot_and_padding_rows_store_nothing():
     model = tiny_model()
     batch = setup_batch(model, [37, 0, 50])
@@ -121,6 +123,7 @@ def test_the_new_row_lands_at_its_slot_and_padding_rows_store_nothing():
         assert rel_l2(row, ref_cache.view(-1, cache.shape[-1])[slot]) < 1e-5
 
 
+@pytest.mark.interpreter
 def test_several_steps_with_growing_lengths_across_pages():
     model = tiny_model()
     rng = np.random.default_rng(3)
@@ -136,6 +139,7 @@ def test_several_steps_with_growing_lengths_across_pages():
         assert rel_l2(cache, ref_cache) < 1e-5
 
 
+@pytest.mark.interpreter
 def test_store_kv_rotates_with_the_table_at_large_positions():
     cfg = tiny()
     rope = ops.rope_cache(cfg.qk_rope_dim, cfg.max_position, cfg.rope_theta, device="cpu")
@@ -156,6 +160,7 @@ def test_slot_mapping_for_pages_and_negative_positions():
         random_block_table(3, 12, PAGES, np.random.default_rng(0))
 
 
+@pytest.mark.interpreter
 def test_runner_padding_rows_leave_the_cache_alone():
     """A batch of 1 replays the size-2 graph; the padded row's zeroed slot_mapping points
     at slot 0, which a live request owns: it must stay untouched."""

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from graphbucket.engine import BucketHook
 
@@ -21,6 +22,7 @@ def load_script():
     return module
 
 
+@pytest.mark.interpreter
 def test_requests_cross_a_bucket_bound_and_retire():
     loop = load_script()
     model, runner, ladder = loop.build(cpu=True, layers=1, max_model_len=512)
@@ -44,3 +46,18 @@ def test_page_pool_admits_only_what_fits_and_takes_pages_back():
     assert pool.admit(small) and len(small.pages) == 1 and len(pool.free) == 3
     pool.retire(small)
     assert sorted(pool.free) == [0, 1, 2, 3]
+
+
+@pytest.mark.gpu
+def test_gpu_requests_cross_a_bucket_bound_and_retire():
+    loop = load_script()
+    model, runner, ladder = loop.build(cpu=False, layers=1, max_model_len=4096)
+    runner.capture()
+    hook = BucketHook(ladder, capture_sizes=runner.batch_sizes)
+    requests = [loop.Request(0, 61, 5), loop.Request(1, 9, 2)]
+    report = loop.serve(model, runner, hook, requests, max_batch=2, seed=0)
+    runner.close()
+    assert report["finished"] == 2 and report["steps"] == 5
+    buckets = {bucket for (_, bucket) in report["replays_by_bucket"]}
+    assert buckets == {0, 1}, report["replays_by_bucket"]
+    assert report["eager_fallbacks"] == 0

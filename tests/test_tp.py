@@ -139,6 +139,7 @@ def test_shards_reassemble_the_unsharded_weights(world_size):
                for s in shards)                               # shards own their memory
 
 
+@pytest.mark.interpreter
 def test_one_rank_is_the_unsharded_model():
     full = MLADecoder(tiny(num_layers=1), num_pages=8, page_size=PAGE, dtype=torch.float32,
                       device="cpu", seed=3)
@@ -210,6 +211,7 @@ def _numerics_rank(rank: int, world_size: int, tmp: str) -> None:
                 assert rel_l2(mine, ref) < 1e-5
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_sharded_decode_matches_the_unsharded_model(world_size, tmp_path):
     run_ranks(_numerics_rank, world_size, tmp_path)
@@ -285,6 +287,7 @@ def with_raises(exc_type: type, fn, match: str) -> None:
     raise AssertionError(f"expected {exc_type.__name__} matching {match!r}")
 
 
+@pytest.mark.interpreter
 def test_every_rank_selects_the_same_key(tmp_path):
     run_ranks(_keys_rank, 2, tmp_path)
 
@@ -332,6 +335,7 @@ def _close_rank(rank: int, world_size: int, tmp: str) -> None:
     with_raises(RuntimeError, lambda: eager.step(batch), "closed")
 
 
+@pytest.mark.interpreter
 def test_session_closes_runners_before_the_process_group(tmp_path):
     run_ranks(_close_rank, 2, tmp_path)
 
@@ -339,6 +343,7 @@ def test_session_closes_runners_before_the_process_group(tmp_path):
 # ---- the multi-GPU script's CPU path ------------------------------------------------------
 
 
+@pytest.mark.interpreter
 def test_tp_decode_script_cpu_smoke(tmp_path):
     """scripts/tp_decode.py --cpu: gloo ranks, numerics vs TP=1, both policies stepped."""
     cmd = [sys.executable, str(ROOT / "scripts" / "tp_decode.py"), "--cpu", "--world-size",

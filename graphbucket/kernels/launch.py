@@ -132,6 +132,22 @@ def _workspace_args(workspace: SplitWorkspace | None, out: torch.Tensor):
     return part_o, part_lse, part_o.stride()[:3], part_lse.stride()[:2]
 
 
+# Shared memory the KV pipeline may take per program (H100/H200: 227 KB per block, less
+# room for q, the score tile and Triton's scratch).
+KV_PIPELINE_SMEM_BYTES = 224 * 1024
+
+
+def pipeline_stages(plan: LaunchPlan, element_size: int) -> int:
+    """Pipeline depth for this cache dtype: the plan's, capped by what fits in shared memory.
+
+    Plans are tuned for 2-byte caches (bf16 LONG_STREAM: 3 x 64-token tiles = 216 KB);
+    float32 rows are twice as wide, so a 64-token float32 tile gets one stage (144 KB)
+    and a 32-token one keeps two.
+    """
+    tile_bytes = plan.block_n * (plan.kv_lora_rank + plan.qk_rope_dim) * element_size
+    return max(1, min(plan.num_stages, KV_PIPELINE_SMEM_BYTES // tile_bytes))
+
+
 def launch_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                   seq_lens: torch.Tensor, out: torch.Tensor, workspace: SplitWorkspace | None,
                   *, plan: LaunchPlan, sm_scale: float, lse: torch.Tensor | None):
@@ -140,9 +156,7 @@ def launch_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
     Returns Triton's handle of the launched kernel (registers, shared memory, spills).
     """
     part_o, part_lse, po_strides, pl_strides = _workspace_args(workspace, out)
-    # Plans are tuned for 2-byte caches (64-token tiles, 3 stages: 94 KB of shared memory);
-    # float32 rows are twice as wide and that depth needs 250 KB > 227 KB, so one stage less.
-    num_stages = plan.num_stages if kv_cache.element_size() <= 2 else max(1, plan.num_stages - 1)
+    num_stages = pipeline_stages(plan, kv_cache.element_size())
     return _mla_decode_stage1_kernel[plan.grid](
         q, kv_cache, block_table, seq_lens, out, out if lse is None else lse, part_o, part_lse,
         plan.num_kv_splits, plan.num_heads, sm_scale * LOG2E,
