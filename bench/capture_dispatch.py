@@ -321,7 +321,7 @@ def run(cfg: Config, steps: int) -> dict:
         runner.step(batch)
     syncs, sync_sites, sync_waits = count_syncs(runner, batches, cuda)
     result = {
-        "buckets": [{"max_len": b.max_len, "hint": b.hint} for b in ladder],
+        "buckets": [b.to_dict() for b in ladder],
         "batch_sizes": list(cfg.batch_sizes),
         **{k: ladder_rec[k] for k in ("graphs_captured", "graphs_aliased", "capture_s",
                                       "pool_bytes")},

@@ -62,7 +62,7 @@ def plan_table(backend: DecodeBackend, ladder: BucketLadder, batch_sizes: Iterab
     """(capture batch size, bucket index) -> plan, largest batch first. Host only."""
     return {(bs, i): backend.plan(bs, num_heads, hint)
             for bs in sorted(set(batch_sizes), reverse=True)
-            for i, hint in enumerate(ladder.hints)}
+            for i, hint in enumerate(ladder.hints_for(bs))}
 
 
 def make_body(forward: Forward, ctx: DecodeContext, out: torch.Tensor) -> Body:

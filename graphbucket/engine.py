@@ -61,7 +61,7 @@ class BucketHook:
     def capture_keys(self) -> Iterator[tuple[int, int, int]]:
         """(padded batch size, bucket, hint) for every graph to capture, largest batch first."""
         for bs in reversed(self.capture_sizes):
-            for bucket, hint in enumerate(self.ladder.hints):
+            for bucket, hint in enumerate(self.ladder.hints_for(bs)):
                 yield bs, bucket, hint
 
     def pad(self, batch_size: int) -> int | None:
@@ -79,4 +79,4 @@ class BucketHook:
         padded = self.pad(len(seq_lens_cpu))
         if padded is None:
             return None
-        return BucketChoice(padded, bucket, self.ladder.hints[bucket])
+        return BucketChoice(padded, bucket, self.ladder.hint_for(bucket, padded))

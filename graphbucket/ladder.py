@@ -2,8 +2,14 @@
 
 A ``Bucket`` covers the host-known context lengths ``(previous max_len, max_len]`` and
 carries a ``hint``: the representative length the kernel plans with when that bucket's
-FULL graph is captured. A ``BucketLadder`` is an ordered list of buckets that covers
-``1..max_model_len`` exactly, with no gaps and no overlaps.
+FULL graph is captured. Any hint in ``1..max_model_len`` gives correct results for any
+length; hand-written ladders hint at the bucket top (enough splits for every length in
+it), while a tuned ladder may hint below the bucket (fewer splits) or above it (more),
+wherever that measured faster. The split count a hint buys depends on the batch size (the
+budget is shared by the batch's rows), so a bucket may carry ``batch_hints``: from a
+given padded batch size up, plan with another hint (``Bucket.hint_for``). A
+``BucketLadder`` is an ordered list of buckets that covers ``1..max_model_len`` exactly,
+with no gaps and no overlaps; every graph of one bucket serves the same lengths.
 
 ``BucketLadder.select`` maps a batch's lengths (the scheduler's ``seq_lens_cpu``) to a
 bucket index with ``bisect`` over the bucket bounds. It is pure host arithmetic and never
@@ -35,6 +41,7 @@ DEFAULT_MAX_MODEL_LEN = 131072
 _SELECT_KEYS = ("max", "min")
 _JSON_KEYS = frozenset({"max_model_len", "buckets", "meta"})
 _BUCKET_KEYS = frozenset({"max_len", "hint"})
+_BUCKET_OPTIONAL_KEYS = frozenset({"batch_hints"})
 
 
 def _as_int(name: str, value: object) -> int:
@@ -49,21 +56,67 @@ def _as_int(name: str, value: object) -> int:
 
 @dataclass(frozen=True, slots=True)
 class Bucket:
-    """Lengths ``(previous max_len, max_len]``; the graph is planned with ``hint``."""
+    """Lengths ``(previous max_len, max_len]``; graphs are planned with ``hint``.
+
+    ``batch_hints``: ``{batch_size: hint}`` (or pairs); a graph of padded batch size ``n``
+    is planned with the hint of the largest listed batch size ``<= n``, and with ``hint``
+    below the smallest. Stored as sorted ``(batch_size, hint)`` pairs.
+    """
 
     max_len: int
     hint: int
+    batch_hints: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         # Normalise numpy / torch integers to int so buckets hash, compare and serialise
         # the same whatever produced them.
         object.__setattr__(self, "max_len", _as_int("Bucket.max_len", self.max_len))
         object.__setattr__(self, "hint", _as_int("Bucket.hint", self.hint))
-        if self.hint < 1:
-            raise ValueError(
-                f"Bucket(max_len={self.max_len}) has hint={self.hint}; a hint is a context "
-                "length the kernel plans with and must be >= 1 (use the bucket's max_len)"
-            )
+        for name, h in (("hint", self.hint), *(
+                (f"batch_hints[{b}]", h) for b, h in self._pairs())):
+            if h < 1:
+                raise ValueError(
+                    f"Bucket(max_len={self.max_len}) has {name}={h}; a hint is a context "
+                    "length the kernel plans with and must be >= 1 (use the bucket's max_len)"
+                )
+        object.__setattr__(self, "batch_hints", self._pairs())
+
+    def _pairs(self) -> tuple[tuple[int, int], ...]:
+        raw = self.batch_hints
+        items = raw.items() if isinstance(raw, Mapping) else raw
+        try:
+            pairs = [(_as_int("batch_hints batch size", b), _as_int("batch_hints hint", h))
+                     for b, h in items]
+        except (TypeError, ValueError) as err:
+            raise TypeError(f"Bucket(max_len={self.max_len}).batch_hints must map batch "
+                            f"sizes to hints, got {raw!r}: {err}") from None
+        sizes = [b for b, _ in pairs]
+        if len(set(sizes)) != len(sizes) or any(b < 1 for b in sizes):
+            raise ValueError(f"Bucket(max_len={self.max_len}).batch_hints needs distinct "
+                             f"batch sizes >= 1, got {sorted(sizes)}")
+        return tuple(sorted(pairs))
+
+    def hint_for(self, batch_size: int) -> int:
+        """The hint a graph of ``batch_size`` (padded) rows is planned with."""
+        hint = self.hint
+        for size, h in self.batch_hints:
+            if size > batch_size:
+                break
+            hint = h
+        return hint
+
+    def all_hints(self) -> tuple[int, ...]:
+        return (self.hint, *(h for _, h in self.batch_hints))
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"max_len": self.max_len, "hint": self.hint}
+        if self.batch_hints:
+            out["batch_hints"] = {str(b): h for b, h in self.batch_hints}
+        return out
+
+    def __repr__(self) -> str:
+        extra = f", batch_hints={dict(self.batch_hints)}" if self.batch_hints else ""
+        return f"Bucket(max_len={self.max_len}, hint={self.hint}{extra})"
 
 
 def _validate(buckets: tuple[Bucket, ...], max_model_len: int) -> None:
@@ -82,11 +135,6 @@ def _validate(buckets: tuple[Bucket, ...], max_model_len: int) -> None:
                 f"bucket {i} has max_len={b.max_len}, not above the previous bound {lower}; "
                 "bucket bounds must be strictly increasing (sort them and drop duplicates)"
             )
-        if not lower < b.hint <= b.max_len:
-            raise ValueError(
-                f"bucket {i} covers lengths {lower + 1}..{b.max_len} but has hint={b.hint}; "
-                f"the hint must lie inside its bucket (e.g. hint={b.max_len}, the bucket top)"
-            )
         lower = b.max_len
     if lower != max_model_len:
         raise ValueError(
@@ -94,6 +142,13 @@ def _validate(buckets: tuple[Bucket, ...], max_model_len: int) -> None:
             f"bucket's max_len must equal max_model_len (set it to {max_model_len}"
             + (" or add a bucket above it)" if lower < max_model_len else " or drop buckets)")
         )
+    for i, b in enumerate(buckets):
+        for h in b.all_hints():
+            if h > max_model_len:
+                raise ValueError(
+                    f"bucket {i} has hint={h} above max_model_len={max_model_len}; a hint is "
+                    f"a context length to plan with (e.g. {b.max_len}, the bucket top)"
+                )
 
 
 def _rebuild(buckets: tuple[Bucket, ...], max_model_len: int, meta: dict) -> BucketLadder:
@@ -167,7 +222,7 @@ class BucketLadder:
         return hash((self._max_model_len, self._buckets))
 
     def __repr__(self) -> str:
-        inner = ", ".join(f"Bucket(max_len={b.max_len}, hint={b.hint})" for b in self._buckets)
+        inner = ", ".join(repr(b) for b in self._buckets)
         return f"BucketLadder([{inner}], max_model_len={self._max_model_len})"
 
     @property
@@ -177,7 +232,16 @@ class BucketLadder:
 
     @property
     def hints(self) -> tuple[int, ...]:
+        """Each bucket's base hint (``hints_for`` gives a batch size's)."""
         return self._hints
+
+    def hint_for(self, bucket: int, batch_size: int) -> int:
+        """The hint the graph of (``batch_size``, ``bucket``) is planned with."""
+        return self._buckets[bucket].hint_for(batch_size)
+
+    def hints_for(self, batch_size: int) -> tuple[int, ...]:
+        """Per bucket, the hint graphs of ``batch_size`` (padded) rows are planned with."""
+        return tuple(b.hint_for(batch_size) for b in self._buckets)
 
     @property
     def max_model_len(self) -> int:
@@ -247,7 +311,7 @@ class BucketLadder:
     def to_dict(self) -> dict[str, Any]:
         return {
             "max_model_len": self._max_model_len,
-            "buckets": [{"max_len": b.max_len, "hint": b.hint} for b in self._buckets],
+            "buckets": [b.to_dict() for b in self._buckets],
             "meta": dict(self.meta),
         }
 
@@ -272,12 +336,23 @@ class BucketLadder:
             raise ValueError(f"ladder 'buckets' must be a list, got {data['buckets']!r}")
         buckets = []
         for i, entry in enumerate(data["buckets"]):
-            if not isinstance(entry, Mapping) or set(entry) != _BUCKET_KEYS:
+            if not isinstance(entry, Mapping) or not _BUCKET_KEYS <= set(entry) \
+                    or set(entry) - _BUCKET_KEYS - _BUCKET_OPTIONAL_KEYS:
                 raise ValueError(
-                    f"ladder bucket {i} must be an object with keys 'max_len' and 'hint', "
-                    f"got {entry!r}"
+                    f"ladder bucket {i} must be an object with keys 'max_len' and 'hint' "
+                    f"(and optionally 'batch_hints'), got {entry!r}"
                 )
-            buckets.append(Bucket(max_len=entry["max_len"], hint=entry["hint"]))
+            extra = entry.get("batch_hints", {})
+            if not isinstance(extra, Mapping):
+                raise ValueError(f"ladder bucket {i}: 'batch_hints' must map batch sizes "
+                                 f"to hints, got {extra!r}")
+            try:
+                pairs = {int(b): h for b, h in extra.items()}
+            except ValueError:
+                raise ValueError(f"ladder bucket {i}: 'batch_hints' keys must be batch "
+                                 f"sizes, got {sorted(extra)}") from None
+            buckets.append(Bucket(max_len=entry["max_len"], hint=entry["hint"],
+                                  batch_hints=pairs))
         return cls(buckets, data["max_model_len"], meta=data.get("meta"))
 
     @classmethod

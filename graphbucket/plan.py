@@ -11,16 +11,18 @@ Formula (integer arithmetic)::
 
     rows         = batch * cdiv(num_heads, block_h)          # programs without splitting
     stream       = LONG_STREAM if rows < num_sms // 4 else WIDE_STREAM
-    budget       = min(stream.ctas_per_sm * num_sms // rows, max_splits)    # >= 1
+    budget       = min(pow2_floor(stream.ctas_per_sm * num_sms // rows), max_splits)  # >= 1
     wanted       = pow2_ceil(cdiv(cdiv(hint, stream.block_n), stream.min_tiles_per_split))
     num_splits   = clamp(wanted, 1, budget)
 
 Where the constants come from (H200 measurements, bench/NOTES.md):
 - The kernel streams roughly 10-12 GB/s per program, so HBM saturates only with
-  several hundred programs resident: the split budget fills exactly the resident slots
-  (one full wave), not a power of two; 256 or 512 splits at batch 1 ran 2 partial waves.
+  several hundred programs resident: the split budget is the largest power of two that
+  fits one wave of resident slots. Filling the wave exactly (264 at batch 1, 33 at
+  batch 8) gained <= 1 % at batch 1 and lost 1-6 % at batch 8, where 33 splits need the
+  64-row merge tile (+1.5 us) instead of the 32-row one (h200-ladder-tune.json).
 - LONG_STREAM (few rows, long splits): 64-token tiles, 3 pipeline stages, 94 KB of
-  shared memory -> 2 programs per SM. Best at batch 1 and 8 (128K: 54 us at 264 splits).
+  shared memory -> 2 programs per SM. Best at batch 1 and 8 (128K: 55 us at 256 splits).
 - WIDE_STREAM (many rows): 32-token tiles, 2 stages, 56 KB -> 4 programs per SM.
   Best at batch 64 (3 % ahead of LONG_STREAM). With that many rows the grid is already
   wide, and a split pays for its partial store and merge only over >= 8 tiles (batch 64:
@@ -138,8 +140,9 @@ def stream_config(rows: int, num_sms: int) -> StreamConfig:
 
 
 def split_budget(rows: int, stream: StreamConfig, *, num_sms: int, max_splits: int) -> int:
-    """Splits that fill the resident program slots of every SM exactly once (one wave)."""
-    return max(1, min(stream.ctas_per_sm * num_sms // rows, max_splits))
+    """The largest power of two of splits that fits one wave of resident program slots
+    (``max_splits``, the caller's cap, applies as given)."""
+    return max(1, min(pow2_floor(stream.ctas_per_sm * num_sms // rows), max_splits))
 
 
 def merge_block_s(num_splits: int) -> int:

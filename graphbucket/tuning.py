@@ -13,9 +13,13 @@ through it.
   hint plans must have been measured: a missing one raises ``ValueError`` (no nearest-
   neighbour guess; ``splits_to_measure`` lists what to measure, and the measuring step
   measures exactly that).
-- A ladder is a partition of c_1..c_n into at most ``max_buckets`` contiguous groups, one
-  hint each. Group c_i..c_j becomes ``Bucket(max_len=c_j, hint)``; the last group's bucket
-  ends at ``max_model_len``.
+- A ladder is a partition of c_1..c_n into at most ``max_buckets`` contiguous groups. Group
+  c_i..c_j becomes ``Bucket(max_len=c_j, ...)``; the last group's bucket ends at
+  ``max_model_len``. Bounds are shared by every batch size; hints are chosen per measured
+  batch size (the bucket's ``hint`` for the smallest, ``batch_hints`` where a larger one
+  differs), because one hint buys different split counts at different batch sizes
+  (H200, 16 heads: at 65-128 tokens batch 1 runs 20 % faster on 2+ splits and batch 8
+  9 % faster on one). ``per_batch_hints=False`` asks one hint to serve all.
 - Objective: the sum over contexts and batches of cost / oracle (relative time, so a 128K
   context weighs as much as a 64-token one). A dynamic program over (groups used, prefix
   of contexts) finds the exact optimum. Ties, in order: the smaller worst cost / oracle,
@@ -23,22 +27,15 @@ through it.
   hints (lexicographic), earlier bounds. Within one group, equal cost goes to the smaller
   hint. Sums compare after rounding to 1e-9, so ties do not hang on float summation order.
 
-Hints must lie inside their bucket (``BucketLadder`` validates ``lower < hint <= max_len``),
-so group c_i..c_j may only use hints in (c_{i-1}, c_j]. Candidates there: the given hints
-(default: powers of two up to ``max_model_len``, and ``max_model_len``) that fall inside,
-the bucket top c_j, and the bucket's lowest length c_{i-1} + 1 (kept only when it plans
-split counts no other candidate plans). Since ``splits_for`` is monotone in the hint, a
-group can reach exactly the split counts between ``splits_for(b, c_{i-1} + 1)`` and
-``splits_for(b, c_j)``; for ``plan_mla_decode``, constant between consecutive powers of
-two, the powers of two and the top already reach all of them.
-
-What the restriction costs: a group cannot plan more splits than its top context asks for
-(over-splitting below one tile per split, which sometimes pays at short contexts) nor
-fewer than its lowest length asks for. The tuner also solves the problem with every hint
-allowed in every group (not a valid ladder, a lower bound) and reports it as
-``unrestricted_mean_over_oracle``, so the price is measured rather than guessed. The
-ladder is optimal at the measured contexts only; lengths between them take their bucket's
-hint untested, so measure densely where the oracle's split count changes.
+Any hint plans a correct graph for any length, so a group may take any candidate hint,
+inside its bucket or not (more splits than its top asks for sometimes pays at short
+contexts, fewer than its bottom asks for at batch 8). Candidates: the given hints
+(default: powers of two up to ``max_model_len``, and ``max_model_len``), the measured
+contexts and each context + 1, one per distinct split tuple; for ``plan_mla_decode``,
+constant between consecutive powers of two, the powers of two already reach every
+split count. The ladder is optimal at the measured contexts only; lengths between them
+take their bucket's hint untested, so measure densely where the oracle's split count
+changes.
 """
 
 from __future__ import annotations
@@ -83,7 +80,7 @@ def hints_to_measure(contexts: Iterable[int], max_model_len: int, *,
     hints = set(candidate_hints(max_model_len)) | set(contexts)
     hints |= {c + 1 for c in contexts if c < max_model_len}
     for ladder in ladders:
-        hints |= set(ladder.hints)
+        hints |= {h for bucket in ladder for h in bucket.all_hints()}
     return sorted(h for h in hints if h <= max_model_len)
 
 
@@ -116,7 +113,7 @@ class TuneResult:
     """The chosen ladder, the ladder it is compared with, and per-(context, batch) rows.
 
     ``rows``: oracle, tuned and baseline microseconds and split counts, and their ratios
-    over the oracle. ``summary``: mean and max of those ratios, and the unrestricted bound.
+    over the oracle. ``summary``: mean and max of those ratios.
     """
 
     ladder: BucketLadder
@@ -171,7 +168,7 @@ class _Table:
 class _Choice:
     total: float  # sum of cost / oracle
     worst: float  # max of cost / oracle
-    hints: tuple[int, ...]
+    hints: tuple[GroupHints, ...]
     ends: tuple[int, ...]  # exclusive end index of each group into the sorted contexts
 
     def key(self) -> tuple:
@@ -182,13 +179,16 @@ class _Choice:
 def choose_ladder(times: TimeTable, splits_for: SplitsFn, *, max_model_len: int,
                   max_buckets: int, hints: Iterable[int] | None = None,
                   baseline: BucketLadder | None = None,
-                  meta: Mapping[str, Any] | None = None) -> TuneResult:
+                  meta: Mapping[str, Any] | None = None,
+                  per_batch_hints: bool = True) -> TuneResult:
     """The ladder of at most ``max_buckets`` buckets minimising summed cost / oracle.
 
     ``times``: ``{(context, batch, splits): us}``; ``splits_for(batch, hint)``: the plan's
     split count; ``hints``: candidate hints (default ``candidate_hints(max_model_len)``);
     ``baseline``: the ladder to compare with (default ``default_ladder``); ``meta`` is
     merged into the ladder's meta (device, heads, date: the caller knows them).
+    ``per_batch_hints``: each measured batch size gets its own hint per bucket (bounds stay
+    shared); False asks one hint to serve them all.
     Deterministic; see the module docstring for the method and the tie-breaks.
     """
     _check_positive("max_model_len", max_model_len)
@@ -200,16 +200,16 @@ def choose_ladder(times: TimeTable, splits_for: SplitsFn, *, max_model_len: int,
     hints = candidate_hints(max_model_len) if hints is None else sorted(set(hints))
     for h in hints:
         _check_positive("candidate hint", h)
-    groups = _GroupCosts(table, splits_for, hints, max_model_len)
-    best = _partition(len(table.contexts), max_buckets, groups.restricted)
-    free = _partition(len(table.contexts), max_buckets, groups.unrestricted)
+    groups = _GroupCosts(table, splits_for, hints, max_model_len, per_batch=per_batch_hints)
+    best = _partition(len(table.contexts), max_buckets, groups.best)
     bounds = [table.contexts[e - 1] for e in best.ends[:-1]] + [max_model_len]
-    buckets = [Bucket(max_len=b, hint=h) for b, h in zip(bounds, best.hints, strict=True)]
+    buckets = [bucket_with_hints(b, table.batches, h)
+               for b, h in zip(bounds, best.hints, strict=True)]
     baseline = baseline if baseline is not None else default_ladder(max_model_len)
     num = len(table.contexts) * len(table.batches)
     tuned_meta = {"source": "graphbucket.tuning", **dict(meta or {}),
                   "batch_sizes": table.batches, "contexts": table.contexts,
-                  "max_buckets": max_buckets,
+                  "max_buckets": max_buckets, "per_batch_hints": per_batch_hints,
                   "mean_over_oracle": round(best.total / num, 4),
                   "max_over_oracle": round(best.worst, 4)}
     ladder = BucketLadder(buckets, max_model_len, meta=tuned_meta)
@@ -217,9 +217,7 @@ def choose_ladder(times: TimeTable, splits_for: SplitsFn, *, max_model_len: int,
     summary = {"tuned_mean_over_oracle": _mean(rows, "tuned_over_oracle"),
                "tuned_max_over_oracle": max(r["tuned_over_oracle"] for r in rows),
                "default_mean_over_oracle": _mean(rows, "default_over_oracle"),
-               "default_max_over_oracle": max(r["default_over_oracle"] for r in rows),
-               "unrestricted_mean_over_oracle": round(free.total / num, 4),
-               "unrestricted_max_over_oracle": round(free.worst, 4)}
+               "default_max_over_oracle": max(r["default_over_oracle"] for r in rows)}
     return TuneResult(ladder, baseline, tuple(rows), summary)
 
 
@@ -250,7 +248,7 @@ def compare_ladders(times: TimeTable | _Table, splits_for: SplitsFn,
             row: dict[str, Any] = {"context": c, "batch": b, "oracle_us": oracle_us,
                                    "oracle_splits": oracle_splits}
             for name, ladder in ladders.items():
-                hint = ladder[ladder.bucket_for(c)].hint
+                hint = ladder.hint_for(ladder.bucket_for(c), b)
                 splits = splits_for(b, hint)
                 us = table.us(c, b, splits)
                 row.update({f"{name}_us": us, f"{name}_splits": splits, f"{name}_hint": hint,
@@ -259,65 +257,81 @@ def compare_ladders(times: TimeTable | _Table, splits_for: SplitsFn,
     return rows
 
 
+GroupHints = tuple[int, ...]  # one hint per batch size of the table, in batch order
+
+
 class _GroupCosts:
-    """Best hint and its summed / worst cost over oracle for each contiguous group."""
+    """Best hints and their summed / worst cost over oracle for each contiguous group.
+
+    With ``per_batch`` each batch size takes its own best hint in the group (the bucket's
+    ``batch_hints``); without, one hint must serve every batch size.
+    """
 
     def __init__(self, table: _Table, splits_for: SplitsFn, hints: Sequence[int],
-                 max_model_len: int) -> None:
+                 max_model_len: int, *, per_batch: bool) -> None:
         self.table, self.splits_for, self.hints = table, splits_for, hints
-        self.max_model_len = max_model_len
-        self._memo: dict[tuple[int, int, bool], tuple[float, float, int]] = {}
-        self._per_context: dict[int, list[tuple[float, float]]] = {}
-        everything = set(hints_to_measure(table.contexts, max_model_len)) | set(hints)
-        self._everything = sorted(h for h in everything if h <= max_model_len)
-
-    def _context_costs(self, hint: int) -> list[tuple[float, float]]:
-        """Per context: (sum over batches, max over batches) of cost / oracle with ``hint``."""
-        if hint not in self._per_context:
-            t, b_all = self.table, self.table.batches
-            costs = []
-            for c in t.contexts:
-                ratios = [t.ratio(c, b, self.splits_for(b, hint)) for b in b_all]
-                costs.append((sum(ratios), max(ratios)))
-            self._per_context[hint] = costs
-        return self._per_context[hint]
-
-    def _group_hints(self, i: int, j: int, restricted: bool) -> list[int]:
-        """Candidate hints of group contexts[i:j], one per distinct split tuple."""
-        if not restricted:
-            pool, extra = self._everything, []
-        else:
-            lower = self.table.contexts[i - 1] if i > 0 else 0
-            top = self.table.contexts[j - 1] if j < len(self.table.contexts) \
-                else self.max_model_len
-            pool = sorted({h for h in self.hints if lower < h <= top} | {top})
-            extra = [lower + 1]
+        self.max_model_len, self.per_batch = max_model_len, per_batch
+        self._memo: dict[tuple[int, int], tuple[float, float, GroupHints]] = {}
+        self._ratios: dict[tuple[int, int], list[float]] = {}
+        pool = set(hints_to_measure(table.contexts, max_model_len)) | set(hints)
+        # One hint per distinct split tuple: the smallest power of two, else the smallest
+        # (equal plans, so only readability is at stake).
         seen: dict[tuple[int, ...], int] = {}
-        for h in [*pool, *extra]:
-            seen.setdefault(tuple(self.splits_for(b, h) for b in self.table.batches), h)
-        return sorted(seen.values())
+        pow2_first = sorted((h for h in pool if h <= max_model_len),
+                            key=lambda h: (h & (h - 1) != 0, h))
+        for h in pow2_first:
+            seen.setdefault(tuple(splits_for(b, h) for b in table.batches), h)
+        self.candidates = sorted(seen.values())
 
-    def _best(self, i: int, j: int, restricted: bool) -> tuple[float, float, int]:
-        key = (i, j, restricted)
+    def _context_ratios(self, batch: int, hint: int) -> list[float]:
+        """Per context: cost / oracle of ``batch`` planned with ``hint``."""
+        key = (batch, hint)
+        if key not in self._ratios:
+            splits = self.splits_for(batch, hint)
+            self._ratios[key] = [self.table.ratio(c, batch, splits) for c in self.table.contexts]
+        return self._ratios[key]
+
+    def _score(self, i: int, j: int, hints: GroupHints) -> tuple:
+        ratios = [r for b, h in zip(self.table.batches, hints, strict=True)
+                  for r in self._context_ratios(b, h)[i:j]]
+        total, worst = sum(ratios), max(ratios)
+        return (round(total, _NDIGITS), round(worst, _NDIGITS), hints, total, worst)
+
+    def best(self, i: int, j: int) -> tuple[float, float, GroupHints]:
+        """(summed cost / oracle, worst, hints) of the best hints for contexts[i:j]."""
+        key = (i, j)
         if key not in self._memo:
-            options = []
-            for h in self._group_hints(i, j, restricted):
-                costs = self._context_costs(h)[i:j]
-                total, worst = sum(s for s, _ in costs), max(m for _, m in costs)
-                options.append((round(total, _NDIGITS), round(worst, _NDIGITS), h, total, worst))
-            _, _, h, total, worst = min(options)
-            self._memo[key] = (total, worst, h)
+            candidates = self.candidates
+            if self.per_batch:  # batches are independent within a group: best hint each
+                n = len(self.table.batches)
+                hints = tuple(min(candidates, key=lambda h, k=k: self._one(i, j, k, h))
+                              for k in range(n))
+                options = [self._score(i, j, hints)]
+            else:
+                options = [self._score(i, j, (h,) * len(self.table.batches))
+                           for h in candidates]
+            _, _, hints, total, worst = min(options)
+            self._memo[key] = (total, worst, hints)
         return self._memo[key]
 
-    def restricted(self, i: int, j: int) -> tuple[float, float, int]:
-        return self._best(i, j, True)
+    def _one(self, i: int, j: int, k: int, hint: int) -> tuple:
+        """Score of batch index ``k`` alone in group contexts[i:j] with ``hint``."""
+        ratios = self._context_ratios(self.table.batches[k], hint)[i:j]
+        return (round(sum(ratios), _NDIGITS), round(max(ratios), _NDIGITS), hint)
 
-    def unrestricted(self, i: int, j: int) -> tuple[float, float, int]:
-        return self._best(i, j, False)
+
+def bucket_with_hints(max_len: int, batches: Sequence[int], hints: GroupHints) -> Bucket:
+    """A bucket planned with ``hints[k]`` at ``batches[k]``: the smallest batch's hint as the
+    base, and a ``batch_hints`` entry wherever the hint changes going up the batch sizes."""
+    base, current, extra = hints[0], hints[0], {}
+    for b, h in zip(batches[1:], hints[1:], strict=True):
+        if h != current:
+            extra[b] = current = h
+    return Bucket(max_len=max_len, hint=base, batch_hints=extra)
 
 
 def _partition(n: int, max_buckets: int,
-               group: Callable[[int, int], tuple[float, float, int]]) -> _Choice:
+               group: Callable[[int, int], tuple[float, float, GroupHints]]) -> _Choice:
     """Exact DP: best split of contexts[0:n] into <= max_buckets contiguous groups."""
     layer = {0: _Choice(0.0, 0.0, (), ())}  # prefix end -> best choice with k groups
     finals = []

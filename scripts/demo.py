@@ -128,7 +128,7 @@ def cpu_demo() -> None:
                           max_len)
     print(f"CPU demo: '{model.config.name}' MLA decoder ({model.config.num_layers} layers, "
           f"{model.config.num_heads} heads) through the Triton interpreter")
-    print(f"ladder (bound, hint): {[(b.max_len, b.hint) for b in ladder]}; capturing:")
+    print(f"ladder: {list(ladder)}; capturing:")
     fixed1, bucketed = cpu_runners(model, ladder, max_len)
     table = random_block_table(2, max_len // page, model.num_pages, rng)
     prefill_random(model, table, [max_len, max_len])

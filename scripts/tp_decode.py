@@ -162,7 +162,7 @@ class Rank:
             runner = self.runner(policy, self.tp)
             capture_all([runner], group=self.session.cpu_group)
             if policy == "ladder":
-                self.ladder_buckets = [(b.max_len, b.hint) for b in runner.ladder]
+                self.ladder_buckets = [b.to_dict() for b in runner.ladder]
             for context in self.geo["contexts"]:
                 batch = self.batch(context)
                 ms = time_steps(lambda b=batch, r=runner: r.step(b), cuda=not self.args.cpu,

@@ -54,6 +54,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--plot", type=Path, help="PNG plot to write (needs matplotlib)")
     ap.add_argument("--from-times", type=Path, metavar="REPORT",
                     help="choose from this report's timing table instead of measuring")
+    ap.add_argument("--shared-hints", action="store_true",
+                    help="one hint per bucket for every batch size (default: each measured "
+                         "batch size gets its own hint; bounds are shared either way)")
     ap.add_argument("--quiet", action="store_true", help="no progress line per measurement")
     return ap.parse_args(argv)
 
@@ -114,17 +117,27 @@ def summary_table(result: TuneResult) -> str:
     return "\n".join(lines)
 
 
+def bucket_text(bucket: dict) -> str:
+    """``<=4096: hint 4096 (batch >= 8: 2048)`` from a bucket's JSON."""
+    extra = "".join(f", batch >= {b}: {h}" for b, h in bucket.get("batch_hints", {}).items())
+    return f"<={bucket['max_len']}: hint {bucket['hint']}" + (f" ({extra[2:]})" if extra else "")
+
+
 def report_markdown(report: dict) -> str:
     """The report as a short markdown table (written beside the report JSON)."""
     meta, summary = report["meta"], report["summary"]
-    bounds = ", ".join(f"<={b['max_len']}: hint {b['hint']}" for b in report["ladder"]["buckets"])
+    bounds = ", ".join(bucket_text(b) for b in report["ladder"]["buckets"])
     lines = [f"# Tuned ladder, {meta['num_heads']} heads ({meta['gpu']})", "",
              f"{meta['date']}, torch {meta['torch']}, triton {meta['triton']}. "
              f"Command: `{meta['command']}`", "", f"Tuned buckets: {bounds}", "",
              f"Time over the best measured split count (mean / worst): tuned "
              f"{summary['tuned_mean_over_oracle']:.3f} / {summary['tuned_max_over_oracle']:.3f},"
              f" default ladder {summary['default_mean_over_oracle']:.3f} / "
-             f"{summary['default_max_over_oracle']:.3f}.", "",
+             f"{summary['default_max_over_oracle']:.3f}"
+             + (f"; one hint shared by all batch sizes (same bucket limit) "
+                f"{summary['shared_mean_over_oracle']:.3f} / "
+                f"{summary['shared_max_over_oracle']:.3f}" if "shared_mean_over_oracle" in
+                summary else "") + ".", "",
              "| context | batch | oracle us (splits) | tuned us (splits) | tuned x | "
              "default us (splits) | default x |", "|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
@@ -191,8 +204,18 @@ def main(argv: list[str] | None = None) -> None:
                    "num_heads": meta["num_heads"],
                    "date": meta.get("measured_date", meta["date"])}
     result = choose_ladder(times, splits_for, max_model_len=args.max_model_len,
-                           max_buckets=args.max_buckets, meta=ladder_meta)
+                           max_buckets=args.max_buckets, meta=ladder_meta,
+                           per_batch_hints=not args.shared_hints)
     print(summary_table(result), flush=True)
+    if not args.shared_hints:  # what per-batch hints buy over one hint per bucket
+        shared = choose_ladder(times, splits_for, max_model_len=args.max_model_len,
+                               max_buckets=args.max_buckets, per_batch_hints=False)
+        result.summary.update(
+            shared_mean_over_oracle=shared.summary["tuned_mean_over_oracle"],
+            shared_max_over_oracle=shared.summary["tuned_max_over_oracle"])
+        print(f"one shared hint per bucket: {shared.ladder!r} mean x "
+              f"{shared.summary['tuned_mean_over_oracle']} max x "
+              f"{shared.summary['tuned_max_over_oracle']}")
     per_batch = choose_per_batch(times, splits_for, max_model_len=args.max_model_len,
                                  max_buckets=args.max_buckets, meta=ladder_meta)
     for batch, alone in per_batch.items():

@@ -8,6 +8,7 @@ import torch
 from graphbucket.backends import get_backend
 from graphbucket.buffers import StaticBuffers
 from graphbucket.capture import GraphCapture, plan_table
+from graphbucket.ladder import Bucket, BucketLadder
 from tests._toy import LADDER, NUM_SMS, ToyMLA, toy_spec
 
 SM_SCALE = 0.125
@@ -42,6 +43,16 @@ def test_plan_table_is_largest_batch_first_with_bucket_hints():
     assert list(table) == [(2, 0), (2, 1), (2, 2), (1, 0), (1, 1), (1, 2)]
     assert all(table[(bs, i)] == be.plan(bs, 16, LADDER.hints[i]) for bs, i in table)
     assert table[(1, 0)].num_kv_splits == 1 and table[(1, 2)].num_kv_splits > 1
+
+
+def test_plan_table_plans_each_batch_size_with_its_bucket_hint():
+    be = backend()
+    top = LADDER.max_model_len
+    ladder = BucketLadder([Bucket(64, 64), Bucket(top, top, batch_hints={2: 1})], top)
+    table = plan_table(be, ladder, [1, 2, 4], 16)
+    assert table[(1, 1)] == be.plan(1, 16, top) and table[(1, 1)].num_kv_splits > 1
+    assert table[(2, 1)] == be.plan(2, 16, 1) and table[(4, 1)] == be.plan(4, 16, 1)
+    assert table[(2, 1)].num_kv_splits == table[(4, 1)].num_kv_splits == 1
 
 
 def test_equal_plans_alias_one_graph(device):

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from graphbucket.engine import BucketHook
-from graphbucket.ladder import default_ladder
+from graphbucket.engine import BucketChoice, BucketHook
+from graphbucket.ladder import Bucket, BucketLadder, default_ladder
 
 
 @pytest.fixture
@@ -47,6 +47,15 @@ def test_capture_keys_cover_every_pair_largest_batch_first(hook):
     assert keys[0][0] == 8 and keys[-1][0] == 1
     assert {(bs, b) for bs, b, _ in keys} == {(bs, b) for bs in (1, 2, 4, 8) for b in range(5)}
     assert all(hint == hook.ladder.hints[b] for _, b, hint in keys)
+
+
+def test_batch_hints_reach_the_capture_keys_and_the_choice():
+    ladder = BucketLadder([Bucket(64, 64), Bucket(4096, 4096, batch_hints={4: 512})], 4096)
+    hook = BucketHook(ladder, capture_sizes=[1, 2, 4, 8])
+    keys = {(bs, b): hint for bs, b, hint in hook.capture_keys()}
+    assert keys[(2, 1)] == 4096 and keys[(4, 1)] == keys[(8, 1)] == 512
+    assert hook.choose([100, 3000, 7]) == BucketChoice(4, 1, 512)  # padded to 4
+    assert hook.choose([3000]).hint == 4096
 
 
 def test_bad_construction_raises():

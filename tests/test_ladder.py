@@ -78,17 +78,50 @@ def test_non_increasing_bounds(bounds):
         BucketLadder([Bucket(b, b) for b in bounds], 1024)
 
 
-@pytest.mark.parametrize(
-    "hints",
-    [
-        [64, 64, 1024],  # hint on the previous bucket's bound: outside (64, 512]
-        [64, 600, 1024],  # above its bucket's max_len
-        [65, 512, 1024],  # first bucket is 1..64
-    ],
-)
-def test_hint_outside_bucket(hints):
-    with pytest.raises(ValueError, match="hint must lie inside its bucket"):
-        make([64, 512, 1024], hints)
+def test_hint_above_max_model_len_rejected():
+    with pytest.raises(ValueError, match="hint=2048 above max_model_len=1024"):
+        make([64, 512, 1024], [64, 512, 2048])
+    with pytest.raises(ValueError, match="hint=4096 above max_model_len=1024"):
+        BucketLadder([Bucket(64, 64, batch_hints={8: 4096}), Bucket(1024, 1024)], 1024)
+
+
+@pytest.mark.parametrize("hints", [[64, 64, 1024], [64, 600, 1024], [65, 512, 1024]])
+def test_hints_outside_their_bucket_plan_fewer_or_more_splits(hints):
+    # Any hint gives a correct plan; a tuned ladder may use one outside its bucket.
+    assert make([64, 512, 1024], hints).hints == tuple(hints)
+
+
+def test_batch_hints_pick_the_largest_listed_batch_at_or_below():
+    b = Bucket(4096, 4096, batch_hints={8: 2048, 64: 512})
+    assert b.batch_hints == ((8, 2048), (64, 512))
+    assert [b.hint_for(n) for n in (1, 7, 8, 63, 64, 512)] == [4096, 4096, 2048, 2048, 512, 512]
+    assert Bucket(4096, 4096, batch_hints=[(64, 512), (8, 2048)]) == b  # order-free, hashable
+    assert hash(b) == hash(Bucket(4096, 4096, batch_hints={64: 512, 8: 2048}))
+    lad = BucketLadder([Bucket(64, 1), b], 4096)
+    assert lad.hints == (1, 4096) and lad.hints_for(8) == (1, 2048)
+    assert lad.hint_for(1, 100) == 512
+    assert "batch_hints={8: 2048, 64: 512}" in repr(lad)
+    data = lad.to_dict()
+    assert data["buckets"][1]["batch_hints"] == {"8": 2048, "64": 512}
+    assert BucketLadder.from_json(json.dumps(data)) == lad
+    assert "batch_hints" not in data["buckets"][0]  # plain buckets keep the plain JSON
+
+
+@pytest.mark.parametrize("batch_hints, match", [
+    ({8: 0}, ">= 1"), ([(8, 16), (8, 32)], "distinct batch sizes"), ({0: 16}, "distinct"),
+    ({8: "x"}, "must map batch sizes"), ([3], "must map batch sizes")])
+def test_bad_batch_hints_rejected(batch_hints, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        Bucket(64, 64, batch_hints=batch_hints)
+
+
+@pytest.mark.parametrize("entry, match", [
+    ({"max_len": 64, "hint": 64, "batch_hints": [8, 16]}, "must map batch sizes"),
+    ({"max_len": 64, "hint": 64, "batch_hints": {"eight": 16}}, "keys must be batch sizes"),
+    ({"max_len": 64, "hint": 64, "extra": 1}, "optionally 'batch_hints'")])
+def test_bad_batch_hints_json_rejected(entry, match):
+    with pytest.raises(ValueError, match=match):
+        BucketLadder.from_dict({"max_model_len": 64, "buckets": [entry]})
 
 
 def test_hint_zero_rejected_in_ladder():
@@ -117,7 +150,7 @@ def test_valid_edge_ladders():
     assert len(make([1])) == 1
     lad = make([1, 2, 3])
     assert lad.bounds == (1, 2, 3) and lad.hints == (1, 2, 3)
-    # A hint anywhere inside its bucket is fine, not only the top.
+    # A hint anywhere is fine, not only the top.
     assert make([64, 4096], [1, 65]).hints == (1, 65)
 
 

@@ -35,9 +35,13 @@ def test_monotone_in_hint_and_bounded_by_budget(batch, heads):
 
 
 def test_long_context_at_batch_one_fills_the_machine():
+    # 2 programs per SM: 264 slots on 132 SMs -> 256 splits; 132 slots on 66 SMs -> 128
     plan = plan_mla_decode(1, 16, 131072, num_sms=132)
-    assert plan.grid == (1, 1, 264) and plan.use_stage2
-    assert plan_mla_decode(1, 16, 131072, num_sms=66).num_kv_splits == 132
+    assert plan.grid == (1, 1, 256) and plan.use_stage2 and plan.merge_block_s == 256
+    assert plan_mla_decode(1, 16, 131072, num_sms=66).num_kv_splits == 128
+    # batch 8: 33 slots per request -> 32 splits (the 32-row merge tile, not 64)
+    plan8 = plan_mla_decode(8, 16, 131072, num_sms=132)
+    assert plan8.num_kv_splits == 32 and plan8.merge_block_s == 32
 
 
 def test_deterministic_and_hashable():
