@@ -98,9 +98,6 @@ class LaunchPlan:
     merge_block_s: int
     merge_block_dv: int
     merge_num_warps: int = 4
-    # Stage 1 computes S^T = K Q^T and O^T = V^T P^T (tokens and latent columns as the M
-    # dimension), the operand order Hopper's warpgroup MMA needs with few heads.
-    swap_ab: bool = False
 
     @property
     def num_head_blocks(self) -> int:
@@ -131,10 +128,9 @@ class LaunchPlan:
 
     def describe(self) -> str:
         stage2 = f"+merge(bs={self.merge_block_s})" if self.use_stage2 else " one-split"
-        swap = " swap_ab" if self.swap_ab else ""
         return (
             f"splits={self.num_kv_splits} grid={self.grid} block_h={self.block_h} "
-            f"block_n={self.block_n}{swap}{stage2}"
+            f"block_n={self.block_n}{stage2}"
         )
 
 

@@ -169,8 +169,7 @@ def launch_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
         PAGE_SIZE=kv_cache.shape[1], KV_LORA_RANK=plan.kv_lora_rank, ROPE_DIM=plan.qk_rope_dim,
         BLOCK_H=plan.block_h, BLOCK_N=plan.block_n,
         TILE_IN_PAGE=kv_cache.shape[1] % plan.block_n == 0, ONE_SPLIT=not plan.use_stage2,
-        WRITE_LSE=lse is not None, SWAP_AB=plan.swap_ab, num_warps=plan.num_warps,
-        num_stages=num_stages,
+        WRITE_LSE=lse is not None, num_warps=plan.num_warps, num_stages=num_stages,
     )
 
 

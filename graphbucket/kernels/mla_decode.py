@@ -55,7 +55,6 @@ def _mla_decode_stage1_kernel(
     TILE_IN_PAGE: tl.constexpr,
     ONE_SPLIT: tl.constexpr,
     WRITE_LSE: tl.constexpr,
-    SWAP_AB: tl.constexpr = False,
 ):
     bid = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -76,12 +75,7 @@ def _mla_decode_stage1_kernel(
 
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-        if SWAP_AB:
-            acc_t = tl.zeros([KV_LORA_RANK, BLOCK_H], dtype=tl.float32)
-            q_nope_t = tl.trans(q_nope)
-            q_rope_t = tl.trans(q_rope)
-        else:
-            acc = tl.zeros([BLOCK_H, KV_LORA_RANK], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, KV_LORA_RANK], dtype=tl.float32)
         bt_row = BLOCK_TABLE + bid * stride_bt_b
 
         for tok0 in range(start, end, BLOCK_N):
@@ -99,36 +93,21 @@ def _mla_decode_stage1_kernel(
             k_rope = tl.load(KV + row[:, None] + KV_LORA_RANK + offs_r[None, :],
                              mask=mask_n[:, None], other=0.0)
 
-            if SWAP_AB:
-                # Tokens as the M dimension (BLOCK_N and KV_LORA_RANK rows, heads as N):
-                # both dots get M >= 64, the shape Hopper's warpgroup MMA needs, with the
-                # KV tile as the shared-memory operand of both.
-                qk_t = tl.dot(kv, q_nope_t)
-                qk_t += tl.dot(k_rope, q_rope_t)
-                qk_t = tl.where(mask_n[:, None], qk_t * qk_scale_log2, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(qk_t, 0))
-                alpha = tl.exp2(m_i - m_new)
-                p_t = tl.exp2(qk_t - m_new[None, :])
-                l_i = l_i * alpha + tl.sum(p_t, 0)
-                acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(kv), p_t.to(kv.dtype))
-            else:
-                qk = tl.dot(q_nope, tl.trans(kv))
-                qk += tl.dot(q_rope, tl.trans(k_rope))
-                qk = tl.where(mask_n[None, :], qk * qk_scale_log2, float("-inf"))
-                # Every tile holds a live token, so m_new is finite after tile one.
-                m_new = tl.maximum(m_i, tl.max(qk, 1))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(qk - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
+            qk = tl.dot(q_nope, tl.trans(kv))
+            qk += tl.dot(q_rope, tl.trans(k_rope))
+            qk = tl.where(mask_n[None, :], qk * qk_scale_log2, float("-inf"))
+
+            # Every tile holds at least one live token, so m_new is finite after tile one.
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
             m_i = m_new
 
         # LSEs stay in log2 units between the stages; 0.693.. = ln 2 converts the final one.
         lse_log2 = m_i + tl.log2(l_i)
-        if SWAP_AB:
-            out = tl.trans(acc_t) / l_i[:, None]
-        else:
-            out = acc / l_i[:, None]
+        out = acc / l_i[:, None]
         if ONE_SPLIT:
             o_ptr = OUT + bid * stride_o_b + offs_h[:, None] * stride_o_h + offs_c[None, :]
             tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=mask_h[:, None])
