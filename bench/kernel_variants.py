@@ -36,8 +36,7 @@ from graphbucket.plan import plan_mla_decode  # noqa: E402
 SHAPES = [(131072, 1, 256), (131072, 1, 128), (65536, 1, 256), (65536, 1, 128),
           (131072, 8, 32), (131072, 8, 64), (131072, 64, 8), (131072, 64, 16),
           (4096, 1, 64), (1024, 1, 32), (256, 1, 8)]
-# block_n, warps, stages, swap_ab
-STAGE1 = [(n, w, s, False) for n, w, s in itertools.product([32, 64], [4, 8], [1, 2, 3, 4])]
+STAGE1 = list(itertools.product([32, 64], [4, 8], [1, 2, 3, 4]))  # block_n, warps, stages
 MERGE = [(32, 64, 4), (64, 64, 4), (128, 32, 4), (128, 64, 4), (256, 32, 4), (128, 128, 8)]
 
 
@@ -47,9 +46,8 @@ def stage1_variants(problem: Problem, copy: float) -> list[dict]:
     for context, batch, splits in SHAPES:
         tables, q, out, seq_lens = problem.inputs(context, batch)
         base = dataclasses.replace(plan_mla_decode(batch, HEADS, context), num_kv_splits=splits)
-        for block_n, warps, stages, swap in STAGE1:
-            plan = dataclasses.replace(base, block_n=block_n, num_warps=warps, num_stages=stages,
-                                       swap_ab=swap)
+        for block_n, warps, stages in STAGE1:
+            plan = dataclasses.replace(base, block_n=block_n, num_warps=warps, num_stages=stages)
 
             call = rotated_calls(problem, tables, q, out, seq_lens, ws, plan, scale)
             try:
@@ -65,7 +63,6 @@ def stage1_variants(problem: Problem, copy: float) -> list[dict]:
                          "shared": getattr(getattr(k, "metadata", None), "shared", None)}
             rows.append({**resources, "context": context, "batch": batch, "splits": splits,
                          "block_n": block_n, "num_warps": warps, "num_stages": stages,
-                         "swap_ab": swap,
                          "us": round(us, 2), "frac_of_copy": round(gbps / copy, 4)})
             print(rows[-1], flush=True)
     return rows
@@ -86,35 +83,19 @@ def merge_variants() -> list[dict]:
 
 def markdown(saved: dict) -> str:
     """Best stage-1 configuration per shape and every merge variant, as markdown."""
-    meta, best, by_swap = saved["meta"], {}, {}
+    meta, best = saved["meta"], {}
     for r in saved["stage1"]:
         k = (r["context"], r["batch"], r["splits"])
         if k not in best or r["us"] < best[k]["us"]:
             best[k] = r
-        ks = (*k, r.get("swap_ab", False))
-        if ks not in by_swap or r["us"] < by_swap[ks]["us"]:
-            by_swap[ks] = r
     lines = [f"# Kernel variants ({meta['gpu']})", "", f"{meta['date']}, torch {meta['torch']}, "
              f"triton {meta['triton']}, copy {meta['copy_gbps']:.0f} GB/s. "
              f"Command: `{meta['command']}`", "",
              "| context | batch | splits | best block_n / warps / stages | us | of copy |",
              "|---|---|---|---|---|---|"]
-    lines += [f"| {c} | {b} | {s} | {r['block_n']} / {r['num_warps']} / {r['num_stages']}"
-              f"{' swap_ab' if r.get('swap_ab') else ''} | "
+    lines += [f"| {c} | {b} | {s} | {r['block_n']} / {r['num_warps']} / {r['num_stages']} | "
               f"{r['us']:.1f} | {100 * r['frac_of_copy']:.0f} % |"
               for (c, b, s), r in best.items()]
-    if any(k[3] for k in by_swap):
-        lines += ["", "Best of each operand order (us, block_n / warps / stages):", "",
-                  "| context | batch | splits | plain | swap_ab | swap / plain |",
-                  "|---|---|---|---|---|---|"]
-        for (c, b, s) in best:
-            plain, swap = by_swap.get((c, b, s, False)), by_swap.get((c, b, s, True))
-            if plain and swap:
-                lines.append(
-                    f"| {c} | {b} | {s} | {plain['us']:.1f} ({plain['block_n']}/"
-                    f"{plain['num_warps']}/{plain['num_stages']}) | {swap['us']:.1f} "
-                    f"({swap['block_n']}/{swap['num_warps']}/{swap['num_stages']}) | "
-                    f"{swap['us'] / plain['us']:.3f} |")
     lines += ["", "| merge splits | block_s x block_dv, warps | us |", "|---|---|---|"]
     lines += [f"| {m['splits']} | {m['block_s']} x {m['block_dv']}, {m['num_warps']} | "
               f"{m['us']:.2f} |" for m in saved["merge"]]
@@ -126,8 +107,6 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--focus", action="store_true",
                     help="split counts that fill whole waves, for a few stage-1 configs")
-    ap.add_argument("--swap", action="store_true",
-                    help="plain against swapped operand order (swap_ab) at the plan's shapes")
     ap.add_argument("--render", metavar="JSON", help="only rewrite the markdown of a saved run")
     args = ap.parse_args()
     if args.render:
@@ -139,16 +118,8 @@ def main() -> None:
     if args.focus:
         SHAPES[:] = [(c, 1, s) for c in (131072, 65536) for s in (132, 198, 264, 396, 528)]
         SHAPES.extend([(16384, 1, 132), (16384, 1, 264), (131072, 8, 33), (131072, 8, 49)])
-        STAGE1[:] = [(n, w, s, False) for n, w, s in
-                     [(32, 4, 2), (32, 4, 3), (64, 4, 3), (64, 8, 2), (32, 8, 2), (64, 4, 2)]]
+        STAGE1[:] = [(32, 4, 2), (32, 4, 3), (64, 4, 3), (64, 8, 2), (32, 8, 2), (64, 4, 2)]
         MERGE[:] = [(256, 32, 4), (512, 32, 4), (256, 16, 4)]
-    if args.swap:
-        SHAPES[:] = [(131072, 1, 256), (131072, 1, 128), (65536, 1, 256), (16384, 1, 128),
-                     (4096, 1, 64), (1024, 1, 16), (256, 1, 4), (131072, 8, 32),
-                     (16384, 8, 32), (131072, 64, 8), (4096, 64, 8)]
-        STAGE1[:] = [(n, w, s, swap) for swap in (False, True) for n, w, s in
-                     [(64, 4, 3), (64, 4, 2), (32, 4, 2), (64, 8, 2), (128, 4, 2), (128, 8, 2)]]
-        MERGE[:] = [(32, 32, 4)]
     if not torch.cuda.is_available():
         sys.exit("kernel_variants.py needs a CUDA GPU")
     torch.manual_seed(0)

@@ -2,8 +2,7 @@
 # GPU evidence in one call: GPU tests, kernel sweep, capture/dispatch bench, ladder tune,
 # TPOT per policy, and the demo's GPU path.
 # Usage (on a CUDA machine, from the repo root): OUT=/some/dir bash bench/run_gpu.sh [steps]
-# steps: any of tests gputests sweep capture tune tpot demo tp swap ncu
-#        (swap: plain vs swapped operand order; ncu: Nsight Compute of one stage-1 launch each)
+# steps: any of tests gputests sweep capture tune tpot demo tp
 #        (tp needs 2 GPUs: TP=2 decode, numerics vs TP=1, TPOT ladder vs fixed-1)
 #        (default: tests sweep capture tune tpot).
 # Every step has a time limit so one hang cannot eat the rest; everything written under
@@ -44,12 +43,6 @@ for step in $steps; do
     tp) NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
           timeout 300 python3 scripts/tp_decode.py --world-size 2 --out "$R" > "$R/tp.log" 2>&1
         tail -12 "$R/tp.log" ;;
-    swap) timeout 240 python3 bench/kernel_variants.py --swap --out "$R" > "$R/swap.log" 2>&1
-          tail -22 "$R/h200-kernel-variants.md" ;;
-    ncu) timeout 180 ncu --kernel-name regex:stage1 --launch-count 6 --section SpeedOfLight \
-           --section Occupancy --section LaunchStats --section WarpStateStats \
-           python3 bench/profile_stage1.py > "$R/ncu.txt" 2>&1
-         grep -E "regs|Duration|Memory Throughput|Achieved Occupancy|Theoretical Occupancy|Shared Memory Configuration Size|Dynamic Shared|Block Limit|Registers Per" "$R/ncu.txt" | head -60 ;;
     demo) timeout 240 python3 scripts/demo.py 2>&1 | tee "$R/demo.log" ;;
     *) echo "unknown step $step" ;;
   esac
