@@ -243,9 +243,35 @@ def report(args, me: Rank, errors: dict, rows: list[dict]) -> None:
                 "command": " ".join(["python3"] + sys.argv),
                 "timing": f"{clock} over {args.steps} back-to-back runner.step calls, "
                           f"median of {args.reps}"}
+        meta["gpu"] = "CPU" if args.cpu else torch.cuda.get_device_name()
+        meta["date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        data = {"meta": meta, "numerics_rel_l2": errors, "rows": rows}
         with open(path, "w") as f:
-            json.dump({"meta": meta, "numerics_rel_l2": errors, "rows": rows}, f, indent=1)
-        print(f"wrote {path}")
+            json.dump(data, f, indent=1)
+        with open(os.path.splitext(path)[0] + ".md", "w") as f:
+            f.write(markdown(data))
+        print(f"wrote {path} and its .md")
+
+
+def markdown(data: dict) -> str:
+    """A saved run as a short markdown table: TPOT per context, fixed-1 against the ladder."""
+    meta, rows = data["meta"], data["rows"]
+    at = {(r["policy"], r["context"]): r for r in rows}
+    lines = [f"# Tensor-parallel decode, TP={meta['world_size']} ({meta.get('gpu', 'GPU')})", "",
+             f"{meta.get('date', '')}, torch {meta['torch']}, NCCL {meta['nccl']}; "
+             f"{meta['model']}: {meta['per_rank_heads']} heads per rank, {meta['layers']} "
+             f"layers, batch {rows[0]['batch']}. {meta['timing']}. Command: "
+             f"`{meta['command']}`", "",
+             "Numerics, TP output against the unsharded model on one GPU (rel L2): "
+             + ", ".join(f"{k} {v:.1e}" for k, v in data["numerics_rel_l2"].items()) + ".", "",
+             "| context | fixed-1 ms | ladder ms | ladder splits | fixed-1 / ladder | "
+             "slowest rank, ladder ms |", "|---|---|---|---|---|---|"]
+    for context in sorted({r["context"] for r in rows}):
+        fix, lad = at[("fixed-1", context)], at[("ladder", context)]
+        lines.append(f"| {context} | {fix['tpot_ms']:.3f} | {lad['tpot_ms']:.3f} | "
+                     f"{lad['splits']} | {fix['tpot_ms'] / lad['tpot_ms']:.2f}x | "
+                     f"{lad['tpot_ms_slowest_rank']:.3f} |")
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
@@ -262,7 +288,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=None, help="default: 5 (GPU), 1 (CPU)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="directory for the JSON rows (rank 0)")
+    ap.add_argument("--render", metavar="JSON", help="only rewrite the markdown of a saved run")
     args = ap.parse_args()
+    if args.render:
+        with open(args.render) as f:
+            text = markdown(json.load(f))
+        with open(os.path.splitext(args.render)[0] + ".md", "w") as f:
+            f.write(text)
+        return
     args.layers = args.layers or (1 if args.cpu else 4)
     args.steps = args.steps or (2 if args.cpu else 50)
     args.reps = args.reps or (1 if args.cpu else 5)

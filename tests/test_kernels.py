@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from graphbucket.kernels import SplitWorkspace, mla_decode
-from graphbucket.kernels.launch import KV_PIPELINE_SMEM_BYTES, pipeline_stages
+from graphbucket.kernels.launch import tile_tokens
 from graphbucket.plan import LONG_STREAM, WIDE_STREAM, LaunchPlan, plan_mla_decode
 from graphbucket.reference import mla_decode_reference
 from tests.kernel_cases import KV_LORA_RANK, SM_SCALE, DecodeCase, make_case, rel_l2
@@ -188,15 +188,8 @@ def test_gpu_bf16_long_and_short(seq_len):
 
 
 @pytest.mark.parametrize("batch", [1, 64])
-def test_pipeline_depth_fits_shared_memory_for_every_cache_dtype(batch):
+def test_float32_caches_stream_tiles_of_the_same_bytes(batch):
     plan = plan_mla_decode(batch, 16, 4096, num_sms=132)
-    row = plan.kv_lora_rank + plan.qk_rope_dim
-    assert pipeline_stages(plan, 2) == plan.num_stages  # plans are tuned for 2-byte caches
-    for size in (2, 4):
-        stages = pipeline_stages(plan, size)
-        assert 1 <= stages <= plan.num_stages
-        assert stages * plan.block_n * row * size <= KV_PIPELINE_SMEM_BYTES
-    # one stage less would leave room for another: the depth is the largest that fits
-    stages4 = pipeline_stages(plan, 4)
-    assert stages4 == plan.num_stages or \
-        (stages4 + 1) * plan.block_n * row * 4 > KV_PIPELINE_SMEM_BYTES
+    assert tile_tokens(plan, 2) == plan.block_n  # plans are tuned for 2-byte caches
+    assert tile_tokens(plan, 4) * 4 == plan.block_n * 2
+    assert tile_tokens(plan, 1) == plan.block_n  # narrower elements keep the plan's tile

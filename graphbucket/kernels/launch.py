@@ -116,7 +116,8 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     launch_stage1(q, kv_cache, block_table, seq_lens, out, workspace, plan=plan,
                   sm_scale=sm_scale, lse=lse)
     if plan.use_stage2:
-        launch_merge(seq_lens, out, workspace, plan=plan, lse=lse)
+        launch_merge(seq_lens, out, workspace, plan=plan, lse=lse,
+                     block_n=tile_tokens(plan, kv_cache.element_size()))
     return out
 
 
@@ -132,20 +133,15 @@ def _workspace_args(workspace: SplitWorkspace | None, out: torch.Tensor):
     return part_o, part_lse, part_o.stride()[:3], part_lse.stride()[:2]
 
 
-# Shared memory the KV pipeline may take per program (H100/H200: 227 KB per block, less
-# room for q, the score tile and Triton's scratch).
-KV_PIPELINE_SMEM_BYTES = 224 * 1024
+def tile_tokens(plan: LaunchPlan, element_size: int) -> int:
+    """Tokens per KV tile for this cache dtype: the plan's, or fewer for wider elements.
 
-
-def pipeline_stages(plan: LaunchPlan, element_size: int) -> int:
-    """Pipeline depth for this cache dtype: the plan's, capped by what fits in shared memory.
-
-    Plans are tuned for 2-byte caches (bf16 LONG_STREAM: 3 x 64-token tiles = 216 KB);
-    float32 rows are twice as wide, so a 64-token float32 tile gets one stage (144 KB)
-    and a 32-token one keeps two.
+    Plans are tuned for 2-byte caches (bf16: 64 x 576 x 2 B = 72 KB tiles, 94 KB of shared
+    memory at 3 stages). A 64-token float32 tile needs 233 KB even unpipelined (H200:
+    227 KB per block), so float32 caches stream tiles of the same bytes: half the tokens.
+    Both stages must use the same count (it fixes every split's token range).
     """
-    tile_bytes = plan.block_n * (plan.kv_lora_rank + plan.qk_rope_dim) * element_size
-    return max(1, min(plan.num_stages, KV_PIPELINE_SMEM_BYTES // tile_bytes))
+    return max(16, plan.block_n * 2 // max(2, element_size))
 
 
 def launch_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -156,7 +152,7 @@ def launch_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
     Returns Triton's handle of the launched kernel (registers, shared memory, spills).
     """
     part_o, part_lse, po_strides, pl_strides = _workspace_args(workspace, out)
-    num_stages = pipeline_stages(plan, kv_cache.element_size())
+    block_n = tile_tokens(plan, kv_cache.element_size())
     return _mla_decode_stage1_kernel[plan.grid](
         q, kv_cache, block_table, seq_lens, out, out if lse is None else lse, part_o, part_lse,
         plan.num_kv_splits, plan.num_heads, sm_scale * LOG2E,
@@ -167,15 +163,18 @@ def launch_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
         0 if lse is None else lse.stride(0),
         *po_strides, *pl_strides,
         PAGE_SIZE=kv_cache.shape[1], KV_LORA_RANK=plan.kv_lora_rank, ROPE_DIM=plan.qk_rope_dim,
-        BLOCK_H=plan.block_h, BLOCK_N=plan.block_n,
-        TILE_IN_PAGE=kv_cache.shape[1] % plan.block_n == 0, ONE_SPLIT=not plan.use_stage2,
-        WRITE_LSE=lse is not None, num_warps=plan.num_warps, num_stages=num_stages,
+        BLOCK_H=plan.block_h, BLOCK_N=block_n,
+        TILE_IN_PAGE=kv_cache.shape[1] % block_n == 0, ONE_SPLIT=not plan.use_stage2,
+        WRITE_LSE=lse is not None, num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
 
 
 def launch_merge(seq_lens: torch.Tensor, out: torch.Tensor, workspace: SplitWorkspace, *,
-                 plan: LaunchPlan, lse: torch.Tensor | None) -> None:
-    """Stage 2 alone (unchecked): blocked LSE merge of the live splits into ``out``."""
+                 plan: LaunchPlan, lse: torch.Tensor | None, block_n: int | None = None) -> None:
+    """Stage 2 alone (unchecked): blocked LSE merge of the live splits into ``out``.
+
+    ``block_n``: stage 1's tile (``tile_tokens``; default the plan's, right for 2-byte caches).
+    """
     part_o, part_lse, po_strides, pl_strides = _workspace_args(workspace, out)
     _mla_decode_merge_kernel[plan.merge_grid](
         part_o, part_lse, seq_lens, out, out if lse is None else lse,
@@ -183,6 +182,7 @@ def launch_merge(seq_lens: torch.Tensor, out: torch.Tensor, workspace: SplitWork
         *po_strides, *pl_strides,
         out.stride(0), out.stride(1),
         0 if lse is None else lse.stride(0),
-        BLOCK_N=plan.block_n, BLOCK_S=plan.merge_block_s, BLOCK_DV=plan.merge_block_dv,
+        BLOCK_N=block_n or plan.block_n, BLOCK_S=plan.merge_block_s,
+        BLOCK_DV=plan.merge_block_dv,
         WRITE_LSE=lse is not None, num_warps=plan.merge_num_warps,
     )
