@@ -2,8 +2,9 @@
 
 Table columns follow the tables engines publish with such fixes: context, the ladder's
 bucket (and hint, split count), TPOT per policy, the roofline floor, the ladder's speedup
-over ``fixed-1`` and its TPOT reduction. Below the tables, the issue's targets at batch 1
-are checked against the numbers.
+over ``fixed-1``, its TPOT reduction and its ratio to the default ladder (marked where
+both replay the same plan). Below the tables, the issue's targets at batch 1 and the tuned
+ladder's target against the default ladder are checked against the numbers.
 
     python3 scripts/tpot_report.py --json bench/results/h200-tpot.json \
         --out-md bench/results/h200-tpot.md --out-png bench/results/h200-tpot.png
@@ -16,9 +17,17 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from graphbucket.ladder import Bucket  # noqa: E402
+
 # "ladder" is the runner's choice (the shipped tuned ladder of the GPU when there is one);
 # "default-ladder" the field's five buckets.
 POLICIES = ("eager", "fixed-1", "fixed-max", "default-ladder", "ladder")
+
+
+# Two runs of the same captured plan differ by up to ~1 % (same-plan rows of the H200 runs).
+NOISE = 0.01
 
 
 def fmt_context(n: int) -> str:
@@ -29,15 +38,18 @@ def fmt_context(n: int) -> str:
     return str(n)
 
 
-def bucket_label(ladder: list[dict] | None, context: int, splits: int | None) -> str:
+def bucket_label(ladder: list[dict] | None, context: int, splits: int | None,
+                 batch: int = 1) -> str:
     if not ladder:
         return "-"
     lower = 0
     for b in ladder:
         if context <= b["max_len"]:
+            bucket = Bucket(b["max_len"], b["hint"], batch_hints={
+                int(k): v for k, v in b.get("batch_hints", {}).items()})
             tail = "" if splits is None else f", {splits} split{'s' * (splits != 1)}"
             return (f"{fmt_context(lower + 1)}-{fmt_context(b['max_len'])} "
-                    f"(hint {fmt_context(b['hint'])}{tail})")
+                    f"(hint {fmt_context(bucket.hint_for(batch))}{tail})")
         lower = b["max_len"]
     return "above the ladder"
 
@@ -57,22 +69,28 @@ def _ms(row: dict | None) -> str:
 def markdown_batch(batch: int, by_ctx: dict[int, dict[str, dict]], ladder) -> list[str]:
     policies = [p for p in POLICIES if any(p in v for v in by_ctx.values())]
     head = ["context", "bucket (hint, splits)", *(f"{p} ms" for p in policies), "floor ms",
-            "ladder vs fixed-1", "TPOT reduction"]
+            "ladder vs fixed-1", "TPOT reduction", "ladder / default-ladder"]
     lines = [f"### batch {batch}", "", "| " + " | ".join(head) + " |",
              "|" + "|".join(["---:", "---"] + ["---:"] * (len(head) - 2)) + "|"]
     for context in sorted(by_ctx):
         cells = by_ctx[context]
         ladder_row, fixed_row = cells.get("ladder"), cells.get("fixed-1")
         any_row = next(iter(cells.values()))
-        speed = red = "-"
+        speed = red = vs_default = "-"
         if ladder_row and fixed_row:
             f, lad = fixed_row["tpot_ms"], ladder_row["tpot_ms"]
             speed, red = f"{f / lad:.2f}x", f"{100 * (f - lad) / f:.1f} %"
+        default_row = cells.get("default-ladder")
+        if ladder_row and default_row:
+            same = ladder_row.get("splits") == default_row.get("splits")
+            vs_default = (f"{ladder_row['tpot_ms'] / default_row['tpot_ms']:.3f}"
+                          + (" (same plan)" if same else ""))
         splits = ladder_row.get("splits") if ladder_row else None
         lines.append("| " + " | ".join([fmt_context(context), bucket_label(ladder, context,
-                                                                          splits),
+                                                                          splits, batch),
                                         *(_ms(cells.get(p)) for p in policies),
-                                        f"{any_row['floor_ms']:.3f}", speed, red]) + " |")
+                                        f"{any_row['floor_ms']:.3f}", speed, red,
+                                        vs_default]) + " |")
     return lines + [""]
 
 
@@ -124,7 +142,38 @@ def render_markdown(data: dict) -> str:
         lines += markdown_batch(batch, by_batch[batch], ladder)
     if 1 in by_batch:
         lines += ["### targets (batch 1)", "", *check_targets(by_batch[1]), ""]
+    tuned = check_tuned(by_batch)
+    if tuned:
+        lines += ["### tuned ladder against the default ladder (every batch size)", "",
+                  *tuned, ""]
     return "\n".join(lines)
+
+
+def check_tuned(by_batch: dict[int, dict[int, dict[str, dict]]]) -> list[str]:
+    """Where the tuned and default ladders plan different launches, the tuned one must not be
+    slower; where they plan the same launch, the spread between the two runs is noise."""
+    differ, same = [], []
+    for batch, by_ctx in by_batch.items():
+        for context, cells in by_ctx.items():
+            lad, default = cells.get("ladder"), cells.get("default-ladder")
+            if lad and default:
+                ratio = lad["tpot_ms"] / default["tpot_ms"]
+                (same if lad.get("splits") == default.get("splits") else differ).append(
+                    (ratio, batch, context))
+    out = []
+    if same:
+        r, b, c = max(same)
+        out.append(f"same plan at {len(same)} (batch, context) points: run-to-run spread up "
+                   f"to {100 * (r - 1):+.2f} % (batch {b}, {fmt_context(c)})")
+    if differ:
+        r, b, c = max(differ)
+        best = min(differ)
+        out.append(f"{'PASS' if r <= 1.0 + NOISE else 'FAIL'}: where the plans differ "
+                   f"({len(differ)} points) the tuned ladder is at worst {r:.3f}x the default "
+                   f"(batch {b}, {fmt_context(c)}) and at best {best[0]:.3f}x (batch "
+                   f"{best[1]}, {fmt_context(best[2])}); target: never slower (beyond "
+                   f"{100 * NOISE:.1f} % noise)")
+    return [f"- {line}" for line in out]
 
 
 def render_png(data: dict, path: Path) -> bool:
