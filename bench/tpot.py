@@ -40,6 +40,7 @@ from graphbucket.models import (  # noqa: E402
     prefill_random,
     random_block_table,
 )
+from graphbucket.models.mla import PROJECTIONS  # noqa: E402
 from graphbucket.plan import LaunchPlan  # noqa: E402
 from graphbucket.runner import BENCH_POLICIES, POLICIES, GraphBucketRunner  # noqa: E402
 
@@ -70,10 +71,10 @@ class TpotBench:
               batches: list[int] = BATCHES, policies: tuple[str, ...] = POLICIES,
               page_size: int = PAGE_SIZE, dtype: torch.dtype = torch.bfloat16,
               device: str = "cuda", seed: int = 0, backend_kwargs: dict | None = None,
-              ladder: BucketLadder | None = None) -> TpotBench:
+              ladder: BucketLadder | None = None, projections: str = "auto") -> TpotBench:
         pages = -(-max_model_len // page_size)
         model = MLADecoder(config, num_pages=max(batches) * pages, page_size=page_size,
-                           dtype=dtype, device=device, seed=seed)
+                           dtype=dtype, device=device, seed=seed, projections=projections)
         rng = np.random.default_rng(seed)
         table = random_block_table(max(batches), pages, model.num_pages, rng)
         prefill_random(model, table, [max_model_len] * max(batches), seed=seed)
@@ -182,6 +183,7 @@ def meta_for(bench: TpotBench, args, copy_gbps: float) -> dict:
             "copy_gbps": round(copy_gbps, 1), "dtype": "bfloat16", "page_size": PAGE_SIZE,
             "max_model_len": bench.max_model_len,
             "weights_mb": round(bench.model.weight_bytes() / 1e6, 1),
+            "projections": bench.model.projections,
             "ladder": ladder.ladder.to_dict()["buckets"] if ladder else None,
             "captures": captures,
             "timing": "CUDA events over back-to-back runner.step calls, median of 5 runs"}
@@ -196,6 +198,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=BATCHES)
     ap.add_argument("--policies", nargs="+", default=list(BENCH_POLICIES),
                     choices=BENCH_POLICIES)
+    ap.add_argument("--projections", default="auto", choices=PROJECTIONS,
+                    help="skinny Triton products (auto on CUDA) or torch's GEMM/BMM")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("tpot.py times CUDA decode steps and needs a CUDA GPU; on CPU run "
@@ -205,7 +209,8 @@ def main() -> None:
     gbps = copy_gbps()
     print(f"copy bandwidth {gbps:.0f} GB/s", flush=True)
     bench = TpotBench.build(PRESETS[args.preset](num_layers=args.layers),
-                            batches=args.batches, policies=tuple(args.policies))
+                            batches=args.batches, policies=tuple(args.policies),
+                            projections=args.projections)
     rows = run(bench, policies=args.policies, contexts=args.contexts, batches=args.batches,
                copy_gbps=gbps)
     os.makedirs(args.out, exist_ok=True)

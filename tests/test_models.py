@@ -186,7 +186,37 @@ def test_runner_padding_rows_leave_the_cache_alone():
     runner.close()
 
 
+@pytest.mark.interpreter
+def test_skinny_projections_match_the_reference():
+    model = tiny_model(projections="skinny")
+    assert model.projections == "skinny" and tiny_model().projections == "torch"  # CPU auto
+    batch = setup_batch(model, [40, 100])
+    ref_caches = model.reference_caches()
+    out = model(context(model, batch, hint=100))
+    assert rel_l2(out, reference(model, batch, ref_caches)) < 1e-5
+
+
+def test_unknown_projections_rejected():
+    with pytest.raises(ValueError, match="projections must be one of"):
+        tiny_model(projections="cublas")
+
+
 # ---- GPU: the real per-rank shapes in bf16 ----------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bs", [1, 8])
+def test_gpu_skinny_and_torch_projections_agree(bs):
+    cfg = deepseek_v3_tp8(num_layers=2)
+    skinny, torch_proj = (MLADecoder(cfg, num_pages=64, page_size=64, device="cuda",
+                                     projections=p) for p in ("skinny", "torch"))
+    lens = [100 + 50 * i for i in range(bs)]
+    outs = []
+    for model in (skinny, torch_proj):
+        batch = setup_batch(model, lens, pages=8)
+        outs.append(model(context(model, batch, hint=512,
+                                  backend=get_backend("triton", device="cuda"))))
+    assert rel_l2(outs[0], outs[1]) < 2e-2
 
 
 @pytest.mark.gpu

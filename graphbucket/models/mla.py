@@ -28,11 +28,12 @@ import torch.nn.functional as F
 
 from graphbucket.buffers import BufferSpec, InputSpec
 from graphbucket.context import DecodeContext
-from graphbucket.models import ops
+from graphbucket.models import gemv, ops
 from graphbucket.models.config import MLAConfig
 from graphbucket.models.reference import decode_reference
 from graphbucket.models.weights import MLALayerWeights, random_weights
 
+PROJECTIONS = ("auto", "skinny", "torch")
 HIDDEN_INPUT = "hidden"
 SLOT_INPUT = "slot_mapping"
 
@@ -48,8 +49,15 @@ class MLADecoder:
     def __init__(self, config: MLAConfig, *, num_pages: int, page_size: int = 64,
                  dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cuda",
                  seed: int = 0,
-                 weights: tuple[list[MLALayerWeights], torch.Tensor] | None = None) -> None:
+                 weights: tuple[list[MLALayerWeights], torch.Tensor] | None = None,
+                 projections: str = "auto") -> None:
+        if projections not in PROJECTIONS:
+            raise ValueError(f"projections must be one of {PROJECTIONS}, got {projections!r}")
         self.config, self.num_pages, self.page_size = config, num_pages, page_size
+        # "skinny": Triton weight-streaming products at batch <= 16 (models/gemv.py);
+        # "torch": F.linear / torch.bmm; "auto": skinny on CUDA, torch on the CPU.
+        self.projections = projections if projections != "auto" else (
+            "skinny" if torch.device(device).type == "cuda" else "torch")
         self.dtype, self.device = dtype, torch.device(device)
         if weights is None:
             weights = random_weights(config, seed=seed, device=self.device, dtype=dtype)
@@ -90,12 +98,22 @@ class MLADecoder:
         for i, (layer, cache) in enumerate(zip(self.layers, self.kv_caches, strict=True)):
             o = self._all_reduce(self._attention(layer, cache, h, ctx))
             x, h = ops.add_rms_norm(x, o, layer.mlp_norm, cfg.rms_eps)
-            d = self._all_reduce(F.linear(ops.silu_mul(F.linear(h, layer.w_gate_up)),
-                                          layer.w_down))
+            d = self._all_reduce(self._linear(ops.silu_mul(self._linear(h, layer.w_gate_up)),
+                                              layer.w_down))
             next_norm = (self.layers[i + 1].attn_norm if i + 1 < len(self.layers)
                          else self.final_norm)
             x, h = ops.add_rms_norm(x, d, next_norm, cfg.rms_eps)
         return h
+
+    def _linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.projections == "skinny" and x.shape[0] <= gemv.MAX_ROWS:
+            return gemv.skinny_linear(x, w)
+        return F.linear(x, w)
+
+    def _bmm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.projections == "skinny" and x.shape[1] <= gemv.MAX_ROWS:
+            return gemv.skinny_bmm(x, w)
+        return torch.bmm(x, w)
 
     def _all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum a row-parallel projection's output (o_proj, MLP down) over tensor-parallel
@@ -106,18 +124,18 @@ class MLADecoder:
                    ctx: DecodeContext) -> torch.Tensor:
         cfg = self.config
         bs, q_lora = h.shape[0], cfg.q_lora_rank
-        qkv_a = F.linear(h, layer.w_qkv_a)                          # [B, Q + R + P]
+        qkv_a = self._linear(h, layer.w_qkv_a)                      # [B, Q + R + P]
         ops.store_kv(qkv_a[:, q_lora:], layer.kv_a_norm, self.rope, ctx.positions,
                      ctx.inputs[SLOT_INPUT], ctx.seq_lens, cache, cfg.rms_eps)
-        q_b = F.linear(ops.rms_norm(qkv_a[:, :q_lora], layer.q_a_norm, cfg.rms_eps),
-                       layer.w_q_b)                                 # [B, H * (nope + P)]
+        q_b = self._linear(ops.rms_norm(qkv_a[:, :q_lora], layer.q_a_norm, cfg.rms_eps),
+                           layer.w_q_b)                             # [B, H * (nope + P)]
         q_nope = q_b.view(bs, cfg.num_heads, cfg.qk_head_dim)[..., :cfg.qk_nope_dim]
-        q_latent = torch.bmm(q_nope.transpose(0, 1), layer.w_uk)    # [H, B, R]
+        q_latent = self._bmm(q_nope.transpose(0, 1), layer.w_uk)    # [H, B, R]
         q = ops.assemble_q(q_latent, q_b, self.rope, ctx.positions, nope_dim=cfg.qk_nope_dim)
         attn = torch.empty(bs, cfg.num_heads, cfg.kv_lora_rank, dtype=h.dtype, device=h.device)
         ctx.attend(q, cache, attn)
-        o = torch.bmm(attn.transpose(0, 1), layer.w_uv)             # [H, B, v_head]
-        return F.linear(o.transpose(0, 1).reshape(bs, -1), layer.w_o)
+        o = self._bmm(attn.transpose(0, 1), layer.w_uv)             # [H, B, v_head]
+        return self._linear(o.transpose(0, 1).reshape(bs, -1), layer.w_o)
 
     # ---- float reference (tests) -----------------------------------------------------
 
