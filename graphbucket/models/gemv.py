@@ -1,12 +1,17 @@
 """Skinny matrix products for decode batch sizes: y = x W^T with x of at most 16 rows.
 
 At batch 1-16 a decoder's projections are weight streams: every weight byte is read once
-per step and each feeds at most 16 multiply-adds. Library GEMMs pick tiles for larger M
-and, on shapes with a short reduction or few output columns, split K into extra launches
-(H200, DeepSeek-V3 TP8 shapes: q_b 1536 -> 3072 at ~0.7 TB/s, the per-head absorbed
-products at ~0.6 TB/s). Here the weight is the MMA's M side: each program owns BLOCK_N
-output columns, streams their weight rows through a pipelined loop over K, and multiplies
-them with the (zero-padded) 16-row activation tile on the tensor cores.
+per step and each feeds at most 16 multiply-adds; library GEMMs pick tiles for larger M.
+Here the weight is the MMA's M side: each program owns BLOCK_N output columns, streams
+their weight rows through a pipelined loop over K, and multiplies them with the
+(zero-padded) 16-row activation tile on the tensor cores.
+
+Measured on the H200 (bench/results/h200-projections.md, DeepSeek-V3 TP8 layer, cold L2):
+the per-head absorbed products (16 x 128 x 512) run 1.1-1.2x faster than ``torch.bmm``
+(~0.76 against ~0.64 TB/s); the large projections run 1.1-1.6x slower than cuBLAS
+(1.3-2.2 against 1.6-3.1 TB/s: one 16-row program per SM and too few bytes in flight for
+the 2112-column projection, a partial second wave for the 4608-column one). The model
+therefore uses these for the absorbed products only (``MLADecoder(projections="auto")``).
 
 ``skinny_linear(x, w)`` is ``F.linear(x, w)``; ``skinny_bmm(x, w)`` is ``torch.bmm(x, w)``
 (one weight matrix per batch entry, e.g. per head). Both take any strides, accumulate in

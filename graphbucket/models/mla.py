@@ -33,7 +33,7 @@ from graphbucket.models.config import MLAConfig
 from graphbucket.models.reference import decode_reference
 from graphbucket.models.weights import MLALayerWeights, random_weights
 
-PROJECTIONS = ("auto", "skinny", "torch")
+PROJECTIONS = ("auto", "skinny", "skinny-bmm", "torch")
 HIDDEN_INPUT = "hidden"
 SLOT_INPUT = "slot_mapping"
 
@@ -54,10 +54,13 @@ class MLADecoder:
         if projections not in PROJECTIONS:
             raise ValueError(f"projections must be one of {PROJECTIONS}, got {projections!r}")
         self.config, self.num_pages, self.page_size = config, num_pages, page_size
-        # "skinny": Triton weight-streaming products at batch <= 16 (models/gemv.py);
-        # "torch": F.linear / torch.bmm; "auto": skinny on CUDA, torch on the CPU.
+        # "skinny": Triton weight-streaming products at batch <= 16 (models/gemv.py) for
+        # every projection; "torch": F.linear / torch.bmm; "auto" (H200 measurements,
+        # bench/results/h200-projections.md): skinny for the per-head absorbed products
+        # (1.1-1.2x faster than torch.bmm), F.linear for the rest (cuBLAS 1.1-1.6x faster)
+        # on CUDA; torch on the CPU.
         self.projections = projections if projections != "auto" else (
-            "skinny" if torch.device(device).type == "cuda" else "torch")
+            "skinny-bmm" if torch.device(device).type == "cuda" else "torch")
         self.dtype, self.device = dtype, torch.device(device)
         if weights is None:
             weights = random_weights(config, seed=seed, device=self.device, dtype=dtype)
@@ -107,11 +110,11 @@ class MLADecoder:
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if self.projections == "skinny" and x.shape[0] <= gemv.MAX_ROWS:
-            return gemv.skinny_linear(x, w)
+            return gemv.skinny_linear(x, w)  # "skinny-bmm" keeps F.linear
         return F.linear(x, w)
 
     def _bmm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if self.projections == "skinny" and x.shape[1] <= gemv.MAX_ROWS:
+        if self.projections in ("skinny", "skinny-bmm") and x.shape[1] <= gemv.MAX_ROWS:
             return gemv.skinny_bmm(x, w)
         return torch.bmm(x, w)
 
