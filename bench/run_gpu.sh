@@ -3,7 +3,8 @@
 # TPOT per policy, and the demo's GPU path.
 # Usage (on a CUDA machine, from the repo root): OUT=/some/dir bash bench/run_gpu.sh [steps]
 # steps: any of tests gputests sweep capture tune tpot demo tp proj tpot-torch partials
-#        (partials: bf16 against float32 split partials, time and error)
+#        (partials: bf16 against float32 split partials, time and error) pdl
+#        (pdl: the merge with and without programmatic dependent launch)
 #        (proj: projection kernels per weight; tpot-torch: TPOT of ladder and fixed-1 with
 #        torch's GEMM/BMM projections, to set against tpot's skinny ones)
 #        (tp needs 2 GPUs: TP=2 decode, numerics vs TP=1, TPOT ladder vs fixed-1)
@@ -53,6 +54,8 @@ for step in $steps; do
                   > "$R/tpot-torch.log" 2>&1; tail -3 "$R/tpot-torch.log" ;;
     partials) timeout 120 python3 bench/partial_dtype.py --out "$R" > "$R/partials.log" 2>&1
               tail -14 "$R/h200-partial-dtype.md" ;;
+    pdl) timeout 150 python3 bench/pdl.py --out "$R" > "$R/pdl.log" 2>&1
+         tail -14 "$R/h200-pdl.md" ;;
     demo) timeout 240 python3 scripts/demo.py 2>&1 | tee "$R/demo.log" ;;
     *) echo "unknown step $step" ;;
   esac

@@ -193,3 +193,19 @@ def test_float32_caches_stream_tiles_of_the_same_bytes(batch):
     assert tile_tokens(plan, 2) == plan.block_n  # plans are tuned for 2-byte caches
     assert tile_tokens(plan, 4) * 4 == plan.block_n * 2
     assert tile_tokens(plan, 1) == plan.block_n  # narrower elements keep the plan's tile
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens", [[70000], [4096, 1, 0, 300]])
+def test_gpu_merge_with_and_without_dependent_launch_agree(lens, monkeypatch):
+    import graphbucket.kernels.launch as launch
+
+    case = make_case(lens, 16, page_size=64, dtype=torch.bfloat16, device="cuda")
+    plan = plan_mla_decode(len(lens), 16, max(lens), num_sms=132)
+    assert plan.use_stage2
+    outs = []
+    for enabled in (False, True):
+        monkeypatch.setattr(launch, "PDL_ENABLED", enabled)
+        outs.append(check(case, plan).clone())
+    assert launch.use_pdl(torch.device("cuda")) == (torch.cuda.get_device_capability()[0] >= 9)
+    assert torch.equal(outs[0], outs[1])  # same arithmetic, only the launch differs

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -55,10 +56,15 @@ def _mla_decode_stage1_kernel(
     TILE_IN_PAGE: tl.constexpr,
     ONE_SPLIT: tl.constexpr,
     WRITE_LSE: tl.constexpr,
+    USE_GDC: tl.constexpr = False,
 ):
     bid = tl.program_id(0)
     head_block = tl.program_id(1)
     split = tl.program_id(2)
+    if USE_GDC:
+        # Let the merge grid launch now (programmatic dependent launch): its programs wait
+        # for this grid's stores on the device instead of behind a kernel boundary.
+        gdc_launch_dependents()
 
     offs_h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < num_heads
@@ -142,6 +148,7 @@ def _mla_decode_merge_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     WRITE_LSE: tl.constexpr,
+    USE_GDC: tl.constexpr = False,
 ):
     bid = tl.program_id(0)
     head = tl.program_id(1)
@@ -154,6 +161,8 @@ def _mla_decode_merge_kernel(
     # Same formula as stage 1: splits past this count got no tokens and wrote nothing.
     num_active = tl.cdiv(num_tiles, tiles_per_split)
 
+    if USE_GDC:
+        gdc_wait()  # stage 1's partials are complete and visible past this point
     lse_row = PART_LSE + bid * stride_pl_b + head * stride_pl_h
     o_row = PART_O + bid * stride_po_b + head * stride_po_h
     m_i = float("-inf")
