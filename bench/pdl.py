@@ -11,6 +11,7 @@ graph-replay timing as the kernel sweep; PDL is flipped in one process.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -41,7 +42,8 @@ def main() -> None:
     problem, scale, rows = Problem(131072 * 16), default_sm_scale(), []
     for context, batch in SHAPES:
         tables, q, out, seq_lens = problem.inputs(context, batch)
-        plan = plan_mla_decode(batch, HEADS, context)
+        # every plan here asks for it, whatever plan_mla_decode decides per stream
+        plan = dataclasses.replace(plan_mla_decode(batch, HEADS, context), dependent_merge=True)
         ws = SplitWorkspace.for_plans([plan], "cuda")
         row = {"context": context, "batch": batch, "splits": plan.num_kv_splits}
         for name, enabled in (("off", False), ("on", True)):

@@ -71,9 +71,13 @@ class StreamConfig:
     num_stages: int
     ctas_per_sm: int
     min_tiles_per_split: int
+    # Launch the merge with programmatic dependent launch (Hopper+, bench/results/h200-pdl.md):
+    # 1-8 % faster with few rows (batch 1 and 8); batch 64 +0.5 % at 4K, -1.5 % at 32K.
+    dependent_merge: bool = False
 
 
-LONG_STREAM = StreamConfig(block_n=64, num_stages=3, ctas_per_sm=2, min_tiles_per_split=1)
+LONG_STREAM = StreamConfig(block_n=64, num_stages=3, ctas_per_sm=2, min_tiles_per_split=1,
+                           dependent_merge=True)
 WIDE_STREAM = StreamConfig(block_n=32, num_stages=2, ctas_per_sm=4, min_tiles_per_split=8)
 
 
@@ -98,6 +102,9 @@ class LaunchPlan:
     merge_block_s: int
     merge_block_dv: int
     merge_num_warps: int = 4
+    # The merge waits for stage 1 on the device instead of at a kernel boundary
+    # (programmatic dependent launch, where the GPU has it: sm_90 and later).
+    dependent_merge: bool = False
 
     @property
     def num_head_blocks(self) -> int:
@@ -194,4 +201,5 @@ def plan_mla_decode(
         qk_rope_dim=qk_rope_dim,
         merge_block_s=merge_block_s(num_splits),
         merge_block_dv=MERGE_BLOCK_DV,
+        dependent_merge=stream.dependent_merge,
     )

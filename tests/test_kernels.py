@@ -207,5 +207,6 @@ def test_gpu_merge_with_and_without_dependent_launch_agree(lens, monkeypatch):
     for enabled in (False, True):
         monkeypatch.setattr(launch, "PDL_ENABLED", enabled)
         outs.append(check(case, plan).clone())
-    assert launch.use_pdl(torch.device("cuda")) == (torch.cuda.get_device_capability()[0] >= 9)
+    hopper = torch.cuda.get_device_capability()[0] >= 9
+    assert launch.use_pdl(plan, torch.device("cuda")) == hopper
     assert torch.equal(outs[0], outs[1])  # same arithmetic, only the launch differs

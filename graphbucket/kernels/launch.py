@@ -135,9 +135,9 @@ def _workspace_args(workspace: SplitWorkspace | None, out: torch.Tensor):
     return part_o, part_lse, part_o.stride()[:3], part_lse.stride()[:2]
 
 
-# Programmatic dependent launch of the merge (Hopper and later): the merge grid launches
-# while stage 1 runs and waits on the device for its partials. GRAPHBUCKET_PDL=0 turns it
-# off (A/B timing in bench/pdl.py flips PDL_ENABLED).
+# Programmatic dependent launch of the merge (Hopper and later, plans that ask for it):
+# the merge grid launches while stage 1 runs and waits on the device for its partials.
+# GRAPHBUCKET_PDL=0 turns it off (A/B timing in bench/pdl.py flips PDL_ENABLED).
 PDL_ENABLED = os.environ.get("GRAPHBUCKET_PDL", "1") != "0"
 
 
@@ -148,8 +148,8 @@ def _pdl_capable(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def use_pdl(device: torch.device) -> bool:
-    return PDL_ENABLED and _pdl_capable(device)
+def use_pdl(plan: LaunchPlan, device: torch.device) -> bool:
+    return plan.use_stage2 and plan.dependent_merge and PDL_ENABLED and _pdl_capable(device)
 
 
 def tile_tokens(plan: LaunchPlan, element_size: int) -> int:
@@ -184,7 +184,7 @@ def launch_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
         PAGE_SIZE=kv_cache.shape[1], KV_LORA_RANK=plan.kv_lora_rank, ROPE_DIM=plan.qk_rope_dim,
         BLOCK_H=plan.block_h, BLOCK_N=block_n,
         TILE_IN_PAGE=kv_cache.shape[1] % block_n == 0, ONE_SPLIT=not plan.use_stage2,
-        WRITE_LSE=lse is not None, USE_GDC=plan.use_stage2 and use_pdl(q.device),
+        WRITE_LSE=lse is not None, USE_GDC=use_pdl(plan, q.device),
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
 
@@ -205,5 +205,5 @@ def launch_merge(seq_lens: torch.Tensor, out: torch.Tensor, workspace: SplitWork
         BLOCK_N=block_n or plan.block_n, BLOCK_S=plan.merge_block_s,
         BLOCK_DV=plan.merge_block_dv,
         WRITE_LSE=lse is not None, num_warps=plan.merge_num_warps,
-        **({"USE_GDC": True, "launch_pdl": True} if use_pdl(out.device) else {}),
+        **({"USE_GDC": True, "launch_pdl": True} if use_pdl(plan, out.device) else {}),
     )
