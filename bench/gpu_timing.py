@@ -3,14 +3,25 @@
 from __future__ import annotations
 
 import datetime
+import json
+import os
 import platform
 import sys
+from collections.abc import Callable
 
 import torch
 import triton
 
 # Moved into the package (the ladder tuner times the kernel too); re-exported here.
 from graphbucket.timing import L2_FLUSH_BYTES, time_replays, warm_gpu  # noqa: F401
+
+
+def rerender(json_path: str, markdown: Callable[[dict], str]) -> None:
+    """Rewrite the markdown beside a saved run's JSON (``--render``), no GPU needed."""
+    with open(json_path) as f:
+        text = markdown(json.load(f))
+    with open(os.path.splitext(json_path)[0] + ".md", "w") as f:
+        f.write(text)
 
 
 def run_meta(command: str | None = None) -> dict:

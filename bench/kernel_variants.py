@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.gpu_timing import copy_gbps, run_meta, time_replays  # noqa: E402
+from bench.gpu_timing import copy_gbps, rerender, run_meta, time_replays  # noqa: E402
 from bench.kernel_sweep import (  # noqa: E402
     HEADS,
     RANK,
@@ -110,11 +110,7 @@ def main() -> None:
     ap.add_argument("--render", metavar="JSON", help="only rewrite the markdown of a saved run")
     args = ap.parse_args()
     if args.render:
-        with open(args.render) as f:
-            text = markdown(json.load(f))
-        with open(os.path.splitext(args.render)[0] + ".md", "w") as f:
-            f.write(text)
-        return
+        return rerender(args.render, markdown)
     if args.focus:
         SHAPES[:] = [(c, 1, s) for c in (131072, 65536) for s in (132, 198, 264, 396, 528)]
         SHAPES.extend([(16384, 1, 132), (16384, 1, 264), (131072, 8, 33), (131072, 8, 49)])

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.gpu_timing import copy_gbps, run_meta, time_replays  # noqa: E402
+from bench.gpu_timing import copy_gbps, rerender, run_meta, time_replays  # noqa: E402
 from graphbucket.models import PRESETS  # noqa: E402
 from graphbucket.models.gemv import skinny_bmm, skinny_linear  # noqa: E402
 from graphbucket.timing import L2_FLUSH_BYTES  # noqa: E402
@@ -82,11 +82,7 @@ def main() -> None:
     ap.add_argument("--render", metavar="JSON", help="only rewrite the markdown of a saved run")
     args = ap.parse_args()
     if args.render:
-        with open(args.render) as f:
-            text = markdown(json.load(f))
-        with open(os.path.splitext(args.render)[0] + ".md", "w") as f:
-            f.write(text)
-        return
+        return rerender(args.render, markdown)
     if not torch.cuda.is_available():
         sys.exit("projections.py times CUDA kernels and needs a CUDA GPU")
     cfg = PRESETS[args.preset]()

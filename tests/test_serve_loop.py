@@ -22,10 +22,12 @@ def load_script():
     return module
 
 
-@pytest.mark.interpreter
-def test_requests_cross_a_bucket_bound_and_retire():
+@pytest.mark.parametrize("cpu, max_model_len", [
+    pytest.param(True, 512, marks=pytest.mark.interpreter, id="cpu-tiny"),
+    pytest.param(False, 4096, marks=pytest.mark.gpu, id="cuda-deepseek")])
+def test_requests_cross_a_bucket_bound_and_retire(cpu, max_model_len):
     loop = load_script()
-    model, runner, ladder = loop.build(cpu=True, layers=1, max_model_len=512)
+    model, runner, ladder = loop.build(cpu=cpu, layers=1, max_model_len=max_model_len)
     runner.capture()
     hook = BucketHook(ladder, capture_sizes=runner.batch_sizes)
     # Request 0 starts at 62 tokens and grows past the 64-token bound; request 1 is short.
@@ -47,17 +49,3 @@ def test_page_pool_admits_only_what_fits_and_takes_pages_back():
     pool.retire(small)
     assert sorted(pool.free) == [0, 1, 2, 3]
 
-
-@pytest.mark.gpu
-def test_gpu_requests_cross_a_bucket_bound_and_retire():
-    loop = load_script()
-    model, runner, ladder = loop.build(cpu=False, layers=1, max_model_len=4096)
-    runner.capture()
-    hook = BucketHook(ladder, capture_sizes=runner.batch_sizes)
-    requests = [loop.Request(0, 61, 5), loop.Request(1, 9, 2)]
-    report = loop.serve(model, runner, hook, requests, max_batch=2, seed=0)
-    runner.close()
-    assert report["finished"] == 2 and report["steps"] == 5
-    buckets = {bucket for (_, bucket) in report["replays_by_bucket"]}
-    assert buckets == {0, 1}, report["replays_by_bucket"]
-    assert report["eager_fallbacks"] == 0
