@@ -10,7 +10,9 @@ bucketing with two host calls per decode step, no graphbucket runner needed:
     choice = hook.choose(seq_lens_cpu)
     graph = my_graphs[choice.key]            # key = (padded_bs, bucket index)
     metadata.min_kv_seq_len = choice.hint    # AITER MLA: the host hint the kernel plans with
-    # Triton MLA / FlashInfer: metadata.max_seq_len = choice.hint (the host bound they plan with)
+    # Triton MLA / FlashInfer: metadata.max_seq_len = choice.hint (the host bound they plan
+    # with); where a backend also trusts that bound as >= every live length, build the hook
+    # on ladder.with_top_hints(): tuned hints may lie below a bucket's top.
 
 Graph safety: ``choose`` is host arithmetic on host lengths (a bisect); it never touches
 device memory, so the step stays sync-free.

@@ -243,6 +243,16 @@ class BucketLadder:
         """Per bucket, the hint graphs of ``batch_size`` (padded) rows are planned with."""
         return tuple(b.hint_for(batch_size) for b in self._buckets)
 
+    def with_top_hints(self) -> BucketLadder:
+        """The same bounds, every graph hinted at its bucket's top (no per-batch hints).
+
+        For attention backends that read the hint as an upper bound on the live lengths
+        (a ``max_seq_len`` they size or mask with) rather than as a planning hint: there a
+        hint below the bucket top would be wrong, not just slow.
+        """
+        return BucketLadder([Bucket(b.max_len, b.max_len) for b in self._buckets],
+                            self._max_model_len, meta={**self.meta, "hints": "bucket tops"})
+
     @property
     def max_model_len(self) -> int:
         return self._max_model_len

@@ -468,3 +468,11 @@ def test_ladder_from_plans_candidates():
 def test_ladder_from_plans_constant_plan_is_one_bucket():
     lad = ladder_from_plans(lambda h: "same", max_model_len=MAX, meta={"k": 1})
     assert lad.bounds == (MAX,) and lad.meta == {"k": 1}
+
+
+def test_with_top_hints_keeps_bounds_and_hints_each_bucket_at_its_top():
+    lad = BucketLadder([Bucket(64, 1), Bucket(4096, 512, batch_hints={8: 16})], 4096,
+                       meta={"device": "x"})
+    tops = lad.with_top_hints()
+    assert tops.bounds == lad.bounds and tops.hints == (64, 4096)
+    assert tops.hints_for(8) == (64, 4096) and tops.meta["device"] == "x"
