@@ -67,9 +67,10 @@ def find_tuned_ladder(device_name: str, num_heads: int, max_model_len: int, *,
 def clip_ladder(ladder: BucketLadder, max_model_len: int) -> BucketLadder:
     """``ladder`` cut at ``max_model_len``: buckets above it dropped, the last one ends there.
 
-    A kept bucket whose hints lie above the new top is hinted at the top instead (hints
-    must lie inside their bucket); its plan may then have fewer splits than tuned, which
-    suits the shorter lengths it now covers. ``meta['clipped_from']`` records the old top.
+    Hints above the new ``max_model_len`` are lowered to it (no hint may exceed it); such a
+    plan may have fewer splits than tuned, which suits the shorter lengths it now covers.
+    Every other hint, inside its bucket or not, stays as tuned. ``meta['clipped_from']``
+    records the old top.
     """
     if not 1 <= max_model_len <= ladder.max_model_len:
         raise ValueError(f"can only clip to 1..{ladder.max_model_len}, got {max_model_len}")
@@ -78,8 +79,8 @@ def clip_ladder(ladder: BucketLadder, max_model_len: int) -> BucketLadder:
         if lower >= max_model_len:
             break
         top = min(bucket.max_len, max_model_len)
-        buckets.append(Bucket(max_len=top, hint=min(bucket.hint, top), batch_hints={
-            size: min(h, top) for size, h in bucket.batch_hints}))
+        buckets.append(Bucket(max_len=top, hint=min(bucket.hint, max_model_len), batch_hints={
+            size: min(h, max_model_len) for size, h in bucket.batch_hints}))
         lower = bucket.max_len
     meta = {**ladder.meta, "clipped_from": ladder.max_model_len}
     return BucketLadder(buckets, max_model_len, meta=meta)

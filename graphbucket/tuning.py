@@ -225,10 +225,9 @@ def choose_per_batch(times: TimeTable, splits_for: SplitsFn, **kwargs: Any
                      ) -> dict[int, TuneResult]:
     """``choose_ladder`` on each batch size's rows alone: what per-batch ladders would buy.
 
-    One ``BucketLadder`` serves every capture batch size, so where batch sizes disagree on
-    the best hint (H200, 16 heads: from 4K tokens batch 1 wants hint >= 16K for 256 splits,
-    while batch 8 runs 4-15 % faster at 32 splits, hint 2048, than at its 33-split budget)
-    a shared ladder must favour one; this measures the price of sharing.
+    One ``BucketLadder`` shares its bounds across capture batch sizes (hints may differ per
+    batch size, see ``per_batch_hints``), so where batch sizes want different bounds one
+    ladder must compromise; this measures the price of sharing the bounds.
     """
     batches = sorted({b for _, b, _ in times})
     return {b: choose_ladder({k: us for k, us in times.items() if k[1] == b}, splits_for,

@@ -289,6 +289,10 @@ def test_find_tuned_ladder_clips_to_a_smaller_max_model_len(tmp_path: Path):
     assert ladder == BucketLadder([Bucket(64, 1), Bucket(3000, 2048)], 3000)
     assert ladder.meta["clipped_from"] == 131072
     assert clip_ladder(ladder, 1000) == BucketLadder([Bucket(64, 1), Bucket(1000, 1000)], 1000)
+    # tuned hints above their bucket's top survive a clip unless above the new top
+    over = BucketLadder([Bucket(128, 512, batch_hints={8: 1}), Bucket(4096, 2048)], 4096)
+    assert clip_ladder(over, 1000) == BucketLadder(
+        [Bucket(128, 512, batch_hints={8: 1}), Bucket(1000, 1000)], 1000)
 
 
 def test_find_tuned_ladder_rejects_a_mislabelled_file(tmp_path: Path):
