@@ -72,14 +72,14 @@ class Bucket:
         # the same whatever produced them.
         object.__setattr__(self, "max_len", _as_int("Bucket.max_len", self.max_len))
         object.__setattr__(self, "hint", _as_int("Bucket.hint", self.hint))
-        for name, h in (("hint", self.hint), *(
-                (f"batch_hints[{b}]", h) for b, h in self._pairs())):
+        object.__setattr__(self, "batch_hints", self._pairs())
+        for name, h in (("hint", self.hint),
+                        *((f"batch_hints[{b}]", h) for b, h in self.batch_hints)):
             if h < 1:
                 raise ValueError(
                     f"Bucket(max_len={self.max_len}) has {name}={h}; a hint is a context "
                     "length the kernel plans with and must be >= 1 (use the bucket's max_len)"
                 )
-        object.__setattr__(self, "batch_hints", self._pairs())
 
     def _pairs(self) -> tuple[tuple[int, int], ...]:
         raw = self.batch_hints
