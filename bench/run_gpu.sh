@@ -2,13 +2,11 @@
 # GPU evidence in one call: GPU tests, kernel sweep, capture/dispatch bench, ladder tune,
 # TPOT per policy, and the demo's GPU path.
 # Usage (on a CUDA machine, from the repo root): OUT=/some/dir bash bench/run_gpu.sh [steps]
-# steps: any of tests gputests sweep capture tune tpot demo tp proj tpot-torch partials
-#        (partials: bf16 against float32 split partials, time and error) pdl
-#        (pdl: the merge with and without programmatic dependent launch)
-#        (proj: projection kernels per weight; tpot-torch: TPOT of ladder and fixed-1 with
-#        torch's GEMM/BMM projections, to set against tpot's skinny ones)
+# steps: any of tests gputests sweep capture tune tpot demo tp
 #        (tp needs 2 GPUs: TP=2 decode, numerics vs TP=1, TPOT ladder vs fixed-1)
 #        (default: tests sweep capture tune tpot).
+# The finished experiments' steps (proj, tpot-torch, partials, pdl) went with their scripts;
+# bench/NOTES.md names the commit that still has them.
 # Every step has a time limit so one hang cannot eat the rest; everything written under
 # $OUT/r is packed into $OUT/gpu-results.tgz (the device tool returns at most 8 files).
 # TPOT_LAYERS sets the tpot model's layer count (default 4).
@@ -47,15 +45,6 @@ for step in $steps; do
     tp) NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
           timeout 300 python3 scripts/tp_decode.py --world-size 2 --out "$R" > "$R/tp.log" 2>&1
         tail -12 "$R/tp.log" ;;
-    proj) timeout 150 python3 bench/projections.py --out "$R" > "$R/proj.log" 2>&1
-          tail -20 "$R/h200-projections.md" ;;
-    tpot-torch) timeout 240 python3 bench/tpot.py --layers "${TPOT_LAYERS:-4}" \
-                  --projections torch --policies fixed-1 ladder --out "$R/torch-projections" \
-                  > "$R/tpot-torch.log" 2>&1; tail -3 "$R/tpot-torch.log" ;;
-    partials) timeout 120 python3 bench/partial_dtype.py --out "$R" > "$R/partials.log" 2>&1
-              tail -14 "$R/h200-partial-dtype.md" ;;
-    pdl) timeout 150 python3 bench/pdl.py --out "$R" > "$R/pdl.log" 2>&1
-         tail -14 "$R/h200-pdl.md" ;;
     demo) timeout 240 python3 scripts/demo.py 2>&1 | tee "$R/demo.log" ;;
     *) echo "unknown step $step" ;;
   esac
