@@ -1,28 +1,27 @@
 """One decode step as the host knows it, and its validation before anything is staged.
 
 ``DecodeBatch`` is what a scheduler hands graphbucket each step: host lengths, a host
-block table and the model inputs. ``validate_batch`` checks it against a ``BufferSpec``
-with host arithmetic only and returns a ``HostBatch`` of normalised numpy arrays; every
+block table and the model inputs. ``BatchValidator`` checks it against a ``BufferSpec``
+with host arithmetic only and returns a ``CheckedBatch`` of normalised numpy arrays; every
 caller mistake raises TypeError/ValueError naming what was received, what was expected
 and the fix, before a single byte is staged or a kernel launched.
 
-Validation runs on every decode step, so ``BatchValidator`` looks the spec's constants up
-once and each check is one comparison or one numpy reduction: the block table's live
-columns are checked with a single unsigned max (negative entries wrap above any page
-count), which is the only work proportional to the table's size.
+Validation runs on every decode step, so the validator looks the spec's constants up once
+and each check is one comparison or one numpy reduction: the block table's live columns
+are checked with a single unsigned max (negative entries wrap above any page count),
+which is the only work proportional to the table's size.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from graphbucket.buffers import BufferSpec
+from graphbucket.spec import BufferSpec
 
 _NUMPY_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32,
                            torch.int64, torch.float16, torch.float32, torch.float64})
@@ -58,7 +57,7 @@ class DecodeBatch:
 
 # Not frozen: built on every decode step, and a frozen dataclass's __init__ costs ~4x more.
 @dataclass(slots=True, eq=False)
-class HostBatch:
+class CheckedBatch:
     """A validated ``DecodeBatch`` as numpy integer arrays.
 
     seq_lens [B]; block_table [B, need] (only the columns the longest request uses, every
@@ -111,7 +110,8 @@ def _all_below(table: np.ndarray, limit: int) -> bool:
 
 
 class BatchValidator:
-    """``validate_batch`` for one ``BufferSpec``, with the spec's constants looked up once.
+    """Checks ``DecodeBatch``es against one ``BufferSpec`` (its constants looked up once);
+    ``validator(batch)`` returns a ``CheckedBatch`` or raises TypeError/ValueError.
 
     Graph safety: host arithmetic only; a device tensor where a host copy is expected is
     rejected, never read.
@@ -129,7 +129,7 @@ class BatchValidator:
                               None if s.dtype in _NUMPY_DTYPES else numpy_view_dtype(s.dtype))
                              for s in spec.inputs)
 
-    def __call__(self, batch: DecodeBatch) -> HostBatch:
+    def __call__(self, batch: DecodeBatch) -> CheckedBatch:
         if type(batch) is not DecodeBatch and not isinstance(batch, DecodeBatch):
             raise TypeError(f"expected a DecodeBatch, got {type(batch).__name__}")
         raw = batch.seq_lens_cpu
@@ -139,14 +139,11 @@ class BatchValidator:
                                   lens, max_len)
         positions = batch.positions_cpu
         if positions is not None:
-            positions = _host_ints("positions_cpu", positions, 1)
-            if positions.shape != lens.shape:
-                raise ValueError(f"positions_cpu has shape {positions.shape}; expected "
-                                 f"{lens.shape}, one per request")
+            positions = self._positions(_host_ints("positions_cpu", positions, 1), lens)
         bs = lens.shape[0]
         inputs = batch.inputs
         host, device = self._split_inputs(inputs, bs)
-        return HostBatch(lens, table, positions, inputs, min_len, max_len, bs, host, device)
+        return CheckedBatch(lens, table, positions, inputs, min_len, max_len, bs, host, device)
 
     def _lengths(self, lens: np.ndarray, raw: Any) -> tuple[int, int]:
         n = lens.shape[0]
@@ -166,6 +163,20 @@ class BatchValidator:
                 f"(max_pages_per_seq={self._max_pages} x page_size={self._page}); "
                 "cap lengths at max_model_len or allocate more pages per request")
         return lo, hi
+
+    @staticmethod
+    def _positions(positions: np.ndarray, lens: np.ndarray) -> np.ndarray:
+        if positions.shape != lens.shape:
+            raise ValueError(f"positions_cpu has shape {positions.shape}; expected "
+                             f"{lens.shape}, one per request")
+        # The decoded token lies inside its context: 0 <= position < seq_len (0 for padding).
+        bad = (positions < 0) | (positions >= np.maximum(lens, 1))
+        if bad.any():
+            row = int(bad.argmax())
+            raise ValueError(f"positions_cpu[{row}] = {int(positions[row])} is outside "
+                             f"[0, seq_len={int(lens[row])}); the decoded token's position "
+                             "must lie inside its context (default: seq_len - 1)")
+        return positions
 
     def _block_table(self, bt: np.ndarray, lens: np.ndarray, max_len: int) -> np.ndarray:
         rows, cols = bt.shape
@@ -188,6 +199,9 @@ class BatchValidator:
     def _split_inputs(self, inputs: Mapping[str, torch.Tensor], bs: int
                       ) -> tuple[tuple[tuple[str, np.ndarray], ...],
                                  tuple[tuple[str, torch.Tensor], ...]]:
+        if not isinstance(inputs, Mapping):
+            raise TypeError(f"inputs is a {type(inputs).__name__}; expected a mapping of name "
+                            f"-> tensor with keys {sorted(i[0] for i in self._inputs)}")
         if len(inputs) != len(self._inputs):
             raise self._keys_error(inputs)
         host, device = [], []
@@ -197,6 +211,9 @@ class BatchValidator:
                 raise self._keys_error(inputs)
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"inputs[{name!r}] is a {type(t).__name__}; expected a tensor")
+            if t.dim() != 1 + len(shape):
+                raise ValueError(f"inputs[{name!r}] has shape {tuple(t.shape)}; expected "
+                                 f"{(bs, *shape)} (batch, *InputSpec.shape)")
             if t.dtype != dtype:
                 raise TypeError(f"inputs[{name!r}] has dtype {t.dtype}; expected {dtype}. "
                                 f"Cast it with .to({dtype})")
@@ -234,18 +251,3 @@ def _sanitize_block_table(bt: np.ndarray, lens: np.ndarray, spec: BufferSpec) ->
     return np.where(used, bt, 0)
 
 
-_VALIDATORS: dict[int, BatchValidator] = {}
-
-
-def validate_batch(batch: DecodeBatch, spec: BufferSpec) -> HostBatch:
-    """Check ``batch`` against ``spec`` on the host; raise before anything is staged.
-
-    Graph safety: host arithmetic only; a device tensor where a host copy is expected is
-    rejected, never read. Hot loops should hold a ``BatchValidator(spec)`` instead.
-    """
-    validator = _VALIDATORS.get(id(spec))
-    if validator is None or validator.spec is not spec:
-        if len(_VALIDATORS) >= 64:
-            _VALIDATORS.clear()
-        validator = _VALIDATORS[id(spec)] = BatchValidator(spec)
-    return validator(batch)

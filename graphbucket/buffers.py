@@ -22,61 +22,12 @@ import numpy as np
 import torch
 
 from graphbucket.backends.base import DecodeBackend, WorkspaceSpec
-from graphbucket.batch import HostBatch, numpy_view_dtype
+from graphbucket.batch import CheckedBatch, numpy_view_dtype
 from graphbucket.context import DecodeContext
 from graphbucket.plan import LaunchPlan
+from graphbucket.spec import BufferSpec
 
 _ALIGN = 256  # bytes; keeps every arena view aligned for any dtype and vector loads
-
-
-@dataclass(frozen=True, slots=True)
-class InputSpec:
-    """One per-request model input, e.g. ``InputSpec("hidden", (7168,), torch.bfloat16)``."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
-@dataclass(frozen=True, slots=True)
-class BufferSpec:
-    """Per-request geometry of the static buffers; the batch capacity is given separately.
-
-    ``num_pages`` is the KV cache's page count (block-table entries must lie in
-    [0, num_pages)); ``output_shape``/``output_dtype`` describe one request's output row.
-    """
-
-    max_pages_per_seq: int
-    num_pages: int
-    page_size: int
-    num_heads: int
-    output_shape: tuple[int, ...]
-    output_dtype: torch.dtype
-    inputs: tuple[InputSpec, ...] = ()
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "device", _concrete(torch.device(self.device)))
-        object.__setattr__(self, "output_shape", tuple(self.output_shape))
-        object.__setattr__(self, "inputs", tuple(self.inputs))
-        for name in ("max_pages_per_seq", "num_pages", "page_size", "num_heads"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"BufferSpec.{name} must be a positive int, got {value!r}")
-        names = [s.name for s in self.inputs]
-        if len(set(names)) != len(names):
-            raise ValueError(f"BufferSpec.inputs repeats a name: {names}")
-
-    @property
-    def max_context_len(self) -> int:
-        return self.max_pages_per_seq * self.page_size
-
-
-def _concrete(device: torch.device) -> torch.device:
-    # "cuda" and "cuda:0" compare unequal; pin the index so device checks are exact.
-    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +78,7 @@ class _StagingSlot:
     table_cols: int = 0
     live_rows: int = 0
 
-    def fill(self, batch: HostBatch, padded_bs: int) -> None:
+    def fill(self, batch: CheckedBatch, padded_bs: int) -> None:
         """Rows [0, bs) from ``batch``; rows [bs, padded_bs) neutral (zeros)."""
         bs, lens = batch.batch_size, batch.seq_lens
         self.seq_lens[:bs] = lens
@@ -235,7 +186,7 @@ class StaticBuffers:
         """The host staging arenas (pinned on CUDA); for tests and diagnostics."""
         return [slot.arena for slot in self._slots]
 
-    def stage(self, batch: HostBatch, padded_bs: int) -> None:
+    def stage(self, batch: CheckedBatch, padded_bs: int) -> None:
         """Copy a validated host batch into rows [0, padded_bs) of seq_info; pad the rest.
 
         One pinned host -> device copy (non-blocking) of the arena prefix, plus device ->

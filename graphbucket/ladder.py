@@ -11,34 +11,27 @@ given padded batch size up, plan with another hint (``Bucket.hint_for``). A
 ``BucketLadder`` is an ordered list of buckets that covers ``1..max_model_len`` exactly,
 with no gaps and no overlaps; every graph of one bucket serves the same lengths.
 
-``BucketLadder.select`` maps a batch's lengths (the scheduler's ``seq_lens_cpu``) to a
-bucket index with ``bisect`` over the bucket bounds. It is pure host arithmetic and never
-reads device memory, so it is safe on the replay path of every decode step.
-
-Ladders come from ``default_ladder`` (the five buckets used in the field), from
-``ladder_from_plans`` (one bucket per distinct launch plan), or from a JSON file written
-by the ladder tuner (``BucketLadder.load``).
+Which bucket serves a batch is decided by ``graphbucket.select.GraphSelector`` (a
+``bisect`` over ``bounds``, host arithmetic only). Ladders come from ``default_ladder``
+(the five buckets used in the field) or from a JSON file written by the ladder tuner
+(``BucketLadder.load``).
 """
 
 from __future__ import annotations
 
 import json
 import operator
-import sys
 from bisect import bisect_left
-from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 # Upper bounds of the buckets used in the field (Kimi-K3 / DeepSeek-V3 deployments):
 # <=64, 65..4K, 4K+1..16K, 16K+1..64K, 64K+1..max_model_len.
 DEFAULT_BOUNDS = (64, 4096, 16384, 65536)
 DEFAULT_MAX_MODEL_LEN = 131072
 
-_SELECT_KEYS = ("max", "min")
 _JSON_KEYS = frozenset({"max_model_len", "buckets", "meta"})
 _BUCKET_KEYS = frozenset({"max_len", "hint"})
 _BUCKET_OPTIONAL_KEYS = frozenset({"batch_hints"})
@@ -151,97 +144,62 @@ def _validate(buckets: tuple[Bucket, ...], max_model_len: int) -> None:
                 )
 
 
-def _rebuild(buckets: tuple[Bucket, ...], max_model_len: int, meta: dict) -> BucketLadder:
-    return BucketLadder(buckets, max_model_len, meta=meta)
-
-
+@dataclass(frozen=True, slots=True)
 class BucketLadder:
-    """Ordered buckets covering ``1..max_model_len``; immutable, validated on construction.
+    """Ordered buckets covering ``1..max_model_len``; frozen, validated on construction.
 
     ``meta`` is a free-form dict (device name, heads, who tuned it) kept through JSON
-    round trips; it takes no part in equality, hashing or selection.
+    round trips; it takes no part in equality or hashing. Which bucket serves a batch is
+    ``GraphSelector``'s job (``graphbucket.select``); the ladder only knows its bounds.
     """
 
-    __slots__ = ("_buckets", "_bounds", "_hints", "_max_model_len", "meta")
+    buckets: tuple[Bucket, ...]
+    max_model_len: int
+    meta: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
-    _buckets: tuple[Bucket, ...]
-    _bounds: tuple[int, ...]
-    _hints: tuple[int, ...]
-    _max_model_len: int
-    meta: dict[str, Any]
-
-    def __init__(
-        self,
-        buckets: Iterable[Bucket],
-        max_model_len: int,
-        *,
-        meta: Mapping[str, Any] | None = None,
-    ) -> None:
-        buckets = tuple(buckets)
+    def __post_init__(self) -> None:
+        buckets = tuple(self.buckets)
         for i, b in enumerate(buckets):
             if not isinstance(b, Bucket):
                 raise TypeError(f"bucket {i} must be a Bucket, got {type(b).__name__} {b!r}")
-        max_model_len = _as_int("max_model_len", max_model_len)
+        max_model_len = _as_int("max_model_len", self.max_model_len)
         _validate(buckets, max_model_len)
-        if meta is not None and not isinstance(meta, Mapping):
-            raise TypeError(f"meta must be a mapping or None, got {type(meta).__name__}")
-        init = object.__setattr__
-        init(self, "_buckets", buckets)
-        init(self, "_bounds", tuple(b.max_len for b in buckets))
-        init(self, "_hints", tuple(b.hint for b in buckets))
-        init(self, "_max_model_len", max_model_len)
-        init(self, "meta", dict(meta or {}))
-
-    def __setattr__(self, name: str, value: object) -> None:
-        raise AttributeError(f"BucketLadder is immutable; build a new ladder to change {name!r}")
-
-    def __delattr__(self, name: str) -> None:
-        raise AttributeError(f"BucketLadder is immutable; cannot delete {name!r}")
-
-    def __reduce__(self) -> tuple:
-        # The default slots pickling restores state with setattr, which is blocked.
-        return (_rebuild, (self._buckets, self._max_model_len, self.meta))
-
-    # ---- container protocol -------------------------------------------------------------
+        if self.meta is not None and not isinstance(self.meta, Mapping):
+            raise TypeError(f"meta must be a mapping or None, got {type(self.meta).__name__}")
+        object.__setattr__(self, "buckets", buckets)
+        object.__setattr__(self, "max_model_len", max_model_len)
+        object.__setattr__(self, "meta", dict(self.meta or {}))
 
     def __len__(self) -> int:
-        return len(self._buckets)
+        return len(self.buckets)
 
     def __iter__(self) -> Iterator[Bucket]:
-        return iter(self._buckets)
+        return iter(self.buckets)
 
     def __getitem__(self, index: int) -> Bucket:
-        return self._buckets[index]
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, BucketLadder):
-            return NotImplemented
-        return self._max_model_len == other._max_model_len and self._buckets == other._buckets
-
-    def __hash__(self) -> int:
-        return hash((self._max_model_len, self._buckets))
+        return self.buckets[index]
 
     def __repr__(self) -> str:
-        inner = ", ".join(repr(b) for b in self._buckets)
-        return f"BucketLadder([{inner}], max_model_len={self._max_model_len})"
+        inner = ", ".join(repr(b) for b in self.buckets)
+        return f"BucketLadder([{inner}], max_model_len={self.max_model_len})"
 
     @property
     def bounds(self) -> tuple[int, ...]:
         """Inclusive upper bound of each bucket, strictly increasing; the last is max_model_len."""
-        return self._bounds
+        return tuple(b.max_len for b in self.buckets)
 
     @property
     def hints(self) -> tuple[int, ...]:
         """Each bucket's base hint (``hints_for`` gives a batch size's)."""
-        return self._hints
+        return tuple(b.hint for b in self.buckets)
 
     def hint_for(self, bucket: int, batch_size: int) -> int:
         """The hint the graph of (``batch_size``, ``bucket``) is planned with."""
-        return self._buckets[bucket].hint_for(batch_size)
+        return self.buckets[bucket].hint_for(batch_size)
 
     def hints_for(self, batch_size: int) -> tuple[int, ...]:
         """Per bucket, the hint graphs of ``batch_size`` (padded) rows are planned with."""
-        return tuple(b.hint_for(batch_size) for b in self._buckets)
+        return tuple(b.hint_for(batch_size) for b in self.buckets)
 
     def with_top_hints(self) -> BucketLadder:
         """The same bounds, every graph hinted at its bucket's top (no per-batch hints).
@@ -250,78 +208,31 @@ class BucketLadder:
         (a ``max_seq_len`` they size or mask with) rather than as a planning hint: there a
         hint below the bucket top would be wrong, not just slow.
         """
-        return BucketLadder([Bucket(b.max_len, b.max_len) for b in self._buckets],
-                            self._max_model_len, meta={**self.meta, "hints": "bucket tops"})
-
-    @property
-    def max_model_len(self) -> int:
-        return self._max_model_len
+        return BucketLadder(tuple(Bucket(b.max_len, b.max_len) for b in self.buckets),
+                            self.max_model_len, meta={**self.meta, "hints": "bucket tops"})
 
     @property
     def ranges(self) -> tuple[tuple[int, int], ...]:
         """Inclusive ``(first, last)`` length of each bucket, e.g. ``((1, 64), (65, 4096))``."""
-        lowers = (0,) + self._bounds[:-1]
-        return tuple((lo + 1, hi) for lo, hi in zip(lowers, self._bounds, strict=True))
-
-    # ---- selection (runs every decode step) ---------------------------------------------
+        bounds = self.bounds
+        lowers = (0,) + bounds[:-1]
+        return tuple((lo + 1, hi) for lo, hi in zip(lowers, bounds, strict=True))
 
     def bucket_for(self, length: int) -> int:
         """Index of the bucket holding one host-known ``length`` (0 is padding -> bucket 0)."""
         length = _as_int("length", length)
         if length < 0:
             raise ValueError(f"sequence length {length} is negative; lengths must be >= 0")
-        if length > self._max_model_len:
-            raise self._above_top(length)
-        return bisect_left(self._bounds, length)
-
-    def select(self, seq_lens_cpu: Any, *, key: str = "max") -> int:
-        """Index of the bucket whose graph serves this batch; host arithmetic only.
-
-        ``seq_lens_cpu``: the batch's context lengths as known to the host: a sequence of
-        ints, a 1-D integer numpy array or a CPU integer torch tensor, shape ``(batch,)``.
-        ``key="max"`` picks the bucket of the longest request (every request fits its
-        split budget); ``key="min"`` that of the shortest. Zeros are padding rows and are
-        ignored by both keys; an all-padding batch selects bucket 0.
-
-        Graph safety: reads host memory only; a CUDA tensor is rejected, never synced.
-        """
-        lens = seq_lens_cpu
-        # Plain lists skip numpy entirely: max/min over 64 Python ints costs ~1 us.
-        if type(lens) is not list and type(lens) is not tuple:
-            lens = _host_lengths(lens)
-        if len(lens) == 0:
-            raise ValueError("cannot select a bucket for an empty batch (seq_lens_cpu is empty)")
-        if isinstance(lens, np.ndarray):
-            lo, hi = int(lens.min()), int(lens.max())
-        else:
-            lo, hi = _as_int("sequence length", min(lens)), _as_int("sequence length", max(lens))
-        if lo < 0:
-            raise ValueError(
-                f"sequence length {lo} is negative; lengths must be >= 0 (0 marks a padding row)"
-            )
-        if hi > self._max_model_len:
-            raise self._above_top(hi)
-        if key == "max":
-            length = hi
-        elif key == "min":
-            length = lo if lo > 0 else _min_positive(lens)
-        else:
-            raise ValueError(f"key must be one of {_SELECT_KEYS}, got {key!r}")
-        return bisect_left(self._bounds, length)
-
-    def _above_top(self, length: int) -> ValueError:
-        return ValueError(
-            f"sequence length {length} is above the ladder top (max_model_len="
-            f"{self._max_model_len}); no captured graph covers it. Raise max_model_len or "
-            "add a bucket above it, or cap the scheduler's lengths at max_model_len"
-        )
+        if length > self.max_model_len:
+            raise above_top_error(length, self.max_model_len)
+        return bisect_left(self.bounds, length)
 
     # ---- JSON ---------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "max_model_len": self._max_model_len,
-            "buckets": [b.to_dict() for b in self._buckets],
+            "max_model_len": self.max_model_len,
+            "buckets": [b.to_dict() for b in self.buckets],
             "meta": dict(self.meta),
         }
 
@@ -363,7 +274,7 @@ class BucketLadder:
                                  f"sizes, got {sorted(extra)}") from None
             buckets.append(Bucket(max_len=entry["max_len"], hint=entry["hint"],
                                   batch_hints=pairs))
-        return cls(buckets, data["max_model_len"], meta=data.get("meta"))
+        return cls(tuple(buckets), data["max_model_len"], meta=data.get("meta"))
 
     @classmethod
     def from_json(cls, text: str) -> BucketLadder:
@@ -374,39 +285,11 @@ class BucketLadder:
         return cls.from_json(Path(path).read_text())
 
 
-def _host_lengths(lens: Any) -> np.ndarray | Sequence[int]:
-    """A 1-D integer numpy array or a sequence for ``select``; rejects device tensors."""
-    # torch is optional: if it was never imported, no tensor can exist.
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(lens, torch.Tensor):
-        if lens.device.type != "cpu":
-            raise TypeError(
-                f"seq_lens_cpu is a tensor on {lens.device}; reading device lengths would "
-                "synchronize the stream on every decode step. Pass the scheduler's host "
-                "copy (a list, numpy array or CPU tensor)"
-            )
-        lens = lens.numpy()
-    if isinstance(lens, np.ndarray):
-        if lens.ndim != 1 or lens.dtype.kind not in "iu":
-            raise TypeError(
-                f"seq_lens_cpu must be a 1-D integer array, got shape {lens.shape} "
-                f"dtype {lens.dtype}"
-            )
-        return lens
-    if isinstance(lens, Sequence) and not isinstance(lens, (str, bytes)):
-        return lens
-    hint = " (for one length use bucket_for)" if isinstance(lens, int) else ""
-    raise TypeError(
-        "seq_lens_cpu must be a sequence of ints, a 1-D integer numpy array or a CPU "
-        f"integer torch tensor, got {type(lens).__name__}{hint}"
-    )
-
-
-def _min_positive(lens: np.ndarray | Sequence[int]) -> int:
-    if isinstance(lens, np.ndarray):
-        positive = lens[lens > 0]
-        return int(positive.min()) if positive.size else 0
-    return min((n for n in lens if n > 0), default=0)
+def above_top_error(length: int, max_model_len: int) -> ValueError:
+    return ValueError(
+        f"sequence length {length} is above the ladder top (max_model_len={max_model_len}); "
+        "no captured graph covers it. Raise max_model_len or add a bucket above it, or cap "
+        "the scheduler's lengths at max_model_len")
 
 
 def default_ladder(max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> BucketLadder:
@@ -421,64 +304,7 @@ def default_ladder(max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> BucketLadder:
         raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
     bounds = [b for b in DEFAULT_BOUNDS if b < max_model_len] + [max_model_len]
     return BucketLadder(
-        [Bucket(max_len=b, hint=b) for b in bounds],
+        tuple(Bucket(max_len=b, hint=b) for b in bounds),
         max_model_len,
         meta={"source": "default_ladder"},
     )
-
-
-def ladder_from_plans(
-    plan_fn: Callable[[int], Hashable],
-    *,
-    max_model_len: int,
-    candidate_hints: Iterable[int] | None = None,
-    meta: Mapping[str, Any] | None = None,
-) -> BucketLadder:
-    """One bucket per run of equal plans, e.g. ``lambda h: plan_mla_decode(1, 16, h)``.
-
-    Samples ``plan_fn`` at ``candidate_hints`` (default: powers of two 1, 2, 4, ... up to
-    ``max_model_len``, plus ``max_model_len``; candidates above ``max_model_len`` are
-    dropped). Consecutive samples with equal plans form one bucket. Between the last
-    sample of a run and the first sample of the next, a binary search finds the largest
-    length that still maps to the run's plan; that length is the bucket's ``max_len`` and
-    its ``hint``, so each bucket's plan equals the plan at its top. The last bucket ends
-    at ``max_model_len``.
-
-    The search assumes ``plan_fn`` is monotone in the hint, as ``plan_mla_decode`` is
-    (its split count never decreases). Then equal plans are contiguous and the buckets
-    are exactly the distinct plans: one captured graph each, none aliased.
-    """
-    max_model_len = _as_int("max_model_len", max_model_len)
-    if max_model_len < 1:
-        raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
-    if candidate_hints is None:
-        candidates = {1 << k for k in range(max_model_len.bit_length())}
-    else:
-        candidates = {_as_int("candidate hint", h) for h in candidate_hints}
-        if min(candidates, default=1) < 1:
-            raise ValueError(f"candidate hints must be >= 1, got {min(candidates)}")
-    hints = sorted({h for h in candidates if h <= max_model_len} | {max_model_len})
-    plans = [plan_fn(h) for h in hints]
-    buckets = []
-    start = 0
-    while start < len(hints):
-        end = start
-        while end + 1 < len(hints) and plans[end + 1] == plans[start]:
-            end += 1
-        top = hints[end]
-        if end + 1 < len(hints):
-            top = _last_with_plan(plan_fn, plans[start], top, hints[end + 1])
-        buckets.append(Bucket(max_len=top, hint=top))
-        start = end + 1
-    return BucketLadder(buckets, max_model_len, meta=meta)
-
-
-def _last_with_plan(plan_fn: Callable[[int], Hashable], plan: Hashable, lo: int, hi: int) -> int:
-    # Invariant: plan_fn(lo) == plan != plan_fn(hi); about log2(hi - lo) calls.
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if plan_fn(mid) == plan:
-            lo = mid
-        else:
-            hi = mid
-    return lo

@@ -42,7 +42,7 @@ MAX_KV_SPLITS = 512
 H200_NUM_SMS = 132
 # Stage 2 merges up to MERGE_BLOCK_S splits per step, in a tile just large enough for the
 # plan's split count (32, 64, 128 or 256 rows: four compiled merge variants at most).
-# Measured on the H200 at batch 1 (bench/results/h200-kernel-variants-*.md): 64 splits
+# Measured on the H200 at batch 1 (bench/results/archive/h200-kernel-variants-*.md): 64 splits
 # merge in 3.6 us with 64 rows against 4.9 us with 256; 256 splits in 4.3-4.8 us with 256
 # rows against 9.2 us with 32 (8 dependent steps). At batch 64 with 2 live splits a
 # 256-row tile cost ~45 us: 16K programs of mostly masked work.
@@ -71,8 +71,9 @@ class StreamConfig:
     num_stages: int
     ctas_per_sm: int
     min_tiles_per_split: int
-    # Launch the merge with programmatic dependent launch (Hopper+, bench/results/h200-pdl.md):
-    # 1-8 % faster with few rows (batch 1 and 8); batch 64 +0.5 % at 4K, -1.5 % at 32K.
+    # Launch the merge with programmatic dependent launch (Hopper+): 1-8 % faster with few
+    # rows (batch 1 and 8); batch 64 +0.5 % at 4K, -1.5 % at 32K
+    # (bench/results/archive/h200-pdl.md).
     dependent_merge: bool = False
 
 

@@ -2,169 +2,246 @@
 
 The forward is ``forward(ctx) -> tensor [bs, *output_shape]``; ``ctx`` is a
 ``DecodeContext`` (static buffer views, the captured ``LaunchPlan``, the backend and
-sm_scale), so its attention layers call ``ctx.attend(q, kv_cache, out)`` with the plan the
-graph was captured with. Policies (DESIGN.md) are ladders: ``fixed-1`` and ``fixed-max``
-are one-bucket ladders hinted at 1 and at ``max_model_len``; ``eager`` captures nothing
-and plans every step from the batch's longest host length.
+sm_scale), so its attention layers call ``ctx.attend(q, kv_cache, out)`` with the plan
+the graph was captured with. One step is::
 
-    runner = GraphBucketRunner.for_policy("ladder", forward, spec=spec, batch_sizes=[1, 2, 4],
-                                          max_model_len=131072, sm_scale=scale)
-    runner.capture()
-    out = runner.step(DecodeBatch(seq_lens_cpu, block_table_cpu, {"hidden": h}))
+    batch = validate(DecodeBatch)           # host checks; bad input raises here
+    key = selector.key_for(lengths)         # host bisect: (padded batch, bucket, hint)
+    buffers.stage(batch, key.batch_size)    # one pinned, non-blocking copy of seq_info
+    graphs.replay(key)                      # or the eager path (see below)
+    return buffers.output[:batch_size]
+
+Nothing on that path reads device memory or synchronizes. Eager path (documented,
+counted, logged once): a batch above the largest capture size runs the forward eagerly,
+planned from its live host lengths, on overflow buffers sized for it; an eager runner
+(``ladder=None``) runs every step that way.
 """
 
 from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
 
 import torch
 
 from graphbucket.backends import get_backend
 from graphbucket.backends.base import DecodeBackend
-from graphbucket.batch import DecodeBatch
-from graphbucket.buffers import BufferSpec, StaticBuffers
-from graphbucket.capture import CaptureSummary, Forward, GraphCapture, GraphRecord, plan_table
-from graphbucket.dispatch import Dispatcher, DispatchStats, EagerExecutor
-from graphbucket.ladder import Bucket, BucketLadder, default_ladder
-from graphbucket.tuned import find_tuned_ladder
+from graphbucket.batch import BatchValidator, CheckedBatch, DecodeBatch
+from graphbucket.buffers import StaticBuffers
+from graphbucket.graphs import CaptureSummary, Forward, GraphRecord, GraphTable
+from graphbucket.ladder import Bucket, BucketLadder
+from graphbucket.plan import LaunchPlan
+from graphbucket.policies import Policy, policy_ladder
+from graphbucket.select import GraphKey, GraphSelector, SelectRule
+from graphbucket.spec import BufferSpec
 
-POLICIES = ("eager", "fixed-1", "fixed-max", "ladder")
-# Benchmark-only: the field's default ladder, to compare against a shipped tuned one.
-BENCH_POLICIES = (*POLICIES, "default-ladder")
-
-
-def device_ladder(spec: BufferSpec, max_model_len: int) -> BucketLadder:
-    """The ladder tuned for this GPU and head count when one ships, else the default."""
-    if spec.device.type == "cuda" and torch.cuda.is_available():
-        name = torch.cuda.get_device_name(spec.device)
-        tuned = find_tuned_ladder(name, spec.num_heads, max_model_len)
-        if tuned is not None:
-            return tuned
-    return default_ladder(max_model_len)
+logger = logging.getLogger(__name__)
 
 
-def policy_ladder(policy: str, max_model_len: int, ladder: BucketLadder | None = None, *,
-                  spec: BufferSpec | None = None) -> BucketLadder | None:
-    """The ladder a policy captures (None for ``eager``); ``ladder`` overrides the default.
+@dataclass(frozen=True, slots=True)
+class RunnerStats:
+    """Counts since construction. ``replays[key]``: replays of the graph serving ``key``."""
 
-    For ``ladder`` without an explicit one: the shipped tuned ladder of ``spec``'s GPU and
-    head count (graphbucket/ladders/), else ``default_ladder``. ``default-ladder`` always
-    takes the field's five-bucket default (benchmarks compare the two).
-    """
-    if policy == "eager":
-        return None
-    if policy == "fixed-1":
-        return BucketLadder([Bucket(max_model_len, 1)], max_model_len, meta={"policy": policy})
-    if policy == "fixed-max":
-        return BucketLadder([Bucket(max_model_len, max_model_len)], max_model_len,
-                            meta={"policy": policy})
-    if policy == "default-ladder":
-        return default_ladder(max_model_len)
-    if policy == "ladder":
-        if ladder is not None and ladder.max_model_len != max_model_len:
-            raise ValueError(f"ladder covers 1..{ladder.max_model_len} but max_model_len="
-                             f"{max_model_len}; pass a ladder that ends at max_model_len")
-        if ladder is not None:
-            return ladder
-        return device_ladder(spec, max_model_len) if spec else default_ladder(max_model_len)
-    raise ValueError(f"unknown policy {policy!r}; expected one of {BENCH_POLICIES}")
+    steps: int
+    replays: dict[GraphKey, int]
+    eager_steps: int
+    eager_fallbacks: int
+    errors: int
+    staging_waits: int
 
 
 class GraphBucketRunner:
     """Captures FULL graphs per (capture batch size, bucket) and replays them per step.
 
     ``ladder=None`` is eager mode: nothing is captured and each step plans from its live
-    host lengths (benchmark baseline). Graph-safe: ``step`` is host-only selection, one
-    pinned non-blocking copy and a replay; see ``graphbucket.dispatch``.
+    host lengths (a benchmark baseline). The backend defaults to the Triton one, built with
+    ``kv_lora_rank``/``qk_rope_dim`` (those of the model, which ``for_model`` reads).
+    Graph-safe: ``step`` is host-only selection, one pinned non-blocking copy and a replay.
     """
 
     def __init__(self, forward: Forward, *, spec: BufferSpec, batch_sizes: list[int],
                  ladder: BucketLadder | None, sm_scale: float, max_model_len: int | None = None,
-                 backend: DecodeBackend | None = None, select_key: str = "max",
-                 warmup_iters: int = 1, progress: bool | None = None) -> None:
-        self.batch_sizes = _check_batch_sizes(batch_sizes)
-        self.max_model_len = ladder.max_model_len if ladder is not None else max_model_len
-        if self.max_model_len is None or self.max_model_len > spec.max_context_len:
-            raise ValueError(f"max_model_len={self.max_model_len} must be given (with "
-                             "ladder=None) and at most the buffers' capacity "
-                             f"{spec.max_context_len} (max_pages_per_seq x page_size)")
-        self.spec, self.ladder = spec, ladder
-        self.backend = backend if backend is not None else get_backend("triton",
-                                                                       device=spec.device)
-        self.plans = {} if ladder is None else plan_table(self.backend, ladder,
-                                                          self.batch_sizes, spec.num_heads)
+                 backend: DecodeBackend | None = None, kv_lora_rank: int = 512,
+                 qk_rope_dim: int = 64, rule: SelectRule = "max", warmup_iters: int = 1,
+                 progress: bool = True) -> None:
+        if ladder is None and max_model_len is None:
+            raise ValueError("an eager runner (ladder=None) needs max_model_len")
+        top = ladder.max_model_len if ladder is not None else max_model_len
+        if max_model_len is not None and max_model_len != top:
+            raise ValueError(f"ladder covers 1..{top} but max_model_len={max_model_len}; pass "
+                             "a ladder that ends at max_model_len")
+        if top > spec.max_context_len:
+            raise ValueError(f"max_model_len={top} is above the buffers' capacity "
+                             f"{spec.max_context_len} (max_pages_per_seq x page_size); build "
+                             "the spec for this max_model_len")
+        self.spec, self.ladder, self.max_model_len = spec, ladder, top
+        self.forward, self.sm_scale = forward, sm_scale
+        self.warmup_iters, self.progress = warmup_iters, progress
+        self.backend = backend if backend is not None else get_backend(
+            "triton", kv_lora_rank=kv_lora_rank, qk_rope_dim=qk_rope_dim, device=spec.device)
+        # An eager runner still validates lengths against max_model_len: a one-bucket
+        # selector whose keys it never captures.
+        self.selector = GraphSelector(ladder or BucketLadder((Bucket(top, top),), top),
+                                      batch_sizes, rule=rule)
+        self.graphs = None if ladder is None else GraphTable(self.selector, self.backend,
+                                                             spec.num_heads)
         self.buffers = StaticBuffers.allocate(
-            spec, max_batch_size=self.batch_sizes[-1],
+            spec, max_batch_size=self.selector.max_batch_size,
             workspace=self.backend.workspace_spec(self._workspace_plans()))
-        self._eager = EagerExecutor(forward, self.backend, self.buffers, sm_scale=sm_scale,
-                                    max_model_len=self.max_model_len)
-        self._capture = None if ladder is None else GraphCapture(
-            forward, self.buffers, self.backend, self.plans, sm_scale=sm_scale,
-            warmup_iters=warmup_iters, progress=progress)
-        self._closed = False
-        # Eager mode still validates lengths against max_model_len through a one-bucket ladder.
-        select_ladder = ladder or policy_ladder("fixed-max", self.max_model_len)
-        self._dispatcher = Dispatcher(self.buffers, select_ladder, self.batch_sizes,
-                                      self._capture, self._eager, select_key=select_key)
-
-    def _workspace_plans(self) -> list:
-        if self.plans:
-            return list(self.plans.values())
-        # Eager steps plan from live lengths: cover every batch size at the longest hint
-        # (plans are monotone in the hint).
-        return [self.backend.plan(b, self.spec.num_heads, self.max_model_len)
-                for b in range(1, self.batch_sizes[-1] + 1)]
+        self._validate = BatchValidator(spec)
+        self._outputs = [self.buffers.output[:n] for n in range(self.buffers.max_batch_size + 1)]
+        self._overflow: StaticBuffers | None = None
+        self._replays: Counter[GraphKey] = Counter()
+        self._steps = self._eager_steps = self._fallbacks = self._errors = 0
+        self._warned = self._closed = False
 
     @classmethod
-    def for_policy(cls, policy: str, forward: Forward, *, spec: BufferSpec,
+    def for_policy(cls, policy: Policy, forward: Forward, *, spec: BufferSpec,
                    batch_sizes: list[int], max_model_len: int, sm_scale: float,
                    ladder: BucketLadder | None = None, **kwargs) -> GraphBucketRunner:
-        """A runner for ``eager``, ``fixed-1``, ``fixed-max`` or ``ladder`` (see POLICIES)."""
+        """A runner for ``eager``, ``fixed-1``, ``fixed-max`` or ``ladder`` (``POLICIES``).
+        ``ladder`` replaces the ``ladder`` policy's default (``policies.device_ladder``)."""
         return cls(forward, spec=spec, batch_sizes=batch_sizes, sm_scale=sm_scale,
                    ladder=policy_ladder(policy, max_model_len, ladder, spec=spec),
                    max_model_len=max_model_len, **kwargs)
 
-    @property
-    def is_eager(self) -> bool:
-        return self._capture is None
+    @classmethod
+    def for_model(cls, model, *, max_model_len: int, batch_sizes: list[int],
+                  policy: Policy = "ladder", **kwargs) -> GraphBucketRunner:
+        """A runner for a model with ``config`` (an ``MLAConfig``) and ``buffer_spec``, such
+        as ``graphbucket.models.MLADecoder``: spec, sm_scale and the latent dimensions come
+        from the model."""
+        cfg = model.config
+        kwargs.setdefault("kv_lora_rank", cfg.kv_lora_rank)
+        kwargs.setdefault("qk_rope_dim", cfg.qk_rope_dim)
+        return cls.for_policy(policy, model, spec=model.buffer_spec(max_model_len),
+                              batch_sizes=batch_sizes, max_model_len=max_model_len,
+                              sm_scale=cfg.sm_scale, **kwargs)
+
+    def _workspace_plans(self) -> list[LaunchPlan]:
+        if self.graphs is not None:
+            return list(self.graphs.plans.values())
+        # Eager steps plan from live lengths: cover every batch size at the longest hint
+        # (plans are monotone in the hint).
+        return [self.backend.plan(b, self.spec.num_heads, self.max_model_len)
+                for b in range(1, self.selector.max_batch_size + 1)]
 
     @property
-    def graphs(self) -> GraphCapture | None:
-        """The capture orchestrator (graphs, plans, records); None in eager mode."""
-        return self._capture
+    def batch_sizes(self) -> tuple[int, ...]:
+        return self.selector.capture_sizes
+
+    @property
+    def is_eager(self) -> bool:
+        return self.graphs is None
 
     @property
     def records(self) -> list[GraphRecord]:
-        """Per-graph records (key, buckets served, pool bytes, seconds); empty when eager."""
-        return [] if self._capture is None else list(self._capture.records)
+        """Per-graph records (keys served, plan, pool bytes, seconds); empty when eager."""
+        return [] if self.graphs is None else list(self.graphs.records)
+
+    def plan_for(self, key: GraphKey) -> LaunchPlan:
+        """The plan the graph serving ``key`` was (or will be) captured with."""
+        if self.graphs is None:
+            raise ValueError("an eager runner captures no graphs; it plans every step")
+        return self.graphs.plans[key]
 
     def capture(self) -> CaptureSummary | None:
         """Warm up and capture every graph (no-op returning None in eager mode)."""
-        if self._capture is None:
+        self._check_open()
+        if self.graphs is None:
             return None
-        return self._capture.capture()
+        return self.graphs.capture(self.forward, self.buffers, sm_scale=self.sm_scale,
+                                   warmup_iters=self.warmup_iters, progress=self.progress)
 
     def step(self, batch: DecodeBatch) -> torch.Tensor:
         """One decode step -> output [B, *output_shape], a view of the static output.
 
-        Consume it (copy or use) before the next step: the next replay overwrites it.
+        Raises TypeError/ValueError before staging anything for a bad batch (length above
+        max_model_len, block table outside the cache, wrong dtype/device/shape). Consume
+        the result (copy or use) before the next step: the next replay overwrites it.
         """
+        self._check_open()
+        if self.graphs is not None and self.graphs.summary is None:
+            raise RuntimeError("call capture() before step() (or build an eager runner)")
+        try:
+            host = self._validate(batch)
+            key = self.selector.key_for(host.batch_size, host.min_len, host.max_len,
+                                        host.seq_lens)
+        except (TypeError, ValueError):
+            self._errors += 1
+            raise
+        self._steps += 1
+        if self.graphs is None:
+            self._eager_steps += 1
+            return self._run_eager(host)
+        if key is None:
+            return self._fallback(host)
+        self.buffers.stage(host, key.batch_size)
+        self.graphs.replay(key)
+        self._replays[key] += 1
+        return self._outputs[host.batch_size]
+
+    def stats(self) -> RunnerStats:
+        waits = self.buffers.staging_waits + (self._overflow.staging_waits
+                                              if self._overflow is not None else 0)
+        return RunnerStats(steps=self._steps, replays=dict(self._replays),
+                           eager_steps=self._eager_steps, eager_fallbacks=self._fallbacks,
+                           errors=self._errors, staging_waits=waits)
+
+    # ---- eager path ---------------------------------------------------------------------
+
+    def _fallback(self, host: CheckedBatch) -> torch.Tensor:
+        self._fallbacks += 1
+        if not self._warned:
+            self._warned = True
+            logger.warning(
+                "graphbucket: batch of %d requests exceeds the largest capture size %d; "
+                "running it eagerly (slow path; logged once, counted in "
+                "stats().eager_fallbacks). Capture a larger batch size to avoid it.",
+                host.batch_size, self.selector.max_batch_size)
+        return self._run_eager(host)
+
+    def _run_eager(self, host: CheckedBatch) -> torch.Tensor:
+        """The forward without graphs, planned from the batch's longest host length; a
+        batch above the static capacity uses overflow buffers, never the graphs' ones."""
+        bs = host.batch_size
+        buffers = self.buffers if bs <= self.buffers.max_batch_size else self._overflow_for(bs)
+        plan = self.backend.plan(bs, self.spec.num_heads, max(1, host.max_len))
+        buffers.stage(host, bs)
+        out = buffers.output[:bs]
+        result = self.forward(buffers.context(bs, plan, self.backend, self.sm_scale))
+        if result.data_ptr() != out.data_ptr():
+            out.copy_(result)
+        return out
+
+    def _overflow_for(self, bs: int) -> StaticBuffers:
+        if self._overflow is None or self._overflow.max_batch_size < bs:
+            capacity = 1 << (bs - 1).bit_length()  # powers of two: few reallocations
+            plans = [self.backend.plan(b, self.spec.num_heads, self.max_model_len)
+                     for b in range(1, capacity + 1)]
+            if self._overflow is not None:
+                self._overflow.close()
+            self._overflow = StaticBuffers.allocate(
+                self.spec, max_batch_size=capacity, workspace=self.backend.workspace_spec(plans))
+        return self._overflow
+
+    # ---- lifetime -----------------------------------------------------------------------
+
+    def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this runner was closed; build a new one")
-        if self._capture is not None and self._capture.summary is None:
-            raise RuntimeError("call capture() before step() (or build an eager runner)")
-        return self._dispatcher.step(batch)
-
-    def stats(self) -> DispatchStats:
-        return self._dispatcher.stats()
 
     def close(self) -> None:
         """Release graphs, then the pool, then every buffer. The runner is unusable after."""
         if self._closed:
             return
         self._closed = True
-        self._dispatcher.close()
-        if self._capture is not None:
-            self._capture.close()
-        self._eager.close()
+        if self.graphs is not None:
+            self.graphs.close()
+        if self._overflow is not None:
+            self._overflow.close()
+        self._outputs.clear()
         self.buffers.close()
 
     def __enter__(self) -> GraphBucketRunner:
@@ -172,10 +249,3 @@ class GraphBucketRunner:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _check_batch_sizes(batch_sizes: list[int]) -> list[int]:
-    sizes = sorted(set(batch_sizes))
-    if not sizes or any(not isinstance(b, int) or b < 1 for b in sizes):
-        raise ValueError(f"batch_sizes must be positive ints, got {batch_sizes!r}")
-    return sizes

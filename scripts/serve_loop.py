@@ -4,8 +4,9 @@ Requests of mixed prompt lengths arrive in a queue; up to ``--max-batch`` of the
 together. Each step the scheduler hands the runner its host lengths and block table; the
 runner picks the bucket graph for the batch's longest request (no device sync). Requests
 cross bucket boundaries as they grow and leave when their output is done, freeing pages.
-The same selection is shown through ``BucketHook`` (the path for an engine that keeps its
-own graph dispatcher). Reports TPOT per step and replays per (batch, bucket).
+The key is printed as ``runner.selector.choose(lens)`` gives it: the same call an engine
+that keeps its own graph dispatcher makes. Reports TPOT per step and replays per (padded
+batch, bucket).
 
     python3 scripts/serve_loop.py               # CUDA: DeepSeek-V3 TP8 shapes, 2 layers
     python3 scripts/serve_loop.py --cpu         # tiny model through the Triton interpreter
@@ -25,9 +26,10 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if not torch.cuda.is_available():  # the Triton kernels run in Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from graphbucket.backends import get_backend  # noqa: E402
-from graphbucket.engine import BucketHook  # noqa: E402
 from graphbucket.ladder import BucketLadder, default_ladder  # noqa: E402
 from graphbucket.models import MLADecoder, decode_batch, deepseek_v3_tp8, tiny  # noqa: E402
 from graphbucket.runner import GraphBucketRunner  # noqa: E402
@@ -87,8 +89,8 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def serve(model: MLADecoder, runner: GraphBucketRunner, hook: BucketHook,
-          requests: list[Request], max_batch: int, seed: int) -> dict:
+def serve(model: MLADecoder, runner: GraphBucketRunner, requests: list[Request],
+          max_batch: int, seed: int) -> dict:
     pool = PagePool(model.num_pages, model.page_size, np.random.default_rng(seed))
     gen = torch.Generator(device=model.device).manual_seed(seed)
     waiting, running, step_ms, finished = deque(requests), [], [], 0
@@ -101,7 +103,7 @@ def serve(model: MLADecoder, runner: GraphBucketRunner, hook: BucketHook,
         hidden = torch.randn(len(running), model.config.hidden_size, generator=gen,
                              device=model.device).to(model.dtype)
         batch = decode_batch(model, lens, block_table(running), hidden)
-        choice = hook.choose(lens)  # what an engine's own dispatcher would key on
+        key = runner.selector.choose(lens)  # what an engine's own dispatcher keys on
         sync(model.device)
         t0 = time.perf_counter()
         runner.step(batch)
@@ -109,7 +111,8 @@ def serve(model: MLADecoder, runner: GraphBucketRunner, hook: BucketHook,
         step_ms.append((time.perf_counter() - t0) * 1e3)
         if len(step_ms) % 25 == 1:
             print(f"step {len(step_ms):>4}: batch {len(running)}, longest {max(lens):>6}, "
-                  f"graph key (padded batch, bucket) = {choice.key}, hint {choice.hint}, "
+                  f"graph (padded batch {key.batch_size}, bucket {key.bucket}, hint "
+                  f"{key.hint}), "
                   f"{step_ms[-1]:.2f} ms", flush=True)
         for r in running:
             r.generated += 1
@@ -120,7 +123,8 @@ def serve(model: MLADecoder, runner: GraphBucketRunner, hook: BucketHook,
     stats = runner.stats()
     return {"steps": len(step_ms), "finished": finished,
             "tpot_ms_median": statistics.median(step_ms),
-            "replays_by_bucket": dict(sorted(stats.replays_by_bucket.items())),
+            "replays_by_bucket": dict(sorted(((k.batch_size, k.bucket), n)
+                                             for k, n in stats.replays.items())),
             "eager_fallbacks": stats.eager_fallbacks}
 
 
@@ -135,9 +139,8 @@ def build(cpu: bool, layers: int, max_model_len: int):
         model = MLADecoder(deepseek_v3_tp8(num_layers=layers), num_pages=pages, device="cuda")
         backend = get_backend("triton", device="cuda")
     ladder = default_ladder(max_model_len)
-    runner = GraphBucketRunner(model, spec=model.buffer_spec(max_model_len),
-                               batch_sizes=[1, 2, 4, 8], ladder=ladder,
-                               sm_scale=model.config.sm_scale, backend=backend)
+    runner = GraphBucketRunner.for_model(model, max_model_len=max_model_len,
+                                         batch_sizes=[1, 2, 4, 8], ladder=ladder, backend=backend)
     return model, runner, ladder
 
 
@@ -161,8 +164,7 @@ def main() -> None:
     cpu = args.cpu or not torch.cuda.is_available()
     model, runner, ladder = build(cpu, args.layers, 512 if cpu else 131072)
     print(runner.capture().describe())
-    hook = BucketHook(ladder, capture_sizes=runner.batch_sizes)
-    report = serve(model, runner, hook, workload(cpu, np.random.default_rng(0), ladder),
+    report = serve(model, runner, workload(cpu, np.random.default_rng(0), ladder),
                    args.max_batch, seed=0)
     runner.close()
     print(f"served {report['finished']} requests in {report['steps']} steps; median step "

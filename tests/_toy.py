@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from graphbucket.batch import DecodeBatch
-from graphbucket.buffers import BufferSpec, InputSpec
+from graphbucket.spec import BufferSpec, InputSpec
 from graphbucket.context import DecodeContext
 from graphbucket.ladder import Bucket, BucketLadder
 

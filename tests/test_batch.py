@@ -4,10 +4,11 @@ import numpy as np
 import pytest
 import torch
 
-from graphbucket.batch import DecodeBatch, validate_batch
+from graphbucket.batch import BatchValidator, DecodeBatch
 from tests._toy import HIDDEN, PAGE, toy_spec
 
 SPEC = toy_spec(max_pages=20, num_pages=64)
+check = BatchValidator(SPEC)
 
 
 def batch(lens=(40, 7), table=None, hidden=None, **kw) -> DecodeBatch:
@@ -17,7 +18,7 @@ def batch(lens=(40, 7), table=None, hidden=None, **kw) -> DecodeBatch:
 
 
 def test_valid_batch_is_normalised():
-    host = validate_batch(batch(lens=(40, 0), table=np.arange(10).reshape(2, 5)), SPEC)
+    host = check(batch(lens=(40, 0), table=np.arange(10).reshape(2, 5)))
     assert host.seq_lens.dtype.kind == "i" and host.seq_lens.tolist() == [40, 0]
     assert host.block_table.tolist() == [[0, 1, 2], [5, 6, 7]]  # the 3 columns 40 tokens use
     assert host.positions is None  # staged as seq_len - 1
@@ -26,9 +27,9 @@ def test_valid_batch_is_normalised():
 
 def test_accepts_numpy_and_cpu_tensors():
     b = DecodeBatch(torch.tensor([3, 4]), torch.zeros(2, 1, dtype=torch.int64),
-                    {"hidden": torch.zeros(2, HIDDEN)}, positions_cpu=np.array([5, 6]))
-    host = validate_batch(b, SPEC)
-    assert host.positions.tolist() == [5, 6] and host.seq_lens.tolist() == [3, 4]
+                    {"hidden": torch.zeros(2, HIDDEN)}, positions_cpu=np.array([1, 3]))
+    host = BatchValidator(SPEC)(b)
+    assert host.positions.tolist() == [1, 3] and host.seq_lens.tolist() == [3, 4]
 
 
 @pytest.mark.parametrize("bad, exc, match", [
@@ -47,34 +48,39 @@ def test_accepts_numpy_and_cpu_tensors():
     (dict(hidden=torch.zeros(2, HIDDEN + 1)), ValueError, r"expected \(2, 32\)"),
     (dict(hidden=torch.zeros(2, HIDDEN, device="meta")), TypeError, "is on meta"),
     (dict(positions_cpu=[1, 2, 3]), ValueError, "positions_cpu has shape"),
+    (dict(positions_cpu=[40, 6]), ValueError, r"positions_cpu\[0\] = 40 is outside"),
+    (dict(positions_cpu=[39, -5]), ValueError, r"positions_cpu\[1\] = -5 is outside"),
+    (dict(hidden=torch.tensor(1.0)), ValueError, r"expected \(2, 32\)"),
 ])
 def test_bad_batches_raise_with_got_and_expected(bad, exc, match):
     with pytest.raises(exc, match=match):
-        validate_batch(batch(**bad), SPEC)
+        BatchValidator(SPEC)(batch(**bad))
 
 
 def test_device_lengths_are_rejected_not_read():
     b = DecodeBatch(torch.zeros(2, dtype=torch.int32, device="meta"), np.zeros((2, 1), np.int32),
                     {"hidden": torch.zeros(2, HIDDEN)})
     with pytest.raises(TypeError, match="host .CPU. copy"):
-        validate_batch(b, SPEC)
+        BatchValidator(SPEC)(b)
 
 
 def test_missing_or_extra_inputs():
     with pytest.raises(ValueError, match=r"keys \[\]; expected \['hidden'\]"):
-        validate_batch(DecodeBatch([1], np.zeros((1, 1), np.int32)), SPEC)
+        check(DecodeBatch([1], np.zeros((1, 1), np.int32)))
     with pytest.raises(TypeError, match="expected a DecodeBatch"):
-        validate_batch({"seq_lens_cpu": [1]}, SPEC)
+        BatchValidator(SPEC)({"seq_lens_cpu": [1]})
+    with pytest.raises(TypeError, match="expected a mapping"):
+        check(DecodeBatch([1], np.zeros((1, 1), np.int32), [torch.zeros(1, HIDDEN)]))
 
 
 def test_out_of_range_padding_past_live_pages_is_zeroed():
     # Engines often pad tables with -1; entries past a row's live pages are never read.
     table = np.array([[3, 4, -1], [5, -1, -1]], np.int32)
-    host = validate_batch(batch(lens=(30, 7), table=table), SPEC)
+    host = check(batch(lens=(30, 7), table=table))
     assert host.block_table.tolist() == [[3, 4], [5, 0]]
 
 
-def test_validator_splits_host_and_device_inputs_and_matches_validate_batch():
+def test_validator_splits_host_and_device_inputs_and_matches_check():
     from graphbucket.batch import BatchValidator
 
     b = batch(lens=(40, 7))
@@ -82,7 +88,7 @@ def test_validator_splits_host_and_device_inputs_and_matches_validate_batch():
     assert host.batch_size == 2 and host.device_inputs == ()
     (name, arr), = host.host_inputs
     assert name == "hidden" and isinstance(arr, np.ndarray) and arr.shape == (2, HIDDEN)
-    again = validate_batch(b, SPEC)
+    again = BatchValidator(SPEC)(b)
     assert again.block_table.tolist() == host.block_table.tolist()
     assert (again.min_len, again.max_len) == (host.min_len, host.max_len) == (7, 40)
 
@@ -91,17 +97,17 @@ def test_wide_tables_are_checked_only_over_live_columns():
     # Columns past the longest request's pages are never staged, so never checked.
     table = np.full((2, 20), 10_000, np.int32)
     table[:, :3] = [[0, 1, 2], [3, 4, 5]]
-    host = validate_batch(batch(lens=(40, 7), table=table), SPEC)
+    host = check(batch(lens=(40, 7), table=table))
     assert host.block_table.tolist() == [[0, 1, 2], [3, 4, 5]]
     table[0, 2] = 64
     with pytest.raises(ValueError, match=r"\[0, 2\] = 64 points outside"):
-        validate_batch(batch(lens=(40, 7), table=table), SPEC)
+        check(batch(lens=(40, 7), table=table))
 
 
 @pytest.mark.parametrize("table", [np.array([[3, 4, 5]], np.int64),
                                    np.array([[3, 4, 5]], np.uint16),
                                    torch.tensor([[3, 4, 5]], dtype=torch.int32)])
 def test_any_integer_table_type_is_accepted(table):
-    host = validate_batch(DecodeBatch(np.array([40], np.int32), table,
-                                      {"hidden": torch.zeros(1, HIDDEN)}), SPEC)
+    host = check(DecodeBatch(np.array([40], np.int32), table,
+                                      {"hidden": torch.zeros(1, HIDDEN)}))
     assert host.block_table.tolist() == [[3, 4, 5]] and host.max_len == 40

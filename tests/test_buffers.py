@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from graphbucket.backends import get_backend
-from graphbucket.batch import DecodeBatch, validate_batch
-from graphbucket.buffers import BufferSpec, InputSpec, StaticBuffers
+from graphbucket.batch import BatchValidator, DecodeBatch
+from graphbucket.buffers import StaticBuffers
+from graphbucket.spec import BufferSpec, InputSpec
 from tests._toy import HIDDEN, toy_spec
 
 MAX_BS, MAX_PAGES = 4, 20
@@ -27,7 +28,7 @@ def host_batch(lens, cols, *, seed=0, input_device="cpu"):
     table = rng.integers(1, 64, size=(len(lens), cols), dtype=np.int32)
     hidden = torch.from_numpy(rng.standard_normal((len(lens), HIDDEN)).astype(np.float32))
     batch = DecodeBatch(list(lens), table, {"hidden": hidden.to(input_device)})
-    return validate_batch(batch, toy_spec(max_pages=MAX_PAGES, device=input_device)), batch
+    return BatchValidator(toy_spec(max_pages=MAX_PAGES, device=input_device))(batch), batch
 
 
 def static_tensors(buf: StaticBuffers) -> dict[str, torch.Tensor]:
@@ -97,7 +98,7 @@ def test_static_addresses_never_change(device):
 
 def test_context_views_share_the_static_storage(device):
     buf = make_buffers(device)
-    backend = get_backend("reference", kv_lora_rank=64, qk_rope_dim=16)
+    backend = get_backend("dense", kv_lora_rank=64, qk_rope_dim=16)
     plan = backend.plan(2, 16, 1)
     ctx = buf.context(2, plan, backend, 0.1)
     assert ctx.plan is plan and ctx.batch_size == 2 and ctx.workspace is buf.workspace
@@ -107,32 +108,17 @@ def test_context_views_share_the_static_storage(device):
         buf.context(MAX_BS + 1, plan, backend, 0.1)
 
 
-class _BusyEvent:
-    """An event whose copy never lands until someone waits on it."""
-
-    def __init__(self):
-        self.waited = 0
-
-    def query(self):
-        return False
-
-    def synchronize(self):
-        self.waited += 1
-
-    def record(self):
-        pass
-
-
+@pytest.mark.gpu
 def test_staging_waits_for_a_slot_whose_copy_is_in_flight():
-    buf = make_buffers("cpu", slots=2)
-    events = [_BusyEvent(), _BusyEvent()]
-    for slot, ev in zip(buf._slots, events, strict=True):
-        slot.event = ev
+    buf = make_buffers("cuda", slots=2)
     host, _ = host_batch([5], cols=1)
+    torch.cuda._sleep(2_000_000_000)  # keep the stream busy: no staged copy can land yet
     for _ in range(3):
         buf.stage(host, padded_bs=1)
-    # Step 3 reuses slot 0, whose copy from step 1 is still in flight: it waits first.
-    assert [ev.waited for ev in events] == [1, 0] and buf.staging_waits == 1
+    # Step 3 reuses slot 0, whose copy from step 1 is still queued: it must wait first.
+    assert buf.staging_waits == 1
+    torch.cuda.synchronize()
+    assert buf.seq_lens[:1].tolist() == [5]
 
 
 def test_close_releases_every_tensor():
@@ -203,7 +189,7 @@ def test_unsigned_lengths_with_padding_rows_stage_position_zero():
     buf = make_buffers("cpu")
     batch = DecodeBatch(np.array([0, 17], np.uint32), np.array([[1, 2], [3, 4]], np.int32),
                         {"hidden": torch.zeros(2, HIDDEN)})
-    buf.stage(validate_batch(batch, toy_spec(max_pages=MAX_PAGES)), padded_bs=2)
+    buf.stage(BatchValidator(toy_spec(max_pages=MAX_PAGES))(batch), padded_bs=2)
     assert buf.positions[:2].tolist() == [0, 16] and buf.seq_lens[:2].tolist() == [0, 17]
 
 
@@ -212,11 +198,11 @@ def test_bfloat16_inputs_are_staged_bit_for_bit():
                       output_shape=(4,), output_dtype=torch.bfloat16,
                       inputs=(InputSpec("h", (3,), torch.bfloat16),
                               InputSpec("ids", (), torch.int64)))
-    backend = get_backend("reference", kv_lora_rank=64, qk_rope_dim=16)
+    backend = get_backend("dense", kv_lora_rank=64, qk_rope_dim=16)
     buf = StaticBuffers.allocate(spec, max_batch_size=2,
                                  workspace=backend.workspace_spec([backend.plan(2, 16, 1)]))
     h = torch.randn(1, 3).to(torch.bfloat16)
     batch = DecodeBatch([5], np.zeros((1, 1), np.int32), {"h": h, "ids": torch.tensor([7])})
-    buf.stage(validate_batch(batch, spec), padded_bs=2)
+    buf.stage(BatchValidator(spec)(batch), padded_bs=2)
     assert torch.equal(buf.inputs["h"][0], h[0]) and not buf.inputs["h"][1].any()
     assert buf.inputs["ids"].tolist() == [7, 0]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphbucket.models.gemv import skinny_bmm, skinny_linear
+from graphbucket.models.gemv import skinny_bmm
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -20,21 +20,14 @@ def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m, n, k", [(1, 40, 300), (8, 16, 64), (16, 33, 520), (3, 7, 5)])
-def test_linear_matches_float64(seeded, dtype, m, n, k):
-    x = torch.randn(m, k, device=DEVICE).to(dtype)
-    w = torch.randn(n, k, device=DEVICE).to(dtype)
-    y = skinny_linear(x, w)
-    assert y.shape == (m, n) and y.dtype == dtype
-    assert rel_l2(y, x.double() @ w.double().T) < TOL[dtype]
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_linear_on_a_column_slice(seeded, dtype):
-    # the model feeds slices such as qkv_a[:, :q_lora]: row stride above the width
-    wide = torch.randn(4, 96, device=DEVICE).to(dtype)
-    x, w = wide[:, 10:74], torch.randn(48, 64, device=DEVICE).to(dtype)
-    assert rel_l2(skinny_linear(x, w), x.double() @ w.double().T) < TOL[dtype]
+@pytest.mark.parametrize("b, m, k, n", [(1, 1, 300, 40), (2, 8, 64, 16), (3, 16, 520, 33)])
+def test_bmm_with_k_contiguous_weights_matches_float64(seeded, dtype, b, m, k, n):
+    # w stored [B, N, K] and viewed [B, K, N]: the long-K tile shape
+    x = torch.randn(b, m, k, device=DEVICE).to(dtype)
+    w = torch.randn(b, n, k, device=DEVICE).to(dtype).transpose(1, 2)
+    y = skinny_bmm(x, w)
+    assert y.shape == (b, m, n) and y.dtype == dtype
+    assert rel_l2(y, torch.bmm(x.double(), w.double())) < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -49,14 +42,12 @@ def test_bmm_on_transposed_views_matches_float64(seeded, dtype, b, m, k, n):
 
 
 def test_bad_inputs_raise_before_launch():
-    x, w = torch.zeros(2, 8), torch.zeros(4, 8)
+    w = torch.zeros(1, 8, 4)
     with pytest.raises(ValueError, match="1..16"):
-        skinny_linear(torch.zeros(17, 8), w)
-    with pytest.raises(ValueError, match="expects 8"):
-        skinny_linear(torch.zeros(2, 9), w)
+        skinny_bmm(torch.zeros(1, 17, 8), w)
     with pytest.raises(TypeError, match="cast"):
-        skinny_linear(x.half(), w)
+        skinny_bmm(torch.zeros(1, 2, 8).half(), w)
     with pytest.raises(ValueError, match=r"x \[B, M, K\]"):
-        skinny_bmm(x, w)
+        skinny_bmm(torch.zeros(2, 8), w)
     with pytest.raises(ValueError, match="expects 6"):
         skinny_bmm(torch.zeros(2, 3, 5), torch.zeros(2, 6, 4))

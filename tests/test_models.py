@@ -22,7 +22,7 @@ from graphbucket.models import (
     slot_mapping_for,
     tiny,
 )
-from graphbucket.models.reference import rotary_ref
+from graphbucket.models.step_reference import rotary_ref
 from graphbucket.runner import GraphBucketRunner
 
 PAGE, PAGES = 16, 32
@@ -168,9 +168,8 @@ def test_runner_padding_rows_leave_the_cache_alone():
     table = np.arange(4, dtype=np.int32)[None, :]        # page 0 belongs to the request
     prefill_random(model, table, [64])
     backend = triton_backend(model.config, num_sms=2)
-    runner = GraphBucketRunner.for_policy("ladder", model, spec=model.buffer_spec(128),
-                                          batch_sizes=[2], max_model_len=128,
-                                          sm_scale=model.config.sm_scale, backend=backend)
+    runner = GraphBucketRunner.for_model(model, max_model_len=128, batch_sizes=[2],
+                                         backend=backend, progress=False)
     before = [c.clone() for c in model.kv_caches]
     runner.capture()                                      # warm-up and capture store nothing
     assert all(torch.equal(c, b) for c, b in zip(model.kv_caches, before, strict=True))
@@ -188,8 +187,8 @@ def test_runner_padding_rows_leave_the_cache_alone():
 
 @pytest.mark.interpreter
 def test_skinny_projections_match_the_reference():
-    model = tiny_model(projections="skinny")
-    assert model.projections == "skinny" and tiny_model().projections == "torch"  # CPU auto
+    model = tiny_model(projections="skinny-bmm")
+    assert tiny_model().projections == "torch"  # "auto" on the CPU
     batch = setup_batch(model, [40, 100])
     ref_caches = model.reference_caches()
     out = model(context(model, batch, hint=100))
@@ -201,6 +200,32 @@ def test_unknown_projections_rejected():
         tiny_model(projections="cublas")
 
 
+def test_decode_batch_names_lengths_its_table_cannot_hold():
+    model = tiny_model()
+    table = np.arange(2, dtype=np.int32)[None, :]  # 2 pages of PAGE tokens
+    hidden = torch.zeros(1, model.config.hidden_size)
+    with pytest.raises(ValueError, match=rf"seq_lens\[0\] = {2 * PAGE + 1} is outside"):
+        decode_batch(model, [2 * PAGE + 1], table, hidden)
+    with pytest.raises(ValueError, match="outside"):
+        decode_batch(model, [-3], table, hidden)
+    with pytest.raises(ValueError, match="block_table must be integers"):
+        decode_batch(model, [5, 6], table, hidden)
+    assert decode_batch(model, [2 * PAGE], table, hidden).seq_lens_cpu.tolist() == [2 * PAGE]
+
+
+def test_runner_for_model_takes_every_dimension_from_the_model():
+    model = tiny_model()
+    runner = GraphBucketRunner.for_model(model, max_model_len=128, batch_sizes=[1],
+                                         policy="fixed-1")
+    cfg = model.config
+    assert (runner.backend.kv_lora_rank, runner.backend.qk_rope_dim) == (cfg.kv_lora_rank,
+                                                                         cfg.qk_rope_dim)
+    assert runner.sm_scale == cfg.sm_scale and runner.spec == model.buffer_spec(128)
+    (plan,) = runner.graphs.plans.values()
+    assert plan.kv_lora_rank == cfg.kv_lora_rank and plan.num_heads == cfg.num_heads
+    runner.close()
+
+
 # ---- GPU: the real per-rank shapes in bf16 ----------------------------------------------
 
 
@@ -209,7 +234,7 @@ def test_unknown_projections_rejected():
 def test_gpu_skinny_and_torch_projections_agree(bs):
     cfg = deepseek_v3_tp8(num_layers=2)
     skinny, torch_proj = (MLADecoder(cfg, num_pages=64, page_size=64, device="cuda",
-                                     projections=p) for p in ("skinny", "torch"))
+                                     projections=p) for p in ("skinny-bmm", "torch"))
     lens = [100 + 50 * i for i in range(bs)]
     outs = []
     for model in (skinny, torch_proj):

@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import configparser
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,10 +20,34 @@ def test_version_matches_setup_cfg():
     assert graphbucket.__version__ == cfg["metadata"]["version"]
 
 
-def test_interpreter_enabled_without_cuda():
+def test_importing_graphbucket_changes_no_environment_and_exports_the_api():
+    code = ("import os; before = dict(os.environ); import graphbucket, graphbucket.models; "
+            "assert dict(os.environ) == before, 'import changed the environment'; "
+            "from graphbucket import GraphBucketRunner, BucketLadder, GraphSelector, DecodeBatch; "
+            "print(sorted(graphbucket.__all__))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "GraphBucketRunner" in done.stdout and "default_ladder" in done.stdout
+
+
+def test_public_api_has_docstrings():
+    for name in graphbucket.__all__:
+        obj = getattr(graphbucket, name)
+        if callable(obj):
+            assert (obj.__doc__ or "").strip(), f"graphbucket.{name} has no docstring"
+
+
+def test_cpu_model_without_the_interpreter_says_how_to_fix_it():
     if torch.cuda.is_available():
         pytest.skip("CUDA present: kernels compile natively")
-    assert os.environ.get("TRITON_INTERPRET") == "1"
+    code = ("from graphbucket.models import MLADecoder, tiny; "
+            "MLADecoder(tiny(), num_pages=4, device='cpu')")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode != 0 and "TRITON_INTERPRET=1" in done.stderr, done.stderr
 
 
 def test_seeded_fixture_seeds_torch(seeded, request):

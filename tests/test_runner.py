@@ -1,65 +1,92 @@
+"""GraphBucketRunner: validate -> choose -> stage -> replay (or eager), end to end."""
+
 from __future__ import annotations
+
+import logging
 
 import numpy as np
 import pytest
 import torch
 
-from graphbucket.backends import get_backend
-from graphbucket.ladder import default_ladder
-from graphbucket.runner import POLICIES, GraphBucketRunner, policy_ladder
+from graphbucket import POLICIES, DecodeBatch, GraphBucketRunner, default_ladder, get_backend
 from tests._toy import LADDER, NUM_SMS, ToyMLA, rel_l2, toy_batch, toy_reference, toy_spec
 
 SM_SCALE = 0.125
 ON_CPU = not torch.cuda.is_available()
+MAX_PAGES = 24  # capacity 384 tokens: above the ladder's top, so the ladder check fires
 
 
-def runner_for(policy, model, device, *, backend="reference", sizes=(1, 2), **kw):
+def runner_for(policy, model, device, *, backend="dense", sizes=(1, 2), max_pages=20, **kw):
     backend = get_backend(backend, num_sms=NUM_SMS, kv_lora_rank=64, qk_rope_dim=16)
-    return GraphBucketRunner.for_policy(
-        policy, model, spec=toy_spec(device=device), batch_sizes=list(sizes), max_model_len=320,
-        sm_scale=SM_SCALE, backend=backend, ladder=LADDER if policy == "ladder" else None,
-        warmup_iters=int(device == "cuda"), **kw)
+    runner = GraphBucketRunner.for_policy(
+        policy, model, spec=toy_spec(device=device, max_pages=max_pages),
+        batch_sizes=list(sizes), max_model_len=320, sm_scale=SM_SCALE, backend=backend,
+        ladder=LADDER if policy == "ladder" else None, warmup_iters=int(device == "cuda"),
+        progress=False, **kw)
+    runner.capture()
+    return runner
+
+
+def by_bucket(runner) -> dict[tuple[int, int], int]:
+    """Replays per (padded batch size, bucket)."""
+    return {(k.batch_size, k.bucket): n for k, n in runner.stats().replays.items()}
+
+
+def batch_of(lens, seed=0, **kw) -> DecodeBatch:
+    return toy_batch(lens, rng=np.random.default_rng(seed), max_pages=MAX_PAGES, **kw)
+
+
+def tol(device):
+    return 1e-2 if device == "cuda" else 1e-5
 
 
 def test_end_to_end_across_bucket_boundaries_matches_the_reference(device):
     model = ToyMLA(device=device)
     runner = runner_for("ladder", model, device, backend="triton")
-    summary = runner.capture()
-    assert summary.graphs_captured == len(set(runner.plans.items())) - summary.graphs_aliased
     rng = np.random.default_rng(0)
     steps = [[20, 10], [40, 30], [64, 50], [100, 60], [320, 270], [300]]
     for lens in steps:  # lengths grow step by step: buckets 0, 1, 1, 2, 2, then batch 1
         batch = toy_batch(lens, rng=rng)
         want = toy_reference(model, batch, sm_scale=SM_SCALE)
-        assert rel_l2(runner.step(batch), want) < (1e-2 if device == "cuda" else 1e-5), lens
-    stats = runner.stats()
-    assert stats.replays_by_bucket == {(2, 0): 1, (2, 1): 2, (2, 2): 2, (1, 2): 1}
-    assert sum(stats.replays.values()) == stats.steps == len(steps)
+        assert rel_l2(runner.step(batch), want) < tol(device), lens
+    assert by_bucket(runner) == {(2, 0): 1, (2, 1): 2, (2, 2): 2, (1, 2): 1}
+    assert sum(runner.stats().replays.values()) == runner.stats().steps == len(steps)
     runner.close()
 
 
-def test_policy_ladders():
-    assert policy_ladder("eager", 320) is None
-    assert policy_ladder("fixed-1", 320).hints == (1,)
-    assert policy_ladder("fixed-max", 320).hints == (320,)
-    assert policy_ladder("ladder", 320) == default_ladder(320)
-    assert policy_ladder("ladder", 320, LADDER) is LADDER
-    assert policy_ladder("default-ladder", 320) == default_ladder(320)
-    # Without CUDA no tuned ladder applies: the runner's ladder is the default one.
-    cpu_spec = toy_spec(max_pages=20)
-    assert policy_ladder("ladder", 320, spec=cpu_spec) == default_ladder(320)
-    with pytest.raises(ValueError, match="ends at max_model_len"):
-        policy_ladder("ladder", 640, LADDER)
-    with pytest.raises(ValueError, match="unknown policy 'fixed-2'"):
-        policy_ladder("fixed-2", 320)
+@pytest.mark.parametrize("lens, padded, bucket", [
+    ([5], 1, 0), ([32], 1, 0), ([33], 1, 1), ([300], 1, 2), ([60, 7], 2, 1),
+    ([100, 5, 7], 4, 2), ([0, 320, 1], 4, 2), ([1, 2, 3, 32], 4, 0),
+])
+def test_selects_bucket_from_host_lengths_and_pads(device, lens, padded, bucket):
+    model = ToyMLA(device=device)
+    runner = runner_for("ladder", model, device, sizes=(1, 2, 4), max_pages=MAX_PAGES)
+    batch = batch_of(lens)
+    out = runner.step(batch)
+    assert out.shape == (len(lens), 32)
+    assert out.data_ptr() == runner.buffers.output.data_ptr()  # a view, not a copy
+    assert rel_l2(out, toy_reference(model, batch, sm_scale=SM_SCALE)) < tol(device)
+    (key,) = runner.stats().replays
+    assert (key.batch_size, key.bucket, key.hint) == (padded, bucket, LADDER.hints[bucket])
+    assert runner.buffers.seq_lens[len(lens):padded].tolist() == [0] * (padded - len(lens))
 
 
-def test_every_policy_computes_the_same_answer(device):
+def test_min_rule_selects_the_shortest_live_request():
+    runner = runner_for("ladder", ToyMLA(), "cpu", sizes=(1, 2, 4), max_pages=MAX_PAGES,
+                        rule="min")
+    for _ in range(3):
+        runner.step(batch_of([0, 300, 40]))  # zeros are padding: min live length is 40
+    runner.step(batch_of([20]))
+    runner.step(batch_of([300, 0, 10]))
+    assert by_bucket(runner) == {(4, 1): 3, (1, 0): 1, (4, 0): 1}
+    with pytest.raises(ValueError, match="above the ladder top"):
+        runner.step(batch_of([0, 321]))
+
+
+def test_policies_compute_the_same_answer(device):
     model = ToyMLA(device=device)
     runners = {p: runner_for(p, model, device) for p in POLICIES}
     assert runners["eager"].is_eager and runners["eager"].capture() is None
-    for runner in runners.values():
-        runner.capture()
     assert runners["eager"].records == []
     assert {r.plan.num_kv_splits for r in runners["fixed-1"].records} == {1}
     backend = runners["fixed-max"].backend
@@ -70,32 +97,143 @@ def test_every_policy_computes_the_same_answer(device):
         batch = toy_batch(lens, rng=rng)
         want = toy_reference(model, batch, sm_scale=SM_SCALE)
         for policy, runner in runners.items():
-            got = runner.step(batch)
-            assert rel_l2(got, want) < (1e-2 if device == "cuda" else 1e-5), policy
+            assert rel_l2(runner.step(batch), want) < tol(device), policy
     assert runners["eager"].stats().eager_steps == 3
-    assert runners["fixed-1"].stats().replays_by_bucket == {(1, 0): 1, (2, 0): 2}
+    assert by_bucket(runners["fixed-1"]) == {(1, 0): 1, (2, 0): 2}
 
 
 @pytest.mark.skipif(not ON_CPU, reason="spies on Python launches; CUDA replays run none")
 def test_fixed_1_replays_one_split_at_a_long_length(monkeypatch):
     model = ToyMLA()
     runner = runner_for("fixed-1", model, "cpu", backend="triton", sizes=(1,))
-    runner.capture()
     (record,) = runner.records
     assert record.plan.num_kv_splits == 1 and runner.backend.plan(1, 16, 300).num_kv_splits > 1
     launched = []
     real_run = runner.backend.run
     monkeypatch.setattr(runner.backend, "run",
                         lambda *a, **kw: launched.append(kw["plan"]) or real_run(*a, **kw))
+    monkeypatch.setattr(runner.backend, "plan", lambda *a: pytest.fail("a replay planned"))
     batch = toy_batch([300], rng=np.random.default_rng(2))
     out = runner.step(batch)
-    assert [p.num_kv_splits for p in launched] == [1, 1]
+    assert [p.num_kv_splits for p in launched] == [1, 1]  # both layers, frozen at one split
     assert rel_l2(out, toy_reference(model, batch, sm_scale=SM_SCALE)) < 1e-5
+
+
+def _bad_batches():
+    ok = batch_of([30, 7])
+    hidden = ok.inputs["hidden"]
+    bad_table = ok.block_table_cpu.copy()
+    bad_table[1, 0] = 64
+    table = ok.block_table_cpu
+    return {
+        "above ladder top": (batch_of([321, 7]), ValueError, "above the ladder top"),
+        "above capacity": (DecodeBatch([385], np.zeros((1, 24), np.int32), {"hidden": hidden[:1]}),
+                           ValueError, "capacity"),
+        "table outside cache": (DecodeBatch([30, 7], bad_table, {"hidden": hidden}),
+                                ValueError, "outside the KV cache"),
+        "input dtype": (DecodeBatch([30, 7], table, {"hidden": hidden.half()}),
+                        TypeError, "dtype torch.float16"),
+        "input device": (DecodeBatch([30, 7], table, {"hidden": torch.zeros(2, 32, device="meta")}),
+                         TypeError, "is on meta"),
+        "input shape": (DecodeBatch([30, 7], table, {"hidden": hidden[:, :4]}),
+                        ValueError, "has shape"),
+        "0-d input": (DecodeBatch([30], table[:1], {"hidden": torch.tensor(1.0)}),
+                      ValueError, "has shape"),
+        "inputs as a list": (DecodeBatch([30, 7], table, [hidden]), TypeError, "mapping"),
+        "position too large": (DecodeBatch([30, 7], table, {"hidden": hidden},
+                                           positions_cpu=[10**6, 6]), ValueError, "positions_cpu"),
+        "negative position": (DecodeBatch([30, 7], table, {"hidden": hidden},
+                                          positions_cpu=[29, -5]), ValueError, "positions_cpu"),
+        "device lengths": (DecodeBatch(torch.zeros(2, dtype=torch.int32, device="meta"),
+                                       table, {"hidden": hidden}), TypeError, "host"),
+        "0-d lengths": (DecodeBatch(torch.tensor(5), table[:1], {"hidden": hidden[:1]}),
+                        ValueError, "dimension"),
+        "oversized and bad": (batch_of([321, 1, 1, 1, 1]), ValueError, "above the ladder top"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_batches()))
+def test_errors_raise_before_anything_is_staged_or_launched(device, case):
+    model = ToyMLA(device=device)
+    runner = runner_for("ladder", model, device, sizes=(1, 2, 4), max_pages=MAX_PAGES)
+    runner.step(batch_of([40, 3], seed=1))
+    buffers = runner.buffers
+    static = (buffers.seq_lens, buffers.positions, buffers.block_table, buffers.output,
+              *buffers.inputs.values(), *buffers.staging_tensors())
+    before = [t.clone() for t in static]
+    calls = model.calls
+    batch, exc, match = _bad_batches()[case]
+    with pytest.raises(exc, match=match):
+        runner.step(batch)
+    assert all(torch.equal(a, b) for a, b in zip(before, static, strict=True))
+    assert model.calls == calls
+    stats = runner.stats()
+    assert (stats.errors, stats.steps, stats.eager_fallbacks) == (1, 1, 0)
+
+
+def test_oversized_batch_falls_back_to_eager_counted_and_logged_once(device, caplog):
+    model = ToyMLA(device=device)
+    runner = runner_for("ladder", model, device, sizes=(1, 2, 4), max_pages=MAX_PAGES)
+    with caplog.at_level(logging.WARNING, logger="graphbucket.runner"):
+        for seed in range(2):
+            batch = batch_of([200, 3, 70, 5, 1, 9][: 5 + seed], seed=seed)
+            out = runner.step(batch)
+            assert out.shape == (5 + seed, 32)
+            assert rel_l2(out, toy_reference(model, batch, sm_scale=SM_SCALE)) < tol(device)
+    warnings = [r for r in caplog.records if "exceeds the largest capture size 4" in r.message]
+    assert len(warnings) == 1
+    stats = runner.stats()
+    assert (stats.eager_fallbacks, stats.steps, stats.replays) == (2, 2, {})
+
+
+def test_eager_runner_plans_every_step(device):
+    model = ToyMLA(device=device)
+    runner = runner_for("eager", model, device, sizes=(1, 2, 4), max_pages=MAX_PAGES)
+    for seed, lens in enumerate([[5], [300, 2, 1]]):
+        batch = batch_of(lens, seed=seed)
+        assert rel_l2(runner.step(batch), toy_reference(model, batch, sm_scale=SM_SCALE)
+                      ) < tol(device)
+    with pytest.raises(ValueError, match="above the ladder top"):
+        runner.step(batch_of([321]))
+    stats = runner.stats()
+    assert (stats.eager_steps, stats.eager_fallbacks, stats.replays, stats.errors) == (2, 0, {}, 1)
+
+
+def test_replay_path_never_reads_device_data(device, monkeypatch):
+    model = ToyMLA(device=device)
+    runner = runner_for("ladder", model, device, sizes=(1, 2, 4), max_pages=MAX_PAGES)
+    batches = [batch_of(lens, seed=i) for i, lens in enumerate([[5], [300, 7], [64, 65, 66]])]
+    wants = [toy_reference(model, b, sm_scale=SM_SCALE) for b in batches]
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the replay path read device data or synchronized")
+
+    outs = []
+    with monkeypatch.context() as m:
+        for name in ("item", "tolist", "cpu"):
+            m.setattr(torch.Tensor, name, forbidden)
+        m.setattr(torch.cuda, "synchronize", forbidden)
+        m.setattr(torch, "tensor", forbidden)
+        for batch in batches:
+            outs.append(runner.step(batch).clone())
+    for out, want in zip(outs, wants, strict=True):
+        assert rel_l2(out, want) < tol(device)
+    assert runner.stats().steps == 3
+
+
+def test_repeated_steps_return_the_same_static_view():
+    runner = runner_for("ladder", ToyMLA(), "cpu")
+    first = runner.step(batch_of([5, 6]))
+    second = runner.step(batch_of([7, 8], seed=1))
+    assert first.data_ptr() == second.data_ptr() == runner.buffers.output.data_ptr()
+    assert second.shape == (2, 32)
 
 
 def test_lifecycle_errors():
     model = ToyMLA()
-    runner = runner_for("ladder", model, "cpu")
+    backend = get_backend("dense", num_sms=NUM_SMS, kv_lora_rank=64, qk_rope_dim=16)
+    runner = GraphBucketRunner(model, spec=toy_spec(), batch_sizes=[1], ladder=LADDER,
+                               sm_scale=SM_SCALE, backend=backend, progress=False)
     batch = toy_batch([5], rng=np.random.default_rng(0))
     with pytest.raises(RuntimeError, match="capture"):
         runner.step(batch)
@@ -107,13 +245,18 @@ def test_lifecycle_errors():
     runner.close()  # idempotent
 
 
-def test_max_model_len_must_fit_the_buffers():
-    with pytest.raises(ValueError, match="at most the buffers' capacity 320"):
+def test_construction_errors_name_the_cause():
+    backend = get_backend("dense", kv_lora_rank=64, qk_rope_dim=16)
+    with pytest.raises(ValueError, match="above the buffers' capacity 320"):
         GraphBucketRunner(ToyMLA(), spec=toy_spec(), batch_sizes=[1], sm_scale=SM_SCALE,
-                          ladder=default_ladder(4096),
-                          backend=get_backend("reference", kv_lora_rank=64, qk_rope_dim=16))
-    with pytest.raises(ValueError, match="batch_sizes must be positive"):
+                          ladder=default_ladder(4096), backend=backend)
+    with pytest.raises(ValueError, match="capture_sizes must be positive"):
         runner_for("ladder", ToyMLA(), "cpu", sizes=(0, 2))
+    with pytest.raises(ValueError, match="needs max_model_len"):
+        GraphBucketRunner(ToyMLA(), spec=toy_spec(), batch_sizes=[1], sm_scale=SM_SCALE,
+                          ladder=None, backend=backend)
+    with pytest.raises(ValueError, match="rule must be one of"):
+        runner_for("ladder", ToyMLA(), "cpu", rule="mean")
 
 
 # ---- GPU (H200): bf16, DeepSeek-shaped attention (16 heads, rank 512, rope 64), page 64 ----
@@ -134,7 +277,7 @@ def gpu_runner(policy, model, *, backend="triton", sizes=GPU_SIZES):
     runner = GraphBucketRunner.for_policy(
         policy, model, spec=spec, batch_sizes=list(sizes), max_model_len=GPU_MML,
         sm_scale=SM_SCALE, backend=get_backend(backend, device="cuda") if backend == "triton"
-        else get_backend(backend))
+        else get_backend(backend), progress=False)
     runner.capture()
     return runner
 
@@ -148,7 +291,7 @@ def gpu_batch(lens, rng, *, input_device="cpu"):
 @pytest.fixture(scope="module")
 def gpu_runners(gpu_model):
     runners = {"ladder": gpu_runner("ladder", gpu_model), "eager": gpu_runner("eager", gpu_model),
-               "reference": gpu_runner("eager", gpu_model, backend="reference")}
+               "reference": gpu_runner("eager", gpu_model, backend="dense")}
     yield runners
     for runner in runners.values():
         runner.close()
@@ -162,12 +305,12 @@ def test_gpu_every_bucket_and_batch_size_matches_eager_and_reference(gpu_runners
             for _ in range(2):
                 lens = rng.integers(lo, hi + 1, size=bs).tolist()
                 batch = gpu_batch(lens, rng)
-                before = dict(gpu_runners["ladder"].stats().replays_by_bucket)
+                before = by_bucket(gpu_runners["ladder"])
                 got = gpu_runners["ladder"].step(batch).clone()
                 eager = gpu_runners["eager"].step(batch).clone()
                 ref = gpu_runners["reference"].step(batch).clone()
                 assert rel_l2(got, ref) < 1e-2 and rel_l2(got, eager) < 1e-2, (bucket, bs, lens)
-                after = gpu_runners["ladder"].stats().replays_by_bucket
+                after = by_bucket(gpu_runners["ladder"])
                 assert after[(bs, bucket)] == before.get((bs, bucket), 0) + 1
 
 

@@ -9,8 +9,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from graphbucket.engine import BucketHook
-
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "serve_loop.py"
 
 
@@ -29,10 +27,9 @@ def test_requests_cross_a_bucket_bound_and_retire(cpu, max_model_len):
     loop = load_script()
     model, runner, ladder = loop.build(cpu=cpu, layers=1, max_model_len=max_model_len)
     runner.capture()
-    hook = BucketHook(ladder, capture_sizes=runner.batch_sizes)
     # Request 0 starts at 62 tokens and grows past the 64-token bound; request 1 is short.
     requests = [loop.Request(0, 61, 5), loop.Request(1, 9, 2)]
-    report = loop.serve(model, runner, hook, requests, max_batch=2, seed=0)
+    report = loop.serve(model, runner, requests, max_batch=2, seed=0)
     runner.close()
     assert report["finished"] == 2 and report["steps"] == 5
     buckets = {bucket for (_, bucket) in report["replays_by_bucket"]}

@@ -1,6 +1,6 @@
 """Decode backends behind one small protocol, looked up by name with lazy imports.
 
-``get_backend("triton")`` (default), ``"reference"`` (torch, for tests) and ``"aiter"``
+``get_backend("triton")`` (default), ``"dense"`` (plain torch, for tests) and ``"aiter"``
 (ROCm; imported only when asked for, with an ImportError that says how to install it).
 """
 
@@ -12,14 +12,9 @@ from graphbucket.backends.base import DecodeBackend, NoWorkspace, WorkspaceSpec
 
 _REGISTRY: dict[str, tuple[str, str]] = {
     "triton": ("graphbucket.backends.triton", "TritonBackend"),
-    "reference": ("graphbucket.backends.reference", "ReferenceBackend"),
+    "dense": ("graphbucket.backends.dense", "DenseBackend"),
     "aiter": ("graphbucket.backends.aiter", "AiterBackend"),
 }
-
-
-def backend_names() -> tuple[str, ...]:
-    """Every registered name, importable or not."""
-    return tuple(_REGISTRY)
 
 
 def get_backend(name: str = "triton", **kwargs) -> DecodeBackend:
@@ -38,4 +33,4 @@ def get_backend(name: str = "triton", **kwargs) -> DecodeBackend:
     return getattr(module, class_name)(**kwargs)
 
 
-__all__ = ["DecodeBackend", "NoWorkspace", "WorkspaceSpec", "backend_names", "get_backend"]
+__all__ = ["DecodeBackend", "NoWorkspace", "WorkspaceSpec", "get_backend"]

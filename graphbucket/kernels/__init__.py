@@ -1,21 +1,38 @@
-"""Triton split-KV MLA decode kernels and their host launchers."""
+"""Triton split-KV MLA decode kernels and their host launchers.
+
+Without a GPU, Triton kernels run only through Triton's interpreter, on CPU tensors; the
+interpreter is chosen when kernels are defined, so ``TRITON_INTERPRET=1`` must be in the
+environment before graphbucket is imported. Importing graphbucket never sets it.
+"""
 
 from __future__ import annotations
 
-import os
-
 import torch
+from triton.runtime.interpreter import InterpretedFunction
 
-# Without a GPU, Triton kernels only run through its interpreter (on CPU tensors). The
-# switch is read when kernels are decorated, so it must be set before they are imported.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from graphbucket.kernels.launch import (  # noqa: E402
+from graphbucket.kernels.launch import (
     SplitWorkspace,
     check_mla_decode_args,
     default_sm_scale,
     mla_decode,
 )
+from graphbucket.kernels.mla_decode import _mla_decode_stage1_kernel
 
-__all__ = ["SplitWorkspace", "check_mla_decode_args", "default_sm_scale", "mla_decode"]
+INTERPRETED = isinstance(_mla_decode_stage1_kernel, InterpretedFunction)
+
+
+def check_kernel_device(device: torch.device | str) -> None:
+    """Raise a ValueError naming the fix when Triton kernels cannot run on ``device``."""
+    device = torch.device(device)
+    if device.type == "cpu" and not INTERPRETED:
+        raise ValueError(
+            "graphbucket's Triton kernels run on the CPU only in Triton's interpreter: set "
+            "TRITON_INTERPRET=1 in the environment before importing graphbucket (e.g. "
+            "`TRITON_INTERPRET=1 python3 script.py`), or use a CUDA device")
+    if device.type == "cuda" and INTERPRETED:
+        raise ValueError("TRITON_INTERPRET=1 is set, so Triton kernels run in the interpreter "
+                         "on CPU tensors only; unset it to run on CUDA")
+
+
+__all__ = ["INTERPRETED", "SplitWorkspace", "check_kernel_device", "check_mla_decode_args",
+           "default_sm_scale", "mla_decode"]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -40,14 +39,6 @@ class SplitWorkspace:
         shape = (max_batch, num_heads, max(1, max_splits))
         return cls(torch.empty(*shape, kv_lora_rank, dtype=torch.float32, device=device),
                    torch.empty(*shape, dtype=torch.float32, device=device))
-
-    @classmethod
-    def for_plans(cls, plans, device: torch.device | str) -> SplitWorkspace:
-        plans = list(plans)
-        if not plans:
-            raise ValueError("for_plans needs at least one LaunchPlan")
-        return cls.allocate(max(p.batch_size for p in plans), max(p.num_heads for p in plans),
-                            max(p.num_kv_splits for p in plans), plans[0].kv_lora_rank, device)
 
     def fits(self, plan: LaunchPlan) -> bool:
         b, h, s, d = self.partial_o.shape
@@ -97,7 +88,7 @@ def check_mla_decode_args(q: torch.Tensor, kv_cache: torch.Tensor, block_table: 
     if plan.use_stage2 and (workspace is None or not workspace.fits(plan)):
         got = None if workspace is None else tuple(workspace.partial_o.shape)
         _fail("workspace", got, f"partial_o covering {plan.workspace_shape}",
-              "Allocate SplitWorkspace.for_plans(all plans you will launch).")
+              "Allocate a SplitWorkspace covering every plan you will launch.")
 
 
 def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -135,21 +126,18 @@ def _workspace_args(workspace: SplitWorkspace | None, out: torch.Tensor):
     return part_o, part_lse, part_o.stride()[:3], part_lse.stride()[:2]
 
 
-# Programmatic dependent launch of the merge (Hopper and later, plans that ask for it):
-# the merge grid launches while stage 1 runs and waits on the device for its partials.
-# GRAPHBUCKET_PDL=0 turns it off (A/B timing in bench/pdl.py flips PDL_ENABLED).
-PDL_ENABLED = os.environ.get("GRAPHBUCKET_PDL", "1") != "0"
-
-
 @functools.cache
 def _pdl_capable(device: torch.device) -> bool:
-    if os.environ.get("TRITON_INTERPRET") == "1" or device.type != "cuda":
+    if device.type != "cuda":
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def use_pdl(plan: LaunchPlan, device: torch.device) -> bool:
-    return plan.use_stage2 and plan.dependent_merge and PDL_ENABLED and _pdl_capable(device)
+    """Programmatic dependent launch of the merge, when the plan asks for it and the GPU
+    has it (sm_90 and later): the merge grid launches while stage 1 runs and waits on the
+    device for its partials."""
+    return plan.use_stage2 and plan.dependent_merge and _pdl_capable(device)
 
 
 def tile_tokens(plan: LaunchPlan, element_size: int) -> int:
@@ -185,6 +173,7 @@ def launch_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
         BLOCK_H=plan.block_h, BLOCK_N=block_n,
         TILE_IN_PAGE=kv_cache.shape[1] % block_n == 0, ONE_SPLIT=not plan.use_stage2,
         WRITE_LSE=lse is not None, USE_GDC=use_pdl(plan, q.device),
+        DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
 

@@ -8,7 +8,9 @@ With one split, stage 1 writes the final output and stage 2 is not launched.
 
 MLA specifics: the cache row is [kv_lora_rank latent | qk_rope_dim rope]; K is the whole
 row and V is its first kv_lora_rank columns, so each KV tile is loaded once and used for
-both dots. All heads share the single latent KV head, so BLOCK_H heads ride one tile.
+both dots. All heads share the single latent KV head, so BLOCK_H heads ride one tile. float32
+caches multiply in IEEE float32 (``DOT_PRECISION="ieee"``), not TF32: a float32 cache is
+asked for precision, and TF32 gave ~1e-3 relative error against float64 on the H200.
 
 The split count is a runtime argument: a graph captured with any plan stays correct for
 any live length. Each program derives its token range from ``seq_lens`` on the device:
@@ -56,6 +58,7 @@ def _mla_decode_stage1_kernel(
     TILE_IN_PAGE: tl.constexpr,
     ONE_SPLIT: tl.constexpr,
     WRITE_LSE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr = "tf32",
     USE_GDC: tl.constexpr = False,
 ):
     bid = tl.program_id(0)
@@ -99,8 +102,8 @@ def _mla_decode_stage1_kernel(
             k_rope = tl.load(KV + row[:, None] + KV_LORA_RANK + offs_r[None, :],
                              mask=mask_n[:, None], other=0.0)
 
-            qk = tl.dot(q_nope, tl.trans(kv))
-            qk += tl.dot(q_rope, tl.trans(k_rope))
+            qk = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PRECISION)
+            qk += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
             qk = tl.where(mask_n[None, :], qk * qk_scale_log2, float("-inf"))
 
             # Every tile holds at least one live token, so m_new is finite after tile one.
@@ -108,7 +111,8 @@ def _mla_decode_stage1_kernel(
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
+            acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv,
+                                                input_precision=DOT_PRECISION)
             m_i = m_new
 
         # LSEs stay in log2 units between the stages; 0.693.. = ln 2 converts the final one.

@@ -13,7 +13,7 @@ from graphbucket.models.paging import (
     random_block_table,
     slot_mapping_for,
 )
-from graphbucket.models.reference import decode_reference
+from graphbucket.models.step_reference import decode_reference
 from graphbucket.models.tp import TPMLADecoder, shard_config, shard_weights, tp_full_config
 
 __all__ = ["PRESETS", "MLAConfig", "MLADecoder", "TPMLADecoder", "decode_batch",

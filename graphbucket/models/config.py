@@ -74,9 +74,6 @@ class MLAConfig:
                 + 3 * h * self.intermediate_size                     # gate, up, down
                 + 2 * h + self.q_lora_rank + self.kv_lora_rank)      # RMSNorm weights
 
-    def num_params(self) -> int:
-        return self.num_layers * self.layer_params() + self.hidden_size
-
 
 def deepseek_v3_tp8(num_layers: int = 4) -> MLAConfig:
     """DeepSeek-V3 per rank at TP8: 16 of 128 heads, hidden 7168, dense MLP 2304 (61 layers

@@ -6,30 +6,23 @@ Here the weight is the MMA's M side: each program owns BLOCK_N output columns, s
 their weight rows through a pipelined loop over K, and multiplies them with the
 (zero-padded) 16-row activation tile on the tensor cores.
 
-Measured on the H200 (bench/results/h200-projections.md, DeepSeek-V3 TP8 layer, cold L2):
+Measured on the H200 (bench/results/archive/h200-projections.md, DeepSeek-V3 TP8 layer, cold L2):
 the per-head absorbed products (16 x 128 x 512) run 1.1-1.2x faster than ``torch.bmm``
 (~0.76 against ~0.64 TB/s); the large projections run 1.1-1.6x slower than cuBLAS
 (1.3-2.2 against 1.6-3.1 TB/s: one 16-row program per SM and too few bytes in flight for
 the 2112-column projection, a partial second wave for the 4608-column one). The model
 therefore uses these for the absorbed products only (``MLADecoder(projections="auto")``).
 
-``skinny_linear(x, w)`` is ``F.linear(x, w)``; ``skinny_bmm(x, w)`` is ``torch.bmm(x, w)``
-(one weight matrix per batch entry, e.g. per head). Both take any strides, accumulate in
-float32, write the input dtype, allocate only their output and launch one kernel with a
-grid fixed by the shapes (graph-safe).
+``skinny_bmm(x, w)`` is ``torch.bmm(x, w)`` (one weight matrix per batch entry, e.g. per
+head). It takes any strides, accumulates in float32, writes the input dtype, allocates only
+its output and launches one kernel with a grid fixed by the shapes (graph-safe).
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
-
-if not torch.cuda.is_available():  # CPU: kernels run in Triton's interpreter
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+import triton
+import triton.language as tl
 
 MAX_ROWS = 16  # the activation tile is the MMA's N side: 16 rows, zero-padded
 
@@ -91,18 +84,6 @@ def _check(name: str, x: torch.Tensor, w: torch.Tensor, rows: int, k_x: int, k_w
                          "(use torch.matmul for larger batches)")
     if k_x != k_w:
         raise ValueError(f"{name}: x has {k_x} columns but w expects {k_w}")
-
-
-def skinny_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x, w)`` (no bias) for x [M <= 16, K], w [N, K]; returns [M, N]."""
-    if x.dim() != 2 or w.dim() != 2:
-        raise ValueError(f"skinny_linear takes x [M, K] and w [N, K], got {tuple(x.shape)} "
-                         f"and {tuple(w.shape)}")
-    _check("skinny_linear", x, w, x.shape[0], x.shape[1], w.shape[1])
-    (m, k), n = x.shape, w.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    return _launch(x, w, y, n=n, k=k, batch=1, x_strides=(0, *x.stride()),
-                   w_strides=(0, *w.stride()), y_strides=(0, *y.stride()))
 
 
 def skinny_bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

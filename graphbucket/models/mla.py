@@ -26,14 +26,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from graphbucket.buffers import BufferSpec, InputSpec
 from graphbucket.context import DecodeContext
+from graphbucket.kernels import check_kernel_device
 from graphbucket.models import gemv, ops
 from graphbucket.models.config import MLAConfig
-from graphbucket.models.reference import decode_reference
+from graphbucket.models.step_reference import decode_reference
 from graphbucket.models.weights import MLALayerWeights, random_weights
+from graphbucket.spec import BufferSpec, InputSpec
 
-PROJECTIONS = ("auto", "skinny", "skinny-bmm", "torch")
+PROJECTIONS = ("auto", "skinny-bmm", "torch")
 HIDDEN_INPUT = "hidden"
 SLOT_INPUT = "slot_mapping"
 
@@ -41,24 +42,26 @@ SLOT_INPUT = "slot_mapping"
 class MLADecoder:
     """Seeded random MLA decoder with one paged latent cache per layer.
 
-    kv_caches[l]: [num_pages, page_size, R + P] in ``dtype`` on ``device``. Call the model
+    kv_caches[l]: [num_pages, page_size, R + P] in ``dtype`` on ``device`` (default: CUDA
+    when available, else the CPU, where the kernels need ``TRITON_INTERPRET=1``). Call the model
     as ``model(ctx)``; it is the ``forward`` a ``GraphBucketRunner`` captures. ``weights``
     (per-layer weights, final norm [D]) replaces the seeded draw, e.g. a tensor-parallel shard.
     """
 
     def __init__(self, config: MLAConfig, *, num_pages: int, page_size: int = 64,
-                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cuda",
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None,
                  seed: int = 0,
                  weights: tuple[list[MLALayerWeights], torch.Tensor] | None = None,
                  projections: str = "auto") -> None:
         if projections not in PROJECTIONS:
             raise ValueError(f"projections must be one of {PROJECTIONS}, got {projections!r}")
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        check_kernel_device(device)
         self.config, self.num_pages, self.page_size = config, num_pages, page_size
-        # "skinny": Triton weight-streaming products at batch <= 16 (models/gemv.py) for
-        # every projection; "torch": F.linear / torch.bmm; "auto" (H200 measurements,
-        # bench/results/h200-projections.md): skinny for the per-head absorbed products
-        # (1.1-1.2x faster than torch.bmm), F.linear for the rest (cuBLAS 1.1-1.6x faster)
-        # on CUDA; torch on the CPU.
+        # "skinny-bmm": the per-head absorbed products through models/gemv.py (1.1-1.2x
+        # faster than torch.bmm on the H200, bench/NOTES.md), F.linear for the rest (cuBLAS
+        # was faster there); "torch": F.linear / torch.bmm; "auto": skinny-bmm on CUDA.
         self.projections = projections if projections != "auto" else (
             "skinny-bmm" if torch.device(device).type == "cuda" else "torch")
         self.dtype, self.device = dtype, torch.device(device)
@@ -109,12 +112,10 @@ class MLADecoder:
         return h
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if self.projections == "skinny" and x.shape[0] <= gemv.MAX_ROWS:
-            return gemv.skinny_linear(x, w)  # "skinny-bmm" keeps F.linear
         return F.linear(x, w)
 
     def _bmm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if self.projections in ("skinny", "skinny-bmm") and x.shape[1] <= gemv.MAX_ROWS:
+        if self.projections == "skinny-bmm" and x.shape[1] <= gemv.MAX_ROWS:
             return gemv.skinny_bmm(x, w)
         return torch.bmm(x, w)
 
@@ -149,10 +150,11 @@ class MLADecoder:
     def forward_reference(self, hidden, *, positions, seq_lens, block_table, slot_mapping,
                           caches: list[torch.Tensor] | None = None,
                           dtype: torch.dtype = torch.float64) -> torch.Tensor:
-        """The same step in plain torch ``dtype`` (see ``models.reference``); writes its new
+        """The same step in plain torch ``dtype`` (see ``models.step_reference``); writes its new
         rows into ``caches`` (default: fresh copies of the model's caches)."""
         caches = self.reference_caches(dtype) if caches is None else caches
-        return decode_reference(self, hidden, positions=positions, seq_lens=seq_lens,
+        return decode_reference(self.config, self.layers, self.final_norm, hidden,
+                                positions=positions, seq_lens=seq_lens,
                                 block_table=block_table, slot_mapping=slot_mapping,
                                 caches=caches, dtype=dtype)
 

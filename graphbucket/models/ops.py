@@ -16,15 +16,9 @@ channels instead; that is a fixed permutation of the rope channels and costs the
 
 from __future__ import annotations
 
-import os
-
 import torch
-
-if not torch.cuda.is_available():  # CPU: kernels run in Triton's interpreter
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+import triton
+import triton.language as tl
 
 
 def rope_cache(rope_dim: int, max_position: int, theta: float, *,

@@ -58,11 +58,26 @@ def decode_batch(model: MLADecoder, seq_lens, block_table: np.ndarray,
                  hidden: torch.Tensor) -> DecodeBatch:
     """A ``DecodeBatch`` decoding the token at position seq_len - 1 of each request.
 
-    seq_lens [B] ints (the new token included), block_table int [B, cols], hidden [B, D]
-    (host or device tensor, the model dtype). The slot mapping is derived on the host.
+    seq_lens [B] ints >= 0 (the new token included; 0 = a padding row that stores
+    nothing), block_table int [B, cols] (enough columns for every length), hidden [B, D]
+    (host or device tensor, the model dtype). The slot mapping is derived on the host;
+    the rest is checked by the runner's step.
     """
-    lens = np.asarray(seq_lens, dtype=np.int64)
-    table = np.asarray(block_table, dtype=np.int32)
-    slots = slot_mapping_for(table, lens - 1, model.page_size)
-    return DecodeBatch(lens.astype(np.int32), table, {"hidden": hidden,
-                       "slot_mapping": torch.from_numpy(slots)})
+    lens = np.asarray(seq_lens)
+    table = np.asarray(block_table)
+    if lens.ndim != 1 or lens.dtype.kind not in "iu":
+        raise TypeError(f"seq_lens must be 1-D integers, got shape {lens.shape} "
+                        f"dtype {lens.dtype}")
+    if table.ndim != 2 or table.dtype.kind not in "iu" or table.shape[0] != lens.shape[0]:
+        raise ValueError(f"block_table must be integers [B={lens.shape[0]}, cols], got shape "
+                         f"{table.shape} dtype {table.dtype}")
+    capacity = table.shape[1] * model.page_size
+    if lens.size and (lens.min() < 0 or lens.max() > capacity):
+        row = int(np.argmax((lens < 0) | (lens > capacity)))
+        raise ValueError(f"seq_lens[{row}] = {int(lens[row])} is outside [0, {capacity}]: "
+                         f"block_table has {table.shape[1]} columns of {model.page_size} "
+                         "tokens. Give each request enough pages (or a shorter length)")
+    lens = lens.astype(np.int64)
+    slots = slot_mapping_for(table.astype(np.int32), lens - 1, model.page_size)
+    return DecodeBatch(lens.astype(np.int32), table.astype(np.int32, copy=False),
+                       {"hidden": hidden, "slot_mapping": torch.from_numpy(slots)})

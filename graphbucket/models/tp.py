@@ -115,11 +115,13 @@ class TPMLADecoder(MLADecoder):
 
     def __init__(self, config: MLAConfig, *, rank: int, world_size: int,
                  group: dist.ProcessGroup | None = None, num_pages: int, page_size: int = 64,
-                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cuda",
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None,
                  seed: int = 0,
                  weights: tuple[list[MLALayerWeights], torch.Tensor] | None = None) -> None:
         per_rank = shard_config(config, world_size)
         _check_group(group, rank, world_size)
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         if weights is None:
             weights = random_weights(config, seed=seed, device=device, dtype=dtype)
         layers, final_norm = weights

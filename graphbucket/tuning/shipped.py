@@ -15,7 +15,7 @@ from pathlib import Path
 
 from graphbucket.ladder import Bucket, BucketLadder
 
-LADDER_DIR = Path(__file__).resolve().parent / "ladders"
+LADDER_DIR = Path(__file__).resolve().parent.parent / "ladders"
 _VENDOR_WORDS = frozenset({"nvidia", "amd", "instinct", "tesla"})
 
 
@@ -27,11 +27,6 @@ def device_slugs(device_name: str) -> list[str]:
         raise ValueError(f"device name {device_name!r} has no model word to look a ladder up by "
                          "(expected e.g. 'NVIDIA H200')")
     return ["-".join(words[:n]) for n in range(len(words), 0, -1)]
-
-
-def ladder_path(device_name: str, num_heads: int, directory: str | Path | None = None) -> Path:
-    """Where the tuner writes the ladder of this device and head count (full slug)."""
-    return Path(directory or LADDER_DIR) / f"{device_slugs(device_name)[0]}-h{num_heads}.json"
 
 
 def find_tuned_ladder(device_name: str, num_heads: int, max_model_len: int, *,

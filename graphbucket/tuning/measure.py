@@ -2,7 +2,7 @@
 
 One graph holds R decode calls, each over its own random scatter of pages of one large
 cache, with R chosen so that a replay touches several L2s worth of distinct KV; the time
-per call is the replay time over R. Used by the ladder tuner (``graphbucket.tuning``) and
+per call is the replay time over R. Used by the ladder tuner (``graphbucket.tuning.choose``) and
 the kernel sweep (``bench/kernel_sweep.py``).
 
 Importing this module needs torch but no GPU; every function that runs needs CUDA.
@@ -127,7 +127,7 @@ def measure_split_times(contexts: Iterable[int], batches: Iterable[int],
     """``{(context, batch, splits): us}``: the Triton MLA decode kernel, cold L2, graph replays.
 
     ``splits_list`` is one list for every batch or ``{batch: splits}`` (see
-    ``graphbucket.tuning.splits_to_measure``). Each shape runs the plan of
+    ``graphbucket.tuning.choose.splits_to_measure``). Each shape runs the plan of
     ``plan_mla_decode(batch, num_heads, context)`` on this GPU with its split count replaced
     (``LaunchPlan.with_splits``: the merge tile follows the split count), so block sizes,
     pipeline depth and merge variant are the ones the runner captures.

@@ -1,7 +1,8 @@
 """Ladder tuning, the choosing step: bucket bounds and hints from measured decode times.
 
 Pure host arithmetic (no torch at import). The measuring step that fills the timing table
-on a GPU is ``graphbucket.timing.measure_split_times``; ``scripts/tune_ladder.py`` runs both.
+on a GPU is ``graphbucket.tuning.measure.measure_split_times``; ``scripts/tune_ladder.py``
+runs both.
 
 Input: ``times[(context, batch, splits)] -> us`` over measured contexts c_1 < ... < c_n and
 the capture batch sizes, and ``splits_for(batch, hint)``: the split count of a graph

@@ -8,15 +8,12 @@ kernel together. Reads lengths and slots on the host: for tests, not for the rep
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
+from graphbucket.models.config import MLAConfig
+from graphbucket.models.weights import MLALayerWeights
 from graphbucket.reference import mla_decode_reference
-
-if TYPE_CHECKING:
-    from graphbucket.models.mla import MLADecoder
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -39,24 +36,26 @@ def _as(t, device, dtype=None) -> torch.Tensor:
     return t.to(device=device, dtype=dtype or t.dtype)
 
 
-def decode_reference(model: MLADecoder, hidden, *, positions, seq_lens, block_table,
+def decode_reference(config: MLAConfig, layers: list[MLALayerWeights],
+                     final_norm: torch.Tensor, hidden, *, positions, seq_lens, block_table,
                      slot_mapping, caches: list[torch.Tensor],
                      dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """One decode step in ``dtype``; writes the new rows into ``caches`` (one per layer,
-    [num_pages, page_size, R + P] in ``dtype``, e.g. ``model.reference_caches()``).
+    """One decode step of the model with ``config``, ``layers`` and ``final_norm`` in
+    ``dtype``; writes the new rows into ``caches`` (one per layer, [num_pages, page_size,
+    R + P] in ``dtype``, e.g. ``MLADecoder.reference_caches()``).
 
     hidden [B, D]; positions, seq_lens, slot_mapping [B]; block_table [B, cols] (tensors
     on any device, numpy arrays or lists). Returns the final hidden states [B, D].
     """
-    cfg, dev = model.config, caches[0].device
+    cfg, dev = config, caches[0].device
     x = _as(hidden, dev, dtype)
     positions, seq_lens = _as(positions, dev, torch.int64), _as(seq_lens, dev, torch.int32)
     block_table, slots = _as(block_table, dev, torch.int32), _as(slot_mapping, dev, torch.int64)
-    num_slots = model.num_pages * model.page_size
+    num_slots = caches[0].shape[0] * caches[0].shape[1]
     live = [b for b, (s, n) in enumerate(zip(slots.tolist(), seq_lens.tolist(), strict=True))
             if 0 <= s < num_slots and n > 0]
     bs, heads, r = x.shape[0], cfg.num_heads, cfg.kv_lora_rank
-    for layer, cache in zip(model.layers, caches, strict=True):
+    for layer, cache in zip(layers, caches, strict=True):
         w = layer.to(dtype)
         w = type(w)(*(t.to(dev) for t in w.tensors()))
         h = rms_norm_ref(x, w.attn_norm, cfg.rms_eps)
@@ -74,4 +73,4 @@ def decode_reference(model: MLADecoder, hidden, *, positions, seq_lens, block_ta
         x = x + o
         g, u = (rms_norm_ref(x, w.mlp_norm, cfg.rms_eps) @ w.w_gate_up.T).chunk(2, dim=-1)
         x = x + (torch.nn.functional.silu(g) * u) @ w.w_down.T
-    return rms_norm_ref(x, model.final_norm.to(device=dev, dtype=dtype), cfg.rms_eps)
+    return rms_norm_ref(x, final_norm.to(device=dev, dtype=dtype), cfg.rms_eps)

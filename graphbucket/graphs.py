@@ -1,0 +1,213 @@
+"""The graph table: one FULL graph per distinct (padded batch, plan), one shared pool.
+
+``GraphTable`` plans every ``GraphKey`` of a selector with the backend (host only),
+captures each distinct (batch size, plan) once, largest batch first, and replays by key:
+keys whose plans are equal alias one graph, so a ladder whose buckets plan alike costs
+no extra graphs. Each graph is warmed up eagerly on the capture stream first (Triton
+compiles outside the capture).
+
+On CUDA a graph is a ``torch.cuda.CUDAGraph``. Without CUDA, ``FrozenPlanGraph`` stands
+in: capture records the body, which closes over the static buffers and the plan it was
+captured with, and replay re-runs exactly that body. Neither ever plans again, so both
+freeze the launch topology the way a FULL CUDA graph does: a graph captured with hint 1
+replays one split whatever the live length.
+
+Pool rule (torch.cuda.graphs): graphs may share one pool because replays are serial on
+one stream and each body copies its result into the static output, so no tensor of one
+graph's pool memory outlives its replay.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from graphbucket.backends.base import DecodeBackend
+from graphbucket.buffers import StaticBuffers
+from graphbucket.context import DecodeContext
+from graphbucket.plan import LaunchPlan
+from graphbucket.select import GraphKey, GraphSelector
+
+logger = logging.getLogger(__name__)
+
+Forward = Callable[[DecodeContext], torch.Tensor]
+Body = Callable[[], None]
+
+
+@dataclass(frozen=True, slots=True)
+class GraphRecord:
+    """One captured graph: its batch size and plan, the keys it serves, pool bytes added,
+    capture seconds."""
+
+    batch_size: int
+    plan: LaunchPlan
+    keys: tuple[GraphKey, ...]
+    nbytes: int
+    seconds: float
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        return tuple(k.bucket for k in self.keys)
+
+
+@dataclass(frozen=True, slots=True)
+class CaptureSummary:
+    graphs_captured: int
+    graphs_aliased: int
+    capture_s: float
+    pool_bytes: int
+
+    def describe(self) -> str:
+        return (f"captured {self.graphs_captured} graphs ({self.graphs_aliased} aliased keys) "
+                f"in {self.capture_s:.2f} s; pool {self.pool_bytes / 2**20:.1f} MiB")
+
+
+class FrozenPlanGraph:
+    """CPU stand-in for a CUDA graph: replays the recorded body with its frozen plan."""
+
+    def __init__(self, body: Body) -> None:
+        self._body: Body | None = body
+
+    def replay(self) -> None:
+        if self._body is None:
+            raise RuntimeError("this graph was reset; capture a new one")
+        self._body()
+
+    def reset(self) -> None:
+        self._body = None
+
+
+class GraphTable:
+    """Plans, captures and replays every graph of one selector.
+
+    ``plans[key]`` is the plan each key's graph runs (host arithmetic, available before
+    capture so that buffers can be sized for it). ``capture`` is idempotent; ``replay(key)``
+    launches the graph serving ``key``. Graph-safe by construction: each body closes over
+    views of the static buffers and a frozen plan; nothing it launches depends on the live
+    lengths staged before a replay.
+    """
+
+    def __init__(self, selector: GraphSelector, backend: DecodeBackend, num_heads: int) -> None:
+        self.selector, self.backend = selector, backend
+        self.plans: dict[GraphKey, LaunchPlan] = {
+            key: backend.plan(key.batch_size, num_heads, key.hint) for key in selector.keys()}
+        self.records: list[GraphRecord] = []
+        self.summary: CaptureSummary | None = None
+        self._graphs: dict[GraphKey, FrozenPlanGraph | torch.cuda.CUDAGraph] = {}
+        self._pool = None
+
+    def capture_order(self) -> list[tuple[int, LaunchPlan]]:
+        """The distinct (batch size, plan) pairs in capture order (equal plans once)."""
+        return list(dict.fromkeys((k.batch_size, p) for k, p in self.plans.items()))
+
+    def capture(self, forward: Forward, buffers: StaticBuffers, *, sm_scale: float,
+                warmup_iters: int = 1, progress: bool = True) -> CaptureSummary:
+        """Warm up and capture every distinct (batch size, plan); a progress line per graph
+        goes to stderr (redrawn in place on a terminal). Idempotent."""
+        if self.summary is not None:
+            return self.summary
+        groups: dict[tuple[int, LaunchPlan], list[GraphKey]] = {}
+        for key, plan in self.plans.items():
+            groups.setdefault((key.batch_size, plan), []).append(key)
+        device = buffers.spec.device
+        self._pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        bar = _Progress(len(groups), progress)
+        start = time.perf_counter()
+        try:
+            for (bs, plan), keys in groups.items():
+                bar.update(f"bs={bs} {plan.describe()}")
+                t0 = time.perf_counter()
+                ctx = buffers.context(bs, plan, self.backend, sm_scale)
+                body = _body(forward, ctx, buffers.output[:bs])
+                graph, nbytes = _capture(body, stream, self._pool, warmup_iters)
+                for key in keys:
+                    self._graphs[key] = graph
+                self.records.append(GraphRecord(bs, plan, tuple(keys), nbytes,
+                                                time.perf_counter() - t0))
+        except BaseException:
+            self.close()  # no half-captured set survives; a retry starts from scratch
+            raise
+        finally:
+            bar.close()
+        self.summary = CaptureSummary(
+            graphs_captured=len(groups), graphs_aliased=len(self.plans) - len(groups),
+            capture_s=time.perf_counter() - start,
+            pool_bytes=sum(r.nbytes for r in self.records))
+        logger.info("graphbucket: %s", self.summary.describe())
+        return self.summary
+
+    def replay(self, key: GraphKey) -> None:
+        """Launch the graph serving ``key`` (aliased keys share one)."""
+        self._graphs[key].replay()
+
+    def close(self) -> None:
+        """Drop every graph, then the pool (the buffers belong to the caller)."""
+        for graph in {id(g): g for g in self._graphs.values()}.values():
+            graph.reset()
+        self._graphs.clear()
+        self.records.clear()
+        self.summary = None
+        self._pool = None
+
+
+def _body(forward: Forward, ctx: DecodeContext, out: torch.Tensor) -> Body:
+    """The captured call: ``out <- forward(ctx)``; out is a view of the static output."""
+    def body() -> None:
+        result = forward(ctx)
+        if result.shape != out.shape or result.dtype != out.dtype:
+            raise ValueError(f"forward returned {result.dtype} {tuple(result.shape)}; expected "
+                             f"{out.dtype} {tuple(out.shape)} (batch, *BufferSpec.output_shape)")
+        if result.data_ptr() != out.data_ptr():
+            out.copy_(result)
+    return body
+
+
+def _capture(body: Body, stream: torch.cuda.Stream | None, pool, warmup_iters: int
+             ) -> tuple[FrozenPlanGraph | torch.cuda.CUDAGraph, int]:
+    """Warm ``body`` up, then capture it into the shared pool; (graph, pool bytes added)."""
+    if stream is None:
+        for _ in range(warmup_iters):
+            body()
+        return FrozenPlanGraph(body), 0
+    current = torch.cuda.current_stream(stream.device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        for _ in range(warmup_iters):
+            body()
+    current.wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    # Measured inside the capture: torch.cuda.graph empties the cache on entry, and while
+    # capturing, only this pool can grow.
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
+        before = torch.cuda.memory_reserved(stream.device)
+        body()
+        added = torch.cuda.memory_reserved(stream.device) - before
+    return graph, added
+
+
+class _Progress:
+    """One line per graph on stderr: redrawn in place on a terminal, appended in logs."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.enabled, self.done = total, enabled, 0
+        self.tty = enabled and sys.stderr.isatty()
+        self.start = time.perf_counter()
+
+    def update(self, text: str) -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        line = (f"[graphbucket] capturing {self.done}/{self.total} {text} "
+                f"({time.perf_counter() - self.start:.1f} s)")
+        sys.stderr.write(f"\r{line:<100}" if self.tty else line + "\n")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            sys.stderr.write("\n")

@@ -1,0 +1,57 @@
+"""Capture policies: what an engine captures, expressed as ladders.
+
+- ``eager``: nothing captured; every step plans from its real lengths (graphs off);
+- ``fixed-1``: one graph per batch size planned with hint 1 (dummy-length capture);
+- ``fixed-max``: one graph per batch size planned with ``max_model_len`` (largest budget);
+- ``ladder``: one graph per (batch size, bucket) of the tuned ladder shipped for this GPU
+  and head count, else ``default_ladder``.
+
+All four run the same kernels; only what is frozen at capture differs.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+import torch
+
+from graphbucket.ladder import Bucket, BucketLadder, default_ladder
+from graphbucket.spec import BufferSpec
+from graphbucket.tuning.shipped import find_tuned_ladder
+
+Policy = Literal["eager", "fixed-1", "fixed-max", "ladder"]
+POLICIES: tuple[str, ...] = get_args(Policy)
+
+
+def device_ladder(spec: BufferSpec, max_model_len: int) -> BucketLadder:
+    """The ladder tuned for this GPU and head count when one ships, else the default."""
+    if spec.device.type == "cuda" and torch.cuda.is_available():
+        name = torch.cuda.get_device_name(spec.device)
+        tuned = find_tuned_ladder(name, spec.num_heads, max_model_len)
+        if tuned is not None:
+            return tuned
+    return default_ladder(max_model_len)
+
+
+def policy_ladder(policy: Policy, max_model_len: int, ladder: BucketLadder | None = None, *,
+                  spec: BufferSpec | None = None) -> BucketLadder | None:
+    """The ladder a policy captures (None for ``eager``); ``ladder`` replaces the
+    ``ladder`` policy's default (``device_ladder`` of ``spec``, else ``default_ladder``)."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; expected one of {POLICIES}")
+    if ladder is not None and policy != "ladder":
+        raise ValueError(f"policy {policy!r} defines its own ladder; pass ladder=... only "
+                         "with policy='ladder'")
+    if policy == "eager":
+        return None
+    if policy in ("fixed-1", "fixed-max"):
+        hint = 1 if policy == "fixed-1" else max_model_len
+        return BucketLadder((Bucket(max_model_len, hint),), max_model_len,
+                            meta={"policy": policy})
+    if ladder is not None:
+        if ladder.max_model_len != max_model_len:
+            raise ValueError(f"ladder covers 1..{ladder.max_model_len} but max_model_len="
+                             f"{max_model_len}; pass a ladder that ends at max_model_len")
+        return ladder
+    return device_ladder(spec, max_model_len) if spec is not None else default_ladder(
+        max_model_len)

@@ -1,0 +1,156 @@
+"""Which graph serves a decode step: the one selection path of runners, engines and TP.
+
+A ``GraphKey`` names one graph slot: (padded batch size, bucket index, hint). A
+``GraphSelector`` owns the ladder, the capture batch sizes and the selection rule:
+
+- ``keys()``: every key in capture order (largest batch first, then ladder order);
+- ``pad(n)``: the smallest capture size that holds ``n`` requests (None: too large);
+- ``choose(seq_lens_cpu)``: the key for one step's host lengths (None: eager path).
+
+``GraphBucketRunner`` captures ``keys()`` and replays ``choose``'s key each step; an engine
+with its own graph runner does the same with the same object (build its attention
+metadata with ``key.hint``, capture under ``key``). Pure host arithmetic (a ``bisect``
+over the bucket bounds): nothing here reads device memory, so it is safe on every step.
+"""
+
+from __future__ import annotations
+
+import sys
+from bisect import bisect_left
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+import numpy as np
+
+from graphbucket.ladder import BucketLadder, above_top_error
+
+# "max": the bucket of the longest live request (every request fits its graph's split
+# budget); "min": that of the shortest (favours short requests in mixed batches).
+SelectRule = Literal["max", "min"]
+
+
+@dataclass(frozen=True, slots=True)
+class GraphKey:
+    """One graph slot: ``batch_size`` rows (padded), ``bucket`` of the ladder, planned
+    with ``hint``. Keys whose plans are equal share one captured graph."""
+
+    batch_size: int
+    bucket: int
+    hint: int
+
+
+class GraphSelector:
+    """Ladder + capture sizes + rule -> graph keys. Host arithmetic only.
+
+    ``capture_sizes``: the padded batch sizes graphs exist for (e.g. 1, 2, 4, ..., 64);
+    a batch above the largest one has no graph (``choose`` returns None: the eager path).
+    """
+
+    def __init__(self, ladder: BucketLadder, capture_sizes: Iterable[int], *,
+                 rule: SelectRule = "max") -> None:
+        if not isinstance(ladder, BucketLadder):
+            raise TypeError(f"ladder must be a BucketLadder, got {type(ladder).__name__}")
+        sizes = sorted(set(capture_sizes))
+        if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1
+                            for s in sizes):
+            raise ValueError(f"capture_sizes must be positive ints, got {list(capture_sizes)}")
+        if rule not in get_args(SelectRule):
+            raise ValueError(f"rule must be one of {get_args(SelectRule)}, got {rule!r}")
+        self.ladder, self.capture_sizes, self.rule = ladder, tuple(sizes), rule
+        self._bounds, self._top = ladder.bounds, ladder.max_model_len
+        # Precomputed so that a step allocates nothing: padded size per batch size, and the
+        # key of every (capture size, bucket).
+        self._padded = [0] + [sizes[bisect_left(sizes, n)] for n in range(1, sizes[-1] + 1)]
+        self._keys = {bs: tuple(GraphKey(bs, i, h) for i, h in enumerate(ladder.hints_for(bs)))
+                      for bs in sizes}
+
+    def __repr__(self) -> str:
+        return (f"GraphSelector({len(self.ladder)} buckets, capture_sizes="
+                f"{list(self.capture_sizes)}, rule={self.rule!r})")
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.capture_sizes[-1]
+
+    def keys(self) -> list[GraphKey]:
+        """Every key, largest batch first, then ladder order: the capture order."""
+        return [key for bs in reversed(self.capture_sizes) for key in self._keys[bs]]
+
+    def key(self, batch_size: int, bucket: int) -> GraphKey:
+        """The key of a capture size and bucket index."""
+        return self._keys[batch_size][bucket]
+
+    def pad(self, batch_size: int) -> int | None:
+        """Smallest capture size >= ``batch_size``; None when the batch needs the eager path."""
+        return self._padded[batch_size] if batch_size <= self.capture_sizes[-1] else None
+
+    def choose(self, seq_lens_cpu: Any) -> GraphKey | None:
+        """The key for one decode step from the scheduler's host lengths, or None when the
+        batch is above the largest capture size (the engine's eager path).
+
+        ``seq_lens_cpu``: [B] ints >= 0 (list, tuple, 1-D integer numpy array or CPU
+        tensor); zeros are padding rows. Raises ValueError for a length above the ladder
+        top and TypeError for a device tensor (reading it would synchronize).
+        """
+        lens = host_lengths(seq_lens_cpu)
+        if len(lens) == 0:
+            raise ValueError("seq_lens_cpu is empty; a decode step needs at least one request")
+        if isinstance(lens, np.ndarray):
+            lo, hi = int(lens.min()), int(lens.max())
+        else:
+            lo, hi = _as_length(min(lens)), _as_length(max(lens))
+        if lo < 0:
+            raise ValueError(f"seq_lens_cpu holds {lo}; lengths must be >= 0 (0 = padding row)")
+        return self.key_for(len(lens), lo, hi, lens)
+
+    def key_for(self, batch_size: int, min_len: int, max_len: int,
+                lens: Sequence[int] | np.ndarray | None = None) -> GraphKey | None:
+        """``choose`` for lengths already checked to be ints >= 0 (``lens`` is needed only
+        by the ``"min"`` rule when ``min_len`` is 0, to skip padding rows)."""
+        if max_len > self._top:
+            raise above_top_error(max_len, self._top)
+        if batch_size > self.capture_sizes[-1]:
+            return None
+        length = max_len
+        if self.rule == "min":
+            length = min_len if min_len > 0 else _min_positive(lens)
+        return self._keys[self._padded[batch_size]][bisect_left(self._bounds, length)]
+
+
+def host_lengths(lens: Any) -> np.ndarray | Sequence[int]:
+    """``lens`` as a host sequence or 1-D integer numpy array; rejects device tensors."""
+    if type(lens) is list or type(lens) is tuple:
+        return lens
+    torch = sys.modules.get("torch")  # if torch was never imported, no tensor can exist
+    if torch is not None and isinstance(lens, torch.Tensor):
+        if lens.device.type != "cpu":
+            raise TypeError(
+                f"seq_lens_cpu is a tensor on {lens.device}; reading device lengths would "
+                "synchronize the stream on every decode step. Pass the scheduler's host "
+                "copy (a list, numpy array or CPU tensor)")
+        lens = lens.numpy()
+    if isinstance(lens, np.ndarray):
+        if lens.ndim != 1 or lens.dtype.kind not in "iu":
+            raise TypeError(f"seq_lens_cpu must be a 1-D integer array, got shape "
+                            f"{lens.shape} dtype {lens.dtype}")
+        return lens
+    if isinstance(lens, Sequence) and not isinstance(lens, (str, bytes)):
+        return lens
+    raise TypeError("seq_lens_cpu must be a sequence of ints, a 1-D integer numpy array or a "
+                    f"CPU integer torch tensor, got {type(lens).__name__}")
+
+
+def _as_length(value: Any) -> int:
+    if isinstance(value, (bool, float)) or not hasattr(value, "__index__"):
+        raise TypeError(f"sequence lengths must be ints, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def _min_positive(lens: Sequence[int] | np.ndarray | None) -> int:
+    if lens is None:
+        return 0
+    if isinstance(lens, np.ndarray):
+        positive = lens[lens > 0]
+        return int(positive.min()) if positive.size else 0
+    return min((n for n in lens if n > 0), default=0)

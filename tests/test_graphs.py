@@ -1,0 +1,122 @@
+"""GraphTable: planning per key, aliasing of equal plans, capture order, progress, close."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from graphbucket import Bucket, BucketLadder, GraphSelector, get_backend
+from graphbucket.batch import BatchValidator
+from graphbucket.buffers import StaticBuffers
+from graphbucket.graphs import GraphTable
+from tests._toy import LADDER, NUM_SMS, ToyMLA, rel_l2, toy_batch, toy_reference, toy_spec
+
+SM_SCALE = 0.125
+SIZES = [1, 2]
+
+
+def backend(name="dense", num_sms=NUM_SMS):
+    return get_backend(name, num_sms=num_sms, kv_lora_rank=64, qk_rope_dim=16)
+
+
+def make_table(device, ladder=LADDER, sizes=SIZES, be=None):
+    be = be or backend()
+    table = GraphTable(GraphSelector(ladder, sizes), be, 16)
+    buffers = StaticBuffers.allocate(toy_spec(device=device), max_batch_size=max(sizes),
+                                     workspace=be.workspace_spec(table.plans.values()))
+    return table, buffers
+
+
+def test_plans_follow_the_selector_keys_and_each_batch_size_hint():
+    be = backend()
+    top = LADDER.max_model_len
+    ladder = BucketLadder((Bucket(64, 64), Bucket(top, top, batch_hints={2: 1})), top)
+    table, _ = make_table("cpu", ladder, [1, 2, 4], be)
+    assert [(k.batch_size, k.bucket) for k in table.plans] == [
+        (4, 0), (4, 1), (2, 0), (2, 1), (1, 0), (1, 1)]
+    for key, plan in table.plans.items():
+        assert plan == be.plan(key.batch_size, 16, ladder.hint_for(key.bucket, key.batch_size))
+    assert table.plans[table.selector.key(1, 1)].num_kv_splits > 1
+    assert table.plans[table.selector.key(2, 1)].num_kv_splits == 1  # batch hint 1
+
+
+def test_equal_plans_alias_one_graph(device):
+    table, buffers = make_table(device)
+    model = ToyMLA(device=device)
+    distinct = table.capture_order()
+    assert len(distinct) < len(table.plans), "the test ladder must make some plans alias"
+    summary = table.capture(model, buffers, sm_scale=SM_SCALE, progress=False,
+                            warmup_iters=1)
+    assert (summary.graphs_captured, summary.graphs_aliased) == (
+        len(distinct), len(table.plans) - len(distinct))
+    assert [(r.batch_size, r.plan) for r in table.records] == distinct
+    served = [k for r in table.records for k in r.keys]
+    assert sorted(served, key=list(table.plans).index) == list(table.plans)
+    for record in table.records:
+        assert all(table.plans[k] == record.plan for k in record.keys)
+    # One warm-up per graph, plus the capture itself on CUDA.
+    assert model.calls == len(distinct) * (1 + (device == "cuda"))
+    assert table.capture(model, buffers, sm_scale=SM_SCALE) is summary  # idempotent
+
+
+def test_hint_one_graph_replays_one_split_at_a_long_live_length(device, monkeypatch):
+    be = backend("triton", num_sms=2)
+    ladder = BucketLadder((Bucket(320, 1),), 320)
+    table, buffers = make_table(device, ladder, [1], be)
+    (plan,) = table.plans.values()
+    assert plan.num_kv_splits == 1 and be.plan(1, 16, 300).num_kv_splits > 1
+    model = ToyMLA(device=device)
+    table.capture(model, buffers, sm_scale=SM_SCALE, progress=False)
+    launched = []
+    real_run = be.run
+    monkeypatch.setattr(be, "run", lambda *a, **kw: launched.append(kw["plan"])
+                        or real_run(*a, **kw))
+    monkeypatch.setattr(be, "plan", lambda *a: pytest.fail("replay called plan()"))
+    batch = toy_batch([300], rng=np.random.default_rng(0))
+    buffers.stage(BatchValidator(buffers.spec)(batch), 1)
+    table.replay(table.selector.key(1, 0))
+    if device == "cpu":  # a CUDA replay runs no Python, so nothing is launched from here
+        assert [p.num_kv_splits for p in launched] == [1, 1]  # both layers, one split each
+    want = toy_reference(model, batch, sm_scale=SM_SCALE)
+    assert rel_l2(buffers.output[:1], want) < (1e-2 if device == "cuda" else 1e-5)
+
+
+def test_progress_lines_and_log_line(capsys, caplog):
+    table, buffers = make_table("cpu")
+    with caplog.at_level(logging.INFO, logger="graphbucket.graphs"):
+        summary = table.capture(ToyMLA(), buffers, sm_scale=SM_SCALE, warmup_iters=0)
+    lines = capsys.readouterr().err.splitlines()  # not a terminal: one line per graph
+    n = summary.graphs_captured
+    assert len(lines) == n and f"capturing {n}/{n}" in lines[-1] and "bs=2 splits=1" in lines[0]
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert f"captured {n} graphs ({summary.graphs_aliased} aliased keys)" in line
+    assert summary.pool_bytes == sum(r.nbytes for r in table.records)
+
+
+def test_forward_with_the_wrong_output_shape_fails_at_capture():
+    table, buffers = make_table("cpu")
+    with pytest.raises(ValueError, match=r"forward returned torch.float32 \(2, 3\); expected"):
+        table.capture(lambda ctx: torch.zeros(ctx.batch_size, 3), buffers, sm_scale=SM_SCALE,
+                      progress=False)
+    assert table.summary is None and table.records == []
+
+
+def test_close_drops_every_graph():
+    table, buffers = make_table("cpu")
+    table.capture(ToyMLA(), buffers, sm_scale=SM_SCALE, warmup_iters=0, progress=False)
+    key = table.selector.key(1, 0)
+    table.replay(key)
+    table.close()
+    with pytest.raises(KeyError):
+        table.replay(key)
+
+
+@pytest.mark.gpu
+def test_cuda_capture_records_pool_bytes():
+    table, buffers = make_table("cuda")
+    summary = table.capture(ToyMLA(device="cuda"), buffers, sm_scale=SM_SCALE, progress=False)
+    assert summary.pool_bytes > 0 and table.records[0].nbytes > 0
+    assert summary.pool_bytes == sum(r.nbytes for r in table.records)
