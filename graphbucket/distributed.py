@@ -4,17 +4,17 @@ With collectives inside the captured graphs (``models.tp.TPMLADecoder`` under NC
 replay is a collective, so every rank must replay the same graph at the same step; ranks
 that disagree wait in different all-reduces (a hang) or sum mismatched buffers.
 
-1. **Same key.** Selection is host arithmetic on the host lengths (``BucketLadder.select``,
-   then padding to a capture size). Ranks that receive the same scheduler output select
-   the same (padded batch size, bucket) with no communication. ``with_key_check`` /
-   ``check_same_key`` verify that per step: a debug aid, off by default, costing one
+1. **Same key.** Selection is host arithmetic on the host lengths (each runner's
+   ``GraphSelector``). Ranks that receive the same scheduler output select the same
+   ``GraphKey`` with no communication. ``with_key_check`` / ``check_same_key`` verify
+   that per step: a debug aid, off by default, costing one
    all-gather per step on a separate gloo group over CPU tensors. It issues no CUDA work,
    so the replay path's no-sync contract holds, but it is a host round trip between
    ranks every step: not for production.
-2. **Same capture order.** ``GraphCapture.capture`` walks keys largest batch first, then
+2. **Same capture order.** ``GraphTable.capture`` walks keys largest batch first, then
    in ladder order, capturing each distinct (batch size, plan) once: a pure function of
-   the runner's plan table (``capture_order``). Ranks with equal tables (same ladder,
-   batch sizes, backend and per-rank heads) warm up and capture, and so run the warm-up
+   the runner's plan table (``GraphTable.capture_order``). Ranks with equal tables (same
+   ladder, batch sizes, backend and per-rank heads) warm up and capture, and so run the warm-up
    collectives, in the same order. ``capture_all`` captures runners in the order given,
    first comparing the tables across ranks so that a mismatch raises instead of hanging.
 3. **Close first.** Captured NCCL kernels belong to the communicator. ``tp_session``
@@ -27,8 +27,7 @@ from __future__ import annotations
 import datetime
 import os
 import zlib
-from bisect import bisect_left
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,23 +37,24 @@ import torch
 import torch.distributed as dist
 
 from graphbucket.batch import DecodeBatch
-from graphbucket.capture import CaptureSummary
-from graphbucket.plan import LaunchPlan
+from graphbucket.graphs import CaptureSummary
 from graphbucket.runner import GraphBucketRunner
+from graphbucket.select import GraphKey
 
-EAGER_BUCKET = -1          # the bucket of a step that replays no graph (eager)
 CHECK_KEYS_ENV = "GRAPHBUCKET_CHECK_KEYS"
-StepKey = tuple[int, int]  # (padded batch size, bucket index)
+EAGER_BUCKET = -1  # in a KeyMismatchError: the rank runs the step eagerly (no graph)
+_Wire = tuple[int, int]  # what ranks exchange: (padded batch size or batch size, bucket)
 
 
 class KeyMismatchError(RuntimeError):
     """Ranks chose different graphs (or got different lengths) for one decode step.
 
-    ``keys[r]`` is rank r's (padded batch size, bucket), or None where that rank could not
-    select (its batch was invalid); ``digests[r]`` a CRC32 of its host lengths (or -1).
+    ``keys[r]`` is rank r's (padded batch size, bucket) (bucket ``EAGER_BUCKET`` for an
+    eager step), or None where that rank could not select (its batch was invalid);
+    ``digests[r]`` a CRC32 of its host lengths (or -1).
     """
 
-    def __init__(self, message: str, keys: list[StepKey | None], digests: list[int]) -> None:
+    def __init__(self, message: str, keys: list[_Wire | None], digests: list[int]) -> None:
         super().__init__(message)
         self.keys, self.digests = keys, digests
 
@@ -62,16 +62,16 @@ class KeyMismatchError(RuntimeError):
 # ---- 1. same key ------------------------------------------------------------------------
 
 
-def step_key(runner: GraphBucketRunner, seq_lens_cpu: Any, *, select_key: str = "max"
-             ) -> StepKey:
-    """(padded batch size, bucket) that ``runner.step`` replays for these host lengths;
-    (batch size, ``EAGER_BUCKET``) for an eager step. Host arithmetic only; raises as
-    ``BucketLadder.select`` does for a length above the ladder top or a device tensor.
-    ``select_key`` must be the one the runner was built with (default ``"max"``)."""
-    sizes, bs = runner.batch_sizes, len(seq_lens_cpu)
-    if runner.ladder is None or bs > sizes[-1]:
-        return (bs, EAGER_BUCKET)
-    return (sizes[bisect_left(sizes, bs)], runner.ladder.select(seq_lens_cpu, key=select_key))
+def step_key(runner: GraphBucketRunner, seq_lens_cpu: Any) -> GraphKey | None:
+    """The key ``runner.step`` replays for these host lengths (the runner's own selector);
+    None for an eager step. Host arithmetic only; raises as ``GraphSelector.choose``."""
+    key = runner.selector.choose(seq_lens_cpu)
+    return None if runner.is_eager else key
+
+
+def _wire(key: GraphKey | None, seq_lens_cpu: Any) -> _Wire:
+    return (key.batch_size, key.bucket) if key is not None else (len(seq_lens_cpu),
+                                                                 EAGER_BUCKET)
 
 
 def key_check_group() -> dist.ProcessGroup:
@@ -86,8 +86,8 @@ def lengths_digest(seq_lens_cpu: Any) -> int:
     return zlib.crc32(np.ascontiguousarray(np.asarray(seq_lens_cpu), dtype=np.int64).tobytes())
 
 
-def _gather(key: StepKey | None, digest: int, group: dist.ProcessGroup
-            ) -> tuple[list[StepKey | None], list[int]]:
+def _gather(key: _Wire | None, digest: int, group: dist.ProcessGroup
+            ) -> tuple[list[_Wire | None], list[int]]:
     mine = torch.tensor([*(key or (0, 0)), digest, key is not None], dtype=torch.int64)
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(rows, mine, group=group)
@@ -95,27 +95,31 @@ def _gather(key: StepKey | None, digest: int, group: dist.ProcessGroup
     return keys, [int(r[2]) for r in rows]
 
 
-def _describe(key: StepKey | None) -> str:
+def _describe(key: _Wire | None) -> str:
     if key is None:
         return "no key (its batch was rejected)"
     bs, bucket = key
-    return f"padded batch {bs}, " + ("eager" if bucket == EAGER_BUCKET else f"bucket {bucket}")
+    return f"batch {bs}, eager" if bucket == EAGER_BUCKET else f"padded batch {bs}, bucket {bucket}"
 
 
-def check_same_key(key: StepKey | None, group: dist.ProcessGroup, *,
+def check_same_key(key: GraphKey | _Wire | None, group: dist.ProcessGroup, *,
                    seq_lens_cpu: Any = None) -> None:
     """Debug check: raise ``KeyMismatchError`` on every rank unless all chose ``key``.
 
     A collective on ``group`` (a gloo group, see ``key_check_group``): every rank calls it
-    at the same step. ``key=None`` reports that this rank could not select. With
+    at the same step. ``key``: the ``GraphKey`` to replay, or a (padded batch size, bucket)
+    pair; an eager step is (batch size, ``EAGER_BUCKET``), and ``key=None`` reports that
+    this rank could not select (note: ``step_key``'s None means eager, not that). With
     ``seq_lens_cpu``, ranks must also have received equal lengths: the same key with
     different lengths means the replicated KV caches diverge. Costs one CPU all-gather.
     """
+    if isinstance(key, GraphKey):
+        key = (key.batch_size, key.bucket)
     digest = -1 if seq_lens_cpu is None else lengths_digest(seq_lens_cpu)
     _check(key, digest, group)
 
 
-def _check(key: StepKey | None, digest: int, group: dist.ProcessGroup) -> None:
+def _check(key: _Wire | None, digest: int, group: dist.ProcessGroup) -> None:
     keys, digests = _gather(key, digest, group)
     if len(set(keys)) > 1 or None in keys:
         per_rank = "; ".join(f"rank {r}: {_describe(k)}" for r, k in enumerate(keys))
@@ -139,14 +143,14 @@ class KeyCheckedRunner:
     order (``group=None`` creates a gloo group, which is a collective).
     """
 
-    def __init__(self, runner: GraphBucketRunner, group: dist.ProcessGroup | None = None, *,
-                 select_key: str = "max") -> None:
-        self.runner, self.select_key = runner, select_key
+    def __init__(self, runner: GraphBucketRunner, group: dist.ProcessGroup | None = None
+                 ) -> None:
+        self.runner = runner
         self.group = key_check_group() if group is None else group
 
     def step(self, batch: DecodeBatch) -> torch.Tensor:
         try:
-            key = step_key(self.runner, batch.seq_lens_cpu, select_key=self.select_key)
+            key = _wire(step_key(self.runner, batch.seq_lens_cpu), batch.seq_lens_cpu)
             digest = lengths_digest(batch.seq_lens_cpu)
         except (TypeError, ValueError):
             _gather(None, -1, self.group)  # tell the other ranks, so they raise too
@@ -154,15 +158,14 @@ class KeyCheckedRunner:
         _check(key, digest, self.group)
         return self.runner.step(batch)
 
-    def __getattr__(self, name: str) -> Any:  # capture, stats, close, plans, ...
+    def __getattr__(self, name: str) -> Any:  # capture, stats, close, selector, graphs, ...
         if name == "runner":  # not set yet (copy/unpickle): no recursion
             raise AttributeError(name)
         return getattr(self.runner, name)
 
 
 def with_key_check(runner: GraphBucketRunner, group: dist.ProcessGroup | None = None, *,
-                   enabled: bool | None = None, select_key: str = "max"
-                   ) -> GraphBucketRunner | KeyCheckedRunner:
+                   enabled: bool | None = None) -> GraphBucketRunner | KeyCheckedRunner:
     """``runner`` wrapped in ``KeyCheckedRunner`` when enabled, else ``runner`` itself.
 
     ``enabled=None`` reads the ``GRAPHBUCKET_CHECK_KEYS`` environment variable ("1" turns
@@ -170,24 +173,19 @@ def with_key_check(runner: GraphBucketRunner, group: dist.ProcessGroup | None = 
     """
     if enabled is None:
         enabled = os.environ.get(CHECK_KEYS_ENV, "0").lower() in ("1", "true", "yes")
-    return KeyCheckedRunner(runner, group, select_key=select_key) if enabled else runner
+    return KeyCheckedRunner(runner, group) if enabled else runner
 
 
 # ---- 2. same capture order --------------------------------------------------------------
 
 
-def capture_order(plans: Mapping[tuple[int, int], LaunchPlan]) -> list[tuple[int, LaunchPlan]]:
-    """The distinct (batch size, plan) keys in the order ``GraphCapture.capture`` captures
-    them: largest batch first, then ladder order; equal plans captured once."""
-    ordered = sorted(plans.items(), key=lambda item: (-item[0][0], item[0][1]))
-    return list(dict.fromkeys((bs, plan) for (bs, _), plan in ordered))
-
-
 def check_same_plans(runner: GraphBucketRunner, group: dist.ProcessGroup, *,
                      name: str = "runner") -> None:
-    """Raise ``RuntimeError`` on every rank unless all would capture the same key sequence."""
+    """Raise ``RuntimeError`` on every rank unless all would capture the same sequence of
+    (batch size, plan) graphs (``GraphTable.capture_order``; empty for an eager runner)."""
     orders: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(orders, capture_order(runner.plans), group=group)
+    mine = [] if runner.graphs is None else runner.graphs.capture_order()
+    dist.all_gather_object(orders, mine, group=group)
     for rank, order in enumerate(orders):
         if order != orders[0]:
             first = next((i for i, (a, b) in enumerate(zip(order, orders[0], strict=False))

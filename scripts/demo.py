@@ -25,6 +25,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ON_CPU = "--cpu" in sys.argv[1:] or not torch.cuda.is_available()
+if ON_CPU:  # the Triton kernels run in Triton's interpreter (read when kernels are defined)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from graphbucket.backends import get_backend  # noqa: E402
 from graphbucket.ladder import Bucket, BucketLadder  # noqa: E402
@@ -50,10 +53,10 @@ def cpu_runners(model: MLADecoder, ladder: BucketLadder, max_len: int):
     def runner(policy: str) -> GraphBucketRunner:
         backend = get_backend("triton", num_sms=8, kv_lora_rank=model.config.kv_lora_rank,
                               qk_rope_dim=model.config.qk_rope_dim)
-        r = GraphBucketRunner.for_policy(policy, model, spec=model.buffer_spec(max_len),
-                                         batch_sizes=[1, 2], max_model_len=max_len,
-                                         sm_scale=model.config.sm_scale, backend=backend,
-                                         ladder=ladder, progress=False)
+        r = GraphBucketRunner.for_model(model, policy=policy, max_model_len=max_len,
+                                        batch_sizes=[1, 2], backend=backend,
+                                        ladder=ladder if policy == "ladder" else None,
+                                        progress=False)
         print(f"  {policy:<8} {r.capture().describe()}")
         return r
     return runner("fixed-1"), runner("ladder")
@@ -73,8 +76,7 @@ def step_both(model, runners, lens, table, rng, caches):
     ref = model.forward_reference(batch.inputs["hidden"], positions=np.asarray(lens) - 1,
                                   seq_lens=lens, block_table=table,
                                   slot_mapping=batch.inputs["slot_mapping"], caches=caches)
-    bs = len(lens)
-    plans = [r.plans[(1 if bs == 1 else 2, r.ladder.select(lens))] for r in runners]
+    plans = [r.plan_for(r.selector.choose(lens)) for r in runners]
     errors = [rel_l2(o, ref) for o in outs]
     ERRORS.extend(errors)
     return plans, errors
@@ -124,7 +126,7 @@ def cpu_demo() -> None:
     max_len, page = 512, 16
     model = MLADecoder(tiny(num_layers=2), num_pages=2 * max_len // page, page_size=page,
                        dtype=torch.float32, device="cpu")
-    ladder = BucketLadder([Bucket(64, 64), Bucket(256, 256), Bucket(max_len, max_len)],
+    ladder = BucketLadder((Bucket(64, 64), Bucket(256, 256), Bucket(max_len, max_len)),
                           max_len)
     print(f"CPU demo: '{model.config.name}' MLA decoder ({model.config.num_layers} layers, "
           f"{model.config.num_heads} heads) through the Triton interpreter")
@@ -140,7 +142,7 @@ def cpu_demo() -> None:
     print(header)
     lens = [60, 31]
     for _ in range(8):
-        bucket = bucketed.ladder.select(lens)
+        bucket = bucketed.selector.choose(lens).bucket
         (p_fix, p_lad), (e_fix, e_lad) = step_both(model, (fixed1, bucketed), lens, table,
                                                    rng, caches)
         print(f"  {str(lens):<11} {bucket:<7} {splits(p_lad):<21} {splits(p_fix):<21} "
@@ -152,7 +154,7 @@ def cpu_demo() -> None:
     for lens in ([300], [480]):
         (p_fix, p_lad), (e_fix, e_lad) = step_both(model, (fixed1, bucketed), lens,
                                                    table[:1], rng, caches)
-        print(f"  {str(lens):<11} {bucketed.ladder.select(lens):<7} {splits(p_lad):<21} "
+        print(f"  {str(lens):<11} {bucketed.selector.choose(lens).bucket:<7} {splits(p_lad):<21} "
               f"{splits(p_fix):<21} {e_lad:.1e} / {e_fix:.1e}")
     print("  the hint-1 graph keeps one program per head block streaming the whole context.")
     print_h200_reference()
@@ -161,8 +163,9 @@ def cpu_demo() -> None:
         raise SystemExit(f"FAILED: a step differs from the float64 reference by {worst:.1e}")
     print(f"every step of both policies matches the float64 reference (worst {worst:.1e})")
     stats = bucketed.stats()
-    print(f"\nladder replays per (batch, bucket): {dict(sorted(stats.replays_by_bucket.items()))}"
-          f"; eager fallbacks: {stats.eager_fallbacks}")
+    replays = dict(sorted(((k.batch_size, k.bucket), n) for k, n in stats.replays.items()))
+    print(f"\nladder replays per (padded batch, bucket): {replays}; eager fallbacks: "
+          f"{stats.eager_fallbacks}")
     for r in (fixed1, bucketed):
         r.close()
 
@@ -170,9 +173,9 @@ def cpu_demo() -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cpu", action="store_true", help="run the CPU demo even with a GPU")
-    args = ap.parse_args()
+    ap.parse_args()  # --cpu was read before the imports above (it decides the interpreter)
     t0 = time.perf_counter()
-    if torch.cuda.is_available() and not args.cpu:
+    if not ON_CPU:
         gpu_demo()
     else:
         cpu_demo()

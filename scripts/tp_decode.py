@@ -38,6 +38,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Triton reads the interpreter flag at import: set it before any graphbucket kernel module
+# loads, in this process and (inherited) in spawned ranks, when the kernels run on the CPU.
+if "--cpu" in sys.argv[1:] or not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from graphbucket.backends import get_backend  # noqa: E402
 from graphbucket.distributed import capture_all, tp_session, with_key_check  # noqa: E402
@@ -169,8 +173,7 @@ class Rank:
                                 steps=self.args.steps, reps=self.args.reps)
                 per_rank = [None] * self.args.world_size
                 dist.all_gather_object(per_rank, ms, group=self.session.cpu_group)
-                plan = runner.plans[(self.args.batch, runner.ladder.select(
-                    [context] * self.args.batch))]
+                plan = runner.plan_for(runner.selector.choose([context] * self.args.batch))
                 rows.append({"policy": policy, "context": context, "batch": self.args.batch,
                              "tpot_ms": round(ms, 4), "tpot_ms_slowest_rank":
                              round(max(per_rank), 4), "splits": plan.num_kv_splits})
@@ -306,8 +309,6 @@ def main() -> None:
         run_rank(int(os.environ["RANK"]), args, "env://", int(os.environ["LOCAL_RANK"]))
         return
     check_devices(args)
-    if args.cpu:  # spawned ranks import Triton afresh: CPU tensors need the interpreter there
-        os.environ["TRITON_INTERPRET"] = "1"
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     mp.spawn(run_rank, args=(args, "env://"), nprocs=args.world_size)
 

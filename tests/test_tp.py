@@ -31,11 +31,12 @@ from graphbucket.distributed import (
     KeyCheckedRunner,
     KeyMismatchError,
     capture_all,
-    capture_order,
+    check_same_key,
     step_key,
     tp_session,
     with_key_check,
 )
+from graphbucket.graphs import GraphTable
 from graphbucket.ladder import Bucket, BucketLadder
 from graphbucket.models import (
     MLADecoder,
@@ -49,6 +50,7 @@ from graphbucket.models import (
     tp_full_config,
 )
 from graphbucket.runner import GraphBucketRunner
+from graphbucket.select import GraphKey, GraphSelector
 
 PAGE, MAX_LEN, NUM_SMS = 16, 256, 16
 # bs 1 and 2: one split below 32 tokens, four splits (stage 2) up to 256; bs 4 aliases.
@@ -159,11 +161,14 @@ def test_one_rank_is_the_unsharded_model():
 
 def test_capture_order_is_largest_batch_first_with_equal_plans_once():
     backend = get_backend("triton", num_sms=NUM_SMS, kv_lora_rank=64, qk_rope_dim=16)
-    plans = {(bs, i): backend.plan(bs, 4, hint) for bs in (1, 2, 4)
-             for i, hint in enumerate(LADDER.hints)}
-    order = capture_order(plans)
+    table = GraphTable(GraphSelector(LADDER, [2, 4, 1]), backend, num_heads=4)
+    order = table.capture_order()
     assert [bs for bs, _ in order] == [4, 2, 2, 1, 1]           # bs 4's buckets alias
-    assert order[1][1] == plans[(2, 0)] and order[2][1] == plans[(2, 1)]
+    assert order[1][1] == table.plans[table.selector.key(2, 0)]
+    assert order[2][1] == table.plans[table.selector.key(2, 1)]
+    # Ranks that list their batch sizes differently still capture in the same order.
+    again = GraphTable(GraphSelector(LADDER, [1, 2, 4]), backend, num_heads=4)
+    assert again.capture_order() == order
 
 
 def test_the_key_check_is_off_by_default(monkeypatch):
@@ -171,7 +176,9 @@ def test_the_key_check_is_off_by_default(monkeypatch):
                                              dtype=torch.float32, device="cpu"))
     monkeypatch.delenv("GRAPHBUCKET_CHECK_KEYS", raising=False)
     assert with_key_check(runner, group=None) is runner    # no group made, no collective
-    assert step_key(runner, [5, 9]) == (2, EAGER_BUCKET)
+    assert step_key(runner, [5, 9]) is None                  # an eager runner replays nothing
+    with pytest.raises(ValueError, match="above the ladder top"):
+        step_key(runner, [5, MAX_LEN + 1])                   # but still rejects what step would
     runner.close()
 
 
@@ -192,8 +199,10 @@ def _numerics_rank(rank: int, world_size: int, tmp: str) -> None:
         graphs = s.register(make_runner("ladder", shards[0], batch_sizes=(2,)))
         eager = s.register(make_runner("eager", shards[1]))
         capture_all([graphs], group=s.cpu_group)
-        assert [r.key for r in graphs.records] == capture_order(graphs.plans)
-        splits = [graphs.plans[(2, b)].num_kv_splits for b in range(len(LADDER))]
+        assert [(r.batch_size, r.plan) for r in graphs.records] == \
+            graphs.graphs.capture_order()
+        splits = [graphs.plan_for(graphs.selector.key(2, b)).num_kv_splits
+                  for b in range(len(LADDER))]
         assert splits[0] == 1 < splits[1], splits  # frozen one-split and split + merge graphs
         for lens in STEPS:
             batch = decode_batch(full, lens, table[: len(lens)], hidden_for(rng, len(lens), cfg))
@@ -205,7 +214,8 @@ def _numerics_rank(rank: int, world_size: int, tmp: str) -> None:
             outs = [torch.empty_like(got) for _ in range(world_size)]
             dist.all_gather(outs, got)
             assert all(torch.equal(o, outs[0]) for o in outs), "ranks hold different sums"
-        assert graphs.stats().replays_by_bucket == {(2, 0): 2, (2, 1): 3}
+        replays = {(k.batch_size, k.bucket): n for k, n in graphs.stats().replays.items()}
+        assert replays == {(2, 0): 2, (2, 1): 3}
         for shard in shards:  # the replicated latent cache: every rank wrote the same rows
             for mine, ref in zip(shard.kv_caches, full.kv_caches, strict=True):
                 assert rel_l2(mine, ref) < 1e-5
@@ -220,9 +230,9 @@ def test_sharded_decode_matches_the_unsharded_model(world_size, tmp_path):
 # ---- (b) every rank selects the same key -------------------------------------------------
 
 
-def _replayed(runner, before: Counter) -> tuple[int, int] | None:
+def _replayed(runner, before: Counter) -> GraphKey | None:
     """The graph key the last step replayed, from the runner's counters (None: eager)."""
-    diff = Counter(runner.stats().replays_by_bucket) - before
+    diff = Counter(runner.stats().replays) - before
     assert len(diff) <= 1, diff
     return next(iter(diff), None)
 
@@ -256,11 +266,10 @@ def _keys_rank(rank: int, world_size: int, tmp: str) -> None:
 
         keys = []
         for lens in steps[0]:
-            before = Counter(runner.stats().replays_by_bucket)
+            before = Counter(runner.stats().replays)
             runner.step(batch(lens))
             predicted = step_key(runner.runner, lens)
-            eager = predicted[1] == EAGER_BUCKET
-            assert _replayed(runner, before) == (None if eager else predicted), lens
+            assert _replayed(runner, before) == predicted, lens
             keys.append(predicted)
         every = [None] * world_size
         dist.all_gather_object(every, keys, group=s.cpu_group)
@@ -276,6 +285,12 @@ def _keys_rank(rank: int, world_size: int, tmp: str) -> None:
         with_raises(ValueError if rank else KeyMismatchError, lambda: runner.step(bad),
                     "above the ladder top" if rank else "rank 1: no key")
         assert runner.stats().steps == done, "a rejected step must not replay anything"
+
+        # An engine with its own graphs runs the same check on its GraphKey (or pair).
+        check_same_key(step_key(runner.runner, [20, 9]), s.cpu_group, seq_lens_cpu=[20, 9])
+        with_raises(KeyMismatchError, lambda: check_same_key(
+            (5, EAGER_BUCKET) if rank == 0 else step_key(runner.runner, [20]), s.cpu_group),
+            "rank 0: batch 5, eager; rank 1: padded batch 1, bucket 0")
 
 
 def with_raises(exc_type: type, fn, match: str) -> None:
