@@ -13,7 +13,7 @@ import torch
 import triton
 
 # Moved into the package (the ladder tuner times the kernel too); re-exported here.
-from graphbucket.timing import L2_FLUSH_BYTES, time_replays, warm_gpu  # noqa: F401
+from graphbucket.tuning.measure import L2_FLUSH_BYTES, time_replays, warm_gpu  # noqa: F401
 
 
 def rerender(json_path: str, markdown: Callable[[dict], str]) -> None:

@@ -23,7 +23,7 @@ from bench.gpu_timing import copy_gbps, run_meta, time_replays  # noqa: E402
 from graphbucket.kernels import SplitWorkspace, default_sm_scale  # noqa: E402
 from graphbucket.kernels.launch import launch_merge  # noqa: E402
 from graphbucket.plan import plan_mla_decode  # noqa: E402
-from graphbucket.timing import Problem, rotated_calls  # noqa: E402
+from graphbucket.tuning.measure import Problem, rotated_calls  # noqa: E402
 
 CONTEXTS = [1, 64, 256, 1024, 4096, 16384, 65536, 131072]
 BATCHES = [1, 8, 64]
@@ -65,7 +65,8 @@ def sweep(args) -> list[dict]:
 
 def time_merge(plan) -> float:
     """Stage 2 alone at a long context (every split live), over random partials."""
-    ws = SplitWorkspace.for_plans([plan], "cuda")
+    ws = SplitWorkspace.allocate(plan.batch_size, plan.num_heads, plan.num_kv_splits,
+                                 plan.kv_lora_rank, "cuda")
     ws.partial_o.normal_()
     ws.partial_lse.normal_()
     seq_lens = torch.full((plan.batch_size,), 131072, dtype=torch.int32, device="cuda")

@@ -32,7 +32,7 @@ from bench.tpot import (
     time_tpot,
 )
 from graphbucket.models import deepseek_v3_tp8, tiny
-from graphbucket.runner import POLICIES
+from graphbucket.policies import POLICIES
 
 ON_GPU = torch.cuda.is_available()
 if ON_GPU:

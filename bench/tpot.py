@@ -1,9 +1,11 @@
 """TPOT per policy over context length: one full decode step of the MLA decoder, timed.
 
-Policies (DESIGN.md): ``eager`` (no graphs, planned from the live lengths each step),
-``fixed-1`` / ``fixed-max`` (one graph per batch size, hinted at 1 / max_model_len) and
-``ladder`` (one graph per batch size and bucket of the default ladder). Every policy runs
-the same model and kernels through ``GraphBucketRunner``, captured once.
+Policies (``graphbucket.policies``): ``eager`` (no graphs, planned from the live lengths
+each step), ``fixed-1`` / ``fixed-max`` (one graph per batch size, hinted at 1 /
+max_model_len), ``ladder`` (one graph per batch size and bucket of the ladder shipped for
+this GPU) and, here only, ``default-ladder`` (the field's five buckets, to compare the
+shipped ladder with). Every policy runs the same model and kernels through
+``GraphBucketRunner``, captured once.
 
 TPOT = CUDA-event time of N back-to-back ``runner.step`` calls / N (host selection,
 staging and replay included; for eager, the Python forward too), median of 5 runs. The
@@ -31,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from graphbucket.backends import get_backend  # noqa: E402
 from graphbucket.batch import DecodeBatch  # noqa: E402
-from graphbucket.ladder import BucketLadder  # noqa: E402
+from graphbucket.ladder import BucketLadder, default_ladder  # noqa: E402
 from graphbucket.models import (  # noqa: E402
     PRESETS,
     MLAConfig,
@@ -42,7 +44,8 @@ from graphbucket.models import (  # noqa: E402
 )
 from graphbucket.models.mla import PROJECTIONS  # noqa: E402
 from graphbucket.plan import LaunchPlan  # noqa: E402
-from graphbucket.runner import BENCH_POLICIES, POLICIES, GraphBucketRunner  # noqa: E402
+from graphbucket.policies import POLICIES  # noqa: E402
+from graphbucket.runner import GraphBucketRunner  # noqa: E402
 
 CONTEXTS = [1, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 100_000, 131072]
 BATCHES = [1, 8]
@@ -50,6 +53,7 @@ MAX_MODEL_LEN = 131072
 PAGE_SIZE = 64
 LAYERS_ENV = "GRAPHBUCKET_TPOT_LAYERS"
 DEFAULT_LAYERS = 4
+BENCH_POLICIES = (*POLICIES, "default-ladder")
 
 
 def default_layers() -> int:
@@ -85,10 +89,12 @@ class TpotBench:
         for policy in policies:
             backend = get_backend("triton", device=device, kv_lora_rank=config.kv_lora_rank,
                                   qk_rope_dim=config.qk_rope_dim, **(backend_kwargs or {}))
-            runners[policy] = GraphBucketRunner.for_policy(
-                policy, model, spec=model.buffer_spec(max_model_len), batch_sizes=batches,
-                max_model_len=max_model_len, sm_scale=config.sm_scale, backend=backend,
-                ladder=ladder, progress=False)
+            which = "ladder" if policy == "default-ladder" else policy
+            runners[policy] = GraphBucketRunner.for_model(
+                model, policy=which, max_model_len=max_model_len, batch_sizes=batches,
+                backend=backend, progress=False,
+                ladder=default_ladder(max_model_len) if policy == "default-ladder"
+                else ladder if policy == "ladder" else None)
             runners[policy].capture()
         return cls(model, runners, table, hidden, max_model_len)
 
@@ -103,7 +109,7 @@ class TpotBench:
         runner = self.runners[policy]
         if runner.is_eager:
             return runner.backend.plan(batch, self.model.config.num_heads, context)
-        return runner.plans[(batch, runner.ladder.select([context] * batch))]
+        return runner.plan_for(runner.selector.choose([context] * batch))
 
     def floor_bytes(self, context: int, batch: int) -> int:
         """Weights + the context's KV rows (every layer) + activations one step must read.

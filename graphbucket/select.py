@@ -51,10 +51,11 @@ class GraphSelector:
                  rule: SelectRule = "max") -> None:
         if not isinstance(ladder, BucketLadder):
             raise TypeError(f"ladder must be a BucketLadder, got {type(ladder).__name__}")
-        sizes = sorted(set(capture_sizes))
-        if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1
-                            for s in sizes):
-            raise ValueError(f"capture_sizes must be positive ints, got {list(capture_sizes)}")
+        given = list(capture_sizes)
+        if not given or any(isinstance(s, bool) or not hasattr(s, "__index__") or s < 1
+                            for s in given):
+            raise ValueError(f"capture_sizes must be positive ints, got {given}")
+        sizes = sorted({int(s) for s in given})
         if rule not in get_args(SelectRule):
             raise ValueError(f"rule must be one of {get_args(SelectRule)}, got {rule!r}")
         self.ladder, self.capture_sizes, self.rule = ladder, tuple(sizes), rule
@@ -83,6 +84,8 @@ class GraphSelector:
 
     def pad(self, batch_size: int) -> int | None:
         """Smallest capture size >= ``batch_size``; None when the batch needs the eager path."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         return self._padded[batch_size] if batch_size <= self.capture_sizes[-1] else None
 
     def choose(self, seq_lens_cpu: Any) -> GraphKey | None:

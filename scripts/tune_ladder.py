@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from graphbucket.ladder import default_ladder  # noqa: E402
-from graphbucket.tuning import (  # noqa: E402
+from graphbucket.tuning.choose import (  # noqa: E402
     TuneResult,
     choose_ladder,
     choose_per_batch,
@@ -66,7 +66,7 @@ def measure(args: argparse.Namespace) -> tuple[dict, dict]:
     import torch
 
     from bench.gpu_timing import run_meta
-    from graphbucket.timing import measure_split_times
+    from graphbucket.tuning.measure import measure_split_times
 
     if not torch.cuda.is_available():
         sys.exit("measuring needs a CUDA GPU; without one pass --from-times REPORT")

@@ -9,9 +9,9 @@ import numpy as np
 import torch
 
 from graphbucket.batch import DecodeBatch
-from graphbucket.spec import BufferSpec, InputSpec
 from graphbucket.context import DecodeContext
 from graphbucket.ladder import Bucket, BucketLadder
+from graphbucket.spec import BufferSpec, InputSpec
 
 HEADS, RANK, ROPE, HIDDEN, PAGE = 16, 64, 16, 32, 16
 # Planned on one SM (few splits keep the interpreter quick): bucket 0 plans one split and

@@ -1,4 +1,5 @@
-"""CPU tests for graphbucket.ladder: validation, host-only selection, JSON, ladder builders."""
+"""CPU tests for graphbucket.ladder: validation, bucket lookup, immutability, JSON, default
+ladder. Which graph serves a batch (``GraphSelector``) is tested in test_select.py."""
 
 from __future__ import annotations
 
@@ -12,13 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from graphbucket.ladder import (
-    Bucket,
-    BucketLadder,
-    default_ladder,
-    ladder_from_plans,
-)
-from graphbucket.plan import plan_mla_decode
+from graphbucket.ladder import Bucket, BucketLadder, default_ladder
+from graphbucket.tuning.shipped import LADDER_DIR
+
+pytestmark = pytest.mark.host
 
 MAX = 131072
 
@@ -30,12 +28,10 @@ def make(bounds: list[int], hints: list[int] | None = None, top: int | None = No
     )
 
 
-def brute_force(ladder: BucketLadder, lens: list[int], key: str) -> int:
-    """Linear scan: first bucket whose range (lower, max_len] holds the chosen length."""
-    real = [n for n in lens if n > 0]
-    if not real:
+def linear_scan(ladder: BucketLadder, length: int) -> int:
+    """First bucket whose range (lower, max_len] holds ``length`` (0 is padding: bucket 0)."""
+    if length == 0:
         return 0
-    length = max(real) if key == "max" else min(real)
     lower = 0
     for i, b in enumerate(ladder):
         if lower < length <= b.max_len:
@@ -157,7 +153,7 @@ def test_valid_edge_ladders():
 # ---- container behaviour --------------------------------------------------------------
 
 
-def test_container_and_immutability():
+def test_container_behaviour():
     lad = make([64, 4096, MAX], [32, 1024, MAX])
     assert len(lad) == 3
     assert list(lad) == [Bucket(64, 32), Bucket(4096, 1024), Bucket(MAX, MAX)]
@@ -166,185 +162,99 @@ def test_container_and_immutability():
     assert lad.ranges == ((1, 64), (65, 4096), (4097, MAX))
     assert lad.max_model_len == MAX
     assert "Bucket(max_len=4096, hint=1024)" in repr(lad) and f"max_model_len={MAX}" in repr(lad)
-    with pytest.raises(AttributeError, match="immutable"):
-        lad.max_model_len = 5
-    with pytest.raises(AttributeError, match="immutable"):
-        lad._bounds = (1,)
-    with pytest.raises(dataclasses.FrozenInstanceError):
+
+
+def test_fields_cannot_be_assigned():
+    lad = make([64, 4096, MAX], [32, 1024, MAX])
+    for name, value in (("max_model_len", 5), ("buckets", (Bucket(5, 5),)), ("meta", {})):
+        with pytest.raises(AttributeError):
+            setattr(lad, name, value)
+    with pytest.raises(AttributeError):
         lad[0].hint = 5
+    with pytest.raises(TypeError):
+        lad.buckets[0] = Bucket(64, 64)  # type: ignore[index]
+    assert lad == make([64, 4096, MAX], [32, 1024, MAX])
+
+
+def test_ladder_does_not_alias_the_callers_list():
+    buckets = [Bucket(64, 64), Bucket(128, 128)]
+    lad = BucketLadder(buckets, 128)
+    buckets[0] = Bucket(32, 32)
+    buckets.append(Bucket(256, 256))
+    assert lad.bounds == (64, 128) and len(lad) == 2
+
+
+def test_replace_builds_a_validated_ladder():
+    lad = make([64, 128])
+    wider = dataclasses.replace(lad, buckets=(Bucket(64, 64), Bucket(256, 100)),
+                                max_model_len=256)
+    assert wider.bounds == (64, 256) and wider.hints == (64, 100)
+    assert lad.bounds == (64, 128)  # the original is unchanged
+    with pytest.raises(ValueError, match="max_model_len=256"):
+        dataclasses.replace(lad, max_model_len=256)
 
 
 def test_equality_ignores_meta_and_hashes():
     a = BucketLadder([Bucket(64, 64), Bucket(128, 100)], 128, meta={"device": "H200"})
     b = BucketLadder([Bucket(64, 64), Bucket(128, 100)], 128)
     c = BucketLadder([Bucket(64, 64), Bucket(128, 128)], 128)
+    d = BucketLadder([Bucket(32, 32), Bucket(128, 100)], 128)
     assert a == b and hash(a) == hash(b)
-    assert a != c
+    assert a != c and a != d
+    assert len({a, b, c, d}) == 3
+    assert {a: "x"}[b] == "x"
+    # Built from a list or a tuple, the same buckets are the same ladder.
+    assert BucketLadder((Bucket(64, 64), Bucket(128, 100)), 128) == b
     assert a != "not a ladder"
+    assert a != tuple(a)
 
 
 def test_pickle_and_copy_keep_meta():
-    a = BucketLadder([Bucket(64, 64), Bucket(128, 100)], 128, meta={"heads": 16})
+    a = BucketLadder([Bucket(64, 64), Bucket(128, 100, batch_hints={8: 16})], 128,
+                     meta={"heads": 16})
     for clone in (pickle.loads(pickle.dumps(a)), copy.deepcopy(a), copy.copy(a)):
-        assert clone == a and clone.meta == {"heads": 16}
+        assert clone == a and hash(clone) == hash(a) and clone.meta == {"heads": 16}
+        assert clone.hints_for(8) == (64, 16) and clone.bucket_for(100) == 1
+        with pytest.raises(AttributeError):
+            clone.max_model_len = 5
 
 
-# ---- select ---------------------------------------------------------------------------
-
-
-@pytest.fixture
-def ladder() -> BucketLadder:
-    return default_ladder(MAX)
+# ---- bucket_for -----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
     "length,index",
-    [
-        (0, 0),
-        (1, 0),
-        (64, 0),
-        (65, 1),
-        (4096, 1),
-        (4097, 2),
-        (16384, 2),
-        (16385, 3),
-        (65536, 3),
-        (65537, 4),
-        (MAX - 1, 4),
-        (MAX, 4),
-    ],
+    [(0, 0), (1, 0), (64, 0), (65, 1), (4096, 1), (4097, 2), (16384, 2), (16385, 3),
+     (65536, 3), (65537, 4), (MAX - 1, 4), (MAX, 4)],
 )
-def test_select_boundaries(ladder, length, index):
-    assert ladder.bucket_for(length) == index
-    assert ladder.select([length]) == index
-    assert ladder.select([length], key="min") == index
+def test_bucket_for_boundaries(length, index):
+    assert default_ladder(MAX).bucket_for(length) == index
 
 
-def test_select_max_vs_min(ladder):
-    lens = [10, 5000, 70000, 64]
-    assert ladder.select(lens) == 4
-    assert ladder.select(lens, key="max") == 4
-    assert ladder.select(lens, key="min") == 0
-    assert ladder.select([100, 20000], key="min") == 1
-
-
-def test_select_ignores_padding_zeros(ladder):
-    assert ladder.select([0, 0, 3000, 0]) == 1
-    assert ladder.select([0, 0, 3000, 70, 0], key="min") == 1
-    assert ladder.select([0, 0, 0]) == 0
-    assert ladder.select([0, 0, 0], key="min") == 0
-    assert ladder.select(np.array([0, 20000, 0, 70], dtype=np.int32), key="min") == 1
-
-
-def test_select_input_types_agree(ladder):
-    torch = pytest.importorskip("torch")
-    lens = [0, 3, 4097, 65, 0]
-    expected = 2
-    assert ladder.select(lens) == expected
-    assert ladder.select(tuple(lens)) == expected
-    assert ladder.select(range(0, 4098)) == expected
-    for dtype in (np.int32, np.int64, np.uint32):
-        assert ladder.select(np.array(lens, dtype=dtype)) == expected
-    for dtype in (torch.int32, torch.int64):
-        assert ladder.select(torch.tensor(lens, dtype=dtype)) == expected
-    assert ladder.select([np.int64(n) for n in lens]) == expected
-
-
-def test_select_property_sweep():
-    rng = np.random.default_rng(1234)
-    for _ in range(200):
+def test_bucket_for_matches_a_linear_scan():
+    rng = np.random.default_rng(4321)
+    for _ in range(100):
         top = int(rng.integers(1, 300_000))
         num_inner = int(rng.integers(0, min(top, 12)))
         inner = rng.choice(np.arange(1, top), size=num_inner, replace=False) if top > 1 else []
         bounds = sorted(int(b) for b in inner) + [top]
-        lowers = [0] + bounds[:-1]
-        hints = [int(rng.integers(lo + 1, hi + 1)) for lo, hi in zip(lowers, bounds, strict=True)]
-        lad = make(bounds, hints, top)
-        # Stress the edges: bounds and bounds + 1 are where off-by-one errors live.
-        edges = np.array(sorted({0, 1, top} | set(bounds) | {min(b + 1, top) for b in bounds}))
-        for _ in range(10):
-            batch = int(rng.integers(1, 65))
-            pool = edges if rng.random() < 0.5 else np.arange(0, top + 1)
-            lens = [int(x) for x in rng.choice(pool, size=batch)]
-            for key in ("max", "min"):
-                want = brute_force(lad, lens, key)
-                assert lad.select(lens, key=key) == want, (bounds, lens, key)
-                assert lad.select(np.array(lens), key=key) == want
-        for n in edges:
-            assert lad.bucket_for(int(n)) == brute_force(lad, [int(n)], "max")
-            assert lad.bucket_for(int(n)) == bisect.bisect_left(lad.bounds, int(n))
+        lad = make(bounds, top=top)
+        edges = sorted({0, 1, top} | set(bounds) | {min(b + 1, top) for b in bounds})
+        for n in edges + [int(x) for x in rng.integers(0, top + 1, size=20)]:
+            assert lad.bucket_for(n) == linear_scan(lad, n), (bounds, n)
+            assert lad.bucket_for(np.int64(n)) == lad.bucket_for(n)
+            assert lad.bucket_for(n) == bisect.bisect_left(lad.bounds, n)
 
 
-def test_select_above_top(ladder):
-    for lens in ([1, MAX + 1], np.array([MAX + 1, 2])):
-        with pytest.raises(ValueError, match=rf"{MAX + 1}.*ladder top.*{MAX}.*max_model_len"):
-            ladder.select(lens)
-        # The top is a hard limit whatever the key.
-        with pytest.raises(ValueError, match="add a bucket"):
-            ladder.select(lens, key="min")
-    with pytest.raises(ValueError, match=str(MAX + 1)):
-        ladder.bucket_for(MAX + 1)
-
-
-def test_select_negative(ladder):
+def test_bucket_for_errors():
+    lad = default_ladder(MAX)
+    with pytest.raises(ValueError, match=rf"{MAX + 1}.*ladder top.*max_model_len={MAX}"):
+        lad.bucket_for(MAX + 1)
     with pytest.raises(ValueError, match="-1 is negative"):
-        ladder.select([5, -1])
-    with pytest.raises(ValueError, match="negative"):
-        ladder.select(np.array([5, -1]))
-    with pytest.raises(ValueError, match="negative"):
-        ladder.bucket_for(-1)
-
-
-def test_select_empty(ladder):
-    for lens in ([], (), np.array([], dtype=np.int64)):
-        with pytest.raises(ValueError, match="empty batch"):
-            ladder.select(lens)
-
-
-def test_select_bad_key(ladder):
-    with pytest.raises(ValueError, match="key must be one of"):
-        ladder.select([5], key="mean")
-
-
-@pytest.mark.parametrize(
-    "bad",
-    [
-        5,
-        "123",
-        None,
-        {1: 2},
-        {3, 4},
-        np.array([1.0, 2.0]),
-        np.array([[1, 2]]),
-        np.int64(3),
-        [1.5, 2.5],
-    ],
-)
-def test_select_rejects_wrong_types(ladder, bad):
-    with pytest.raises(TypeError):
-        ladder.select(bad)
-
-
-def test_select_int_points_to_bucket_for(ladder):
-    with pytest.raises(TypeError, match="bucket_for"):
-        ladder.select(5)
-
-
-def test_select_rejects_device_tensor_without_cuda(ladder):
-    # The meta device stands in for CUDA: any non-CPU tensor must be refused, not read.
-    torch = pytest.importorskip("torch")
-    with pytest.raises(TypeError, match="synchronize"):
-        ladder.select(torch.empty(4, dtype=torch.int32, device="meta"))
-    with pytest.raises(TypeError, match="integer"):
-        ladder.select(torch.tensor([1.0, 2.0]))
-
-
-def test_select_rejects_cuda_tensor(ladder):
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    with pytest.raises(TypeError, match="synchronize"):
-        ladder.select(torch.tensor([1, 2], device="cuda"))
+        lad.bucket_for(-1)
+    for bad in (5.0, "5", None, True, [5]):
+        with pytest.raises(TypeError):
+            lad.bucket_for(bad)
 
 
 # ---- JSON -----------------------------------------------------------------------------
@@ -385,8 +295,7 @@ def test_json_errors(text, match):
 
 
 def test_shipped_default_json_matches_default_ladder():
-    path = Path(__file__).resolve().parents[1] / "graphbucket" / "ladders" / "default.json"
-    assert BucketLadder.load(path) == default_ladder()
+    assert BucketLadder.load(LADDER_DIR / "default.json") == default_ladder()
 
 
 # ---- default_ladder -------------------------------------------------------------------
@@ -413,61 +322,16 @@ def test_default_ladder_full():
 )
 def test_default_ladder_clips(top, bounds):
     lad = default_ladder(top)
-    assert lad.bounds == bounds and lad.max_model_len == top
-    assert lad.select([top]) == len(lad) - 1
+    assert lad.bounds == bounds and lad.max_model_len == top and lad.hints == bounds
+    assert lad.bucket_for(top) == len(lad) - 1
+    # Clipping keeps the field bounds below the top, and only those.
+    field_bounds = default_ladder(1 << 30).bounds[:-1]
+    assert lad.bounds[:-1] == tuple(b for b in field_bounds if b < top)
 
 
 def test_default_ladder_rejects_zero():
     with pytest.raises(ValueError, match=">= 1"):
         default_ladder(0)
-
-
-# ---- ladder_from_plans ----------------------------------------------------------------
-
-
-@pytest.mark.parametrize("batch_size,num_heads", [(1, 16), (1, 128), (8, 128), (64, 16)])
-@pytest.mark.parametrize("top", [MAX, 100_000, 1000, 1])
-def test_ladder_from_real_plans(batch_size, num_heads, top):
-    def plan_fn(h: int):
-        return plan_mla_decode(batch_size, num_heads, h, num_sms=132)
-
-    lad = ladder_from_plans(plan_fn, max_model_len=top)
-    assert lad.max_model_len == top and lad.bounds[-1] == top
-    plans = [plan_fn(b.hint) for b in lad]
-    assert len(set(plans)) == len(plans), "every bucket must be a distinct plan"
-    assert lad.hints == lad.bounds
-    pow2 = [1 << k for k in range(top.bit_length())] + [top]
-    for n in pow2:
-        assert plan_fn(n) == plans[lad.bucket_for(n)], n
-    # Every distinct plan over 1..top appears (plans are monotone, so no bucket is lost).
-    assert set(plans) == {plan_fn(n) for n in pow2}
-
-
-def test_ladder_from_plans_finds_exact_boundary():
-    # A plan that changes at 100 and 5000 (not powers of two): the search finds both.
-    def plan_fn(h: int) -> int:
-        return (h > 100) + (h > 5000)
-
-    lad = ladder_from_plans(plan_fn, max_model_len=MAX)
-    assert lad.bounds == (100, 5000, MAX)
-    for n in range(1, 6000, 7):
-        assert plan_fn(lad[lad.bucket_for(n)].hint) == plan_fn(n)
-
-
-def test_ladder_from_plans_candidates():
-    def plan_fn(h: int) -> int:
-        return h // 1000
-
-    lad = ladder_from_plans(plan_fn, max_model_len=2500, candidate_hints=[500, 1500, 9000])
-    # Samples 500 (0), 1500 (1), 2500 (2); 9000 is above the top and dropped.
-    assert lad.bounds == (999, 1999, 2500)
-    with pytest.raises(ValueError, match=">= 1"):
-        ladder_from_plans(plan_fn, max_model_len=2500, candidate_hints=[0, 10])
-
-
-def test_ladder_from_plans_constant_plan_is_one_bucket():
-    lad = ladder_from_plans(lambda h: "same", max_model_len=MAX, meta={"k": 1})
-    assert lad.bounds == (MAX,) and lad.meta == {"k": 1}
 
 
 def test_with_top_hints_keeps_bounds_and_hints_each_bucket_at_its_top():
@@ -476,3 +340,7 @@ def test_with_top_hints_keeps_bounds_and_hints_each_bucket_at_its_top():
     tops = lad.with_top_hints()
     assert tops.bounds == lad.bounds and tops.hints == (64, 4096)
     assert tops.hints_for(8) == (64, 4096) and tops.meta["device"] == "x"
+    assert all(not b.batch_hints for b in tops)
+    # The original is untouched, and a top-hinted ladder is its own fixed point.
+    assert lad.hints == (1, 512) and lad.hints_for(8) == (1, 16) and lad.meta == {"device": "x"}
+    assert tops.with_top_hints() == tops

@@ -11,8 +11,7 @@ import pytest
 
 from graphbucket.ladder import Bucket, BucketLadder, default_ladder
 from graphbucket.plan import cdiv, pow2_ceil
-from graphbucket.tuned import LADDER_DIR, clip_ladder, device_slugs, find_tuned_ladder
-from graphbucket.tuning import (
+from graphbucket.tuning.choose import (
     candidate_hints,
     choose_ladder,
     choose_per_batch,
@@ -22,6 +21,9 @@ from graphbucket.tuning import (
     times_from_rows,
     times_to_rows,
 )
+from graphbucket.tuning.shipped import LADDER_DIR, clip_ladder, device_slugs, find_tuned_ladder
+
+pytestmark = pytest.mark.host
 
 SPLITS = [1, 2, 4, 8, 16]
 
