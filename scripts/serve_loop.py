@@ -155,12 +155,29 @@ def workload(cpu: bool, rng: np.random.Generator, ladder: BucketLadder) -> list[
             enumerate(zip(prompts, outputs, strict=True))]
 
 
-def main() -> None:
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cpu", action="store_true", help="tiny model on the CPU")
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--max-batch", type=int, default=4)
-    args = ap.parse_args()
+    ap.add_argument("--cpu", action="store_true",
+                    help="tiny model on the CPU through the Triton interpreter (also the "
+                         "default when no CUDA GPU is present)")
+    ap.add_argument("--layers", type=positive_int, default=2,
+                    help="decoder layers of the model (default: %(default)s)")
+    ap.add_argument("--max-batch", type=positive_int, default=4,
+                    help="most requests decoding together in one step; graphs are captured "
+                         "for batch 1, 2, 4 and 8, larger batches run eagerly "
+                         "(default: %(default)s)")
+    args = ap.parse_args(argv)
     cpu = args.cpu or not torch.cuda.is_available()
     model, runner, ladder = build(cpu, args.layers, 512 if cpu else 131072)
     print(runner.capture().describe())

@@ -1,4 +1,4 @@
-"""Render bench/tpot.py's JSON: a markdown TPOT table per batch size and a PNG plot.
+"""Render bench/tpot.py's JSON: a markdown TPOT table per batch size and a PNG figure.
 
 Table columns follow the tables engines publish with such fixes: context, the ladder's
 bucket (and hint, split count), TPOT per policy, the roofline floor, the ladder's speedup
@@ -6,15 +6,25 @@ over ``fixed-1``, its TPOT reduction and its ratio to the default ladder (marked
 both replay the same plan). Below the tables, the issue's targets at batch 1 and the tuned
 ladder's target against the default ladder are checked against the numbers.
 
-    python3 scripts/tpot_report.py --json bench/results/h200-tpot.json \
-        --out-md bench/results/h200-tpot.md --out-png bench/results/h200-tpot.png
+The figure has one column per batch size and three panels: TPOT against context (log
+scales), each policy's TPOT over the ladder's (linear, the ladder is the 1.0 line) and the
+ladder's speedup over ``fixed-1``. The table needs only the standard library; the figure
+needs matplotlib (``python3 -m pip install matplotlib``).
+
+Outputs default to the JSON's name with ``.md`` / ``.png``; an existing file is only
+replaced with ``--force``:
+
+    python3 scripts/tpot_report.py --json bench/results/h200-tpot.json --force
+    python3 scripts/tpot_report.py --json r/h200-tpot.json --out-md /tmp/t.md --no-png
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import textwrap
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -25,9 +35,36 @@ from graphbucket.ladder import Bucket  # noqa: E402
 # "default-ladder" the field's five buckets.
 POLICIES = ("eager", "fixed-1", "fixed-max", "default-ladder", "ladder")
 
+# One line per policy, for the figure's footnote and the markdown's glossary.
+POLICY_TEXT = {
+    "eager": "no CUDA graphs; every step is planned from the live lengths and run eagerly",
+    "fixed-1": "one graph per batch size, planned for 1 token (1 KV split at any context)",
+    "fixed-max": "one graph per batch size, planned for max_model_len (the most KV "
+                 "splits at any context)",
+    "default-ladder": "one graph per batch size and bucket of the default ladder "
+                      "(<=64, 4K, 16K, 64K, max; each planned for its top)",
+    "ladder": "one graph per batch size and bucket of the ladder tuned for this GPU "
+              "(the runner's default; the default ladder where none is shipped)",
+}
 
 # Two runs of the same captured plan differ by up to ~1 % (same-plan rows of the H200 runs).
 NOISE = 0.01
+# The short-context range where the ladder must not be slower than fixed-1.
+SHORT = 2048
+
+# matplotlib style per policy: colour, marker, line style, line width.
+STYLE = {
+    "eager": ("0.55", "x", "-", 1.2),
+    "fixed-1": ("tab:orange", "s", "-", 1.4),
+    "fixed-max": ("tab:green", "^", "--", 1.4),
+    "default-ladder": ("tab:purple", "D", ":", 1.6),
+    "ladder": ("tab:blue", "o", "-", 2.4),
+}
+# Upper edge of the linear ratio panel: policies above it leave the panel at its top.
+RATIO_TOP = 1.08
+# Contexts whose speedup over fixed-1 is written next to its point.
+LABELLED = (256, 1024, 2048, 4096, 16384, 100_000)
+INSTALL = "python3 -m pip install matplotlib"
 
 
 def fmt_context(n: int) -> str:
@@ -66,6 +103,64 @@ def _ms(row: dict | None) -> str:
     return f"{row['tpot_ms']:.3f}" if row else "-"
 
 
+def _floor(cells: dict[str, dict]) -> float | None:
+    return next((r["floor_ms"] for r in cells.values() if "floor_ms" in r), None)
+
+
+# --- the numbers the figure and the targets share ---------------------------------------
+
+def ratio_series(by_ctx: dict[int, dict[str, dict]],
+                 reference: str = "ladder") -> dict[str, list[tuple[int, float]]]:
+    """policy -> [(context, policy TPOT / reference TPOT)], contexts ascending.
+
+    Above 1 the policy is slower than the reference; the reference itself is left out.
+    """
+    out: dict[str, list[tuple[int, float]]] = {}
+    for context in sorted(by_ctx):
+        cells = by_ctx[context]
+        if reference not in cells:
+            continue
+        ref = cells[reference]["tpot_ms"]
+        for policy in POLICIES:
+            if policy != reference and policy in cells:
+                out.setdefault(policy, []).append((context, cells[policy]["tpot_ms"] / ref))
+    return out
+
+
+def speedup_series(by_ctx: dict[int, dict[str, dict]], slow: str = "fixed-1",
+                   fast: str = "ladder") -> list[tuple[int, float]]:
+    """[(context, slow TPOT / fast TPOT)]: how many times faster ``fast`` is."""
+    return [(c, by_ctx[c][slow]["tpot_ms"] / by_ctx[c][fast]["tpot_ms"])
+            for c in sorted(by_ctx) if slow in by_ctx[c] and fast in by_ctx[c]]
+
+
+def ladder_over_best(by_ctx: dict[int, dict[str, dict]]) -> dict[int, float]:
+    """context -> ladder TPOT / the fastest policy's TPOT at that context (>= 1)."""
+    return {c: v["ladder"]["tpot_ms"] / min(r["tpot_ms"] for r in v.values())
+            for c, v in sorted(by_ctx.items()) if "ladder" in v}
+
+
+def worst_short(by_ctx: dict[int, dict[str, dict]], limit: int = SHORT
+                ) -> tuple[int, float] | None:
+    """(context, ladder TPOT / fixed-1 TPOT) at its largest over contexts <= ``limit``."""
+    short = [(c, r) for c, r in speedup_series(by_ctx, slow="ladder", fast="fixed-1")
+             if c <= limit]
+    return max(short, key=lambda cr: cr[1]) if short else None
+
+
+def floor_text(meta: dict) -> str:
+    """What the floor is, with the run's numbers."""
+    weights = f"weights, {meta['weights_mb']:.1f} MB" if meta.get("weights_mb") else "weights"
+    gbps = f"{meta['copy_gbps']:.1f} GB/s" if meta.get("copy_gbps") else "the copy bandwidth"
+    return (f"floor: a roofline lower bound for one decode step: the bytes the step must read "
+            f"({weights}; the KV cache rows of every layer for batch x context "
+            f"tokens; the activations) divided by the device-to-device copy bandwidth "
+            f"measured in the same run ({gbps}, bytes read + written). Split-KV partials "
+            f"are not counted.")
+
+
+# --- markdown ---------------------------------------------------------------------------
+
 def markdown_batch(batch: int, by_ctx: dict[int, dict[str, dict]], ladder) -> list[str]:
     policies = [p for p in POLICIES if any(p in v for v in by_ctx.values())]
     head = ["context", "bucket (hint, splits)", *(f"{p} ms" for p in policies), "floor ms",
@@ -75,7 +170,6 @@ def markdown_batch(batch: int, by_ctx: dict[int, dict[str, dict]], ladder) -> li
     for context in sorted(by_ctx):
         cells = by_ctx[context]
         ladder_row, fixed_row = cells.get("ladder"), cells.get("fixed-1")
-        any_row = next(iter(cells.values()))
         speed = red = vs_default = "-"
         if ladder_row and fixed_row:
             f, lad = fixed_row["tpot_ms"], ladder_row["tpot_ms"]
@@ -86,10 +180,11 @@ def markdown_batch(batch: int, by_ctx: dict[int, dict[str, dict]], ladder) -> li
             vs_default = (f"{ladder_row['tpot_ms'] / default_row['tpot_ms']:.3f}"
                           + (" (same plan)" if same else ""))
         splits = ladder_row.get("splits") if ladder_row else None
+        floor = _floor(cells)
         lines.append("| " + " | ".join([fmt_context(context), bucket_label(ladder, context,
                                                                           splits, batch),
                                         *(_ms(cells.get(p)) for p in policies),
-                                        f"{any_row['floor_ms']:.3f}", speed, red,
+                                        "-" if floor is None else f"{floor:.3f}", speed, red,
                                         vs_default]) + " |")
     return lines + [""]
 
@@ -105,48 +200,24 @@ def check_targets(by_ctx: dict[int, dict[str, dict]]) -> list[str]:
         s = ms(100_000, "fixed-1") / ms(100_000, "ladder")
         out.append(f"{'PASS' if s >= 3 else 'FAIL'}: ladder {s:.2f}x faster than fixed-1 at "
                    "100K (target >= 3x)")
-    short = [c for c in by_ctx if c <= 2048 and ms(c, "ladder") and ms(c, "fixed-1")]
-    if short:
+    worst = worst_short(by_ctx)
+    if worst:
         # One-sided: the ladder must not regress short contexts; being faster is no failure.
-        worst = max(short, key=lambda c: ms(c, "ladder") / ms(c, "fixed-1"))
-        d = 100 * (ms(worst, "ladder") / ms(worst, "fixed-1") - 1)
+        d = 100 * (worst[1] - 1)
         out.append(f"{'PASS' if d <= 1 else 'FAIL'}: ladder at most {d:+.2f} % against "
-                   f"fixed-1 at every context <= 2K (worst {fmt_context(worst)}; target "
-                   "+1 %)")
-    ratios = {c: ms(c, "ladder") / min(r["tpot_ms"] for r in v.values())
-              for c, v in by_ctx.items() if ms(c, "ladder")}
+                   f"fixed-1 at every context <= {fmt_context(SHORT)} (worst "
+                   f"{fmt_context(worst[0])}; target +1 %)")
+    ratios = ladder_over_best(by_ctx)
     if ratios:
         c = max(ratios, key=ratios.get)
         out.append(f"{'PASS' if ratios[c] <= 1.02 else 'FAIL'}: ladder at most {ratios[c]:.3f}x "
                    f"the fastest policy (worst {fmt_context(c)}; target 1.02x)")
     row = by_ctx.get(100_000, {}).get("ladder")
-    if row:
+    if row and row.get("floor_ms"):
         f = row["tpot_ms"] / row["floor_ms"]
         out.append(f"{'PASS' if f <= 1.3 else 'FAIL'}: ladder {f:.2f}x floor_ms at 100K "
                    "(target 1.3x)")
     return [f"- {line}" for line in out]
-
-
-def render_markdown(data: dict) -> str:
-    meta, by_batch = data["meta"], table(data["rows"])
-    lines = [f"# TPOT per policy: {meta.get('model')}, {meta.get('layers')} layers "
-             f"({meta.get('gpu')})", "",
-             f"{meta.get('date')}, torch {meta.get('torch')}, triton {meta.get('triton')}, "
-             f"copy bandwidth {meta.get('copy_gbps')} GB/s (read + write). "
-             f"Command: `{meta.get('command')}`", "",
-             "TPOT: one full decode step (graph replay, or the eager forward), milliseconds. "
-             "floor: bytes the step must read (weights, the context's KV, activations) over "
-             "the copy bandwidth. Context counts the decoded token.", ""]
-    ladder = meta.get("ladder")
-    for batch in sorted(by_batch):
-        lines += markdown_batch(batch, by_batch[batch], ladder)
-    if 1 in by_batch:
-        lines += ["### targets (batch 1)", "", *check_targets(by_batch[1]), ""]
-    tuned = check_tuned(by_batch)
-    if tuned:
-        lines += ["### tuned ladder against the default ladder (every batch size)", "",
-                  *tuned, ""]
-    return "\n".join(lines)
 
 
 def check_tuned(by_batch: dict[int, dict[int, dict[str, dict]]]) -> list[str]:
@@ -176,54 +247,255 @@ def check_tuned(by_batch: dict[int, dict[int, dict[str, dict]]]) -> list[str]:
     return [f"- {line}" for line in out]
 
 
-def render_png(data: dict, path: Path) -> bool:
+def render_markdown(data: dict, png_link: str | None = None) -> str:
+    """The report; ``png_link`` (a path relative to the markdown) adds the figure."""
+    meta, by_batch = data["meta"], table(data["rows"])
+    policies = [p for p in POLICIES if any(r["policy"] == p for r in data["rows"])]
+    has_floor = any("floor_ms" in r for r in data["rows"])
+    lines = [f"# TPOT per policy: {meta.get('model')}, {meta.get('layers')} layers "
+             f"({meta.get('gpu')})", "",
+             f"{meta.get('date')}, torch {meta.get('torch')}, triton {meta.get('triton')}, "
+             f"copy bandwidth {meta.get('copy_gbps')} GB/s (read + write). "
+             f"Command: `{meta.get('command')}`", "",
+             "TPOT: one full decode step (graph replay, or the eager forward), milliseconds. "
+             "Context counts the decoded token.", "",
+             *(f"- {p}: {POLICY_TEXT[p]}" for p in policies),
+             *([f"- {floor_text(meta)}"] if has_floor else []), ""]
+    if png_link:
+        lines += [f"![TPOT per policy, ratios to the ladder, speedup over fixed-1]({png_link})",
+                  "", "Figure: top, TPOT per policy (log scales); middle, each policy's TPOT "
+                  "over the ladder's (the ladder is the 1.0 line; the grey band, "
+                  f"{100 * NOISE:.0f} % either side, is the spread between two runs of one "
+                  "plan); bottom, the ladder's speedup over fixed-1.", ""]
+    ladder = meta.get("ladder")
+    if not (isinstance(ladder, list) and all(isinstance(b, dict) for b in ladder)):
+        ladder = None  # another script's layout: no bucket column
+    for batch in sorted(by_batch):
+        lines += markdown_batch(batch, by_batch[batch], ladder)
+    if 1 in by_batch:
+        lines += ["### targets (batch 1)", "", *check_targets(by_batch[1]), ""]
+    tuned = check_tuned(by_batch)
+    if tuned:
+        lines += ["### tuned ladder against the default ladder (every batch size)", "",
+                  *tuned, ""]
+    return "\n".join(lines)
+
+
+# --- figure -----------------------------------------------------------------------------
+
+def load_pyplot():
+    """matplotlib.pyplot on the Agg backend, or None when matplotlib is not installed."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed: skipped the PNG plot (pip install matplotlib)",
-              file=sys.stderr)
-        return False
-    by_batch = table(data["rows"])
-    fig, axes = plt.subplots(1, len(by_batch), figsize=(6.5 * len(by_batch), 4.8),
-                             squeeze=False)
-    for ax, batch in zip(axes[0], sorted(by_batch), strict=True):
+        return None
+    return plt
+
+
+def _context_axis(ax, contexts: list[int]) -> None:
+    ax.set_xscale("log")
+    ticks = [c for c in (1, 64, 256, 1024, 4096, 16384, 131072)
+             if contexts[0] <= c <= contexts[-1]]
+    ax.set_xticks(ticks, [fmt_context(c) for c in ticks])
+    ax.set_xticks([], minor=True)
+    ax.grid(True, which="major", alpha=0.3)
+
+
+def _plot_kw(policy: str, **extra) -> dict:
+    color, marker, ls, lw = STYLE[policy]
+    return {"color": color, "marker": marker, "ls": ls, "lw": lw, "ms": 4,
+            "zorder": 5 if policy == "ladder" else 3, "label": policy, **extra}
+
+
+def render_png(data: dict, path: Path, plt) -> None:
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+    meta, by_batch = data["meta"], table(data["rows"])
+    batches = sorted(by_batch)
+    fig, axes = plt.subplots(3, len(batches), figsize=(6.8 * len(batches) + 0.6, 13.5),
+                             squeeze=False, sharex="col",
+                             gridspec_kw={"height_ratios": [1.35, 1.15, 1.0], "hspace": 0.12,
+                                          "wspace": 0.22})
+    for col, batch in enumerate(batches):
         by_ctx = by_batch[batch]
         ctxs = sorted(by_ctx)
+        top, mid, bottom = axes[0][col], axes[1][col], axes[2][col]
+
+        # TPOT per policy and the floor.
         for policy in POLICIES:
             pts = [(c, by_ctx[c][policy]["tpot_ms"]) for c in ctxs if policy in by_ctx[c]]
             if pts:
-                ax.plot(*zip(*pts, strict=True), marker="o", ms=3, label=policy)
-        floor = [next(iter(by_ctx[c].values()))["floor_ms"] for c in ctxs]
-        ax.plot(ctxs, floor, "k--", lw=1, label="floor")
-        ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="TPOT (ms)",
-               title=f"batch {batch}")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
-    meta = data["meta"]
-    fig.suptitle(f"{meta.get('model')}, {meta.get('layers')} layers, {meta.get('gpu')}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+                top.plot(*zip(*pts, strict=True), **_plot_kw(policy))
+        floor = [(c, f) for c in ctxs if (f := _floor(by_ctx[c])) is not None]
+        if floor:
+            top.plot(*zip(*floor, strict=True), color="k", ls="--", lw=1.2,
+                     label="roofline floor (see note below)")
+        top.set_yscale("log")
+        top.set_ylabel("TPOT, ms (log)")
+        top.set_title(f"batch {batch}", fontsize=13, fontweight="bold")
+        _context_axis(top, ctxs)
+        top.grid(True, which="minor", axis="y", alpha=0.15)
+
+        # Each policy over the ladder, linear.
+        ratios = ratio_series(by_ctx)
+        mid.axhspan(1 - NOISE, 1 + NOISE, color="0.85", zorder=0,
+                    label=f"\u00b1{100 * NOISE:.0f} % run-to-run spread of one plan")
+        mid.axhline(1.0, **{k: v for k, v in _plot_kw("ladder").items()
+                            if k not in ("marker", "ms")})
+        for policy, pts in ratios.items():
+            mid.plot(*zip(*pts, strict=True), **_plot_kw(policy))
+        lows = [r for pts in ratios.values() for _, r in pts]
+        mid.set_ylim(min(0.975, min(lows, default=1) - 0.005), RATIO_TOP)
+        mid.set_ylabel("TPOT / ladder TPOT (linear)\nabove 1.0: slower than the ladder")
+        off = [f"{p} {min(r for _, r in pts):.1f}-{max(r for _, r in pts):.1f}x"
+               for p, pts in ratios.items() if min(r for _, r in pts) > RATIO_TOP]
+        leaves = [f"{p} from {fmt_context(next(c for c, r in pts if r > RATIO_TOP))}"
+                  for p, pts in ratios.items()
+                  if min(r for _, r in pts) <= RATIO_TOP < max(r for _, r in pts)]
+        best = ladder_over_best(by_ctx)
+        note = []
+        if best:
+            wc = max(best, key=best.get)
+            note.append(f"ladder \u2264 {best[wc]:.3f}x the fastest policy at every context "
+                        f"(worst {fmt_context(wc)})")
+        if leaves or off:
+            note.append("above the panel: " + ", ".join(leaves + off))
+        mid.text(0.02, 0.96, "\n".join(note), transform=mid.transAxes, va="top", fontsize=9,
+                 bbox={"facecolor": "white", "edgecolor": "0.7", "alpha": 0.9})
+        _context_axis(mid, ctxs)
+
+        # The ladder's speedup over fixed-1.
+        speed = speedup_series(by_ctx)
+        if speed:
+            bottom.axvspan(ctxs[0] / 1.3, SHORT * 1.15, color="tab:orange", alpha=0.07,
+                           zorder=0)
+            bottom.axhline(1.0, color="0.4", lw=0.8)
+            bottom.plot(*zip(*speed, strict=True), color="tab:blue", marker="o", lw=2.0, ms=4)
+            for c, s in speed:
+                if c in LABELLED:
+                    bottom.annotate(f"{s:.1f}x" if s < 10 else f"{s:.0f}x", (c, s),
+                                    textcoords="offset points", xytext=(-5, 5), ha="right",
+                                    fontsize=8.5)
+            bottom.set_yscale("log")
+            top_s = max(s for _, s in speed)
+            ticks = [t for t in (1, 2, 5, 10, 20, 50, 100, 200) if t <= top_s * 1.5]
+            bottom.yaxis.set_major_locator(FixedLocator(ticks))
+            bottom.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
+            bottom.yaxis.set_minor_locator(NullLocator())
+            bottom.set_ylim(0.8, top_s * 2)
+            worst = worst_short(by_ctx)
+            lines = []
+            if worst:
+                lines.append(f"\u2264 {fmt_context(SHORT)} (shaded): ladder at worst "
+                             f"{100 * (worst[1] - 1):+.2f} % against fixed-1 "
+                             f"(at {fmt_context(worst[0])})")
+            at = dict(speed)
+            if 100_000 in at:
+                lines.append(f"100K: ladder {at[100_000]:.1f}x faster than fixed-1")
+            bottom.text(0.02, 0.96, "\n".join(lines), transform=bottom.transAxes, va="top",
+                        fontsize=9, bbox={"facecolor": "white", "edgecolor": "0.7",
+                                          "alpha": 0.9})
+        bottom.set_ylabel("fixed-1 TPOT / ladder TPOT (log)\nthe ladder's speedup over fixed-1")
+        bottom.set_xlabel("context (tokens, log scale)")
+        _context_axis(bottom, ctxs)
+
+    handles, labels = {}, {}
+    for ax in axes.flat:
+        for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(lab, h)
+            labels.setdefault(lab, lab)
+    order = [p for p in POLICIES if p in handles] + [k for k in handles if k not in POLICIES]
+    fig.suptitle(f"TPOT per policy: {meta.get('model')}, {meta.get('layers')} layers, "
+                 f"{meta.get('gpu')} ({meta.get('date')})", fontsize=14, y=0.995)
+    fig.legend([handles[k] for k in order], order, loc="upper center", ncol=4,
+               bbox_to_anchor=(0.5, 0.975), frameon=False, fontsize=10)
+    policies = [p for p in POLICIES if p in handles]
+    foot = [f"{p}: {POLICY_TEXT[p]}." for p in policies]
+    if "roofline floor (see note below)" in handles:
+        foot.append(floor_text(meta))
+    fig.text(0.02, 0.005, "\n".join(textwrap.fill(t, 150, subsequent_indent="    ")
+                                    for t in foot), fontsize=8.5, va="bottom", ha="left")
+    fig.subplots_adjust(left=0.07, right=0.98, top=0.915, bottom=0.135)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    return True
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", default="bench/results/h200-tpot.json", type=Path)
-    ap.add_argument("--out-md", type=Path, default=None, help="default: the JSON's .md")
-    ap.add_argument("--out-png", type=Path, default=None, help="default: the JSON's .png")
+# --- command line -----------------------------------------------------------------------
+
+def read_result(ap: argparse.ArgumentParser, path: Path) -> dict:
+    what = "the JSON bench/tpot.py writes (e.g. bench/results/h200-tpot.json)"
+    if not path.is_file():
+        ap.error(f"--json {path}: no such file; pass {what}")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        ap.error(f"--json {path}: cannot read it as JSON ({e}); pass {what}")
+    if not (isinstance(data, dict) and isinstance(data.get("meta"), dict)
+            and isinstance(data.get("rows"), list) and data["rows"]
+            and all(isinstance(r, dict) and {"policy", "context", "batch", "tpot_ms"} <= set(r)
+                    for r in data["rows"])):
+        ap.error(f"--json {path}: no 'meta' and non-empty 'rows' with policy, context, batch "
+                 f"and tpot_ms; pass {what}")
+    return data
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="Outputs default to the JSON's path with .md / .png. Existing files are not "
+               "replaced unless --force is given.")
+    ap.add_argument("--json", default=Path("bench/results/h200-tpot.json"), type=Path,
+                    help="result file written by bench/tpot.py (default: %(default)s)")
+    ap.add_argument("--out-md", type=Path, default=None,
+                    help="markdown table to write (default: the JSON's path with .md)")
+    ap.add_argument("--out-png", type=Path, default=None,
+                    help="PNG figure to write, needs matplotlib (default: the JSON's path "
+                         "with .png)")
+    ap.add_argument("--no-png", action="store_true",
+                    help="write only the markdown table (no matplotlib needed)")
+    ap.add_argument("--force", action="store_true",
+                    help="replace output files that already exist")
     args = ap.parse_args(argv)
-    data = json.loads(args.json.read_text())
+    if args.no_png and args.out_png:
+        ap.error("--out-png and --no-png contradict each other; pass one of them")
+    data = read_result(ap, args.json)
     md_path = args.out_md or args.json.with_suffix(".md")
-    md_path.write_text(render_markdown(data))
+    png_path = None if args.no_png else (args.out_png or args.json.with_suffix(".png"))
+    outputs = [p for p in (md_path, png_path) if p is not None]
+    if len({p.resolve() for p in outputs}) < len(outputs):
+        ap.error(f"--out-md and --out-png are the same file ({md_path})")
+    for p in outputs:
+        if p.resolve() == args.json.resolve():
+            ap.error(f"{p} is the input --json; choose another output path")
+        if p.exists() and p.is_dir():
+            ap.error(f"{p} is a directory; pass a file path")
+    existing = [str(p) for p in outputs if p.exists()]
+    if existing and not args.force:
+        ap.error(f"{', '.join(existing)} already exist{'s' * (len(existing) == 1)}; pass "
+                 "--force to replace, or --out-md/--out-png to write elsewhere")
+
+    plt = load_pyplot() if png_path else None
+    link = None
+    if plt is not None:
+        link = os.path.relpath(png_path.resolve(), md_path.resolve().parent)
+    md_path.parent.mkdir(parents=True, exist_ok=True)
+    md_path.write_text(render_markdown(data, png_link=link))
     print(f"wrote {md_path}")
-    png_path = args.out_png or args.json.with_suffix(".png")
-    if render_png(data, png_path):
-        print(f"wrote {png_path}")
+    if png_path is None:
+        return 0
+    if plt is None:
+        print(f"error: matplotlib is not installed, so the figure {png_path} was not written "
+              f"(the table {md_path} was). Install it with `{INSTALL}`, or pass --no-png to "
+              "write only the table.", file=sys.stderr)
+        return 1
+    png_path.parent.mkdir(parents=True, exist_ok=True)
+    render_png(data, png_path, plt)
+    print(f"wrote {png_path}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

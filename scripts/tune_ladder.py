@@ -40,15 +40,30 @@ from graphbucket.tuning.choose import (  # noqa: E402
 CONTEXTS = [1, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 102400, 131072]
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--heads", type=int, default=None, help="attention heads per GPU (16)")
-    ap.add_argument("--batches", type=int, nargs="+", default=None,
+    ap.add_argument("--heads", type=positive_int, default=None,
+                    help="attention heads per GPU (16)")
+    ap.add_argument("--batches", type=positive_int, nargs="+", default=None,
                     help="capture batch sizes to tune for (1 8)")
-    ap.add_argument("--contexts", type=int, nargs="+", default=None,
+    ap.add_argument("--contexts", type=positive_int, nargs="+", default=None,
                     help="context lengths to measure (1 .. 128K, 14 points)")
-    ap.add_argument("--max-buckets", type=int, default=6)
-    ap.add_argument("--max-model-len", type=int, default=131072)
+    ap.add_argument("--max-buckets", type=positive_int, default=6,
+                    help="most buckets the ladder may have (default: %(default)s)")
+    ap.add_argument("--max-model-len", type=positive_int, default=131072,
+                    help="longest context the ladder covers; its last bucket ends here "
+                         "(default: %(default)s)")
     ap.add_argument("--out", type=Path, help="ladder JSON to write")
     ap.add_argument("--report", type=Path, help="report JSON to write (keeps the timing table)")
     ap.add_argument("--plot", type=Path, help="PNG plot to write (needs matplotlib)")
@@ -58,7 +73,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="one hint per bucket for every batch size (default: each measured "
                          "batch size gets its own hint; bounds are shared either way)")
     ap.add_argument("--quiet", action="store_true", help="no progress line per measurement")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    report = "a report JSON this script wrote with --report (e.g. " \
+             "bench/results/h200-ladder-tune.json)"
+    if args.from_times is not None:
+        if not args.from_times.is_file():
+            ap.error(f"--from-times {args.from_times}: not a file; pass {report}")
+        try:
+            json.loads(args.from_times.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            ap.error(f"--from-times {args.from_times}: not readable as JSON ({e}); pass "
+                     f"{report}")
+    too_long = [c for c in args.contexts or [] if c > args.max_model_len]
+    if too_long:
+        ap.error(f"--contexts {too_long} above --max-model-len {args.max_model_len}")
+    for flag in ("out", "report", "plot"):
+        path = getattr(args, flag)
+        if path is not None and path.is_dir():
+            ap.error(f"--{flag} {path} is a directory; pass a file path")
+    if args.report is not None and args.report.suffix == ".md":
+        ap.error(f"--report {args.report}: pass a .json path (its .md is written beside it)")
+    return args
 
 
 def measure(args: argparse.Namespace) -> tuple[dict, dict]:
@@ -197,8 +232,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         print("matplotlib is not installed: --plot will be skipped (the report keeps the "
-              "timing table; re-plot with --from-times)", file=sys.stderr)
+              "timing table; install it with `python3 -m pip install matplotlib` and "
+              "re-plot with --from-times)", file=sys.stderr)
     times, meta = load_times(args) if args.from_times else measure(args)
+    too_long = [c for c in meta["contexts"] if c > args.max_model_len]
+    if too_long:
+        sys.exit(f"measured contexts {too_long} are above --max-model-len "
+                 f"{args.max_model_len}; raise it or pass --contexts up to it")
     splits_for = plan_splits(meta["num_heads"], num_sms=meta["num_sms"])
     ladder_meta = {"device": meta["gpu"], "num_sms": meta["num_sms"],
                    "num_heads": meta["num_heads"],
