@@ -41,7 +41,7 @@ for step in $steps; do
           done ;;
     tpot) timeout 240 python3 bench/tpot.py --layers "${TPOT_LAYERS:-4}" --out "$R" \
             > "$R/tpot.log" 2>&1; tail -5 "$R/tpot.log"
-          python3 scripts/tpot_report.py --json "$R/h200-tpot.json" ;;
+          python3 scripts/tpot_report.py --json "$R/h200-tpot.json" --force ;;
     tp) NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
           timeout 300 python3 scripts/tp_decode.py --world-size 2 --out "$R" > "$R/tp.log" 2>&1
         tail -12 "$R/tp.log" ;;

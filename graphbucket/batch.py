@@ -211,9 +211,6 @@ class BatchValidator:
                 raise self._keys_error(inputs)
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"inputs[{name!r}] is a {type(t).__name__}; expected a tensor")
-            if t.dim() != 1 + len(shape):
-                raise ValueError(f"inputs[{name!r}] has shape {tuple(t.shape)}; expected "
-                                 f"{(bs, *shape)} (batch, *InputSpec.shape)")
             if t.dtype != dtype:
                 raise TypeError(f"inputs[{name!r}] has dtype {t.dtype}; expected {dtype}. "
                                 f"Cast it with .to({dtype})")
@@ -222,7 +219,7 @@ class BatchValidator:
                 raise TypeError(f"inputs[{name!r}] is on {t.device}; expected the CPU or "
                                 f"{self._device}. Move it with .to({str(self._device)!r})")
             t_shape = t.shape
-            if t_shape[0] != bs or t_shape[1:] != shape:
+            if t_shape[:1] != (bs,) or t_shape[1:] != shape:  # [:1]: a 0-d tensor too
                 raise ValueError(f"inputs[{name!r}] has shape {tuple(t_shape)}; expected "
                                  f"{(bs, *shape)} (batch, *InputSpec.shape)")
             if on_host:

@@ -7,9 +7,12 @@ non-blocking copy from a pinned staging arena. Staging arenas form a ring of
 ``num_staging_slots``; an event per slot guards its reuse, so a stage never overwrites
 pinned memory whose copy is still in flight.
 
-Padding rows (``batch_size <= row < padded_bs``) get seq_len 0, position 0, zero inputs
-and a block-table row of zeros (page 0, a valid page): kernels read nothing for them and
-write only their own output rows.
+Padding rows (``batch_size <= row < padded_bs``) get seq_len 0, position 0 and zero
+inputs: kernels read nothing for them and write only their own output rows. Block-table
+entries past a row's live pages are not cleared: kernels read only the first
+``ceil(seq_len / page_size)`` entries of a row, and every entry ever staged was checked
+to lie inside the cache, so a stale one is still a valid page. Clearing them would cost a
+pass over the table per step (a 64 x 128K batch holds 512 KB of it).
 """
 
 from __future__ import annotations
@@ -62,9 +65,8 @@ def _layout(spec: BufferSpec, max_bs: int) -> tuple[dict[str, _Segment], int]:
 class _StagingSlot:
     """One pinned staging arena and what is known about the bytes it still holds.
 
-    Dirt tracking lets a stage zero only what an earlier stage left behind: block-table
-    entries outside rows [0, table_rows) x columns [0, table_cols) are zero, and so are
-    seq_lens / positions / input rows from ``live_rows`` on.
+    Dirt tracking lets a stage zero only what an earlier stage left behind: seq_lens,
+    positions and input rows from ``live_rows`` on are zero.
     """
 
     arena: torch.Tensor  # uint8, host; pinned when the buffers live on CUDA
@@ -74,12 +76,10 @@ class _StagingSlot:
     inputs: dict[str, np.ndarray]  # viewed as numpy_view_dtype (raw bits where numpy has none)
     event: torch.Event | None  # torch.Event records on the current stream in C++
     in_flight: bool = False
-    table_rows: int = 0
-    table_cols: int = 0
     live_rows: int = 0
 
     def fill(self, batch: CheckedBatch, padded_bs: int) -> None:
-        """Rows [0, bs) from ``batch``; rows [bs, padded_bs) neutral (zeros)."""
+        """Rows [0, bs) from ``batch``; rows [bs, padded_bs) neutral (zero lengths)."""
         bs, lens = batch.batch_size, batch.seq_lens
         self.seq_lens[:bs] = lens
         positions = self.positions[:bs]
@@ -99,21 +99,8 @@ class _StagingSlot:
             for arr in self.inputs.values():  # device inputs too: the prefix copy pads them
                 arr[bs:top] = 0
         self.live_rows = bs if live <= padded_bs else live
-        self._fill_table(batch.block_table, bs, padded_bs)
-
-    def _fill_table(self, src: np.ndarray, bs: int, padded_bs: int) -> None:
-        table, cols = self.block_table, src.shape[1]
-        rows, dirty = self.table_rows, self.table_cols
-        table[:bs, :cols] = src
-        if dirty > cols and rows:
-            table[:min(bs, rows), cols:dirty] = 0
-        top = padded_bs if padded_bs < rows else rows
-        if top > bs:
-            table[bs:top, :dirty] = 0
-        if rows <= padded_bs:
-            self.table_rows, self.table_cols = bs, cols
-        elif cols > dirty:
-            self.table_cols = cols
+        table = batch.block_table
+        self.block_table[:bs, :table.shape[1]] = table
 
 
 def _staging_slot(segments: dict[str, _Segment], nbytes: int, device: torch.device | None
