@@ -7,6 +7,8 @@ import torch
 from graphbucket.batch import BatchValidator, DecodeBatch
 from tests._toy import HIDDEN, PAGE, toy_spec
 
+pytestmark = pytest.mark.host  # the fast lane: no kernel launches
+
 SPEC = toy_spec(max_pages=20, num_pages=64)
 check = BatchValidator(SPEC)
 

@@ -12,6 +12,8 @@ from graphbucket.buffers import StaticBuffers
 from graphbucket.spec import BufferSpec, InputSpec
 from tests._toy import HIDDEN, toy_spec
 
+pytestmark = pytest.mark.host  # the fast lane: no kernel launches
+
 MAX_BS, MAX_PAGES = 4, 20
 
 

@@ -15,6 +15,8 @@ from graphbucket.plan import (
     plan_mla_decode,
 )
 
+pytestmark = pytest.mark.host  # the fast lane: no kernel launches
+
 HINTS = [1, 2, 31, 32, 33, 64, 65, 255, 256, 1000, 4096, 16384, 65536, 100_000, 131072, 1 << 20]
 
 

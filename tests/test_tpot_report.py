@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.host  # the fast lane: no kernel launches
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "tpot_report.py"
 
 TIMES = {1: {"eager": 1.5, "fixed-1": 0.40, "fixed-max": 0.45, "default-ladder": 0.402,
