@@ -168,16 +168,18 @@ class GraphBucketRunner:
             host = self._validate(batch)
             key = self.selector.key_for(host.batch_size, host.min_len, host.max_len,
                                         host.seq_lens)
+            eager = self.graphs is None or key is None
+            buffers = self._buffers_for(host.batch_size) if eager else self.buffers
+            buffers.stage(host, host.batch_size if eager else key.batch_size)
         except (TypeError, ValueError):
             self._errors += 1
             raise
         self._steps += 1
         if self.graphs is None:
             self._eager_steps += 1
-            return self._run_eager(host)
+            return self._run_eager(host, buffers)
         if key is None:
-            return self._fallback(host)
-        self.buffers.stage(host, key.batch_size)
+            return self._fallback(host, buffers)
         self.graphs.replay(key)
         self._replays[key] += 1
         return self._outputs[host.batch_size]
@@ -191,7 +193,7 @@ class GraphBucketRunner:
 
     # ---- eager path ---------------------------------------------------------------------
 
-    def _fallback(self, host: CheckedBatch) -> torch.Tensor:
+    def _fallback(self, host: CheckedBatch, buffers: StaticBuffers) -> torch.Tensor:
         self._fallbacks += 1
         if not self._warned:
             self._warned = True
@@ -200,24 +202,26 @@ class GraphBucketRunner:
                 "running it eagerly (slow path; logged once, counted in "
                 "stats().eager_fallbacks). Capture a larger batch size to avoid it.",
                 host.batch_size, self.selector.max_batch_size)
-        return self._run_eager(host)
+        return self._run_eager(host, buffers)
 
-    def _run_eager(self, host: CheckedBatch) -> torch.Tensor:
-        """The forward without graphs, planned from the batch's longest host length; a
-        batch above the static capacity uses overflow buffers, never the graphs' ones."""
+    def _run_eager(self, host: CheckedBatch, buffers: StaticBuffers) -> torch.Tensor:
+        """The forward without graphs on staged ``buffers``, planned from the batch's
+        longest host length."""
         bs = host.batch_size
-        buffers = self.buffers if bs <= self.buffers.max_batch_size else self._overflow_for(bs)
         plan = self.backend.plan(bs, self.spec.num_heads, max(1, host.max_len))
-        buffers.stage(host, bs)
         out = buffers.output[:bs]
         result = self.forward(buffers.context(bs, plan, self.backend, self.sm_scale))
         if result.data_ptr() != out.data_ptr():
             out.copy_(result)
         return out
 
-    def _overflow_for(self, bs: int) -> StaticBuffers:
+    def _buffers_for(self, bs: int) -> StaticBuffers:
+        """The static buffers, or for a batch above their capacity overflow buffers (never
+        the graphs' addresses), allocated on first need at a power-of-two capacity."""
+        if bs <= self.buffers.max_batch_size:
+            return self.buffers
         if self._overflow is None or self._overflow.max_batch_size < bs:
-            capacity = 1 << (bs - 1).bit_length()  # powers of two: few reallocations
+            capacity = 1 << (bs - 1).bit_length()
             plans = [self.backend.plan(b, self.spec.num_heads, self.max_model_len)
                      for b in range(1, capacity + 1)]
             if self._overflow is not None:

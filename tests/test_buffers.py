@@ -216,3 +216,42 @@ def test_bfloat16_inputs_are_staged_bit_for_bit():
     buf.stage(BatchValidator(spec)(batch), padded_bs=2)
     assert torch.equal(buf.inputs["h"][0], h[0]) and not buf.inputs["h"][1].any()
     assert buf.inputs["ids"].tolist() == [7, 0]
+
+
+def stage_table(buf, table, lens):
+    batch = DecodeBatch(list(lens), table, {"hidden": torch.zeros(len(lens), HIDDEN)})
+    buf.stage(BatchValidator(toy_spec(max_pages=MAX_PAGES))(batch), padded_bs=len(lens))
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_out_of_range_padding_past_live_pages_stages_as_page_0(dtype):
+    # Engines often pad tables with -1; entries past a row's live pages are never read.
+    buf = make_buffers("cpu")
+    stage_table(buf, np.array([[3, 4, -1], [5, -1, 70]], dtype), (30, 7))  # 2 and 1 pages
+    assert buf.block_table[:2, :3].tolist() == [[3, 4, 0], [5, 0, 0]]
+
+
+@pytest.mark.parametrize("dtype, value", [(np.int32, 64), (np.int32, -1), (np.int64, 64),
+                                          (np.int64, -1), (np.int64, 2**32 + 3)])
+def test_a_live_page_outside_the_cache_raises_before_the_device_sees_it(dtype, value):
+    buf = make_buffers("cpu", slots=1)
+    stage_table(buf, np.array([[7, 8, 9], [10, 11, 12]], np.int32), (40, 7))
+    before = buf.block_table.clone()
+    bad = np.array([[0, 1, value], [3, 4, 5]], dtype)  # row 0 reads all three entries
+    with pytest.raises(ValueError, match=rf"\[0, 2\] = {value} points outside"):
+        stage_table(buf, bad, (40, 7))
+    assert torch.equal(buf.block_table, before)
+    # The next stage through the same staging memory names only real pages.
+    stage_table(buf, np.array([[1]], np.int32), (5,))
+    assert buf.block_table.min() >= 0 and buf.block_table.max() < 64
+
+
+def test_wide_tables_are_checked_only_over_live_columns():
+    buf = make_buffers("cpu")
+    table = np.full((2, 20), 10_000, np.int32)
+    table[:, :3] = [[0, 1, 2], [3, 4, 5]]
+    stage_table(buf, table, (40, 7))
+    assert buf.block_table[:2, :3].tolist() == [[0, 1, 2], [3, 4, 5]]
+    table[0, 2] = 64
+    with pytest.raises(ValueError, match=r"\[0, 2\] = 64 points outside"):
+        stage_table(buf, table, (40, 7))

@@ -43,7 +43,7 @@ def test_cpu_model_without_the_interpreter_says_how_to_fix_it():
     if torch.cuda.is_available():
         pytest.skip("CUDA present: kernels compile natively")
     code = ("from graphbucket.models import MLADecoder, tiny; "
-            "MLADecoder(tiny(), num_pages=4, device='cpu')")
+            "MLADecoder(tiny(), num_pages=4, device='cpu')(None)")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120)

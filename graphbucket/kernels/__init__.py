@@ -21,18 +21,18 @@ from graphbucket.kernels.mla_decode import _mla_decode_stage1_kernel
 INTERPRETED = isinstance(_mla_decode_stage1_kernel, InterpretedFunction)
 
 
-def check_kernel_device(device: torch.device | str) -> None:
-    """Raise a ValueError naming the fix when Triton kernels cannot run on ``device``."""
+def kernel_device_error(device: torch.device | str) -> str | None:
+    """Why Triton kernels cannot run on ``device`` in this process, and the fix; or None."""
     device = torch.device(device)
     if device.type == "cpu" and not INTERPRETED:
-        raise ValueError(
-            "graphbucket's Triton kernels run on the CPU only in Triton's interpreter: set "
-            "TRITON_INTERPRET=1 in the environment before importing graphbucket (e.g. "
-            "`TRITON_INTERPRET=1 python3 script.py`), or use a CUDA device")
+        return ("graphbucket's Triton kernels run on the CPU only in Triton's interpreter: set "
+                "TRITON_INTERPRET=1 in the environment before importing graphbucket (e.g. "
+                "`TRITON_INTERPRET=1 python3 script.py`), or use a CUDA device")
     if device.type == "cuda" and INTERPRETED:
-        raise ValueError("TRITON_INTERPRET=1 is set, so Triton kernels run in the interpreter "
-                         "on CPU tensors only; unset it to run on CUDA")
+        return ("TRITON_INTERPRET=1 is set, so Triton kernels run in the interpreter on CPU "
+                "tensors only; unset it to run on CUDA")
+    return None
 
 
-__all__ = ["INTERPRETED", "SplitWorkspace", "check_kernel_device", "check_mla_decode_args",
-           "default_sm_scale", "mla_decode"]
+__all__ = ["INTERPRETED", "SplitWorkspace", "check_mla_decode_args", "default_sm_scale",
+           "kernel_device_error", "mla_decode"]

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from graphbucket.context import DecodeContext
-from graphbucket.kernels import check_kernel_device
+from graphbucket.kernels import kernel_device_error
 from graphbucket.models import gemv, ops
 from graphbucket.models.config import MLAConfig
 from graphbucket.models.step_reference import decode_reference
@@ -57,7 +57,9 @@ class MLADecoder:
             raise ValueError(f"projections must be one of {PROJECTIONS}, got {projections!r}")
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        check_kernel_device(device)
+        # Raised by forward, not here: a model without runnable kernels is still good for
+        # its weights, shards and float reference.
+        self._kernel_error = kernel_device_error(device)
         self.config, self.num_pages, self.page_size = config, num_pages, page_size
         # "skinny-bmm": the per-head absorbed products through models/gemv.py (1.1-1.2x
         # faster than torch.bmm on the H200, bench/NOTES.md), F.linear for the rest (cuBLAS
@@ -98,6 +100,8 @@ class MLADecoder:
 
     def forward(self, ctx: DecodeContext) -> torch.Tensor:
         """One decode step -> final hidden states [B, D] in the model dtype."""
+        if self._kernel_error:
+            raise ValueError(self._kernel_error)
         cfg = self.config
         x = ctx.inputs[HIDDEN_INPUT]
         h = ops.rms_norm(x, self.layers[0].attn_norm, cfg.rms_eps)
