@@ -18,8 +18,7 @@ from __future__ import annotations
 import sys
 from bisect import bisect_left
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, Literal, NamedTuple, get_args
 
 import numpy as np
 
@@ -30,10 +29,10 @@ from graphbucket.ladder import BucketLadder, above_top_error
 SelectRule = Literal["max", "min"]
 
 
-@dataclass(frozen=True, slots=True)
-class GraphKey:
+class GraphKey(NamedTuple):
     """One graph slot: ``batch_size`` rows (padded), ``bucket`` of the ladder, planned
-    with ``hint``. Keys whose plans are equal share one captured graph."""
+    with ``hint``. Keys whose plans are equal share one captured graph. A named tuple:
+    immutable, and hashed in C (a step hashes its key three times)."""
 
     batch_size: int
     bucket: int
