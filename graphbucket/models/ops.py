@@ -106,9 +106,11 @@ def _kv_store_kernel(KV, W, ROPE, POS, SLOT, SEQ_LENS, CACHE, stride_kv, stride_
     k1, k2 = _rotate(KV + b * stride_kv + R, ROPE + pos * stride_rope, offs_h, HALF, mask_h)
     row = CACHE + (slot // PAGE_SIZE) * stride_page + (slot % PAGE_SIZE) * stride_tok
     ty = CACHE.dtype.element_ty
-    tl.store(row + offs_r, lat.to(ty), mask=mask_r & valid)
-    tl.store(row + R + offs_h, k1.to(ty), mask=mask_h & valid)
-    tl.store(row + R + HALF + offs_h, k2.to(ty), mask=mask_h & valid)
+    # tl.where, not `mask & valid`: the interpreter makes a block & scalar bool int32, which
+    # its store rejects from Triton 3.9 on.
+    tl.store(row + offs_r, lat.to(ty), mask=tl.where(valid, mask_r, False))
+    tl.store(row + R + offs_h, k1.to(ty), mask=tl.where(valid, mask_h, False))
+    tl.store(row + R + HALF + offs_h, k2.to(ty), mask=tl.where(valid, mask_h, False))
 
 
 def store_kv(kv_a: torch.Tensor, norm_weight: torch.Tensor, rope: torch.Tensor,
