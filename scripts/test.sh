@@ -12,4 +12,7 @@ install_test
 install_package
 
 "$PY" -m ruff check .
-"$PY" -m pytest -q tests bench/test_tpot.py --benchmark-disable "$@"
+# Fast lane first: host logic only, no kernel launches (seconds). Then everything else,
+# the Triton kernels included (through the interpreter where there is no GPU).
+"$PY" -m pytest -q -m host tests "$@"
+"$PY" -m pytest -q -m "not host" tests bench/test_tpot.py --benchmark-disable "$@"
