@@ -7,10 +7,9 @@ caller mistake raises TypeError/ValueError naming what was received, what was ex
 and the fix, before a single byte is staged or a kernel launched.
 
 Validation runs on every decode step, so the validator looks the spec's constants up once
-and each check is one comparison or one numpy reduction. The block table's entries are
-checked where they are copied anyway: ``StaticBuffers.stage`` copies the live columns into
-pinned staging memory and checks the copy there (still in cache) before anything goes to
-the device, so the table, the only input proportional to the context, is read once.
+and each check is one comparison or one numpy reduction: the block table's live columns
+are checked with a single unsigned max (negative entries wrap above any page count),
+which is the only work proportional to the table's size.
 """
 
 from __future__ import annotations
@@ -61,9 +60,8 @@ class DecodeBatch:
 class CheckedBatch:
     """A validated ``DecodeBatch`` as numpy integer arrays.
 
-    seq_lens [B]; block_table [B, need] (only the columns the longest request uses; its
-    entries are checked by ``StaticBuffers.stage``); positions [B] or None (then
-    ``seq_len - 1``); inputs as given,
+    seq_lens [B]; block_table [B, need] (only the columns the longest request uses, every
+    entry inside the cache); positions [B] or None (then ``seq_len - 1``); inputs as given,
     split into ``host_inputs`` (name, numpy view in ``numpy_view_dtype``) and
     ``device_inputs`` (name, tensor on the buffers' device).
     """
@@ -98,6 +96,17 @@ def _host_ints(name: str, value: Any, ndim: int) -> np.ndarray:
     if arr.ndim != ndim:
         raise ValueError(f"{name} has shape {arr.shape}; expected {ndim} dimension(s)")
     return arr
+
+
+def _all_below(table: np.ndarray, limit: int) -> bool:
+    if table.size <= 8:  # a few entries (batch 1, short context): builtins beat a reduction
+        entries = table.ravel().tolist()
+        return min(entries) >= 0 and max(entries) < limit
+    # One pass: viewed as unsigned, negative entries wrap above any limit too.
+    if table.dtype.kind == "i" and table.dtype.itemsize in (4, 8):
+        return bool(table.view(np.uint32 if table.dtype.itemsize == 4 else np.uint64).max()
+                    < limit)
+    return bool(table.min() >= 0 and table.max() < limit)
 
 
 class BatchValidator:
@@ -182,18 +191,22 @@ class BatchValidator:
             row = int(lens.argmax())
             raise ValueError(f"request {row} has seq_len {max_len} = {need} pages of "
                              f"{self._page}, but block_table_cpu has only {cols} columns")
-        return bt if cols == need else bt[:, :need]
+        live = bt if cols == need else bt[:, :need]
+        if need and not _all_below(live, self._num_pages):
+            return _sanitize_block_table(live, lens, self.spec)
+        return live
 
     def _split_inputs(self, inputs: Mapping[str, torch.Tensor], bs: int
                       ) -> tuple[tuple[tuple[str, np.ndarray], ...],
                                  tuple[tuple[str, torch.Tensor], ...]]:
-        if not isinstance(inputs, Mapping):
+        if type(inputs) is not dict and not isinstance(inputs, Mapping):
             raise TypeError(f"inputs is a {type(inputs).__name__}; expected a mapping of name "
                             f"-> tensor with keys {sorted(i[0] for i in self._inputs)}")
         if len(inputs) != len(self._inputs):
             raise self._keys_error(inputs)
         host, device = [], []
         for name, dtype, shape, view in self._inputs:
+            ndim = 1 + len(shape)
             t = inputs.get(name)
             if t is None and name not in inputs:
                 raise self._keys_error(inputs)
@@ -207,7 +220,7 @@ class BatchValidator:
                 raise TypeError(f"inputs[{name!r}] is on {t.device}; expected the CPU or "
                                 f"{self._device}. Move it with .to({str(self._device)!r})")
             t_shape = t.shape
-            if t_shape[:1] != (bs,) or t_shape[1:] != shape:  # [:1]: a 0-d tensor too
+            if len(t_shape) != ndim or t_shape[0] != bs or t_shape[1:] != shape:
                 raise ValueError(f"inputs[{name!r}] has shape {tuple(t_shape)}; expected "
                                  f"{(bs, *shape)} (batch, *InputSpec.shape)")
             if on_host:
@@ -219,3 +232,20 @@ class BatchValidator:
     def _keys_error(self, inputs: Mapping[str, torch.Tensor]) -> ValueError:
         return ValueError(f"inputs has keys {sorted(inputs)}; expected "
                           f"{sorted(i[0] for i in self._inputs)} (one tensor per InputSpec)")
+
+
+def _sanitize_block_table(bt: np.ndarray, lens: np.ndarray, spec: BufferSpec) -> np.ndarray:
+    # Slow path: out-of-range entries past a row's live pages are padding (engines often
+    # pad with -1); they are zeroed so that every staged entry names a real page.
+    pages_needed = -(-lens.astype(np.int64) // spec.page_size)
+    used = np.arange(bt.shape[1])[None, :] < pages_needed[:, None]
+    bad = ((bt < 0) | (bt >= spec.num_pages)) & used
+    if bad.any():
+        row, col = (int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"block_table_cpu[{row}, {col}] = {int(bt[row, col])} points outside the KV cache "
+            f"(expected a page index in [0, {spec.num_pages})); request {row} uses its first "
+            f"{int(pages_needed[row])} entries. Fix the scheduler's block table")
+    return np.where(used, bt, 0)
+
+

@@ -103,36 +103,6 @@ class _StagingSlot:
         self.block_table[:bs, :table.shape[1]] = table
 
 
-def _all_below(table: np.ndarray, limit: int) -> bool:
-    if table.size <= 8:  # a few entries (batch 1, short context): builtins beat a reduction
-        entries = table.ravel().tolist()
-        return min(entries) >= 0 and max(entries) < limit
-    # One pass: viewed as unsigned, negative entries wrap above any limit too.
-    if table.dtype.kind == "i" and table.dtype.itemsize in (4, 8):
-        return bool(table.view(np.uint32 if table.dtype.itemsize == 4 else np.uint64).max()
-                    < limit)
-    return bool(table.min() >= 0 and table.max() < limit)
-
-
-def _sanitize_or_raise(table: np.ndarray, lens: np.ndarray, spec: BufferSpec) -> None:
-    """Slow path, in place on staged entries: out-of-range entries past a row's live pages
-    are padding (engines often pad with -1) and become page 0; one inside raises, and the
-    staged rows are zeroed first so that every entry ever staged names a real page."""
-    pages_needed = -(-lens.astype(np.int64) // spec.page_size)
-    used = np.arange(table.shape[1])[None, :] < pages_needed[:, None]
-    out = (table < 0) | (table >= spec.num_pages)
-    bad = out & used
-    if bad.any():
-        row, col = (int(i) for i in np.argwhere(bad)[0])
-        value = int(table[row, col])
-        table[...] = 0
-        raise ValueError(
-            f"block_table_cpu[{row}, {col}] = {value} points outside the KV cache (expected "
-            f"a page index in [0, {spec.num_pages})); request {row} uses its first "
-            f"{int(pages_needed[row])} entries. Fix the scheduler's block table")
-    table[out] = 0
-
-
 def _staging_slot(segments: dict[str, _Segment], nbytes: int, device: torch.device | None
                   ) -> _StagingSlot:
     """A staging arena; pinned, with a reuse event, when ``device`` (a CUDA device) is given."""
@@ -206,9 +176,6 @@ class StaticBuffers:
     def stage(self, batch: CheckedBatch, padded_bs: int) -> None:
         """Copy a validated host batch into rows [0, padded_bs) of seq_info; pad the rest.
 
-        Raises ValueError, before anything reaches the device, for a block-table entry of
-        a live page outside the cache (out-of-range entries past a row's live pages are
-        padding and are staged as page 0).
         One pinned host -> device copy (non-blocking) of the arena prefix, plus device ->
         device copies for inputs already on the device. Graph-safe and sync-free, except
         that a staging slot whose previous copy is still in flight is waited for (the GPU
@@ -216,16 +183,8 @@ class StaticBuffers:
         """
         bs = batch.batch_size
         assert bs <= padded_bs <= self.max_batch_size, (bs, padded_bs, self.max_batch_size)
-        table, limit = batch.block_table, self.spec.num_pages
-        # Tables are checked after the copy below (one read of the table), but 8-byte ones
-        # before it too: the int32 staging copy could wrap a huge live entry into range.
-        if table.dtype.itemsize == 8 and table.size and not _all_below(table, limit):
-            _sanitize_or_raise(table.copy(), batch.seq_lens, self.spec)  # raises if live
         index, slot = self._acquire_slot()
         slot.fill(batch, padded_bs)
-        staged = slot.block_table[:bs, :table.shape[1]]
-        if table.size and not _all_below(staged, limit):
-            _sanitize_or_raise(staged, batch.seq_lens, self.spec)
         views = self._prefixes.get(padded_bs) or self._prefix_views(padded_bs)
         event = slot.event
         views[0].copy_(views[1][index], non_blocking=event is not None)

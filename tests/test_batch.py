@@ -86,12 +86,30 @@ def test_validator_splits_host_and_device_inputs_and_matches_check():
     assert (again.min_len, again.max_len) == (host.min_len, host.max_len) == (7, 40)
 
 
-def test_only_the_live_columns_are_kept():
-    # Columns past the longest request's pages are never staged (and so never checked).
+def test_wide_tables_are_checked_only_over_live_columns():
+    # Columns past the longest request's pages are never staged, so never checked.
     table = np.full((2, 20), 10_000, np.int32)
     table[:, :3] = [[0, 1, 2], [3, 4, 5]]
     assert check(batch(lens=(40, 7), table=table)).block_table.tolist() == [[0, 1, 2],
                                                                            [3, 4, 5]]
+    table[0, 2] = 64
+    with pytest.raises(ValueError, match=r"\[0, 2\] = 64 points outside"):
+        check(batch(lens=(40, 7), table=table))
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_out_of_range_padding_past_live_pages_is_zeroed(dtype):
+    # Engines often pad tables with -1; entries past a row's live pages are never read.
+    table = np.array([[3, 4, -1], [5, -1, 70]], dtype)
+    assert check(batch(lens=(30, 7), table=table)).block_table.tolist() == [[3, 4], [5, 0]]
+
+
+@pytest.mark.parametrize("dtype, value", [(np.int32, 64), (np.int32, -1), (np.int64, 64),
+                                          (np.int64, -1), (np.int64, 2**32 + 3)])
+def test_a_live_page_outside_the_cache_raises(dtype, value):
+    table = np.array([[0, 1, value], [3, 4, 5]], dtype)  # row 0 reads all three entries
+    with pytest.raises(ValueError, match=rf"\[0, 2\] = {value} points outside"):
+        check(batch(lens=(40, 7), table=table))
 
 
 @pytest.mark.parametrize("table", [np.array([[3, 4, 5]], np.int64),
