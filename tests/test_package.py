@@ -64,3 +64,26 @@ def test_device_fixture(device):
 @pytest.mark.gpu
 def test_gpu_marker_runs_only_with_cuda():
     assert torch.cuda.is_available()
+
+
+def test_no_import_cycles_between_graphbucket_modules():
+    import ast
+
+    deps = {}
+    for path in (ROOT / "graphbucket").rglob("*.py"):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        deps[name] = {n.module for n in ast.walk(ast.parse(path.read_text()))
+                      if isinstance(n, ast.ImportFrom) and n.module
+                      and n.module.startswith("graphbucket")}
+
+    def cycle_from(module, stack):
+        for dep in deps.get(module, ()):
+            if dep in stack:
+                return stack[stack.index(dep):] + [dep]
+            found = cycle_from(dep, stack + [dep])
+            if found:
+                return found
+        return None
+
+    for module in deps:
+        assert cycle_from(module, [module]) is None, cycle_from(module, [module])

@@ -28,8 +28,16 @@ import torch.nn.functional as F
 
 from graphbucket.context import DecodeContext
 from graphbucket.kernels import kernel_device_error
-from graphbucket.models import gemv, ops
 from graphbucket.models.config import MLAConfig
+from graphbucket.models.gemv import MAX_ROWS, skinny_bmm
+from graphbucket.models.ops import (
+    add_rms_norm,
+    assemble_q,
+    rms_norm,
+    rope_cache,
+    silu_mul,
+    store_kv,
+)
 from graphbucket.models.step_reference import decode_reference
 from graphbucket.models.weights import MLALayerWeights, random_weights
 from graphbucket.spec import BufferSpec, InputSpec
@@ -72,7 +80,7 @@ class MLADecoder:
         self.layers, self.final_norm = weights
         self.kv_caches = [torch.zeros(num_pages, page_size, config.kv_dim, dtype=dtype,
                                       device=self.device) for _ in range(config.num_layers)]
-        self.rope = ops.rope_cache(config.qk_rope_dim, config.max_position, config.rope_theta,
+        self.rope = rope_cache(config.qk_rope_dim, config.max_position, config.rope_theta,
                                    device=self.device)
 
     def __call__(self, ctx: DecodeContext) -> torch.Tensor:
@@ -104,23 +112,23 @@ class MLADecoder:
             raise ValueError(self._kernel_error)
         cfg = self.config
         x = ctx.inputs[HIDDEN_INPUT]
-        h = ops.rms_norm(x, self.layers[0].attn_norm, cfg.rms_eps)
+        h = rms_norm(x, self.layers[0].attn_norm, cfg.rms_eps)
         for i, (layer, cache) in enumerate(zip(self.layers, self.kv_caches, strict=True)):
             o = self._all_reduce(self._attention(layer, cache, h, ctx))
-            x, h = ops.add_rms_norm(x, o, layer.mlp_norm, cfg.rms_eps)
-            d = self._all_reduce(self._linear(ops.silu_mul(self._linear(h, layer.w_gate_up)),
+            x, h = add_rms_norm(x, o, layer.mlp_norm, cfg.rms_eps)
+            d = self._all_reduce(self._linear(silu_mul(self._linear(h, layer.w_gate_up)),
                                               layer.w_down))
             next_norm = (self.layers[i + 1].attn_norm if i + 1 < len(self.layers)
                          else self.final_norm)
-            x, h = ops.add_rms_norm(x, d, next_norm, cfg.rms_eps)
+            x, h = add_rms_norm(x, d, next_norm, cfg.rms_eps)
         return h
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return F.linear(x, w)
 
     def _bmm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if self.projections == "skinny-bmm" and x.shape[1] <= gemv.MAX_ROWS:
-            return gemv.skinny_bmm(x, w)
+        if self.projections == "skinny-bmm" and x.shape[1] <= MAX_ROWS:
+            return skinny_bmm(x, w)
         return torch.bmm(x, w)
 
     def _all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
@@ -133,13 +141,13 @@ class MLADecoder:
         cfg = self.config
         bs, q_lora = h.shape[0], cfg.q_lora_rank
         qkv_a = self._linear(h, layer.w_qkv_a)                      # [B, Q + R + P]
-        ops.store_kv(qkv_a[:, q_lora:], layer.kv_a_norm, self.rope, ctx.positions,
+        store_kv(qkv_a[:, q_lora:], layer.kv_a_norm, self.rope, ctx.positions,
                      ctx.inputs[SLOT_INPUT], ctx.seq_lens, cache, cfg.rms_eps)
-        q_b = self._linear(ops.rms_norm(qkv_a[:, :q_lora], layer.q_a_norm, cfg.rms_eps),
+        q_b = self._linear(rms_norm(qkv_a[:, :q_lora], layer.q_a_norm, cfg.rms_eps),
                            layer.w_q_b)                             # [B, H * (nope + P)]
         q_nope = q_b.view(bs, cfg.num_heads, cfg.qk_head_dim)[..., :cfg.qk_nope_dim]
         q_latent = self._bmm(q_nope.transpose(0, 1), layer.w_uk)    # [H, B, R]
-        q = ops.assemble_q(q_latent, q_b, self.rope, ctx.positions, nope_dim=cfg.qk_nope_dim)
+        q = assemble_q(q_latent, q_b, self.rope, ctx.positions, nope_dim=cfg.qk_nope_dim)
         attn = torch.empty(bs, cfg.num_heads, cfg.kv_lora_rank, dtype=h.dtype, device=h.device)
         ctx.attend(q, cache, attn)
         o = self._bmm(attn.transpose(0, 1), layer.w_uv)             # [H, B, v_head]
