@@ -177,7 +177,7 @@ def test_cuda_tensor_is_refused(sel):
         sel.choose(torch.tensor([1, 2], device="cuda"))
 
 
-# ---- padded batch, keys, hints (was graphbucket.engine.BucketHook) --------------------
+# ---- padded batch, keys, hints --------------------------------------------------------
 
 
 def test_choose_pads_the_batch_and_takes_the_bucket_of_the_longest_request(sel, ladder):
