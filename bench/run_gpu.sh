@@ -2,11 +2,10 @@
 # GPU evidence in one call: GPU tests, kernel sweep, capture/dispatch bench, ladder tune,
 # TPOT per policy, and the demo's GPU path.
 # Usage (on a CUDA machine, from the repo root): OUT=/some/dir bash bench/run_gpu.sh [steps]
-# steps: any of tests gputests sweep capture tune tpot demo tp
+# steps: any of tests gputests sweep capture tune tpot ragged demo tp
+#        (ragged: batches whose lengths differ, against the bytes they read)
 #        (tp needs 2 GPUs: TP=2 decode, numerics vs TP=1, TPOT ladder vs fixed-1)
 #        (default: tests sweep capture tune tpot).
-# The finished experiments' steps (proj, tpot-torch, partials, pdl) went with their scripts;
-# bench/NOTES.md names the commit that still has them.
 # Every step has a time limit so one hang cannot eat the rest; everything written under
 # $OUT/r is packed into $OUT/gpu-results.tgz (the device tool returns at most 8 files).
 # TPOT_LAYERS sets the tpot model's layer count (default 4).
@@ -45,6 +44,8 @@ for step in $steps; do
     tp) NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
           timeout 300 python3 scripts/tp_decode.py --world-size 2 --out "$R" > "$R/tp.log" 2>&1
         tail -12 "$R/tp.log" ;;
+    ragged) timeout 120 python3 bench/ragged.py --out "$R" > "$R/ragged.log" 2>&1
+            tail -8 "$R/h200-ragged.md" ;;
     demo) timeout 240 python3 scripts/demo.py 2>&1 | tee "$R/demo.log" ;;
     *) echo "unknown step $step" ;;
   esac

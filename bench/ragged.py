@@ -1,0 +1,120 @@
+"""Ragged batches: MLA decode when one request's length is not every request's length (H200).
+
+Mixes (16 heads, bf16, page 64, cold L2, CUDA-graph replays, as in the kernel sweep):
+
+- ``long-among-short``: batch 64, one 128K request and 63 of 1K;
+- ``spread-128k``: batch 8, lengths spread evenly over 1..128K;
+- ``spread-8k``: batch 64, lengths spread evenly over 1..8K.
+
+The split-KV plan is made from the longest length (what a bucket graph covering it plans
+with), so every row gets the same split count. The floor is the bytes actually read (each
+request's own KV rows, q and out) over the copy bandwidth measured in the same run.
+
+    python3 bench/ragged.py --out bench/results      # writes h200-ragged.{json,md}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.gpu_timing import copy_gbps, run_meta, time_replays  # noqa: E402
+from graphbucket.kernels import SplitWorkspace, default_sm_scale, mla_decode  # noqa: E402
+from graphbucket.plan import plan_mla_decode  # noqa: E402
+from graphbucket.tuning.measure import L2_FLUSH_BYTES, MAX_ROTATIONS  # noqa: E402
+
+HEADS, PAGE, DIM, RANK = 16, 64, 576, 512
+
+
+def mixes() -> dict[str, list[int]]:
+    return {"long-among-short": [131072] + [1024] * 63,
+            "spread-128k": np.linspace(1, 131072, 8).astype(int).tolist(),
+            "spread-8k": np.linspace(1, 8192, 64).astype(int).tolist()}
+
+
+def bytes_read(lens: list[int]) -> int:
+    return sum(lens) * DIM * 2 + len(lens) * HEADS * (DIM + RANK) * 2
+
+
+def inputs(lens: list[int], cache: torch.Tensor):
+    """R rotations of scattered block tables over ``cache`` (each its own pages), q, out,
+    seq_lens: enough distinct KV per graph replay to evict the L2."""
+    pages = [-(-n // PAGE) for n in lens]
+    per_call = sum(pages)
+    rotations = max(1, min(MAX_ROTATIONS, L2_FLUSH_BYTES // bytes_read(lens),
+                           cache.shape[0] // per_call))
+    perm = torch.randperm(cache.shape[0], device="cuda")[: rotations * per_call].int()
+    tables = torch.zeros(rotations, len(lens), max(pages), dtype=torch.int32, device="cuda")
+    for r in range(rotations):
+        chunk = perm[r * per_call:(r + 1) * per_call].split(pages)
+        for b, row in enumerate(chunk):
+            tables[r, b, :row.numel()] = row
+    q = torch.randn(rotations, len(lens), HEADS, DIM, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty(rotations, len(lens), HEADS, RANK, dtype=torch.bfloat16, device="cuda")
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    return tables, q, out, seq_lens
+
+
+def measure(gbps: float) -> list[dict]:
+    all_pages = max(sum(-(-n // PAGE) for n in lens) for lens in mixes().values())
+    cache = torch.empty(8 * all_pages, PAGE, DIM, dtype=torch.bfloat16, device="cuda").normal_()
+    scale, rows = default_sm_scale(), []
+    for name, lens in mixes().items():
+        tables, q, out, seq_lens = inputs(lens, cache)
+        plan = plan_mla_decode(len(lens), HEADS, max(lens))
+        ws = SplitWorkspace.allocate(len(lens), HEADS, plan.num_kv_splits, RANK, "cuda")
+
+        def call(plan=plan, ws=ws, tables=tables, q=q, out=out, seq_lens=seq_lens):
+            for r in range(tables.shape[0]):
+                mla_decode(q[r], cache, tables[r], seq_lens, out[r], ws, plan=plan,
+                           sm_scale=scale, check=False)
+
+        us = time_replays(call, calls_per_graph=tables.shape[0])
+        floor_us = bytes_read(lens) / (gbps * 1e3)
+        rows.append({"impl": "graphbucket", "topology": f"split-kv ({plan.num_kv_splits})",
+                     "heads": HEADS, "batch": len(lens), "context": max(lens), "mix": name,
+                     "us": round(us, 3), "floor_us": round(floor_us, 3),
+                     "frac_of_copy": round(floor_us / us, 4)})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def markdown(result: dict) -> str:
+    meta = result["meta"]
+    lines = [f"# Ragged MLA decode ({meta['gpu']})", "",
+             f"{meta['date']}, torch {meta['torch']}, triton {meta['triton']}, copy "
+             f"{meta['copy_gbps']:.0f} GB/s. Command: `{meta['command']}`", "",
+             "| mix | batch | longest | topology | us | floor us | of floor |",
+             "|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['mix']} | {r['batch']} | {r['context']} | {r['topology']} | "
+                     f"{r['us']:.1f} | {r['floor_us']:.1f} | {100 * r['frac_of_copy']:.0f} % |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench/results", help="folder for h200-ragged.{json,md}")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("ragged.py times CUDA graph replays and needs a CUDA GPU")
+    gbps = copy_gbps()
+    result = {"meta": {**run_meta(), "copy_gbps": round(gbps, 1)}, "rows": measure(gbps)}
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "h200-ragged")
+    with open(path + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    with open(path + ".md", "w") as f:
+        f.write(markdown(result))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
