@@ -10,9 +10,11 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
+from graphbucket import GraphBucketRunner, get_backend
 from graphbucket.backends.triton import TritonBackend
 from graphbucket.kernels import SplitWorkspace, mla_decode, mla_decode_balanced
 from graphbucket.kernels.launch import tile_tokens
@@ -26,6 +28,7 @@ from graphbucket.plan import (
     plan_mla_decode,
 )
 from graphbucket.reference import mla_decode_reference
+from tests._toy import LADDER, ToyMLA, toy_batch, toy_reference, toy_spec
 from tests.kernel_cases import DecodeCase, make_case, rel_l2
 
 ON_GPU = torch.cuda.is_available()
@@ -304,6 +307,25 @@ def test_one_workspace_serves_split_and_balanced_plans():
         ref, _ = mla_decode_reference(c.q.cpu(), c.kv_cache.cpu(), c.block_table.cpu(),
                                       c.seq_lens.cpu(), kv_lora_rank=RANK, sm_scale=SM_SCALE)
         assert rel_l2(out.cpu(), ref) < 1e-2, plan.describe()
+
+
+def test_runner_steps_through_every_bucket_with_one_balanced_plan_per_batch_size(device):
+    model = ToyMLA(device=device)
+    backend = get_backend("triton", num_sms=1, balanced=True, **DIMS)
+    runner = GraphBucketRunner.for_policy(
+        "ladder", model, spec=toy_spec(device=device), batch_sizes=[1, 2], max_model_len=320,
+        sm_scale=SM_SCALE, backend=backend, ladder=LADDER, warmup_iters=int(ON_GPU),
+        progress=False)
+    runner.capture()
+    # The plan ignores the hint: every bucket of a batch size aliases one graph.
+    assert sorted(r.plan.batch_size for r in runner.records) == [1, 2]
+    assert all(r.plan.balanced for r in runner.records)
+    rng = np.random.default_rng(0)
+    for lens in ([20, 10], [300, 3], [64, 0], [320, 270], [300]):
+        batch = toy_batch(lens, rng=rng)
+        want = toy_reference(model, batch, sm_scale=SM_SCALE)
+        assert rel_l2(runner.step(batch), want) < (1e-2 if ON_GPU else 1e-5), lens
+    runner.close()
 
 
 # --- GPU ----------------------------------------------------------------------------------
