@@ -166,7 +166,7 @@ class LaunchPlan:
         if self.balanced:
             return (f"balanced programs={self.persistent_programs} grid={self.grid} "
                     f"block_h={self.block_h} block_n={self.block_n} "
-                    f"min_chunk={self.min_chunk_tiles}+merge(bs={self.merge_block_s})")
+                    f"min_chunk={self.min_chunk_tiles} +merge(bs={self.merge_block_s})")
         stage2 = f"+merge(bs={self.merge_block_s})" if self.use_stage2 else " one-split"
         return (
             f"splits={self.num_kv_splits} grid={self.grid} block_h={self.block_h} "
