@@ -32,6 +32,11 @@ Where the constants come from (H200 measurements, bench/NOTES.md):
   one split per tile and the budget caps it; powers of two keep neighbouring hints on
   one plan, so ladders alias more graphs.
 The ladder tuner measures these choices on the GPU at hand and may replace them.
+
+``plan_balanced_mla_decode`` plans the other topology, balanced split-KV: a fixed grid of
+persistent programs takes equal chunks of the batch's total tiles, partitioned on the
+device from the live lengths (``graphbucket/kernels/balanced.py``). It is opt-in:
+``plan_mla_decode`` never returns it.
 """
 
 from __future__ import annotations
@@ -89,6 +94,11 @@ class LaunchPlan:
     ``grid`` is stage 1's grid (batch, head blocks, splits). The workspace holds
     ``workspace_shape`` = (batch, heads, splits, kv_lora_rank) float32 partial outputs
     plus (batch, heads, splits) float32 LSEs; it is empty when ``use_stage2`` is False.
+
+    ``persistent_programs`` > 0 selects balanced split-KV instead: stage 1 runs on a
+    (persistent_programs, head blocks, 1) grid over work items of at least
+    ``min_chunk_tiles`` tiles, and the partials of up to ``max_work_items`` items live in
+    the workspace's item buffers; ``num_kv_splits`` is 1 and unused.
     """
 
     batch_size: int
@@ -106,17 +116,35 @@ class LaunchPlan:
     # The merge waits for stage 1 on the device instead of at a kernel boundary
     # (programmatic dependent launch, where the GPU has it: sm_90 and later).
     dependent_merge: bool = False
+    # 0: split-KV over (batch, head blocks, splits). > 0: balanced split-KV on this many
+    # persistent programs per head block.
+    persistent_programs: int = 0
+    min_chunk_tiles: int = 1
 
     @property
     def num_head_blocks(self) -> int:
         return cdiv(self.num_heads, self.block_h)
 
     @property
+    def balanced(self) -> bool:
+        return self.persistent_programs > 0
+
+    @property
     def use_stage2(self) -> bool:
-        return self.num_kv_splits > 1
+        return self.balanced or self.num_kv_splits > 1
+
+    @property
+    def max_work_items(self) -> int:
+        """Balanced plans: the most work items any lengths can make (0 for split plans).
+
+        chunk >= total_tiles / G, so sum_b cdiv(tiles_b, chunk) <= G + (live requests).
+        """
+        return self.persistent_programs + self.batch_size if self.balanced else 0
 
     @property
     def grid(self) -> tuple[int, int, int]:
+        if self.balanced:
+            return (self.persistent_programs, self.num_head_blocks, 1)
         return (self.batch_size, self.num_head_blocks, self.num_kv_splits)
 
     @property
@@ -125,7 +153,7 @@ class LaunchPlan:
 
     @property
     def workspace_shape(self) -> tuple[int, int, int, int]:
-        if not self.use_stage2:
+        if not self.use_stage2 or self.balanced:
             return (0, 0, 0, 0)
         return (self.batch_size, self.num_heads, self.num_kv_splits, self.kv_lora_rank)
 
@@ -135,6 +163,10 @@ class LaunchPlan:
                        merge_block_s=merge_block_s(num_kv_splits))
 
     def describe(self) -> str:
+        if self.balanced:
+            return (f"balanced programs={self.persistent_programs} grid={self.grid} "
+                    f"block_h={self.block_h} block_n={self.block_n} "
+                    f"min_chunk={self.min_chunk_tiles} +merge(bs={self.merge_block_s})")
         stage2 = f"+merge(bs={self.merge_block_s})" if self.use_stage2 else " one-split"
         return (
             f"splits={self.num_kv_splits} grid={self.grid} block_h={self.block_h} "
@@ -163,6 +195,12 @@ def head_block_size(num_heads: int) -> int:
     return 16 if num_heads <= 16 else 32
 
 
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
 def plan_mla_decode(
     batch_size: int,
     num_heads: int,
@@ -180,10 +218,8 @@ def plan_mla_decode(
     the SM-derived budget and ``max_splits``. Any plan is correct for any live length;
     the hint only decides speed. ``stream`` overrides the automatic tile configuration.
     """
-    for name, value in (("batch_size", batch_size), ("num_heads", num_heads), ("hint", hint),
-                        ("num_sms", num_sms), ("max_splits", max_splits)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    _check_positive(batch_size=batch_size, num_heads=num_heads, hint=hint, num_sms=num_sms,
+                    max_splits=max_splits)
     block_h = head_block_size(num_heads)
     rows = batch_size * cdiv(num_heads, block_h)
     stream = stream or stream_config(rows, num_sms)
@@ -203,4 +239,51 @@ def plan_mla_decode(
         merge_block_s=merge_block_s(num_splits),
         merge_block_dv=MERGE_BLOCK_DV,
         dependent_merge=stream.dependent_merge,
+    )
+
+
+def plan_balanced_mla_decode(
+    batch_size: int,
+    num_heads: int,
+    *,
+    num_sms: int = H200_NUM_SMS,
+    kv_lora_rank: int = 512,
+    qk_rope_dim: int = 64,
+    programs: int | None = None,
+    min_chunk_tiles: int | None = None,
+    stream: StreamConfig | None = None,
+) -> LaunchPlan:
+    """Plan balanced split-KV decode for ``batch_size`` requests of any lengths.
+
+    One wave of resident programs: ``programs`` (default ctas_per_sm * num_sms / head
+    blocks) persistent programs per head block share the batch's tiles in chunks of
+    max(min_chunk_tiles, cdiv(total_tiles, programs)), chosen on the device per step. No
+    hint: the device picks the chunk from the live lengths, so one plan serves every
+    context. ``min_chunk_tiles`` defaults to the stream's minimum tiles per split.
+    Not tuned on a GPU yet.
+    """
+    _check_positive(batch_size=batch_size, num_heads=num_heads, num_sms=num_sms)
+    block_h = head_block_size(num_heads)
+    head_blocks = cdiv(num_heads, block_h)
+    stream = stream or stream_config(batch_size * head_blocks, num_sms)
+    if programs is None:
+        programs = max(1, stream.ctas_per_sm * num_sms // head_blocks)
+    if min_chunk_tiles is None:
+        min_chunk_tiles = stream.min_tiles_per_split
+    _check_positive(programs=programs, min_chunk_tiles=min_chunk_tiles)
+    return LaunchPlan(
+        batch_size=batch_size,
+        num_heads=num_heads,
+        num_kv_splits=1,
+        block_h=block_h,
+        block_n=stream.block_n,
+        num_warps=4 if block_h == 16 else 8,
+        num_stages=stream.num_stages,
+        kv_lora_rank=kv_lora_rank,
+        qk_rope_dim=qk_rope_dim,
+        # One request may own every item (a single long request): size the tile for that.
+        merge_block_s=merge_block_s(programs),
+        merge_block_dv=MERGE_BLOCK_DV,
+        persistent_programs=programs,
+        min_chunk_tiles=min_chunk_tiles,
     )

@@ -22,8 +22,8 @@ class DecodeCase:
 
 
 def make_case(seq_lens: list[int], num_heads: int, *, page_size: int, dtype: torch.dtype,
-              device: str, spare_pages: int = 3, gen: torch.Generator | None = None
-              ) -> DecodeCase:
+              device: str, spare_pages: int = 3, gen: torch.Generator | None = None,
+              kv_lora_rank: int = KV_LORA_RANK, rope_dim: int = ROPE_DIM) -> DecodeCase:
     """Fresh random q and cache; every request's pages are a random scatter of page ids.
 
     The cache holds a few pages nobody owns (filled with large values) so that a kernel
@@ -32,7 +32,7 @@ def make_case(seq_lens: list[int], num_heads: int, *, page_size: int, dtype: tor
     max_pages = max(1, max(cdiv(n, page_size) for n in seq_lens))
     needed = sum(cdiv(n, page_size) for n in seq_lens)
     num_pages = needed + spare_pages
-    dim = KV_LORA_RANK + ROPE_DIM
+    dim = kv_lora_rank + rope_dim
     kv = torch.randn(num_pages, page_size, dim, generator=gen, dtype=torch.float32)
     q = torch.randn(len(seq_lens), num_heads, dim, generator=gen, dtype=torch.float32)
     perm = torch.randperm(num_pages, generator=gen)

@@ -1,7 +1,8 @@
 """The default backend: graphbucket's Triton split-KV MLA decode kernels.
 
-Plans come from ``plan_mla_decode`` with the device's SM count; the workspace is one
-``SplitWorkspace`` sized for the largest (batch, split count) over all plans.
+Plans come from ``plan_mla_decode`` with the device's SM count, or from
+``plan_balanced_mla_decode`` with ``balanced=True``; the workspace is one
+``SplitWorkspace`` sized for the largest (batch, split count, work items) over all plans.
 """
 
 from __future__ import annotations
@@ -12,8 +13,14 @@ from dataclasses import dataclass
 
 import torch
 
-from graphbucket.kernels import SplitWorkspace, mla_decode
-from graphbucket.plan import H200_NUM_SMS, MAX_KV_SPLITS, LaunchPlan, plan_mla_decode
+from graphbucket.kernels import SplitWorkspace, mla_decode, mla_decode_balanced
+from graphbucket.plan import (
+    H200_NUM_SMS,
+    MAX_KV_SPLITS,
+    LaunchPlan,
+    plan_balanced_mla_decode,
+    plan_mla_decode,
+)
 
 _PLAN_CACHE_SIZE = 8192
 
@@ -30,24 +37,30 @@ def device_num_sms(device: torch.device | str | None = None, default: int = H200
 
 @dataclass(frozen=True, slots=True)
 class SplitWorkspaceSpec:
-    """Split partials for up to ``max_batch`` requests x ``max_splits`` splits (float32)."""
+    """Split partials for up to ``max_batch`` requests x ``max_splits`` splits (float32),
+    and, for balanced plans, partials of ``max_items`` work items plus the item index."""
 
     max_batch: int
     num_heads: int
     max_splits: int
     kv_lora_rank: int
+    max_items: int = 0
 
     @property
     def nbytes(self) -> int:
-        if self.max_splits <= 1:
-            return 0
-        return 4 * self.max_batch * self.num_heads * self.max_splits * (self.kv_lora_rank + 1)
+        split = 0
+        if self.max_splits > 1:
+            split = 4 * self.max_batch * self.num_heads * self.max_splits * (self.kv_lora_rank + 1)
+        if self.max_items <= 0:
+            return split
+        items = 4 * self.max_items * self.num_heads * (self.kv_lora_rank + 1)
+        return split + items + 4 * (self.max_batch + 2)  # + item_indptr, chunk_tiles
 
     def allocate(self, device: torch.device | str) -> SplitWorkspace | None:
-        if self.max_splits <= 1:
+        if self.max_splits <= 1 and self.max_items <= 0:
             return None  # every plan is one-split: stage 2 never runs
         return SplitWorkspace.allocate(self.max_batch, self.num_heads, self.max_splits,
-                                       self.kv_lora_rank, device)
+                                       self.kv_lora_rank, device, max_items=self.max_items)
 
 
 class TritonBackend:
@@ -55,28 +68,35 @@ class TritonBackend:
 
     ``num_sms`` defaults to the CUDA device's multiprocessor count, or to the H200's 132
     without CUDA (pass a small value in CPU tests to keep split counts low).
+    ``balanced=True`` plans balanced split-KV (device-side partition; one plan per batch
+    size whatever the hint) instead of split-KV.
     """
 
     name = "triton"
 
     def __init__(self, *, kv_lora_rank: int = 512, qk_rope_dim: int = 64,
                  num_sms: int | None = None, device: torch.device | str | None = None,
-                 max_splits: int = MAX_KV_SPLITS) -> None:
+                 max_splits: int = MAX_KV_SPLITS, balanced: bool = False) -> None:
         self.kv_lora_rank = kv_lora_rank
         self.qk_rope_dim = qk_rope_dim
         self.num_sms = num_sms if num_sms is not None else device_num_sms(device)
         self.max_splits = max_splits
+        self.balanced = balanced
         self._plan = functools.lru_cache(maxsize=_PLAN_CACHE_SIZE)(self._plan_uncached)
 
     def __repr__(self) -> str:
         return (f"TritonBackend(kv_lora_rank={self.kv_lora_rank}, qk_rope_dim={self.qk_rope_dim}"
-                f", num_sms={self.num_sms})")
+                f", num_sms={self.num_sms}{', balanced=True' if self.balanced else ''})")
 
     def plan(self, batch_size: int, num_heads: int, hint: int) -> LaunchPlan:
         """Pure host arithmetic, cached; see ``graphbucket.plan.plan_mla_decode``."""
         return self._plan(batch_size, num_heads, hint)
 
     def _plan_uncached(self, batch_size: int, num_heads: int, hint: int) -> LaunchPlan:
+        if self.balanced:
+            return plan_balanced_mla_decode(batch_size, num_heads, num_sms=self.num_sms,
+                                            kv_lora_rank=self.kv_lora_rank,
+                                            qk_rope_dim=self.qk_rope_dim)
         return plan_mla_decode(batch_size, num_heads, hint, num_sms=self.num_sms,
                                kv_lora_rank=self.kv_lora_rank, qk_rope_dim=self.qk_rope_dim,
                                max_splits=self.max_splits)
@@ -90,11 +110,13 @@ class TritonBackend:
             raise ValueError(f"plans mix head counts {sorted(heads)}; one workspace serves "
                              "one head count (build one runner per attention shape)")
         return SplitWorkspaceSpec(max(p.batch_size for p in plans), heads.pop(),
-                                  max(p.num_kv_splits for p in plans), self.kv_lora_rank)
+                                  max(p.num_kv_splits for p in plans), self.kv_lora_rank,
+                                  max(p.max_work_items for p in plans))
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
             seq_lens: torch.Tensor, out: torch.Tensor, workspace: SplitWorkspace | None, *,
             plan: LaunchPlan, sm_scale: float, lse: torch.Tensor | None = None) -> torch.Tensor:
         """See ``graphbucket.kernels.mla_decode``. Graph-safe: launches only."""
-        return mla_decode(q, kv_cache, block_table, seq_lens, out, workspace, plan=plan,
-                          sm_scale=sm_scale, lse=lse)
+        launch = mla_decode_balanced if plan.balanced else mla_decode
+        return launch(q, kv_cache, block_table, seq_lens, out, workspace, plan=plan,
+                      sm_scale=sm_scale, lse=lse)

@@ -16,6 +16,7 @@ from graphbucket.kernels.launch import (
     default_sm_scale,
     mla_decode,
 )
+from graphbucket.kernels.launch_balanced import mla_decode_balanced
 from graphbucket.kernels.mla_decode import _mla_decode_stage1_kernel
 
 INTERPRETED = isinstance(_mla_decode_stage1_kernel, InterpretedFunction)
@@ -35,4 +36,4 @@ def kernel_device_error(device: torch.device | str) -> str | None:
 
 
 __all__ = ["INTERPRETED", "SplitWorkspace", "check_mla_decode_args", "default_sm_scale",
-           "kernel_device_error", "mla_decode"]
+           "kernel_device_error", "mla_decode", "mla_decode_balanced"]

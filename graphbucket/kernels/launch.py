@@ -28,22 +28,45 @@ class SplitWorkspace:
     partial_o:   [max_batch, num_heads, max_splits, kv_lora_rank] float32
     partial_lse: [max_batch, num_heads, max_splits] float32 (log2 units)
     Any plan with batch <= max_batch and splits <= max_splits uses views of these.
+
+    Balanced plans (``max_items`` > 0) use the item buffers instead:
+    item_o [max_items, num_heads, kv_lora_rank] and item_lse [max_items, num_heads]
+    float32 partials, item_indptr [max_batch + 1] and chunk_tiles [1] int32 (the
+    device-side partition of the step).
     """
 
     partial_o: torch.Tensor
     partial_lse: torch.Tensor
+    item_o: torch.Tensor | None = None
+    item_lse: torch.Tensor | None = None
+    item_indptr: torch.Tensor | None = None
+    chunk_tiles: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, max_batch: int, num_heads: int, max_splits: int, kv_lora_rank: int,
-                 device: torch.device | str) -> SplitWorkspace:
-        shape = (max_batch, num_heads, max(1, max_splits))
-        return cls(torch.empty(*shape, kv_lora_rank, dtype=torch.float32, device=device),
-                   torch.empty(*shape, dtype=torch.float32, device=device))
+                 device: torch.device | str, *, max_items: int = 0) -> SplitWorkspace:
+        # A balanced-only workspace (no plan with splits) keeps no split partials.
+        splits = 0 if max_items > 0 and max_splits <= 1 else max(1, max_splits)
+        shape = (max_batch, num_heads, splits)
+        f32 = {"dtype": torch.float32, "device": device}
+        items = {}
+        if max_items > 0:
+            items = {"item_o": torch.empty(max_items, num_heads, kv_lora_rank, **f32),
+                     "item_lse": torch.empty(max_items, num_heads, **f32),
+                     "item_indptr": torch.zeros(max_batch + 1, dtype=torch.int32,
+                                                device=device),
+                     "chunk_tiles": torch.zeros(1, dtype=torch.int32, device=device)}
+        return cls(torch.empty(*shape, kv_lora_rank, **f32), torch.empty(*shape, **f32),
+                   **items)
 
     def fits(self, plan: LaunchPlan) -> bool:
         b, h, s, d = self.partial_o.shape
-        return plan.batch_size <= b and plan.num_heads == h and plan.num_kv_splits <= s \
-            and plan.kv_lora_rank == d
+        if plan.num_heads != h or plan.kv_lora_rank != d:
+            return False
+        if plan.balanced:
+            return self.item_o is not None and plan.max_work_items <= self.item_o.shape[0] \
+                and plan.batch_size < self.item_indptr.shape[0]
+        return plan.batch_size <= b and plan.num_kv_splits <= s
 
 
 def _fail(name: str, got, expected: str, fix: str) -> None:
@@ -87,7 +110,13 @@ def check_mla_decode_args(q: torch.Tensor, kv_cache: torch.Tensor, block_table: 
               "Pass lse=None or a float32 [batch, heads] tensor.")
     if plan.use_stage2 and (workspace is None or not workspace.fits(plan)):
         got = None if workspace is None else tuple(workspace.partial_o.shape)
-        _fail("workspace", got, f"partial_o covering {plan.workspace_shape}",
+        if plan.balanced:
+            got = None if workspace is None or workspace.item_o is None else \
+                tuple(workspace.item_o.shape)
+            want = f"item_o covering {plan.max_work_items} work items, batch {bs}"
+        else:
+            want = f"partial_o covering {plan.workspace_shape}"
+        _fail("workspace", got, want,
               "Allocate a SplitWorkspace covering every plan you will launch.")
 
 
@@ -103,6 +132,9 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     lse [B, H] float32 (natural log) if given. Rows with seq_len 0 give zeros.
     Graph-safe: no device reads, no allocation; the plan fixes grid and split count.
     """
+    if plan.balanced:
+        raise ValueError(f"{plan.describe()} is a balanced plan: launch it with "
+                         "graphbucket.kernels.mla_decode_balanced")
     if check:
         check_mla_decode_args(q, kv_cache, block_table, seq_lens, out, plan, workspace, lse)
     workspace = workspace if plan.use_stage2 else None

@@ -40,6 +40,86 @@ def _split_range(seq_len, split, num_kv_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _load_q(Q, bid, offs_h, mask_h, stride_q_b, stride_q_h,
+            KV_LORA_RANK: tl.constexpr, ROPE_DIM: tl.constexpr):
+    q_row = Q + bid * stride_q_b + offs_h[:, None] * stride_q_h
+    q_nope = tl.load(q_row + tl.arange(0, KV_LORA_RANK)[None, :], mask=mask_h[:, None],
+                     other=0.0)
+    q_rope = tl.load(q_row + KV_LORA_RANK + tl.arange(0, ROPE_DIM)[None, :],
+                     mask=mask_h[:, None], other=0.0)
+    return q_nope, q_rope
+
+
+@triton.jit
+def _attend_tokens(
+    q_nope, q_rope, KV, bt_row, start, end, qk_scale_log2,
+    stride_kv_page, stride_kv_tok,
+    PAGE_SIZE: tl.constexpr,
+    KV_LORA_RANK: tl.constexpr,
+    ROPE_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TILE_IN_PAGE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online softmax over tokens [start, end) of one request (start < end, start a
+    multiple of BLOCK_N). Returns the unnormalised (acc, l, m) in log2 units."""
+    offs_c = tl.arange(0, KV_LORA_RANK)
+    offs_r = tl.arange(0, ROPE_DIM)
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, KV_LORA_RANK], dtype=tl.float32)
+
+    for tok0 in range(start, end, BLOCK_N):
+        offs_n = tok0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        if TILE_IN_PAGE:
+            # Tiles start at multiples of BLOCK_N, so the whole tile sits in one page:
+            # one scalar table load, and the tile is one contiguous run of cache rows.
+            page = tl.load(bt_row + tok0 // PAGE_SIZE).to(tl.int64)
+            row = page * stride_kv_page + (offs_n % PAGE_SIZE) * stride_kv_tok
+        else:
+            page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
+            row = page.to(tl.int64) * stride_kv_page + (offs_n % PAGE_SIZE) * stride_kv_tok
+        kv = tl.load(KV + row[:, None] + offs_c[None, :], mask=mask_n[:, None], other=0.0)
+        k_rope = tl.load(KV + row[:, None] + KV_LORA_RANK + offs_r[None, :],
+                         mask=mask_n[:, None], other=0.0)
+
+        qk = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PRECISION)
+        qk += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
+        qk = tl.where(mask_n[None, :], qk * qk_scale_log2, float("-inf"))
+
+        # Every tile holds at least one live token, so m_new is finite after tile one.
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv,
+                                            input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _store_final(o_ptr, lse_ptr, out, lse_log2, mask_h, WRITE_LSE: tl.constexpr):
+    """The request's output [BLOCK_H, R] at o_ptr and, if asked, its natural-log LSE."""
+    tl.store(o_ptr, out.to(o_ptr.dtype.element_ty), mask=mask_h[:, None])
+    if WRITE_LSE:
+        # LSEs stay in log2 units between the stages; 0.693.. = ln 2 converts the final one.
+        tl.store(lse_ptr, lse_log2 * 0.6931471805599453, mask=mask_h)
+
+
+@triton.jit
+def _store_padding(o_ptr, lse_ptr, mask_h, BLOCK_H: tl.constexpr, KV_LORA_RANK: tl.constexpr,
+                   WRITE_LSE: tl.constexpr):
+    """A padding row (seq_len == 0): zeros and an empty-sum LSE."""
+    tl.store(o_ptr, tl.zeros([BLOCK_H, KV_LORA_RANK], dtype=o_ptr.dtype.element_ty),
+             mask=mask_h[:, None])
+    if WRITE_LSE:
+        tl.store(lse_ptr, tl.full([BLOCK_H], float("-inf"), dtype=tl.float32), mask=mask_h)
+
+
+@triton.jit
 def _mla_decode_stage1_kernel(
     Q, KV, BLOCK_TABLE, SEQ_LENS, OUT, LSE, PART_O, PART_LSE,
     num_kv_splits, num_heads, qk_scale_log2,
@@ -72,58 +152,23 @@ def _mla_decode_stage1_kernel(
     offs_h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < num_heads
     offs_c = tl.arange(0, KV_LORA_RANK)
-    offs_r = tl.arange(0, ROPE_DIM)
+    o_ptr = OUT + bid * stride_o_b + offs_h[:, None] * stride_o_h + offs_c[None, :]
+    lse_ptr = LSE + bid * stride_lse_b + offs_h
 
     seq_len = tl.load(SEQ_LENS + bid)
     start, end = _split_range(seq_len, split, num_kv_splits, BLOCK_N)
 
     if start < end:
-        q_row = Q + bid * stride_q_b + offs_h[:, None] * stride_q_h
-        q_nope = tl.load(q_row + offs_c[None, :], mask=mask_h[:, None], other=0.0)
-        q_rope = tl.load(q_row + KV_LORA_RANK + offs_r[None, :], mask=mask_h[:, None], other=0.0)
-
-        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_H, KV_LORA_RANK], dtype=tl.float32)
-        bt_row = BLOCK_TABLE + bid * stride_bt_b
-
-        for tok0 in range(start, end, BLOCK_N):
-            offs_n = tok0 + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < end
-            if TILE_IN_PAGE:
-                # Tiles start at multiples of BLOCK_N, so the whole tile sits in one page:
-                # one scalar table load, and the tile is one contiguous run of cache rows.
-                page = tl.load(bt_row + tok0 // PAGE_SIZE).to(tl.int64)
-                row = page * stride_kv_page + (offs_n % PAGE_SIZE) * stride_kv_tok
-            else:
-                page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
-                row = page.to(tl.int64) * stride_kv_page + (offs_n % PAGE_SIZE) * stride_kv_tok
-            kv = tl.load(KV + row[:, None] + offs_c[None, :], mask=mask_n[:, None], other=0.0)
-            k_rope = tl.load(KV + row[:, None] + KV_LORA_RANK + offs_r[None, :],
-                             mask=mask_n[:, None], other=0.0)
-
-            qk = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PRECISION)
-            qk += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
-            qk = tl.where(mask_n[None, :], qk * qk_scale_log2, float("-inf"))
-
-            # Every tile holds at least one live token, so m_new is finite after tile one.
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv,
-                                                input_precision=DOT_PRECISION)
-            m_i = m_new
-
-        # LSEs stay in log2 units between the stages; 0.693.. = ln 2 converts the final one.
+        q_nope, q_rope = _load_q(Q, bid, offs_h, mask_h, stride_q_b, stride_q_h,
+                                 KV_LORA_RANK, ROPE_DIM)
+        acc, l_i, m_i = _attend_tokens(
+            q_nope, q_rope, KV, BLOCK_TABLE + bid * stride_bt_b, start, end, qk_scale_log2,
+            stride_kv_page, stride_kv_tok, PAGE_SIZE, KV_LORA_RANK, ROPE_DIM, BLOCK_H,
+            BLOCK_N, TILE_IN_PAGE, DOT_PRECISION)
         lse_log2 = m_i + tl.log2(l_i)
         out = acc / l_i[:, None]
         if ONE_SPLIT:
-            o_ptr = OUT + bid * stride_o_b + offs_h[:, None] * stride_o_h + offs_c[None, :]
-            tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=mask_h[:, None])
-            if WRITE_LSE:
-                tl.store(LSE + bid * stride_lse_b + offs_h, lse_log2 * 0.6931471805599453,
-                         mask=mask_h)
+            _store_final(o_ptr, lse_ptr, out, lse_log2, mask_h, WRITE_LSE)
         else:
             po_ptr = (PART_O + bid * stride_po_b + offs_h[:, None] * stride_po_h
                       + split * stride_po_s + offs_c[None, :])
@@ -131,13 +176,46 @@ def _mla_decode_stage1_kernel(
             tl.store(PART_LSE + bid * stride_pl_b + offs_h * stride_pl_h + split, lse_log2,
                      mask=mask_h)
     elif ONE_SPLIT:
-        # Padding row (seq_len == 0): zeros and an empty-sum LSE, nothing else touched.
-        o_ptr = OUT + bid * stride_o_b + offs_h[:, None] * stride_o_h + offs_c[None, :]
-        tl.store(o_ptr, tl.zeros([BLOCK_H, KV_LORA_RANK], dtype=OUT.dtype.element_ty),
-                 mask=mask_h[:, None])
-        if WRITE_LSE:
-            tl.store(LSE + bid * stride_lse_b + offs_h,
-                     tl.full([BLOCK_H], float("-inf"), dtype=tl.float32), mask=mask_h)
+        _store_padding(o_ptr, lse_ptr, mask_h, BLOCK_H, KV_LORA_RANK, WRITE_LSE)
+
+
+@triton.jit
+def _merge_partials(o_row, lse_row, stride_o_s, stride_lse_s, num_active, offs_dv,
+                    BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Blocked LSE merge of ``num_active`` partials (log2 LSEs), BLOCK_S per step.
+    Returns the unnormalised (acc [BLOCK_DV], l, m); l == 0 when nothing was live."""
+    m_i = float("-inf")
+    l_i = 0.0
+    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    for s0 in range(0, num_active, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        mask_s = offs_s < num_active
+        lse = tl.load(lse_row + offs_s * stride_lse_s, mask=mask_s, other=float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(lse, 0))
+        # Guard -inf - -inf: a block of only masked splits must not produce NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        w = tl.exp2(lse - m_safe)
+        part = tl.load(o_row + offs_s[:, None] * stride_o_s + offs_dv[None, :],
+                       mask=mask_s[:, None], other=0.0)
+        acc = acc * alpha + tl.sum(w[:, None] * part, 0)
+        l_i = l_i * alpha + tl.sum(w, 0)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _store_merged(o_ptr, lse_ptr, acc, l_i, m_i, dv_block, WRITE_LSE: tl.constexpr):
+    """Normalise a merge into o_ptr (zeros when nothing was live); the LSE when asked
+    (once per head: by the program of the first dv block)."""
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    out = tl.where(l_i > 0.0, acc / l_safe, 0.0)
+    tl.store(o_ptr, out.to(o_ptr.dtype.element_ty))
+    if WRITE_LSE:
+        if dv_block == 0:
+            lse_out = tl.where(l_i > 0.0, (m_i + tl.log2(l_safe)) * 0.6931471805599453,
+                               float("-inf"))
+            tl.store(lse_ptr, lse_out)
 
 
 @triton.jit
@@ -167,31 +245,9 @@ def _mla_decode_merge_kernel(
 
     if USE_GDC:
         gdc_wait()  # stage 1's partials are complete and visible past this point
-    lse_row = PART_LSE + bid * stride_pl_b + head * stride_pl_h
-    o_row = PART_O + bid * stride_po_b + head * stride_po_h
-    m_i = float("-inf")
-    l_i = 0.0
-    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
-    for s0 in range(0, num_active, BLOCK_S):
-        offs_s = s0 + tl.arange(0, BLOCK_S)
-        mask_s = offs_s < num_active
-        lse = tl.load(lse_row + offs_s, mask=mask_s, other=float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(lse, 0))
-        # Guard -inf - -inf: a block of only masked splits must not produce NaN.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        w = tl.exp2(lse - m_safe)
-        part = tl.load(o_row + offs_s[:, None] * stride_po_s + offs_dv[None, :],
-                       mask=mask_s[:, None], other=0.0)
-        acc = acc * alpha + tl.sum(w[:, None] * part, 0)
-        l_i = l_i * alpha + tl.sum(w, 0)
-        m_i = m_new
-
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    out = tl.where(l_i > 0.0, acc / l_safe, 0.0)
-    tl.store(OUT + bid * stride_o_b + head * stride_o_h + offs_dv, out.to(OUT.dtype.element_ty))
-    if WRITE_LSE:
-        if dv_block == 0:
-            lse_out = tl.where(l_i > 0.0, (m_i + tl.log2(l_safe)) * 0.6931471805599453,
-                               float("-inf"))
-            tl.store(LSE + bid * stride_lse_b + head, lse_out)
+    acc, l_i, m_i = _merge_partials(
+        PART_O + bid * stride_po_b + head * stride_po_h,
+        PART_LSE + bid * stride_pl_b + head * stride_pl_h,
+        stride_po_s, 1, num_active, offs_dv, BLOCK_S, BLOCK_DV)
+    _store_merged(OUT + bid * stride_o_b + head * stride_o_h + offs_dv,
+                  LSE + bid * stride_lse_b + head, acc, l_i, m_i, dv_block, WRITE_LSE)

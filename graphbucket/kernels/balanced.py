@@ -1,0 +1,154 @@
+"""Balanced split-KV MLA decode: equal chunks of the batch's tiles, partitioned on the device.
+
+Algorithm: FlashInfer-style balanced chunking (persistent programs over variable-length
+work items), planned by a kernel instead of the host, so a CUDA graph replays it with
+any lengths. Split-KV gives every request the same split count, so one long request
+among short ones sets the step time; here every work item has about the same size.
+
+1. ``_plan_work_items_kernel`` (one program) reads ``seq_lens[B]`` (0 = padding row)::
+
+       tiles_b     = cdiv(len_b, BLOCK_N)
+       chunk_tiles = max(MIN_CHUNK_TILES, cdiv(sum_b tiles_b, G))
+       items_b     = cdiv(tiles_b, chunk_tiles)               # 0 for padding rows
+       item_indptr = [0, items_0, items_0 + items_1, ...]     # B + 1 entries
+
+   chunk_tiles >= total / G bounds the item count by G + B (the workspace's size).
+2. ``_balanced_stage1_kernel`` runs G persistent programs per head block; program g
+   takes items g, g + G, ...; item i of request b covers tokens
+   [(i - indptr[b]) * chunk, min(+chunk, len_b)) with chunk = chunk_tiles * BLOCK_N.
+   A request with one item gets its final output (and LSE) here; otherwise the item
+   writes a float32 partial (output, log2 LSE) to slot i.
+3. ``_balanced_merge_kernel`` (request, head, dv block) merges slots
+   indptr[b] .. indptr[b + 1] of requests with two or more items, and writes zeros and
+   LSE -inf for padding rows (no items); it leaves one-item requests alone.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from graphbucket.kernels.mla_decode import (
+    _attend_tokens,
+    _load_q,
+    _merge_partials,
+    _store_final,
+    _store_merged,
+)
+
+
+@triton.jit
+def _plan_work_items_kernel(SEQ_LENS, ITEM_INDPTR, CHUNK_TILES, batch, num_programs,
+                            BLOCK_N: tl.constexpr, MIN_CHUNK_TILES: tl.constexpr,
+                            BLOCK_B: tl.constexpr):
+    total_tiles = 0
+    for b0 in range(0, batch, BLOCK_B):
+        offs = b0 + tl.arange(0, BLOCK_B)
+        lens = tl.load(SEQ_LENS + offs, mask=offs < batch, other=0)
+        total_tiles += tl.sum(tl.cdiv(lens, BLOCK_N), 0)
+    chunk_tiles = tl.maximum(tl.cdiv(total_tiles, num_programs), MIN_CHUNK_TILES)
+    tl.store(CHUNK_TILES, chunk_tiles)
+    tl.store(ITEM_INDPTR, 0)
+    carry = 0
+    for b0 in range(0, batch, BLOCK_B):
+        offs = b0 + tl.arange(0, BLOCK_B)
+        mask = offs < batch
+        lens = tl.load(SEQ_LENS + offs, mask=mask, other=0)
+        items = tl.cdiv(tl.cdiv(lens, BLOCK_N), chunk_tiles)
+        tl.store(ITEM_INDPTR + 1 + offs, carry + tl.cumsum(items, 0), mask=mask)
+        carry += tl.sum(items, 0)
+
+
+@triton.jit
+def _find_request(ITEM_INDPTR, item, batch, BLOCK_B: tl.constexpr):
+    """The request that owns ``item``: the count of requests whose items all precede it,
+    #{j in 1..B : indptr[j] <= item} (requests with no items are skipped over)."""
+    owner = 0
+    for b0 in range(0, batch, BLOCK_B):
+        offs = b0 + tl.arange(0, BLOCK_B)
+        ends = tl.load(ITEM_INDPTR + 1 + offs, mask=offs < batch, other=2147483647)
+        owner += tl.sum((ends <= item).to(tl.int32), 0)
+    return owner
+
+
+@triton.jit
+def _balanced_stage1_kernel(
+    Q, KV, BLOCK_TABLE, SEQ_LENS, ITEM_INDPTR, CHUNK_TILES, OUT, LSE, PART_O, PART_LSE,
+    batch, num_programs, num_heads, qk_scale_log2,
+    stride_q_b, stride_q_h,
+    stride_kv_page, stride_kv_tok,
+    stride_bt_b,
+    stride_o_b, stride_o_h,
+    stride_lse_b,
+    stride_po_i, stride_po_h,
+    stride_pl_i,
+    PAGE_SIZE: tl.constexpr,
+    KV_LORA_RANK: tl.constexpr,
+    ROPE_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    TILE_IN_PAGE: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr = "tf32",
+):
+    program = tl.program_id(0)
+    head_block = tl.program_id(1)
+    offs_h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < num_heads
+    offs_c = tl.arange(0, KV_LORA_RANK)
+
+    num_items = tl.load(ITEM_INDPTR + batch)
+    chunk = tl.load(CHUNK_TILES) * BLOCK_N
+    for item in range(program, num_items, num_programs):
+        bid = _find_request(ITEM_INDPTR, item, batch, BLOCK_B)
+        first = tl.load(ITEM_INDPTR + bid)
+        request_items = tl.load(ITEM_INDPTR + bid + 1) - first
+        # Every item is non-empty: items_b = cdiv(tiles_b, chunk_tiles).
+        start = (item - first) * chunk
+        end = tl.minimum(start + chunk, tl.load(SEQ_LENS + bid))
+
+        q_nope, q_rope = _load_q(Q, bid, offs_h, mask_h, stride_q_b, stride_q_h,
+                                 KV_LORA_RANK, ROPE_DIM)
+        acc, l_i, m_i = _attend_tokens(
+            q_nope, q_rope, KV, BLOCK_TABLE + bid * stride_bt_b, start, end, qk_scale_log2,
+            stride_kv_page, stride_kv_tok, PAGE_SIZE, KV_LORA_RANK, ROPE_DIM, BLOCK_H,
+            BLOCK_N, TILE_IN_PAGE, DOT_PRECISION)
+        lse_log2 = m_i + tl.log2(l_i)
+        out = acc / l_i[:, None]
+        if request_items == 1:
+            _store_final(OUT + bid * stride_o_b + offs_h[:, None] * stride_o_h + offs_c[None, :],
+                         LSE + bid * stride_lse_b + offs_h, out, lse_log2, mask_h, WRITE_LSE)
+        else:
+            tl.store(PART_O + item * stride_po_i + offs_h[:, None] * stride_po_h
+                     + offs_c[None, :], out, mask=mask_h[:, None])
+            tl.store(PART_LSE + item * stride_pl_i + offs_h, lse_log2, mask=mask_h)
+
+
+@triton.jit
+def _balanced_merge_kernel(
+    PART_O, PART_LSE, ITEM_INDPTR, OUT, LSE,
+    stride_po_i, stride_po_h,
+    stride_pl_i,
+    stride_o_b, stride_o_h,
+    stride_lse_b,
+    BLOCK_S: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+):
+    bid = tl.program_id(0)
+    head = tl.program_id(1)
+    dv_block = tl.program_id(2)
+    offs_dv = dv_block * BLOCK_DV + tl.arange(0, BLOCK_DV)
+
+    first = tl.load(ITEM_INDPTR + bid)
+    request_items = tl.load(ITEM_INDPTR + bid + 1) - first
+    # One item: stage 1 wrote the output. No items (padding): the merge of nothing gives
+    # zeros and LSE -inf.
+    if request_items != 1:
+        acc, l_i, m_i = _merge_partials(
+            PART_O + first.to(tl.int64) * stride_po_i + head * stride_po_h,
+            PART_LSE + first.to(tl.int64) * stride_pl_i + head,
+            stride_po_i, stride_pl_i, request_items, offs_dv, BLOCK_S, BLOCK_DV)
+        _store_merged(OUT + bid * stride_o_b + head * stride_o_h + offs_dv,
+                      LSE + bid * stride_lse_b + head, acc, l_i, m_i, dv_block, WRITE_LSE)

@@ -1,0 +1,101 @@
+"""Host launcher for balanced split-KV MLA decode: plan items, stream them, merge.
+
+Graph-safe like ``mla_decode``: host metadata and the frozen plan only; the partition
+of the step is computed by a kernel into the workspace's static buffers, so replays with
+new ``seq_lens`` re-partition on the device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graphbucket.kernels.balanced import (
+    _balanced_merge_kernel,
+    _balanced_stage1_kernel,
+    _plan_work_items_kernel,
+)
+from graphbucket.kernels.launch import (
+    LOG2E,
+    SplitWorkspace,
+    check_mla_decode_args,
+    tile_tokens,
+)
+from graphbucket.plan import LaunchPlan, pow2_ceil
+
+# Requests scanned per step by the planner and by each item's owner search: batches up
+# to this size take one step.
+MAX_SCAN_BLOCK = 256
+
+
+def scan_block(batch_size: int) -> int:
+    return min(MAX_SCAN_BLOCK, max(16, pow2_ceil(batch_size)))
+
+
+def mla_decode_balanced(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                        seq_lens: torch.Tensor, out: torch.Tensor, workspace: SplitWorkspace,
+                        *, plan: LaunchPlan, sm_scale: float, lse: torch.Tensor | None = None,
+                        check: bool = True) -> torch.Tensor:
+    """``mla_decode`` for a balanced plan (``plan_balanced_mla_decode``): same arguments,
+    same result; the workspace needs item buffers for ``plan.max_work_items`` items.
+    Three launches on fixed grids: item planner, persistent stage 1, merge."""
+    if not plan.balanced:
+        raise ValueError(f"{plan.describe()} is a split-KV plan: launch it with mla_decode")
+    if check:
+        check_mla_decode_args(q, kv_cache, block_table, seq_lens, out, plan, workspace, lse)
+    block_n = tile_tokens(plan, kv_cache.element_size())
+    launch_item_planner(seq_lens, workspace, plan=plan, block_n=block_n)
+    launch_balanced_stage1(q, kv_cache, block_table, seq_lens, out, workspace, plan=plan,
+                           sm_scale=sm_scale, lse=lse, block_n=block_n)
+    launch_balanced_merge(out, workspace, plan=plan, lse=lse)
+    return out
+
+
+def launch_item_planner(seq_lens: torch.Tensor, workspace: SplitWorkspace, *,
+                        plan: LaunchPlan, block_n: int) -> None:
+    """Writes ``item_indptr[:batch + 1]`` and ``chunk_tiles`` from the live lengths."""
+    _plan_work_items_kernel[(1,)](
+        seq_lens, workspace.item_indptr, workspace.chunk_tiles,
+        plan.batch_size, plan.persistent_programs,
+        BLOCK_N=block_n, MIN_CHUNK_TILES=plan.min_chunk_tiles,
+        BLOCK_B=scan_block(plan.batch_size),
+    )
+
+
+def launch_balanced_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                           seq_lens: torch.Tensor, out: torch.Tensor,
+                           workspace: SplitWorkspace, *, plan: LaunchPlan, sm_scale: float,
+                           lse: torch.Tensor | None, block_n: int):
+    """Persistent stage 1 alone (unchecked); returns Triton's handle of the kernel."""
+    part_o, part_lse = workspace.item_o, workspace.item_lse
+    return _balanced_stage1_kernel[plan.grid](
+        q, kv_cache, block_table, seq_lens, workspace.item_indptr, workspace.chunk_tiles,
+        out, out if lse is None else lse, part_o, part_lse,
+        plan.batch_size, plan.persistent_programs, plan.num_heads, sm_scale * LOG2E,
+        q.stride(0), q.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1),
+        block_table.stride(0),
+        out.stride(0), out.stride(1),
+        0 if lse is None else lse.stride(0),
+        part_o.stride(0), part_o.stride(1),
+        part_lse.stride(0),
+        PAGE_SIZE=kv_cache.shape[1], KV_LORA_RANK=plan.kv_lora_rank, ROPE_DIM=plan.qk_rope_dim,
+        BLOCK_H=plan.block_h, BLOCK_N=block_n, BLOCK_B=scan_block(plan.batch_size),
+        TILE_IN_PAGE=kv_cache.shape[1] % block_n == 0, WRITE_LSE=lse is not None,
+        DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
+    )
+
+
+def launch_balanced_merge(out: torch.Tensor, workspace: SplitWorkspace, *, plan: LaunchPlan,
+                          lse: torch.Tensor | None) -> None:
+    """Merge alone (unchecked): requests of two or more items, and zeros for padding."""
+    part_o, part_lse = workspace.item_o, workspace.item_lse
+    _balanced_merge_kernel[plan.merge_grid](
+        part_o, part_lse, workspace.item_indptr, out, out if lse is None else lse,
+        part_o.stride(0), part_o.stride(1),
+        part_lse.stride(0),
+        out.stride(0), out.stride(1),
+        0 if lse is None else lse.stride(0),
+        BLOCK_S=plan.merge_block_s, BLOCK_DV=plan.merge_block_dv,
+        WRITE_LSE=lse is not None, num_warps=plan.merge_num_warps,
+    )

@@ -1,0 +1,374 @@
+"""Balanced split-KV MLA decode: the device-side item planner and the kernels' numerics
+against the float64 reference.
+
+Small shapes (kv_lora_rank 64, rope 16) keep the interpreter quick on a CPU machine,
+where these run in fp16/fp32; on CUDA the same cases run natively, bf16 included.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from graphbucket import GraphBucketRunner, get_backend
+from graphbucket.backends.triton import TritonBackend
+from graphbucket.kernels import SplitWorkspace, mla_decode, mla_decode_balanced
+from graphbucket.kernels.launch import tile_tokens
+from graphbucket.kernels.launch_balanced import launch_item_planner
+from graphbucket.plan import (
+    LONG_STREAM,
+    WIDE_STREAM,
+    LaunchPlan,
+    cdiv,
+    plan_balanced_mla_decode,
+    plan_mla_decode,
+)
+from graphbucket.reference import mla_decode_reference
+from tests._toy import LADDER, ToyMLA, toy_batch, toy_reference, toy_spec
+from tests.kernel_cases import DecodeCase, make_case, rel_l2
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+DTYPES = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float16, torch.float32]
+RANK, ROPE, HEADS = 64, 16, 16
+SM_SCALE = 0.125
+DIMS = {"kv_lora_rank": RANK, "qk_rope_dim": ROPE}
+
+
+def python_partition(lens: list[int], block_n: int, programs: int, min_chunk: int
+                     ) -> tuple[list[int], int]:
+    """item_indptr and chunk_tiles as the planning kernel must compute them."""
+    tiles = [cdiv(n, block_n) for n in lens]
+    chunk = max(min_chunk, cdiv(sum(tiles), programs))
+    indptr = [0]
+    for t in tiles:
+        indptr.append(indptr[-1] + cdiv(t, chunk))
+    return indptr, chunk
+
+
+def balanced_plan(batch: int, programs: int, *, min_chunk_tiles: int = 1,
+                  stream=LONG_STREAM, heads: int = HEADS) -> LaunchPlan:
+    return plan_balanced_mla_decode(batch, heads, programs=programs, stream=stream,
+                                    min_chunk_tiles=min_chunk_tiles, **DIMS)
+
+
+def case(lens: list[int], dtype=torch.float16, *, page_size: int = 16,
+         heads: int = HEADS) -> DecodeCase:
+    return make_case(lens, heads, page_size=page_size, dtype=dtype, device=DEVICE,
+                     kv_lora_rank=RANK, rope_dim=ROPE)
+
+
+def workspace_for(plan: LaunchPlan) -> SplitWorkspace:
+    ws = SplitWorkspace.allocate(plan.batch_size, plan.num_heads, plan.num_kv_splits, RANK,
+                                 DEVICE, max_items=plan.max_work_items)
+    ws.item_o.fill_(float("nan"))  # a merge that reads an unwritten slot shows up as NaN
+    ws.item_lse.fill_(float("nan"))
+    return ws
+
+
+def run_balanced(c: DecodeCase, plan: LaunchPlan, *, with_lse: bool = True):
+    batch, heads, _ = c.q.shape
+    out = torch.full((batch, heads, RANK), float("nan"), dtype=c.q.dtype, device=DEVICE)
+    lse = torch.full((batch, heads), float("nan"), device=DEVICE) if with_lse else None
+    ws = workspace_for(plan)
+    mla_decode_balanced(c.q, c.kv_cache, c.block_table, c.seq_lens, out, ws, plan=plan,
+                        sm_scale=SM_SCALE, lse=lse)
+    return out, lse, ws
+
+
+def check(c: DecodeCase, plan: LaunchPlan, tol: float = 1e-2) -> torch.Tensor:
+    out, lse, ws = run_balanced(c, plan)
+    ref_out, ref_lse = mla_decode_reference(c.q.cpu(), c.kv_cache.cpu(), c.block_table.cpu(),
+                                            c.seq_lens.cpu(), kv_lora_rank=RANK,
+                                            sm_scale=SM_SCALE)
+    assert not torch.isnan(out).any(), f"NaN or unwritten output under {plan.describe()}"
+    assert not torch.isnan(lse).any(), f"NaN or unwritten LSE under {plan.describe()}"
+    err = rel_l2(out.cpu(), ref_out)
+    assert err < tol, f"rel L2 {err:.2e} >= {tol} under {plan.describe()}"
+    live = c.seq_lens.cpu() > 0
+    if live.any():
+        lse_err = (lse.cpu().double()[live] - ref_lse[live]).abs().max().item()
+        assert lse_err < 2e-2, f"LSE error {lse_err:.2e} under {plan.describe()}"
+    pad = ~live
+    assert (out.cpu()[pad] == 0).all(), "padding rows must be zeros"
+    assert (lse.cpu()[pad] == float("-inf")).all(), "padding rows must have LSE -inf"
+    # The partition the kernels used is the one the Python rule gives.
+    block_n = tile_tokens(plan, c.kv_cache.element_size())
+    indptr, chunk = python_partition(c.seq_lens.tolist(), block_n, plan.persistent_programs,
+                                     plan.min_chunk_tiles)
+    assert ws.item_indptr[:plan.batch_size + 1].tolist() == indptr
+    assert int(ws.chunk_tiles.item()) == chunk
+    return out
+
+
+# --- planning -----------------------------------------------------------------------------
+
+@pytest.mark.host
+def test_split_planning_is_unchanged_and_balanced_is_opt_in():
+    for batch, hint in ((1, 1), (8, 4096), (64, 131072)):
+        plan = plan_mla_decode(batch, 16, hint)
+        assert plan.persistent_programs == 0 and not plan.balanced and plan.max_work_items == 0
+    assert not TritonBackend(num_sms=4, **DIMS).plan(4, HEADS, 100).balanced
+    assert TritonBackend(num_sms=4, balanced=True, **DIMS).plan(4, HEADS, 100).balanced
+
+
+@pytest.mark.host
+def test_balanced_plan_shape():
+    plan = plan_balanced_mla_decode(64, 16, num_sms=132)
+    # 64 rows -> the wide stream: 4 programs per SM, one wave; chunks of >= 8 tiles
+    assert plan.balanced and plan.use_stage2 and plan.num_kv_splits == 1
+    assert plan.grid == (4 * 132, 1, 1) and plan.min_chunk_tiles == 8
+    assert plan.max_work_items == 4 * 132 + 64
+    assert plan.workspace_shape == (0, 0, 0, 0)  # no split partials
+    assert plan.merge_grid == (64, 16, 512 // plan.merge_block_dv)
+    one = plan_balanced_mla_decode(1, 128, num_sms=132)  # 4 head blocks share the wave
+    assert one.grid == (2 * 132 // 4, 4, 1) and one.min_chunk_tiles == 1
+    assert "balanced" in one.describe()
+    # No hint: one plan serves every context, so ladders alias one graph per batch size.
+    backend = TritonBackend(num_sms=132, balanced=True, **DIMS)
+    assert backend.plan(8, 16, 1) == backend.plan(8, 16, 1 << 17)
+    for bad in ({"programs": 0}, {"min_chunk_tiles": -1}):
+        with pytest.raises(ValueError, match="positive int"):
+            plan_balanced_mla_decode(4, 16, **{**{"programs": 3}, **bad})
+
+
+@pytest.mark.host
+def test_item_count_never_exceeds_programs_plus_requests():
+    rng = random.Random(11)
+    for _ in range(2000):
+        batch = rng.randint(1, 40)
+        lens = [rng.choice([0, 1, rng.randint(1, 300), rng.randint(1, 100_000)])
+                for _ in range(batch)]
+        programs, min_chunk = rng.randint(1, 600), rng.randint(1, 8)
+        indptr, chunk = python_partition(lens, 32, programs, min_chunk)
+        assert indptr[-1] <= programs + sum(n > 0 for n in lens)
+        assert chunk >= min_chunk
+
+
+@pytest.mark.parametrize("lens, programs, min_chunk", [
+    ([1], 1, 1),
+    ([0, 0, 0], 4, 1),
+    ([131072] + [1024] * 63, 528, 8),
+    ([5000, 1, 0, 64, 65, 128], 7, 1),
+    ([10, 20, 30], 100, 1),
+    ([64 * 9, 64 * 9 + 1, 64 * 9 - 1], 3, 2),
+])
+def test_item_planner_matches_python(lens, programs, min_chunk):
+    plan = balanced_plan(len(lens), programs, min_chunk_tiles=min_chunk)
+    ws = workspace_for(plan)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    launch_item_planner(seq_lens, ws, plan=plan, block_n=64)
+    indptr, chunk = python_partition(lens, 64, programs, min_chunk)
+    assert ws.item_indptr.tolist() == indptr and int(ws.chunk_tiles.item()) == chunk
+
+
+def test_item_planner_scans_batches_wider_than_one_block():
+    rng = random.Random(3)
+    lens = [rng.choice([0, rng.randint(1, 5000)]) for _ in range(300)]  # 2 blocks of 256
+    plan = balanced_plan(len(lens), 50, min_chunk_tiles=2)
+    ws = workspace_for(plan)
+    launch_item_planner(torch.tensor(lens, dtype=torch.int32, device=DEVICE), ws, plan=plan,
+                        block_n=32)
+    indptr, chunk = python_partition(lens, 32, 50, 2)
+    assert ws.item_indptr.tolist() == indptr and int(ws.chunk_tiles.item()) == chunk
+
+
+# --- numerics -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_long_request_among_short_ones(dtype):
+    lens = [700, 3, 17, 40, 1, 64, 9, 33]
+    c = case(lens, dtype)
+    check(c, balanced_plan(len(lens), 6))
+    check(c, balanced_plan(len(lens), 6, stream=WIDE_STREAM, min_chunk_tiles=2))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seq_len", [1, 2, 15, 17, 63, 64, 65, 127, 128, 129, 191, 193])
+def test_lengths_around_tile_and_chunk_edges(dtype, seq_len):
+    # 64-token tiles (32 for fp32), 16-token pages; 2 programs with chunks of >= 2 tiles
+    # put chunk edges at 128 tokens (64 for fp32); the short neighbour shares the budget.
+    c = case([seq_len, 3], dtype)
+    check(c, balanced_plan(2, 2, min_chunk_tiles=2))
+    check(c, balanced_plan(2, 1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_padding_rows_give_zeros_and_lse_minus_inf(dtype):
+    check(case([0, 40, 0, 1, 0], dtype), balanced_plan(5, 3))
+    check(case([0, 200, 0], dtype), balanced_plan(3, 4))  # padding beside a merged request
+    check(case([0, 0], dtype), balanced_plan(2, 2))  # nothing live: no items at all
+
+
+def test_more_programs_than_tiles():
+    check(case([5, 70, 1]), balanced_plan(3, 16))
+
+
+def test_fewer_programs_than_requests():
+    lens = [33, 1, 90, 7, 64, 200, 2]
+    for programs in (1, 2):
+        check(case(lens), balanced_plan(len(lens), programs))
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_scattered_pages(page_size):
+    # page 64 with 64-token tiles takes the one-page-per-tile path; 1 and 16 gather per token
+    lens = [1, 300, 129, 33]
+    check(case(lens, page_size=page_size), balanced_plan(len(lens), 5))
+
+
+@pytest.mark.parametrize("num_heads", [8, 12, 128])
+def test_head_counts_mask_partial_head_blocks(num_heads):
+    lens = [150, 3]
+    check(case(lens, heads=num_heads), balanced_plan(2, 3, heads=num_heads))
+
+
+def test_merge_carries_state_across_merge_blocks():
+    # 80 items of one request through a 32-row merge tile: three steps.
+    plan = replace(balanced_plan(1, 80), merge_block_s=32)
+    check(case([80 * 64 - 5]), plan)
+
+
+def test_without_lse_output():
+    c = case([300, 20])
+    plan = balanced_plan(2, 4)
+    out, lse, _ = run_balanced(c, plan, with_lse=False)
+    ref, _ = mla_decode_reference(c.q.cpu(), c.kv_cache.cpu(), c.block_table.cpu(),
+                                  c.seq_lens.cpu(), kv_lora_rank=RANK, sm_scale=SM_SCALE)
+    assert lse is None and rel_l2(out.cpu(), ref) < 1e-2
+
+
+def test_same_result_as_split_kv():
+    c = case([500, 4, 0, 77], DTYPES[-1])
+    split = plan_mla_decode(4, HEADS, 500, num_sms=4, **DIMS)
+    assert split.use_stage2
+    ws = SplitWorkspace.allocate(4, HEADS, split.num_kv_splits, RANK, DEVICE)
+    want = torch.empty(4, HEADS, RANK, dtype=c.q.dtype, device=DEVICE)
+    mla_decode(c.q, c.kv_cache, c.block_table, c.seq_lens, want, ws, plan=split,
+               sm_scale=SM_SCALE)
+    got = check(c, balanced_plan(4, 5))
+    # Topology changes speed, not the result (beyond the output dtype's rounding).
+    assert rel_l2(got.cpu(), want.cpu().double()) < (1e-3 if c.q.dtype == torch.float32
+                                                     else 1e-2)
+
+
+# --- host side ----------------------------------------------------------------------------
+
+def test_launchers_refuse_the_other_topology_and_small_workspaces():
+    c = case([10])
+    out = torch.zeros(1, HEADS, RANK, dtype=c.q.dtype, device=DEVICE)
+    balanced = balanced_plan(1, 4)
+    split = plan_mla_decode(1, HEADS, 10, num_sms=4, **DIMS).with_splits(2)
+    args = (c.q, c.kv_cache, c.block_table, c.seq_lens, out)
+    with pytest.raises(ValueError, match="mla_decode_balanced"):
+        mla_decode(*args, workspace_for(balanced), plan=balanced, sm_scale=SM_SCALE)
+    with pytest.raises(ValueError, match="split-KV plan"):
+        mla_decode_balanced(*args, workspace_for(balanced), plan=split, sm_scale=SM_SCALE)
+    split_only = SplitWorkspace.allocate(1, HEADS, 2, RANK, DEVICE)
+    with pytest.raises(ValueError, match="work items"):
+        mla_decode_balanced(*args, split_only, plan=balanced, sm_scale=SM_SCALE)
+    too_few = SplitWorkspace.allocate(1, HEADS, 1, RANK, DEVICE, max_items=3)
+    with pytest.raises(ValueError, match="work items"):
+        mla_decode_balanced(*args, too_few, plan=balanced, sm_scale=SM_SCALE)
+    with pytest.raises(ValueError, match="dtypes"):
+        mla_decode_balanced(c.q.float(), *args[1:], workspace_for(balanced), plan=balanced,
+                            sm_scale=SM_SCALE)
+    assert (out == 0).all()
+
+
+def test_one_workspace_serves_split_and_balanced_plans():
+    split_backend = TritonBackend(num_sms=2, **DIMS)
+    balanced_backend = TritonBackend(num_sms=2, balanced=True, **DIMS)
+    plans = [split_backend.plan(bs, HEADS, hint) for bs in (1, 3) for hint in (1, 300)]
+    plans += [balanced_backend.plan(bs, HEADS, 1) for bs in (1, 3)]
+    spec = split_backend.workspace_spec(plans)
+    assert spec.max_items == max(p.max_work_items for p in plans) > 0
+    ws = spec.allocate(DEVICE)
+    assert all(ws.fits(p) for p in plans)
+    tensors = (ws.partial_o, ws.partial_lse, ws.item_o, ws.item_lse, ws.item_indptr,
+               ws.chunk_tiles)
+    assert spec.nbytes == sum(t.numel() * t.element_size() for t in tensors)
+    balanced_only = balanced_backend.workspace_spec(plans[-2:])
+    ws_b = balanced_only.allocate(DEVICE)
+    assert ws_b.partial_o.numel() == 0 and all(ws_b.fits(p) for p in plans[-2:])
+    assert balanced_only.nbytes == sum(t.numel() * t.element_size() for t in
+                                       (ws_b.item_o, ws_b.item_lse, ws_b.item_indptr,
+                                        ws_b.chunk_tiles))
+
+    c = case([300, 0, 41])
+    for plan in (p for p in plans if p.batch_size == 3):
+        out = torch.full((3, HEADS, RANK), float("nan"), dtype=c.q.dtype, device=DEVICE)
+        split_backend.run(c.q, c.kv_cache, c.block_table, c.seq_lens, out, ws, plan=plan,
+                          sm_scale=SM_SCALE)
+        ref, _ = mla_decode_reference(c.q.cpu(), c.kv_cache.cpu(), c.block_table.cpu(),
+                                      c.seq_lens.cpu(), kv_lora_rank=RANK, sm_scale=SM_SCALE)
+        assert rel_l2(out.cpu(), ref) < 1e-2, plan.describe()
+
+
+def test_runner_steps_through_every_bucket_with_one_balanced_plan_per_batch_size(device):
+    model = ToyMLA(device=device)
+    backend = get_backend("triton", num_sms=1, balanced=True, **DIMS)
+    runner = GraphBucketRunner.for_policy(
+        "ladder", model, spec=toy_spec(device=device), batch_sizes=[1, 2], max_model_len=320,
+        sm_scale=SM_SCALE, backend=backend, ladder=LADDER, warmup_iters=int(ON_GPU),
+        progress=False)
+    runner.capture()
+    # The plan ignores the hint: every bucket of a batch size aliases one graph.
+    assert sorted(r.plan.batch_size for r in runner.records) == [1, 2]
+    assert all(r.plan.balanced for r in runner.records)
+    rng = np.random.default_rng(0)
+    for lens in ([20, 10], [300, 3], [64, 0], [320, 270], [300]):
+        batch = toy_batch(lens, rng=rng)
+        want = toy_reference(model, batch, sm_scale=SM_SCALE)
+        assert rel_l2(runner.step(batch), want) < (1e-2 if ON_GPU else 1e-5), lens
+    runner.close()
+
+
+# --- GPU ----------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens", [[70000] + [1000] * 15, [4096] * 8, [1, 31, 0, 4095]])
+def test_gpu_bf16_full_shapes(lens):
+    c = make_case(lens, 16, page_size=64, dtype=torch.bfloat16, device="cuda")
+    plan = plan_balanced_mla_decode(len(lens), 16, num_sms=132)
+    ws = SplitWorkspace.allocate(plan.batch_size, 16, 1, 512, "cuda",
+                                 max_items=plan.max_work_items)
+    out = torch.empty(len(lens), 16, 512, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(len(lens), 16, device="cuda")
+    mla_decode_balanced(c.q, c.kv_cache, c.block_table, c.seq_lens, out, ws, plan=plan,
+                        sm_scale=1.0 / 192 ** 0.5, lse=lse)
+    ref, ref_lse = mla_decode_reference(c.q.cpu(), c.kv_cache.cpu(), c.block_table.cpu(),
+                                        c.seq_lens.cpu(), kv_lora_rank=512,
+                                        sm_scale=1.0 / 192 ** 0.5)
+    assert rel_l2(out.cpu(), ref) < 1e-2
+    live = c.seq_lens.cpu() > 0
+    assert (lse.cpu().double()[live] - ref_lse[live]).abs().max().item() < 2e-2
+
+
+@pytest.mark.gpu
+def test_gpu_graph_replay_repartitions_new_lengths():
+    # Captured once, replayed with other lengths: the partition follows the live lengths.
+    lens_a, lens_b = [4096, 64, 0, 1], [64, 9000, 300, 0]
+    c = make_case([max(a, b) for a, b in zip(lens_a, lens_b, strict=True)], 16, page_size=64,
+                  dtype=torch.bfloat16, device="cuda")
+    plan = plan_balanced_mla_decode(4, 16, num_sms=132)
+    ws = SplitWorkspace.allocate(4, 16, 1, 512, "cuda", max_items=plan.max_work_items)
+    out = torch.empty(4, 16, 512, dtype=torch.bfloat16, device="cuda")
+    seq_lens = torch.tensor(lens_a, dtype=torch.int32, device="cuda")
+    run = lambda: mla_decode_balanced(c.q, c.kv_cache, c.block_table, seq_lens, out, ws,
+                                      plan=plan, sm_scale=0.1)
+    run()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for lens in (lens_b, lens_a):
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        graph.replay()
+        ref, _ = mla_decode_reference(c.q.cpu(), c.kv_cache.cpu(), c.block_table.cpu(),
+                                      seq_lens.cpu(), kv_lora_rank=512, sm_scale=0.1)
+        assert rel_l2(out.cpu(), ref) < 1e-2
