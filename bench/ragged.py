@@ -1,14 +1,17 @@
-"""Ragged batches: MLA decode when one request's length is not every request's length (H200).
+"""Ragged and uniform batches: split-KV against balanced split-KV, same run (H200).
 
 Mixes (16 heads, bf16, page 64, cold L2, CUDA-graph replays, as in the kernel sweep):
 
 - ``long-among-short``: batch 64, one 128K request and 63 of 1K;
 - ``spread-128k``: batch 8, lengths spread evenly over 1..128K;
-- ``spread-8k``: batch 64, lengths spread evenly over 1..8K.
+- ``spread-8k``: batch 64, lengths spread evenly over 1..8K;
+- ``uniform``: every request at one length (the balanced targets' shapes).
 
-The split-KV plan is made from the longest length (what a bucket graph covering it plans
-with), so every row gets the same split count. The floor is the bytes actually read (each
-request's own KV rows, q and out) over the copy bandwidth measured in the same run.
+Split-KV is planned from the longest length (what a bucket graph covering it plans with),
+so every row gets the same split count; balanced split-KV partitions the batch's tiles
+into equal chunks on the device (``plan_balanced_mla_decode``). The floor is the bytes
+actually read (each request's own KV rows, q and out) over the copy bandwidth measured in
+the same run.
 
     python3 bench/ragged.py --out bench/results      # writes h200-ragged.{json,md}
 """
@@ -26,17 +29,24 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.gpu_timing import copy_gbps, run_meta, time_replays  # noqa: E402
-from graphbucket.kernels import SplitWorkspace, default_sm_scale, mla_decode  # noqa: E402
-from graphbucket.plan import plan_mla_decode  # noqa: E402
+from graphbucket.kernels import (  # noqa: E402
+    SplitWorkspace,
+    default_sm_scale,
+    mla_decode,
+    mla_decode_balanced,
+)
+from graphbucket.plan import plan_balanced_mla_decode, plan_mla_decode  # noqa: E402
 from graphbucket.tuning.measure import L2_FLUSH_BYTES, MAX_ROTATIONS  # noqa: E402
 
 HEADS, PAGE, DIM, RANK = 16, 64, 576, 512
 
 
-def mixes() -> dict[str, list[int]]:
-    return {"long-among-short": [131072] + [1024] * 63,
-            "spread-128k": np.linspace(1, 131072, 8).astype(int).tolist(),
-            "spread-8k": np.linspace(1, 8192, 64).astype(int).tolist()}
+def mixes() -> list[tuple[str, list[int]]]:
+    uniform = [(1, 65536), (1, 131072), (8, 131072), (64, 1024), (64, 4096)]
+    return [("long-among-short", [131072] + [1024] * 63),
+            ("spread-128k", np.linspace(1, 131072, 8).astype(int).tolist()),
+            ("spread-8k", np.linspace(1, 8192, 64).astype(int).tolist()),
+            *(("uniform", [n] * b) for b, n in uniform)]
 
 
 def bytes_read(lens: list[int]) -> int:
@@ -63,26 +73,31 @@ def inputs(lens: list[int], cache: torch.Tensor):
 
 
 def measure(gbps: float) -> list[dict]:
-    all_pages = max(sum(-(-n // PAGE) for n in lens) for lens in mixes().values())
+    all_pages = max(sum(-(-n // PAGE) for n in lens) for _, lens in mixes())
     cache = torch.empty(8 * all_pages, PAGE, DIM, dtype=torch.bfloat16, device="cuda").normal_()
     scale, rows = default_sm_scale(), []
-    for name, lens in mixes().items():
+    for name, lens in mixes():
         tables, q, out, seq_lens = inputs(lens, cache)
-        plan = plan_mla_decode(len(lens), HEADS, max(lens))
-        ws = SplitWorkspace.allocate(len(lens), HEADS, plan.num_kv_splits, RANK, "cuda")
-
-        def call(plan=plan, ws=ws, tables=tables, q=q, out=out, seq_lens=seq_lens):
-            for r in range(tables.shape[0]):
-                mla_decode(q[r], cache, tables[r], seq_lens, out[r], ws, plan=plan,
+        split = plan_mla_decode(len(lens), HEADS, max(lens))
+        balanced = plan_balanced_mla_decode(len(lens), HEADS)
+        ws = SplitWorkspace.allocate(len(lens), HEADS, split.num_kv_splits, RANK, "cuda",
+                                     max_items=balanced.max_work_items)
+        floor_us = bytes_read(lens) / (gbps * 1e3)
+        for plan, launch, topology in (
+                (split, mla_decode, f"split-kv ({split.num_kv_splits} splits)"),
+                (balanced, mla_decode_balanced,
+                 f"balanced ({balanced.persistent_programs} programs)")):
+            def call(plan=plan, launch=launch, tables=tables, q=q, out=out, seq_lens=seq_lens):
+                for r in range(tables.shape[0]):
+                    launch(q[r], cache, tables[r], seq_lens, out[r], ws, plan=plan,
                            sm_scale=scale, check=False)
 
-        us = time_replays(call, calls_per_graph=tables.shape[0])
-        floor_us = bytes_read(lens) / (gbps * 1e3)
-        rows.append({"impl": "graphbucket", "topology": f"split-kv ({plan.num_kv_splits})",
-                     "heads": HEADS, "batch": len(lens), "context": max(lens), "mix": name,
-                     "us": round(us, 3), "floor_us": round(floor_us, 3),
-                     "frac_of_copy": round(floor_us / us, 4)})
-        print(rows[-1], flush=True)
+            us = time_replays(call, calls_per_graph=tables.shape[0])
+            rows.append({"impl": "graphbucket", "topology": topology, "heads": HEADS,
+                         "batch": len(lens), "context": max(lens), "mix": name,
+                         "us": round(us, 3), "floor_us": round(floor_us, 3),
+                         "frac_of_copy": round(floor_us / us, 4)})
+            print(rows[-1], flush=True)
     return rows
 
 
