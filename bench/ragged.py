@@ -14,6 +14,7 @@ actually read (each request's own KV rows, q and out) over the copy bandwidth me
 the same run.
 
     python3 bench/ragged.py --out bench/results      # writes h200-ragged.{json,md}
+    python3 bench/ragged.py --sweep-balanced --out bench/results   # + balanced variants
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from graphbucket.plan import plan_balanced_mla_decode, plan_mla_decode  # noqa: 
 from graphbucket.tuning.measure import L2_FLUSH_BYTES, MAX_ROTATIONS  # noqa: E402
 
 HEADS, PAGE, DIM, RANK = 16, 64, 576, 512
+SWEEP = [(programs, chunk) for programs in (1, 2, 4) for chunk in (1, 4, 16)]
 
 
 def mixes() -> list[tuple[str, list[int]]]:
@@ -72,7 +74,8 @@ def inputs(lens: list[int], cache: torch.Tensor):
     return tables, q, out, seq_lens
 
 
-def measure(gbps: float) -> list[dict]:
+def measure(gbps: float, sweep: list[tuple[int, int]]) -> list[dict]:
+    """``sweep``: extra balanced variants as (programs in half waves, min chunk tiles)."""
     all_pages = max(sum(-(-n // PAGE) for n in lens) for _, lens in mixes())
     cache = torch.empty(8 * all_pages, PAGE, DIM, dtype=torch.bfloat16, device="cuda").normal_()
     scale, rows = default_sm_scale(), []
@@ -80,13 +83,19 @@ def measure(gbps: float) -> list[dict]:
         tables, q, out, seq_lens = inputs(lens, cache)
         split = plan_mla_decode(len(lens), HEADS, max(lens))
         balanced = plan_balanced_mla_decode(len(lens), HEADS)
-        ws = SplitWorkspace.allocate(len(lens), HEADS, split.num_kv_splits, RANK, "cuda",
-                                     max_items=balanced.max_work_items)
         floor_us = bytes_read(lens) / (gbps * 1e3)
-        for plan, launch, topology in (
-                (split, mla_decode, f"split-kv ({split.num_kv_splits} splits)"),
-                (balanced, mla_decode_balanced,
-                 f"balanced ({balanced.persistent_programs} programs)")):
+        variants = [(split, mla_decode, f"split-kv ({split.num_kv_splits} splits)"),
+                    (balanced, mla_decode_balanced,
+                     f"balanced ({balanced.persistent_programs} programs)")]
+        for programs, min_chunk in sweep:  # balanced variants, when asked for
+            plan = plan_balanced_mla_decode(len(lens), HEADS, min_chunk_tiles=min_chunk,
+                                            programs=programs * balanced.persistent_programs
+                                            // 2)
+            variants.append((plan, mla_decode_balanced, f"balanced ({plan.persistent_programs}"
+                             f" programs, min chunk {min_chunk} tiles)"))
+        ws = SplitWorkspace.allocate(len(lens), HEADS, split.num_kv_splits, RANK, "cuda",
+                                     max_items=max(p.max_work_items for p, _, _ in variants))
+        for plan, launch, topology in variants:
             def call(plan=plan, launch=launch, tables=tables, q=q, out=out, seq_lens=seq_lens):
                 for r in range(tables.shape[0]):
                     launch(q[r], cache, tables[r], seq_lens, out[r], ws, plan=plan,
@@ -117,13 +126,18 @@ def markdown(result: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results", help="folder for h200-ragged.{json,md}")
+    ap.add_argument("--sweep-balanced", action="store_true",
+                    help="also time balanced variants: 1, 2 or 4 half waves of programs x "
+                         "minimum chunks of 1, 4 and 16 tiles")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("ragged.py times CUDA graph replays and needs a CUDA GPU")
     gbps = copy_gbps()
-    result = {"meta": {**run_meta(), "copy_gbps": round(gbps, 1)}, "rows": measure(gbps)}
+    rows = measure(gbps, SWEEP if args.sweep_balanced else [])
+    result = {"meta": {**run_meta(), "copy_gbps": round(gbps, 1)}, "rows": rows}
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "h200-ragged")
+    name = "h200-ragged-balanced-sweep" if args.sweep_balanced else "h200-ragged"
+    path = os.path.join(args.out, name)
     with open(path + ".json", "w") as f:
         json.dump(result, f, indent=1)
     with open(path + ".md", "w") as f:
