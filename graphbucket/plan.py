@@ -226,20 +226,18 @@ def plan_mla_decode(
     budget = split_budget(rows, stream, num_sms=num_sms, max_splits=max_splits)
     wanted = pow2_ceil(cdiv(cdiv(hint, stream.block_n), stream.min_tiles_per_split))
     num_splits = max(1, min(wanted, budget))
-    return LaunchPlan(
-        batch_size=batch_size,
-        num_heads=num_heads,
-        num_kv_splits=num_splits,
-        block_h=block_h,
-        block_n=stream.block_n,
-        num_warps=4 if block_h == 16 else 8,
-        num_stages=stream.num_stages,
-        kv_lora_rank=kv_lora_rank,
-        qk_rope_dim=qk_rope_dim,
-        merge_block_s=merge_block_s(num_splits),
-        merge_block_dv=MERGE_BLOCK_DV,
-        dependent_merge=stream.dependent_merge,
-    )
+    return _plan(batch_size, num_heads, block_h, stream, kv_lora_rank, qk_rope_dim,
+                 num_kv_splits=num_splits, merge_block_s=merge_block_s(num_splits),
+                 dependent_merge=stream.dependent_merge)
+
+
+def _plan(batch_size: int, num_heads: int, block_h: int, stream: StreamConfig,
+          kv_lora_rank: int, qk_rope_dim: int, **topology) -> LaunchPlan:
+    """The fields every topology shares: tile shape and pipeline from the stream."""
+    return LaunchPlan(batch_size=batch_size, num_heads=num_heads, block_h=block_h,
+                      block_n=stream.block_n, num_warps=4 if block_h == 16 else 8,
+                      num_stages=stream.num_stages, kv_lora_rank=kv_lora_rank,
+                      qk_rope_dim=qk_rope_dim, merge_block_dv=MERGE_BLOCK_DV, **topology)
 
 
 def plan_balanced_mla_decode(
@@ -271,19 +269,7 @@ def plan_balanced_mla_decode(
     if min_chunk_tiles is None:
         min_chunk_tiles = stream.min_tiles_per_split
     _check_positive(programs=programs, min_chunk_tiles=min_chunk_tiles)
-    return LaunchPlan(
-        batch_size=batch_size,
-        num_heads=num_heads,
-        num_kv_splits=1,
-        block_h=block_h,
-        block_n=stream.block_n,
-        num_warps=4 if block_h == 16 else 8,
-        num_stages=stream.num_stages,
-        kv_lora_rank=kv_lora_rank,
-        qk_rope_dim=qk_rope_dim,
-        # One request may own every item (a single long request): size the tile for that.
-        merge_block_s=merge_block_s(programs),
-        merge_block_dv=MERGE_BLOCK_DV,
-        persistent_programs=programs,
-        min_chunk_tiles=min_chunk_tiles,
-    )
+    # One request may own every item (a single long request): size the merge tile for that.
+    return _plan(batch_size, num_heads, block_h, stream, kv_lora_rank, qk_rope_dim,
+                 num_kv_splits=1, merge_block_s=merge_block_s(programs),
+                 persistent_programs=programs, min_chunk_tiles=min_chunk_tiles)
