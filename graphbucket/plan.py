@@ -80,11 +80,18 @@ class StreamConfig:
     # rows (batch 1 and 8); batch 64 +0.5 % at 4K, -1.5 % at 32K
     # (bench/results/archive/h200-pdl.md).
     dependent_merge: bool = False
+    # Tokens as the dots' rows (``_attend_tokens``): warpgroup MMAs straight from shared
+    # memory and a double-buffered tile copy on Hopper.
+    token_major: bool = False
 
 
 LONG_STREAM = StreamConfig(block_n=64, num_stages=3, ctas_per_sm=2, min_tiles_per_split=1,
                            dependent_merge=True)
 WIDE_STREAM = StreamConfig(block_n=32, num_stages=2, ctas_per_sm=4, min_tiles_per_split=8)
+# Token-major dots on double-buffered 64-token tiles: 164 KB of shared memory at 16 heads,
+# so one program per SM.
+TOKEN_STREAM = StreamConfig(block_n=64, num_stages=2, ctas_per_sm=1, min_tiles_per_split=1,
+                            dependent_merge=True, token_major=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +127,8 @@ class LaunchPlan:
     # persistent programs per head block.
     persistent_programs: int = 0
     min_chunk_tiles: int = 1
+    # Stage 1 computes S^T = KV Q^T and O^T += KV^T P^T (tokens as the dots' rows).
+    token_major: bool = False
 
     @property
     def num_head_blocks(self) -> int:
@@ -165,13 +174,17 @@ class LaunchPlan:
     def describe(self) -> str:
         if self.balanced:
             return (f"balanced programs={self.persistent_programs} grid={self.grid} "
-                    f"block_h={self.block_h} block_n={self.block_n} "
+                    f"block_h={self.block_h} block_n={self.block_n}{self._layout} "
                     f"min_chunk={self.min_chunk_tiles} +merge(bs={self.merge_block_s})")
         stage2 = f"+merge(bs={self.merge_block_s})" if self.use_stage2 else " one-split"
         return (
             f"splits={self.num_kv_splits} grid={self.grid} block_h={self.block_h} "
-            f"block_n={self.block_n}{stage2}"
+            f"block_n={self.block_n}{self._layout}{stage2}"
         )
+
+    @property
+    def _layout(self) -> str:
+        return " token-major" if self.token_major else ""
 
 
 def stream_config(rows: int, num_sms: int) -> StreamConfig:
@@ -237,7 +250,8 @@ def _plan(batch_size: int, num_heads: int, block_h: int, stream: StreamConfig,
     return LaunchPlan(batch_size=batch_size, num_heads=num_heads, block_h=block_h,
                       block_n=stream.block_n, num_warps=4 if block_h == 16 else 8,
                       num_stages=stream.num_stages, kv_lora_rank=kv_lora_rank,
-                      qk_rope_dim=qk_rope_dim, merge_block_dv=MERGE_BLOCK_DV, **topology)
+                      qk_rope_dim=qk_rope_dim, merge_block_dv=MERGE_BLOCK_DV,
+                      token_major=stream.token_major, **topology)
 
 
 def plan_balanced_mla_decode(

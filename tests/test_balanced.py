@@ -21,6 +21,7 @@ from graphbucket.kernels.launch import tile_tokens
 from graphbucket.kernels.launch_balanced import launch_item_planner
 from graphbucket.plan import (
     LONG_STREAM,
+    TOKEN_STREAM,
     WIDE_STREAM,
     LaunchPlan,
     cdiv,
@@ -185,6 +186,7 @@ def test_one_long_request_among_short_ones(dtype):
     c = case(lens, dtype)
     check(c, balanced_plan(len(lens), 6))
     check(c, balanced_plan(len(lens), 6, stream=WIDE_STREAM, min_chunk_tiles=2))
+    check(c, balanced_plan(len(lens), 6, stream=TOKEN_STREAM))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

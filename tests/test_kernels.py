@@ -13,14 +13,14 @@ import torch
 
 from graphbucket.kernels import SplitWorkspace, mla_decode
 from graphbucket.kernels.launch import tile_tokens
-from graphbucket.plan import LONG_STREAM, WIDE_STREAM, LaunchPlan, plan_mla_decode
+from graphbucket.plan import LONG_STREAM, TOKEN_STREAM, WIDE_STREAM, LaunchPlan, plan_mla_decode
 from graphbucket.reference import mla_decode_reference
 from tests.kernel_cases import KV_LORA_RANK, SM_SCALE, DecodeCase, make_case, rel_l2
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPES = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float16, torch.float32]
-STREAMS = {"long": LONG_STREAM, "wide": WIDE_STREAM}
+STREAMS = {"long": LONG_STREAM, "wide": WIDE_STREAM, "token": TOKEN_STREAM}
 
 
 def run_kernel(case: DecodeCase, plan: LaunchPlan, *, with_lse: bool = True):
@@ -57,10 +57,10 @@ def with_splits(plan: LaunchPlan, num_splits: int) -> LaunchPlan:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("stream", ["long", "wide"])
+@pytest.mark.parametrize("stream", ["long", "wide", "token"])
 @pytest.mark.parametrize("seq_len", [1, 2, 15, 17, 31, 32, 33, 63, 64, 65])
 def test_lengths_around_block_and_page_edges(dtype, stream, seq_len):
-    # Tiles are 64 (long) or 32 (wide) tokens; pages are 16, so 15/17 straddle a page.
+    # Tiles are 64 (long, token) or 32 (wide) tokens; pages are 16, so 15/17 straddle a page.
     case = make_case([seq_len], 16, page_size=16, dtype=dtype, device=DEVICE)
     base = plan_mla_decode(1, 16, seq_len, num_sms=4, stream=STREAMS[stream])
     for splits in (1, 3):  # 3 splits exceed the tile count for every length here
@@ -68,7 +68,7 @@ def test_lengths_around_block_and_page_edges(dtype, stream, seq_len):
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 64])
-@pytest.mark.parametrize("stream", ["long", "wide"])
+@pytest.mark.parametrize("stream", ["long", "wide", "token"])
 def test_scattered_pages_ragged_batch(page_size, stream):
     # page 64 with either tile takes the one-page-per-tile path; 1 and 16 gather per token.
     lens = [1, 70, 129, 33]
@@ -78,10 +78,11 @@ def test_scattered_pages_ragged_batch(page_size, stream):
     check(case, with_splits(plan, 4))
 
 
+@pytest.mark.parametrize("stream", ["long", "token"])
 @pytest.mark.parametrize("num_heads", [8, 12, 16, 128])
-def test_head_counts_mask_partial_head_blocks(num_heads):
+def test_head_counts_mask_partial_head_blocks(num_heads, stream):
     case = make_case([45, 3], num_heads, page_size=16, dtype=torch.float16, device=DEVICE)
-    base = plan_mla_decode(2, num_heads, 1, num_sms=4)
+    base = plan_mla_decode(2, num_heads, 1, num_sms=4, stream=STREAMS[stream])
     check(case, base)
     check(case, with_splits(base, 2))
 

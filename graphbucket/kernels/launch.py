@@ -206,6 +206,7 @@ def launch_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
         TILE_IN_PAGE=kv_cache.shape[1] % block_n == 0, ONE_SPLIT=not plan.use_stage2,
         WRITE_LSE=lse is not None, USE_GDC=use_pdl(plan, q.device),
         DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
+        TOKEN_MAJOR=plan.token_major,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
 

@@ -61,9 +61,23 @@ def _attend_tokens(
     BLOCK_N: tl.constexpr,
     TILE_IN_PAGE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    TOKEN_MAJOR: tl.constexpr = False,
 ):
     """Online softmax over tokens [start, end) of one request (start < end, start a
-    multiple of BLOCK_N). Returns the unnormalised (acc, l, m) in log2 units."""
+    multiple of BLOCK_N). Returns the unnormalised (acc [BLOCK_H, R], l, m) in log2 units.
+
+    TOKEN_MAJOR computes the transposed products, S^T = KV Q^T and O^T += KV^T P^T: the
+    tile's token dimension becomes the dots' row dimension (64 rows, where the heads give
+    only 16), so on Hopper both dots run as warpgroup MMAs that read the KV tile straight
+    from shared memory, and the compiler double-buffers the tile's asynchronous copy. The
+    head-major form feeds the transposed tile through registers, which leaves the copy of
+    the next tile waiting on the current tile's math.
+    """
+    if TOKEN_MAJOR:
+        return _attend_tokens_token_major(
+            q_nope, q_rope, KV, bt_row, start, end, qk_scale_log2, stride_kv_page,
+            stride_kv_tok, PAGE_SIZE, KV_LORA_RANK, ROPE_DIM, BLOCK_H, BLOCK_N, TILE_IN_PAGE,
+            DOT_PRECISION)
     offs_c = tl.arange(0, KV_LORA_RANK)
     offs_r = tl.arange(0, ROPE_DIM)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -71,16 +85,8 @@ def _attend_tokens(
     acc = tl.zeros([BLOCK_H, KV_LORA_RANK], dtype=tl.float32)
 
     for tok0 in range(start, end, BLOCK_N):
-        offs_n = tok0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        if TILE_IN_PAGE:
-            # Tiles start at multiples of BLOCK_N, so the whole tile sits in one page:
-            # one scalar table load, and the tile is one contiguous run of cache rows.
-            page = tl.load(bt_row + tok0 // PAGE_SIZE).to(tl.int64)
-            row = page * stride_kv_page + (offs_n % PAGE_SIZE) * stride_kv_tok
-        else:
-            page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
-            row = page.to(tl.int64) * stride_kv_page + (offs_n % PAGE_SIZE) * stride_kv_tok
+        row, mask_n = _tile_rows(bt_row, tok0, end, stride_kv_page, stride_kv_tok,
+                                 PAGE_SIZE, BLOCK_N, TILE_IN_PAGE)
         kv = tl.load(KV + row[:, None] + offs_c[None, :], mask=mask_n[:, None], other=0.0)
         k_rope = tl.load(KV + row[:, None] + KV_LORA_RANK + offs_r[None, :],
                          mask=mask_n[:, None], other=0.0)
@@ -98,6 +104,63 @@ def _attend_tokens(
                                             input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
+
+
+@triton.jit
+def _tile_rows(bt_row, tok0, end, stride_kv_page, stride_kv_tok,
+               PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, TILE_IN_PAGE: tl.constexpr):
+    """Cache row offsets of tokens tok0 .. tok0 + BLOCK_N and their live mask."""
+    offs_n = tok0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < end
+    if TILE_IN_PAGE:
+        # Tiles start at multiples of BLOCK_N, so the whole tile sits in one page:
+        # one scalar table load, and the tile is one contiguous run of cache rows.
+        page = tl.load(bt_row + tok0 // PAGE_SIZE).to(tl.int64)
+    else:
+        page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
+    return page * stride_kv_page + (offs_n % PAGE_SIZE) * stride_kv_tok, mask_n
+
+
+@triton.jit
+def _attend_tokens_token_major(
+    q_nope, q_rope, KV, bt_row, start, end, qk_scale_log2,
+    stride_kv_page, stride_kv_tok,
+    PAGE_SIZE: tl.constexpr,
+    KV_LORA_RANK: tl.constexpr,
+    ROPE_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TILE_IN_PAGE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """``_attend_tokens`` with tokens as the dots' rows (see there); same result."""
+    offs_c = tl.arange(0, KV_LORA_RANK)
+    offs_r = tl.arange(0, ROPE_DIM)
+    q_nope_t = tl.trans(q_nope)  # [R, BLOCK_H]
+    q_rope_t = tl.trans(q_rope)  # [ROPE_DIM, BLOCK_H]
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc_t = tl.zeros([KV_LORA_RANK, BLOCK_H], dtype=tl.float32)
+
+    for tok0 in range(start, end, BLOCK_N):
+        row, mask_n = _tile_rows(bt_row, tok0, end, stride_kv_page, stride_kv_tok,
+                                 PAGE_SIZE, BLOCK_N, TILE_IN_PAGE)
+        kv = tl.load(KV + row[:, None] + offs_c[None, :], mask=mask_n[:, None], other=0.0)
+        k_rope = tl.load(KV + row[:, None] + KV_LORA_RANK + offs_r[None, :],
+                         mask=mask_n[:, None], other=0.0)
+
+        s_t = tl.dot(kv, q_nope_t, input_precision=DOT_PRECISION)
+        s_t += tl.dot(k_rope, q_rope_t, input_precision=DOT_PRECISION)
+        s_t = tl.where(mask_n[:, None], s_t * qk_scale_log2, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s_t, 0))
+        alpha = tl.exp2(m_i - m_new)
+        p_t = tl.exp2(s_t - m_new[None, :])
+        l_i = l_i * alpha + tl.sum(p_t, 0)
+        acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(kv), p_t.to(kv.dtype),
+                                                input_precision=DOT_PRECISION)
+        m_i = m_new
+    return tl.trans(acc_t), l_i, m_i
 
 
 @triton.jit
@@ -140,6 +203,7 @@ def _mla_decode_stage1_kernel(
     WRITE_LSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr = "tf32",
     USE_GDC: tl.constexpr = False,
+    TOKEN_MAJOR: tl.constexpr = False,
 ):
     bid = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -164,7 +228,7 @@ def _mla_decode_stage1_kernel(
         acc, l_i, m_i = _attend_tokens(
             q_nope, q_rope, KV, BLOCK_TABLE + bid * stride_bt_b, start, end, qk_scale_log2,
             stride_kv_page, stride_kv_tok, PAGE_SIZE, KV_LORA_RANK, ROPE_DIM, BLOCK_H,
-            BLOCK_N, TILE_IN_PAGE, DOT_PRECISION)
+            BLOCK_N, TILE_IN_PAGE, DOT_PRECISION, TOKEN_MAJOR)
         lse_log2 = m_i + tl.log2(l_i)
         out = acc / l_i[:, None]
         if ONE_SPLIT:
