@@ -1,9 +1,16 @@
-"""Kernel sweep: split-KV MLA decode time over context x batch x split count (H200).
+"""Kernel sweep: MLA decode time per shape against the copy-bandwidth floor (H200).
 
-Every configuration is timed as CUDA-graph replays with a cold L2: one graph holds R calls,
-each over a different random scatter of pages of one large cache, with R chosen so that a
-replay touches several L2s worth of distinct KV. The same run measures a large
-device-to-device copy; ``frac_of_copy`` is the kernel's bandwidth over that ceiling.
+Two tables from one run, 16 heads, bf16, page 64, every call timed as CUDA-graph replays
+with a cold L2 (one graph holds R calls, each over its own random scatter of pages of one
+large cache, with R chosen so that a replay touches several L2s worth of distinct KV):
+
+- ``rows``: the planned kernel (``plan_mla_decode``; for ragged mixes also balanced
+  split-KV) and, when it is installed, FlashInfer's MLA decode (FA3) on the same inputs,
+  over uniform shapes (context x batch) and the ragged mixes of ``bench/ragged.py``. The
+  floor is the bytes actually read (each request's KV rows, q and out) over the copy
+  bandwidth measured in the same run; ``frac_of_copy`` = floor_us / us.
+- ``split_rows``: the planned kernel at every split count of ``--splits`` (what the
+  ladder tuner chooses from).
 
     python3 bench/kernel_sweep.py --out bench/results
 """
@@ -19,10 +26,17 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench import flashinfer_ref  # noqa: E402
 from bench.gpu_timing import copy_gbps, run_meta, time_replays  # noqa: E402
-from graphbucket.kernels import SplitWorkspace, default_sm_scale  # noqa: E402
+from bench.ragged import bytes_read, inputs, mixes  # noqa: E402
+from graphbucket.kernels import (  # noqa: E402
+    SplitWorkspace,
+    default_sm_scale,
+    mla_decode,
+    mla_decode_balanced,
+)
 from graphbucket.kernels.launch import launch_merge  # noqa: E402
-from graphbucket.plan import plan_mla_decode  # noqa: E402
+from graphbucket.plan import plan_balanced_mla_decode, plan_mla_decode  # noqa: E402
 from graphbucket.tuning.measure import Problem, rotated_calls  # noqa: E402
 
 CONTEXTS = [1, 64, 256, 1024, 4096, 16384, 65536, 131072]
@@ -34,6 +48,66 @@ HEADS, PAGE, DIM, RANK = 16, 64, 576, 512
 def kv_bytes(context: int, batch: int) -> int:
     q_and_out = batch * HEADS * (DIM + RANK) * 2
     return batch * context * DIM * 2 + q_and_out
+
+
+def shapes(contexts: list[int], batches: list[int]) -> list[tuple[str, list[int]]]:
+    uniform = [("uniform", [c] * b) for c in contexts for b in batches]
+    return uniform + [(name, lens) for name, lens in mixes() if name != "uniform"]
+
+
+def time_calls(launch, plan, cache, tables, q, out, seq_lens, ws, scale) -> float:
+    def call():
+        for r in range(tables.shape[0]):
+            launch(q[r], cache, tables[r], seq_lens, out[r], ws, plan=plan, sm_scale=scale,
+                   check=False)
+    return time_replays(call, calls_per_graph=tables.shape[0])
+
+
+def against_floor(gbps: float, lens: list[int], us: float) -> dict:
+    floor_us = bytes_read(lens) / (gbps * 1e3)
+    return {"us": round(us, 3), "floor_us": round(floor_us, 3),
+            "frac_of_copy": round(floor_us / us, 4)}
+
+
+def compare(args) -> list[dict]:
+    """Planned graphbucket kernels and FlashInfer per shape (``rows``)."""
+    all_shapes = shapes(args.contexts, args.batches)
+    pages = max(sum(-(-n // PAGE) for n in lens) for _, lens in all_shapes)
+    # 1.5x the largest shape: rotations of scattered pages for the small ones.
+    cache = torch.empty(pages * 3 // 2 + 64, PAGE, DIM, dtype=torch.bfloat16,
+                        device="cuda").normal_()
+    why_not = flashinfer_ref.available() if args.flashinfer else "--no-flashinfer"
+    print(f"flashinfer: {why_not or 'available'}", flush=True)
+    rows, scale = [], default_sm_scale()
+    for i, (mix, lens) in enumerate(all_shapes):
+        tables, q, out, seq_lens = inputs(lens, cache)
+        batch, context = len(lens), max(lens)
+        variants = [(plan_mla_decode(batch, HEADS, context), mla_decode)]
+        if mix != "uniform":
+            variants.append((plan_balanced_mla_decode(batch, HEADS), mla_decode_balanced))
+        ws = SplitWorkspace.allocate(batch, HEADS, variants[0][0].num_kv_splits, RANK, "cuda",
+                                     max_items=max(p.max_work_items for p, _ in variants))
+        shape = {"heads": HEADS, "batch": batch, "context": context, "mix": mix}
+        for plan, launch in variants:
+            us = time_calls(launch, plan, cache, tables, q, out, seq_lens, ws, scale)
+            rows.append({"impl": "graphbucket", **shape, "topology": plan.describe(),
+                         **against_floor(args.copy_gbps, lens, us)})
+        if why_not is None:
+            ref = torch.empty_like(out)
+            call = flashinfer_ref.rotated_calls(cache, tables, q, ref, seq_lens, scale)
+            us = time_replays(call, calls_per_graph=tables.shape[0])
+            # Same inputs, so the outputs must agree (bf16 rounding apart).
+            err = ((ref[0].float() - out[0].float()).norm() / out[0].float().norm()).item()
+            rows.append({"impl": "flashinfer", **shape, "topology": "fa3",
+                         **against_floor(args.copy_gbps, lens, us),
+                         "rel_diff_to_graphbucket": round(err, 5)})
+        done = [r for r in rows if r["mix"] == mix and r["batch"] == batch
+                and r["context"] == context]
+        print(f"[{i + 1}/{len(all_shapes)}] {mix} b={batch} ctx={context} " + "  ".join(
+            f"{r['impl']} {r['us']:.1f} us ({100 * r['frac_of_copy']:.0f} %)" for r in done),
+            flush=True)
+        del tables, q, out, ws
+    return rows
 
 
 def sweep(args) -> list[dict]:
@@ -100,20 +174,44 @@ def best_rows(rows: list[dict]) -> list[dict]:
     return out
 
 
-def markdown(meta: dict, rows: list[dict], merges: list[dict]) -> str:
+def comparison_table(rows: list[dict]) -> list[str]:
+    """One line per shape: graphbucket's planned (and balanced) kernels against FlashInfer."""
+    lines = ["| mix | batch | context | graphbucket us | of copy | topology | FlashInfer us | "
+             "of copy | FlashInfer / graphbucket |", "|---|---|---|---|---|---|---|---|---|"]
+    keys = sorted({(r["mix"] != "uniform", r["mix"], r["batch"], r["context"]) for r in rows})
+    for _, mix, batch, context in keys:
+        same = [r for r in rows if (r["mix"], r["batch"], r["context"]) == (mix, batch, context)]
+        fi = next((r for r in same if r["impl"] == "flashinfer"), None)
+        for r in (r for r in same if r["impl"] == "graphbucket"):
+            fi_cells = (f"{fi['us']:.1f} | {100 * fi['frac_of_copy']:.0f} % | "
+                        f"{fi['us'] / r['us']:.2f}x") if fi else "- | - | -"
+            lines.append(f"| {mix} | {batch} | {context} | {r['us']:.1f} | "
+                         f"{100 * r['frac_of_copy']:.0f} % | {r['topology'].split(' grid')[0]} | "
+                         f"{fi_cells} |")
+    return lines
+
+
+def markdown(meta: dict, rows: list[dict], split_rows: list[dict], merges: list[dict]) -> str:
     lines = [f"# MLA decode kernel sweep ({meta['gpu']})", "",
              f"{meta['date']}, torch {meta['torch']}, triton {meta['triton']}, "
              f"copy {meta['copy_gbps']:.0f} GB/s (read+write). Command: `{meta['command']}`",
-             "", "Best split count per shape (16 heads, bf16, page 64, cold L2, graph replay):",
-             "", "| context | batch | best splits | us | GB/s | of copy | planned splits | "
-             "planned us |", "|---|---|---|---|---|---|---|---|"]
-    for r in best_rows(rows):
-        plan_us = "-" if r["plan_us"] is None else f"{r['plan_us']:.1f}"
-        lines.append(f"| {r['context']} | {r['batch']} | {r['splits']} | {r['us']:.1f} | "
-                     f"{r['gbps']:.0f} | {100 * r['frac_of_copy']:.0f} % | "
-                     f"{r['planned_splits']} | {plan_us} |")
-    lines += ["", "Stage 2 (merge) alone, batch 1:", "", "| splits | us |", "|---|---|"]
-    lines += [f"| {m['splits']} | {m['merge_us']:.2f} |" for m in merges]
+             "", "16 heads, bf16, page 64, cold L2, CUDA-graph replay. Of copy = the bytes "
+             "actually read over the copy bandwidth, divided by the time. FlashInfer / "
+             "graphbucket > 1: graphbucket is faster.", ""]
+    lines += comparison_table(rows) if rows else ["(no comparison rows in this run)"]
+    if split_rows:
+        lines += ["", "Best split count per shape (the planned kernel, splits swept):", "",
+                  "| context | batch | best splits | us | GB/s | of copy | planned splits | "
+                  "planned us |", "|---|---|---|---|---|---|---|---|"]
+        for r in best_rows(split_rows):
+            plan_us = "-" if r["plan_us"] is None else f"{r['plan_us']:.1f}"
+            lines.append(f"| {r['context']} | {r['batch']} | {r['splits']} | {r['us']:.1f} | "
+                         f"{r['gbps']:.0f} | {100 * r['frac_of_copy']:.0f} % | "
+                         f"{r['planned_splits']} | {plan_us} |")
+    if merges:
+        lines += ["", "Stage 2 (merge kernel) alone, batch 1:", "", "| splits | us |",
+                  "|---|---|"]
+        lines += [f"| {m['splits']} | {m['merge_us']:.2f} |" for m in merges]
     return "\n".join(lines) + "\n"
 
 
@@ -122,14 +220,18 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--contexts", type=int, nargs="+", default=CONTEXTS)
     ap.add_argument("--batches", type=int, nargs="+", default=BATCHES)
-    ap.add_argument("--splits", type=int, nargs="+", default=SPLITS)
+    ap.add_argument("--splits", type=int, nargs="*", default=SPLITS,
+                    help="split counts of the split table (none: skip it)")
+    ap.add_argument("--no-flashinfer", dest="flashinfer", action="store_false",
+                    help="leave FlashInfer out even when it is installed")
     ap.add_argument("--render", metavar="JSON", help="only rewrite the markdown of a saved run")
     args = ap.parse_args()
     if args.render:
         with open(args.render) as f:
             saved = json.load(f)
         with open(os.path.splitext(args.render)[0] + ".md", "w") as f:
-            f.write(markdown(saved["meta"], saved["rows"], saved["merge"]))
+            f.write(markdown(saved["meta"], saved["rows"], saved.get("split_rows", []),
+                             saved["merge"]))
         return
     if not torch.cuda.is_available():
         sys.exit("kernel_sweep.py times CUDA-graph replays and needs a CUDA GPU")
@@ -137,12 +239,14 @@ def main() -> None:
     args.copy_gbps = copy_gbps()
     meta = {**run_meta(), "copy_gbps": round(args.copy_gbps, 1)}
     print(f"copy bandwidth {args.copy_gbps:.0f} GB/s on {meta['gpu']}", flush=True)
-    rows = sweep(args)
-    merges = merge_cost([32, 64, 128, 256, 512])
+    rows = compare(args)
+    split_rows = sweep(args) if args.splits else []
+    merges = merge_cost([32, 64, 128, 256, 512]) if args.splits else []
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "h200-kernel-sweep.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows, "merge": merges}, f, indent=1)
-    text = markdown(meta, rows, merges)
+        json.dump({"meta": meta, "rows": rows, "split_rows": split_rows, "merge": merges},
+                  f, indent=1)
+    text = markdown(meta, rows, split_rows, merges)
     with open(os.path.join(args.out, "h200-kernel-sweep.md"), "w") as f:
         f.write(text)
     print(text)

@@ -14,6 +14,8 @@ Formula (integer arithmetic)::
     budget       = min(pow2_floor(stream.ctas_per_sm * num_sms // rows), max_splits)  # >= 1
     wanted       = pow2_ceil(cdiv(cdiv(hint, stream.block_n), stream.min_tiles_per_split))
     num_splits   = clamp(wanted, 1, budget)
+    fused_merge  = 1 < num_splits and cdiv(hint, stream.block_n) <= stream.fused_merge_max_tiles
+    num_splits   = min(num_splits, FUSED_MERGE_MAX_SPLITS) if fused_merge
 
 Where the constants come from (H200 measurements, bench/NOTES.md):
 - The kernel streams roughly 10-12 GB/s per program, so HBM saturates only with
@@ -24,9 +26,14 @@ Where the constants come from (H200 measurements, bench/NOTES.md):
 - LONG_STREAM (few rows, long splits): 64-token tiles, 3 pipeline stages, 94 KB of
   shared memory -> 2 programs per SM. Best at batch 1 and 8 (128K: 55 us at 256 splits).
 - WIDE_STREAM (many rows): 32-token tiles, 2 stages, 56 KB -> 4 programs per SM.
-  Best at batch 64 (3 % ahead of LONG_STREAM). With that many rows the grid is already
-  wide, and a split pays for its partial store and merge only over >= 8 tiles (batch 64:
-  1 split best at 256 tokens, 4 at 1K, 8-16 from 4K on).
+  Best at batch 64 (3 % ahead of LONG_STREAM). Up to 4K tokens (128 tiles) its splits
+  merge in stage 1 (the request's last split merges, no merge kernel): at batch 64 the
+  merge kernel cost 10-18 us, and with it 1 split was best at 256 tokens; with the fused
+  merge 2 splits of 4+ tiles win at 256 tokens (17.5 us against 20.5), 4 at 1K (39.5
+  against 55.0 planned before) and at 4K (103.8 against 112.1). The last split reads
+  every partial of its request alone, so the fused merge is capped at 4 splits; past
+  4K tokens 8 splits and the merge kernel win (16K: 328 us against 345 fused; a batch
+  spread over 1..8K: 151 us against 171).
 - wanted (LONG): at batch 1 more splits kept paying down to one tile per split at short
   contexts (256 tokens: 7.2 us at 8 splits against 12.9 us at 2), so the hint asks for
   one split per tile and the budget caps it; powers of two keep neighbouring hints on
@@ -54,6 +61,10 @@ H200_NUM_SMS = 132
 MERGE_BLOCK_S = 256
 MERGE_BLOCK_S_SMALL = 32
 MERGE_BLOCK_DV = 32
+# A fused merge is done by one program per (request, head block), reading every partial
+# alone: cheap for a few splits, a serial tail for many (batch 8 x 4K: 32 fused splits
+# 54 us against 24 us with the merge kernel).
+FUSED_MERGE_MAX_SPLITS = 4
 
 
 def cdiv(a: int, b: int) -> int:
@@ -83,11 +94,15 @@ class StreamConfig:
     # Tokens as the dots' rows (``_attend_tokens``): warpgroup MMAs straight from shared
     # memory and a double-buffered tile copy on Hopper.
     token_major: bool = False
+    # Hints of at most this many tiles merge their (at most FUSED_MERGE_MAX_SPLITS) splits
+    # in stage 1; 0: always the merge kernel.
+    fused_merge_max_tiles: int = 0
 
 
 LONG_STREAM = StreamConfig(block_n=64, num_stages=3, ctas_per_sm=2, min_tiles_per_split=1,
                            dependent_merge=True)
-WIDE_STREAM = StreamConfig(block_n=32, num_stages=2, ctas_per_sm=4, min_tiles_per_split=8)
+WIDE_STREAM = StreamConfig(block_n=32, num_stages=2, ctas_per_sm=4, min_tiles_per_split=4,
+                           fused_merge_max_tiles=128)
 # Token-major dots on double-buffered 64-token tiles: 164 KB of shared memory at 16 heads,
 # so one program per SM.
 TOKEN_STREAM = StreamConfig(block_n=64, num_stages=2, ctas_per_sm=1, min_tiles_per_split=1,
@@ -129,6 +144,8 @@ class LaunchPlan:
     min_chunk_tiles: int = 1
     # Stage 1 computes S^T = KV Q^T and O^T += KV^T P^T (tokens as the dots' rows).
     token_major: bool = False
+    # Split plans: each request's last split merges in stage 1 (no merge kernel).
+    fused_merge: bool = False
 
     @property
     def num_head_blocks(self) -> int:
@@ -140,7 +157,13 @@ class LaunchPlan:
 
     @property
     def use_stage2(self) -> bool:
+        """Partials go through the workspace (a merge follows, in a kernel or fused)."""
         return self.balanced or self.num_kv_splits > 1
+
+    @property
+    def merge_kernel(self) -> bool:
+        """A separate merge kernel runs after stage 1."""
+        return self.use_stage2 and not (self.fused_merge and not self.balanced)
 
     @property
     def max_work_items(self) -> int:
@@ -167,9 +190,11 @@ class LaunchPlan:
         return (self.batch_size, self.num_heads, self.num_kv_splits, self.kv_lora_rank)
 
     def with_splits(self, num_kv_splits: int) -> LaunchPlan:
-        """The same plan with another split budget (and the merge tile that goes with it)."""
+        """The same plan with another split budget (and the merge tile that goes with it;
+        the merge kernel past FUSED_MERGE_MAX_SPLITS)."""
         return replace(self, num_kv_splits=num_kv_splits,
-                       merge_block_s=merge_block_s(num_kv_splits))
+                       merge_block_s=merge_block_s(num_kv_splits),
+                       fused_merge=self.fused_merge and num_kv_splits <= FUSED_MERGE_MAX_SPLITS)
 
     def describe(self) -> str:
         if self.balanced:
@@ -177,6 +202,8 @@ class LaunchPlan:
                     f"block_h={self.block_h} block_n={self.block_n}{self._layout} "
                     f"min_chunk={self.min_chunk_tiles} +merge(bs={self.merge_block_s})")
         stage2 = f"+merge(bs={self.merge_block_s})" if self.use_stage2 else " one-split"
+        if self.use_stage2 and self.fused_merge:
+            stage2 = " +merge(last split)"
         return (
             f"splits={self.num_kv_splits} grid={self.grid} block_h={self.block_h} "
             f"block_n={self.block_n}{self._layout}{stage2}"
@@ -239,9 +266,12 @@ def plan_mla_decode(
     budget = split_budget(rows, stream, num_sms=num_sms, max_splits=max_splits)
     wanted = pow2_ceil(cdiv(cdiv(hint, stream.block_n), stream.min_tiles_per_split))
     num_splits = max(1, min(wanted, budget))
+    fused = 1 < num_splits and cdiv(hint, stream.block_n) <= stream.fused_merge_max_tiles
+    if fused:
+        num_splits = min(num_splits, FUSED_MERGE_MAX_SPLITS)
     return _plan(batch_size, num_heads, block_h, stream, kv_lora_rank, qk_rope_dim,
                  num_kv_splits=num_splits, merge_block_s=merge_block_s(num_splits),
-                 dependent_merge=stream.dependent_merge)
+                 dependent_merge=stream.dependent_merge and not fused, fused_merge=fused)
 
 
 def _plan(batch_size: int, num_heads: int, block_h: int, stream: StreamConfig,

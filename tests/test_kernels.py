@@ -215,3 +215,55 @@ def test_gpu_merge_with_and_without_dependent_launch_agree(lens):
     hopper = torch.cuda.get_device_capability()[0] >= 9
     assert use_pdl(replace(plan, dependent_merge=True), torch.device("cuda")) == hopper
     assert torch.equal(outs[0], outs[1])  # same arithmetic, only the launch differs
+
+
+def fused(plan: LaunchPlan) -> LaunchPlan:
+    return replace(plan, fused_merge=True)
+
+
+@pytest.mark.parametrize("stream", ["long", "wide", "token"])
+@pytest.mark.parametrize("seq_len", [1, 63, 64, 65, 200])
+def test_fused_merge_around_split_edges(stream, seq_len):
+    # 1 and 3 splits; 3 splits of a 1-tile request leave two splits without tokens.
+    case = make_case([seq_len], 16, page_size=16, dtype=DTYPES[-1], device=DEVICE)
+    base = fused(plan_mla_decode(1, 16, seq_len, num_sms=4, stream=STREAMS[stream]))
+    for splits in (1, 3):
+        check(case, with_splits(base, splits))
+
+
+@pytest.mark.parametrize("num_heads", [16, 128])
+def test_fused_merge_ragged_padded_batch_and_counters_reset(num_heads):
+    # Padding rows (0) write zeros once; every launch leaves the counters at zero, so a
+    # second launch on the same workspace (what a graph replay does) gives the same result.
+    case = make_case([0, 300, 1, 129, 0, 64], num_heads, page_size=16, dtype=DTYPES[-1],
+                     device=DEVICE)
+    plan = fused(with_splits(plan_mla_decode(6, num_heads, 1, num_sms=4), 4))
+    ws = SplitWorkspace.allocate(6, num_heads, 4, KV_LORA_RANK, DEVICE)
+    outs = []
+    for _ in range(2):
+        out = torch.full((6, num_heads, KV_LORA_RANK), float("nan"), dtype=case.q.dtype,
+                         device=DEVICE)
+        lse = torch.full((6, num_heads), float("nan"), device=DEVICE)
+        mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, out, ws, plan=plan,
+                   sm_scale=SM_SCALE, lse=lse)
+        assert (ws.merge_counters == 0).all(), "a fused merge left a counter set"
+        outs.append(out)
+    ref, ref_lse = mla_decode_reference(case.q.cpu(), case.kv_cache.cpu(),
+                                        case.block_table.cpu(), case.seq_lens.cpu(),
+                                        kv_lora_rank=KV_LORA_RANK, sm_scale=SM_SCALE)
+    assert rel_l2(outs[0].cpu(), ref) < 1e-2
+    assert torch.equal(outs[0], outs[1])
+    assert (outs[0][0] == 0).all() and torch.isinf(lse[4]).all()
+    live = case.seq_lens.cpu() > 0
+    assert (lse.cpu().double()[live] - ref_lse[live]).abs().max() < 2e-2
+
+
+def test_fused_merge_needs_counters_in_the_workspace():
+    case = make_case([100], 16, page_size=16, dtype=DTYPES[-1], device=DEVICE)
+    plan = fused(with_splits(plan_mla_decode(1, 16, 1, num_sms=4), 2))
+    ws = SplitWorkspace.allocate(1, 16, 2, KV_LORA_RANK, DEVICE)
+    ws = replace(ws, merge_counters=None)
+    out = torch.empty(1, 16, KV_LORA_RANK, dtype=case.q.dtype, device=DEVICE)
+    with pytest.raises(ValueError, match="workspace"):
+        mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, out, ws, plan=plan,
+                   sm_scale=SM_SCALE)

@@ -29,6 +29,9 @@ class SplitWorkspace:
     partial_lse: [max_batch, num_heads, max_splits] float32 (log2 units)
     Any plan with batch <= max_batch and splits <= max_splits uses views of these.
 
+    merge_counters: [max_batch, num_heads] int32, zero between launches: the splits of a
+    (request, head block) that have finished, for plans that merge in stage 1.
+
     Balanced plans (``max_items`` > 0) use the item buffers instead:
     item_o [max_items, num_heads, kv_lora_rank] and item_lse [max_items, num_heads]
     float32 partials, item_indptr [max_batch + 1] and chunk_tiles [1] int32 (the
@@ -41,6 +44,7 @@ class SplitWorkspace:
     item_lse: torch.Tensor | None = None
     item_indptr: torch.Tensor | None = None
     chunk_tiles: torch.Tensor | None = None
+    merge_counters: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, max_batch: int, num_heads: int, max_splits: int, kv_lora_rank: int,
@@ -56,8 +60,9 @@ class SplitWorkspace:
                      "item_indptr": torch.zeros(max_batch + 1, dtype=torch.int32,
                                                 device=device),
                      "chunk_tiles": torch.zeros(1, dtype=torch.int32, device=device)}
+        counters = torch.zeros(max_batch, num_heads, dtype=torch.int32, device=device)
         return cls(torch.empty(*shape, kv_lora_rank, **f32), torch.empty(*shape, **f32),
-                   **items)
+                   merge_counters=counters, **items)
 
     def fits(self, plan: LaunchPlan) -> bool:
         b, h, s, d = self.partial_o.shape
@@ -66,6 +71,10 @@ class SplitWorkspace:
         if plan.balanced:
             return self.item_o is not None and plan.max_work_items <= self.item_o.shape[0] \
                 and plan.batch_size < self.item_indptr.shape[0]
+        if plan.fused_merge and (self.merge_counters is None
+                                 or self.merge_counters.shape[0] < plan.batch_size
+                                 or self.merge_counters.shape[1] < plan.num_head_blocks):
+            return False
         return plan.batch_size <= b and plan.num_kv_splits <= s
 
 
@@ -140,7 +149,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     workspace = workspace if plan.use_stage2 else None
     launch_stage1(q, kv_cache, block_table, seq_lens, out, workspace, plan=plan,
                   sm_scale=sm_scale, lse=lse)
-    if plan.use_stage2:
+    if plan.merge_kernel:
         launch_merge(seq_lens, out, workspace, plan=plan, lse=lse,
                      block_n=tile_tokens(plan, kv_cache.element_size()))
     return out
@@ -158,6 +167,14 @@ def _workspace_args(workspace: SplitWorkspace | None, out: torch.Tensor):
     return part_o, part_lse, part_o.stride()[:3], part_lse.stride()[:2]
 
 
+def _merge_counters(workspace: SplitWorkspace | None, plan: LaunchPlan,
+                    fallback: torch.Tensor) -> torch.Tensor:
+    """The workspace's counters for a fused merge; any int32 tensor when unused."""
+    if plan.fused_merge and plan.use_stage2:
+        return workspace.merge_counters
+    return fallback
+
+
 @functools.cache
 def _pdl_capable(device: torch.device) -> bool:
     if device.type != "cuda":
@@ -169,7 +186,7 @@ def use_pdl(plan: LaunchPlan, device: torch.device) -> bool:
     """Programmatic dependent launch of the merge, when the plan asks for it and the GPU
     has it (sm_90 and later): the merge grid launches while stage 1 runs and waits on the
     device for its partials."""
-    return plan.use_stage2 and plan.dependent_merge and _pdl_capable(device)
+    return plan.merge_kernel and plan.dependent_merge and _pdl_capable(device)
 
 
 def tile_tokens(plan: LaunchPlan, element_size: int) -> int:
@@ -192,9 +209,11 @@ def launch_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
     """
     part_o, part_lse, po_strides, pl_strides = _workspace_args(workspace, out)
     block_n = tile_tokens(plan, kv_cache.element_size())
+    counters = _merge_counters(workspace, plan, seq_lens)
     return _mla_decode_stage1_kernel[plan.grid](
         q, kv_cache, block_table, seq_lens, out, out if lse is None else lse, part_o, part_lse,
-        plan.num_kv_splits, plan.num_heads, sm_scale * LOG2E,
+        counters, plan.num_kv_splits, plan.num_heads,
+        counters.stride(0) if counters is not seq_lens else 0, sm_scale * LOG2E,
         q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1),
         block_table.stride(0),
@@ -206,7 +225,7 @@ def launch_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
         TILE_IN_PAGE=kv_cache.shape[1] % block_n == 0, ONE_SPLIT=not plan.use_stage2,
         WRITE_LSE=lse is not None, USE_GDC=use_pdl(plan, q.device),
         DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
-        TOKEN_MAJOR=plan.token_major,
+        TOKEN_MAJOR=plan.token_major, FUSED_MERGE=plan.fused_merge and plan.use_stage2,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
 

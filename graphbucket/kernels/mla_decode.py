@@ -4,7 +4,10 @@ Algorithm: flash-decoding. Stage 1 runs one program per (request, head block, KV
 each program streams its share of the request's tokens through an online softmax and
 writes a normalised partial output plus its log-sum-exp. Stage 2 merges the partials of
 a request with a blocked LSE merge (BLOCK_S splits per step, not one split at a time).
-With one split, stage 1 writes the final output and stage 2 is not launched.
+With one split, stage 1 writes the final output and stage 2 is not launched. With a fused
+merge (few splits per request) there is no stage 2 either: each request's last split to
+finish, counted by an atomic per (request, head block) in the workspace, merges the
+partials itself and resets the counter for the next launch.
 
 MLA specifics: the cache row is [kv_lora_rank latent | qk_rope_dim rope]; K is the whole
 row and V is its first kv_lora_rank columns, so each KV tile is loaded once and used for
@@ -37,6 +40,14 @@ def _split_range(seq_len, split, num_kv_splits, BLOCK_N: tl.constexpr):
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
     return start, end
+
+
+@triton.jit
+def _active_splits(seq_len, num_kv_splits, BLOCK_N: tl.constexpr):
+    """How many splits get tokens (the others exit at once and write nothing)."""
+    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    tiles_per_split = tl.maximum(tl.cdiv(num_tiles, num_kv_splits), 1)
+    return tl.cdiv(num_tiles, tiles_per_split)
 
 
 @triton.jit
@@ -184,8 +195,8 @@ def _store_padding(o_ptr, lse_ptr, mask_h, BLOCK_H: tl.constexpr, KV_LORA_RANK: 
 
 @triton.jit
 def _mla_decode_stage1_kernel(
-    Q, KV, BLOCK_TABLE, SEQ_LENS, OUT, LSE, PART_O, PART_LSE,
-    num_kv_splits, num_heads, qk_scale_log2,
+    Q, KV, BLOCK_TABLE, SEQ_LENS, OUT, LSE, PART_O, PART_LSE, MERGE_COUNTERS,
+    num_kv_splits, num_heads, stride_mc_b, qk_scale_log2,
     stride_q_b, stride_q_h,
     stride_kv_page, stride_kv_tok,
     stride_bt_b,
@@ -204,6 +215,7 @@ def _mla_decode_stage1_kernel(
     DOT_PRECISION: tl.constexpr = "tf32",
     USE_GDC: tl.constexpr = False,
     TOKEN_MAJOR: tl.constexpr = False,
+    FUSED_MERGE: tl.constexpr = False,
 ):
     bid = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -239,8 +251,52 @@ def _mla_decode_stage1_kernel(
             tl.store(po_ptr, out, mask=mask_h[:, None])
             tl.store(PART_LSE + bid * stride_pl_b + offs_h * stride_pl_h + split, lse_log2,
                      mask=mask_h)
+            if FUSED_MERGE:
+                # The request's last split to finish merges (no second kernel). Every
+                # thread's partial stores precede the barrier; the release half of the
+                # atomic publishes them, its acquire half lets the last one read all.
+                tl.debug_barrier()
+                counter = MERGE_COUNTERS + bid * stride_mc_b + head_block
+                done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+                if done == _active_splits(seq_len, num_kv_splits, BLOCK_N) - 1:
+                    tl.store(counter, 0)  # ready for the next launch (or graph replay)
+                    merged, merged_lse = _merge_head_block(
+                        PART_O + bid * stride_po_b, PART_LSE + bid * stride_pl_b, offs_h,
+                        mask_h, stride_po_h, stride_po_s, stride_pl_h,
+                        _active_splits(seq_len, num_kv_splits, BLOCK_N), KV_LORA_RANK)
+                    _store_final(o_ptr, lse_ptr, merged, merged_lse, mask_h, WRITE_LSE)
     elif ONE_SPLIT:
         _store_padding(o_ptr, lse_ptr, mask_h, BLOCK_H, KV_LORA_RANK, WRITE_LSE)
+    elif FUSED_MERGE:
+        if seq_len == 0:
+            if split == 0:
+                _store_padding(o_ptr, lse_ptr, mask_h, BLOCK_H, KV_LORA_RANK, WRITE_LSE)
+
+
+@triton.jit
+def _merge_head_block(part_o, part_lse, offs_h, mask_h, stride_po_h, stride_po_s,
+                      stride_pl_h, num_active, KV_LORA_RANK: tl.constexpr):
+    """LSE merge of one request's ``num_active`` partials for the heads ``offs_h``:
+    (normalised output [BLOCK_H, R], log2 LSE). Loads bypass L1 (other SMs wrote them)."""
+    offs_c = tl.arange(0, KV_LORA_RANK)
+    lse = tl.load(part_lse + offs_h * stride_pl_h, mask=mask_h, other=0.0, cache_modifier=".cg")
+    m_i = lse
+    l_i = tl.full(lse.shape, 1.0, dtype=tl.float32)
+    acc = tl.load(part_o + offs_h[:, None] * stride_po_h + offs_c[None, :],
+                  mask=mask_h[:, None], other=0.0, cache_modifier=".cg")
+    for s in range(1, num_active):
+        # Every active split saw a live token, so its LSE is finite.
+        lse = tl.load(part_lse + offs_h * stride_pl_h + s, mask=mask_h, other=0.0,
+                      cache_modifier=".cg")
+        part = tl.load(part_o + offs_h[:, None] * stride_po_h + s * stride_po_s
+                       + offs_c[None, :], mask=mask_h[:, None], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m_i, lse)
+        alpha = tl.exp2(m_i - m_new)
+        w = tl.exp2(lse - m_new)
+        acc = acc * alpha[:, None] + w[:, None] * part
+        l_i = l_i * alpha + w
+        m_i = m_new
+    return acc / l_i[:, None], m_i + tl.log2(l_i)
 
 
 @triton.jit
@@ -302,10 +358,8 @@ def _mla_decode_merge_kernel(
     offs_dv = dv_block * BLOCK_DV + tl.arange(0, BLOCK_DV)
 
     seq_len = tl.load(SEQ_LENS + bid)
-    num_tiles = tl.cdiv(seq_len, BLOCK_N)
-    tiles_per_split = tl.maximum(tl.cdiv(num_tiles, num_kv_splits), 1)
     # Same formula as stage 1: splits past this count got no tokens and wrote nothing.
-    num_active = tl.cdiv(num_tiles, tiles_per_split)
+    num_active = _active_splits(seq_len, num_kv_splits, BLOCK_N)
 
     if USE_GDC:
         gdc_wait()  # stage 1's partials are complete and visible past this point
