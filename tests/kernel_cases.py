@@ -50,6 +50,7 @@ def make_case(seq_lens: list[int], num_heads: int, *, page_size: int, dtype: tor
 
 
 def rel_l2(got: torch.Tensor, ref: torch.Tensor) -> float:
-    ref = ref.double()
+    """Relative L2 error in float64 on the CPU (``got`` may live on the GPU)."""
+    ref = ref.double().cpu()
     denom = ref.norm().item() or 1.0
-    return (got.double() - ref).norm().item() / denom
+    return (got.double().cpu() - ref).norm().item() / denom

@@ -120,9 +120,9 @@ def test_split_planning_is_unchanged_and_balanced_is_opt_in():
 @pytest.mark.host
 def test_balanced_plan_shape():
     plan = plan_balanced_mla_decode(64, 16, num_sms=132)
-    # 64 rows -> the wide stream: 4 programs per SM, one wave; chunks of >= 8 tiles
+    # 64 rows -> the wide stream: 4 programs per SM, one wave; chunks of >= 4 tiles
     assert plan.balanced and plan.use_stage2 and plan.num_kv_splits == 1
-    assert plan.grid == (4 * 132, 1, 1) and plan.min_chunk_tiles == 8
+    assert plan.grid == (4 * 132, 1, 1) and plan.min_chunk_tiles == 4
     assert plan.max_work_items == 4 * 132 + 64
     assert plan.workspace_shape == (0, 0, 0, 0)  # no split partials
     assert plan.merge_grid == (64, 16, 512 // plan.merge_block_dv)
