@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 import torch
@@ -174,6 +175,11 @@ def best_rows(rows: list[dict]) -> list[dict]:
     return out
 
 
+def short(topology: str) -> str:
+    """A plan's description without its grid and head block."""
+    return re.sub(r"grid=\([^)]*\) |block_h=\d+ ", "", topology)
+
+
 def comparison_table(rows: list[dict]) -> list[str]:
     """One line per shape: graphbucket's planned (and balanced) kernels against FlashInfer."""
     lines = ["| mix | batch | context | graphbucket us | of copy | topology | FlashInfer us | "
@@ -186,7 +192,7 @@ def comparison_table(rows: list[dict]) -> list[str]:
             fi_cells = (f"{fi['us']:.1f} | {100 * fi['frac_of_copy']:.0f} % | "
                         f"{fi['us'] / r['us']:.2f}x") if fi else "- | - | -"
             lines.append(f"| {mix} | {batch} | {context} | {r['us']:.1f} | "
-                         f"{100 * r['frac_of_copy']:.0f} % | {r['topology'].split(' grid')[0]} | "
+                         f"{100 * r['frac_of_copy']:.0f} % | {short(r['topology'])} | "
                          f"{fi_cells} |")
     return lines
 
@@ -200,8 +206,12 @@ def markdown(meta: dict, rows: list[dict], split_rows: list[dict], merges: list[
              "graphbucket > 1: graphbucket is faster.", ""]
     lines += comparison_table(rows) if rows else ["(no comparison rows in this run)"]
     if split_rows:
-        lines += ["", "Best split count per shape (the planned kernel, splits swept):", "",
-                  "| context | batch | best splits | us | GB/s | of copy | planned splits | "
+        run = meta.get("split_table_run")
+        lines += ["", "Best split count per shape (the planned kernel, splits swept):", ""]
+        if run:
+            lines += [f"(From the run of {run['date']}, copy {run['copy_gbps']:.0f} GB/s: "
+                      f"{run['note']}.)", ""]
+        lines += ["| context | batch | best splits | us | GB/s | of copy | planned splits | "
                   "planned us |", "|---|---|---|---|---|---|---|---|"]
         for r in best_rows(split_rows):
             plan_us = "-" if r["plan_us"] is None else f"{r['plan_us']:.1f}"
