@@ -89,19 +89,14 @@ def _attend_tokens(
             q_nope, q_rope, KV, bt_row, start, end, qk_scale_log2, stride_kv_page,
             stride_kv_tok, PAGE_SIZE, KV_LORA_RANK, ROPE_DIM, BLOCK_H, BLOCK_N, TILE_IN_PAGE,
             DOT_PRECISION)
-    offs_c = tl.arange(0, KV_LORA_RANK)
-    offs_r = tl.arange(0, ROPE_DIM)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, KV_LORA_RANK], dtype=tl.float32)
 
     for tok0 in range(start, end, BLOCK_N):
-        row, mask_n = _tile_rows(bt_row, tok0, end, stride_kv_page, stride_kv_tok,
-                                 PAGE_SIZE, BLOCK_N, TILE_IN_PAGE)
-        kv = tl.load(KV + row[:, None] + offs_c[None, :], mask=mask_n[:, None], other=0.0)
-        k_rope = tl.load(KV + row[:, None] + KV_LORA_RANK + offs_r[None, :],
-                         mask=mask_n[:, None], other=0.0)
-
+        kv, k_rope, mask_n = _load_tile(KV, bt_row, tok0, end, stride_kv_page, stride_kv_tok,
+                                        PAGE_SIZE, KV_LORA_RANK, ROPE_DIM, BLOCK_N,
+                                        TILE_IN_PAGE)
         qk = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PRECISION)
         qk += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
         qk = tl.where(mask_n[None, :], qk * qk_scale_log2, float("-inf"))
@@ -118,9 +113,11 @@ def _attend_tokens(
 
 
 @triton.jit
-def _tile_rows(bt_row, tok0, end, stride_kv_page, stride_kv_tok,
-               PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, TILE_IN_PAGE: tl.constexpr):
-    """Cache row offsets of tokens tok0 .. tok0 + BLOCK_N and their live mask."""
+def _load_tile(KV, bt_row, tok0, end, stride_kv_page, stride_kv_tok,
+               PAGE_SIZE: tl.constexpr, KV_LORA_RANK: tl.constexpr, ROPE_DIM: tl.constexpr,
+               BLOCK_N: tl.constexpr, TILE_IN_PAGE: tl.constexpr):
+    """Tokens tok0 .. tok0 + BLOCK_N of one request: (latent [BLOCK_N, R], rope
+    [BLOCK_N, ROPE_DIM], live mask); rows at or past ``end`` load as zeros."""
     offs_n = tok0 + tl.arange(0, BLOCK_N)
     mask_n = offs_n < end
     if TILE_IN_PAGE:
@@ -129,7 +126,12 @@ def _tile_rows(bt_row, tok0, end, stride_kv_page, stride_kv_tok,
         page = tl.load(bt_row + tok0 // PAGE_SIZE).to(tl.int64)
     else:
         page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
-    return page * stride_kv_page + (offs_n % PAGE_SIZE) * stride_kv_tok, mask_n
+    row = page * stride_kv_page + (offs_n % PAGE_SIZE) * stride_kv_tok
+    kv = tl.load(KV + row[:, None] + tl.arange(0, KV_LORA_RANK)[None, :],
+                 mask=mask_n[:, None], other=0.0)
+    k_rope = tl.load(KV + row[:, None] + KV_LORA_RANK + tl.arange(0, ROPE_DIM)[None, :],
+                     mask=mask_n[:, None], other=0.0)
+    return kv, k_rope, mask_n
 
 
 @triton.jit
@@ -145,8 +147,6 @@ def _attend_tokens_token_major(
     DOT_PRECISION: tl.constexpr,
 ):
     """``_attend_tokens`` with tokens as the dots' rows (see there); same result."""
-    offs_c = tl.arange(0, KV_LORA_RANK)
-    offs_r = tl.arange(0, ROPE_DIM)
     q_nope_t = tl.trans(q_nope)  # [R, BLOCK_H]
     q_rope_t = tl.trans(q_rope)  # [ROPE_DIM, BLOCK_H]
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -154,12 +154,9 @@ def _attend_tokens_token_major(
     acc_t = tl.zeros([KV_LORA_RANK, BLOCK_H], dtype=tl.float32)
 
     for tok0 in range(start, end, BLOCK_N):
-        row, mask_n = _tile_rows(bt_row, tok0, end, stride_kv_page, stride_kv_tok,
-                                 PAGE_SIZE, BLOCK_N, TILE_IN_PAGE)
-        kv = tl.load(KV + row[:, None] + offs_c[None, :], mask=mask_n[:, None], other=0.0)
-        k_rope = tl.load(KV + row[:, None] + KV_LORA_RANK + offs_r[None, :],
-                         mask=mask_n[:, None], other=0.0)
-
+        kv, k_rope, mask_n = _load_tile(KV, bt_row, tok0, end, stride_kv_page, stride_kv_tok,
+                                        PAGE_SIZE, KV_LORA_RANK, ROPE_DIM, BLOCK_N,
+                                        TILE_IN_PAGE)
         s_t = tl.dot(kv, q_nope_t, input_precision=DOT_PRECISION)
         s_t += tl.dot(k_rope, q_rope_t, input_precision=DOT_PRECISION)
         s_t = tl.where(mask_n[:, None], s_t * qk_scale_log2, float("-inf"))
