@@ -161,9 +161,14 @@ class LaunchPlan:
         return self.balanced or self.num_kv_splits > 1
 
     @property
+    def merges_in_stage1(self) -> bool:
+        """A split plan whose last split per request merges (no merge kernel)."""
+        return self.fused_merge and not self.balanced and self.num_kv_splits > 1
+
+    @property
     def merge_kernel(self) -> bool:
         """A separate merge kernel runs after stage 1."""
-        return self.use_stage2 and not (self.fused_merge and not self.balanced)
+        return self.use_stage2 and not self.merges_in_stage1
 
     @property
     def max_work_items(self) -> int:
@@ -202,7 +207,7 @@ class LaunchPlan:
                     f"block_h={self.block_h} block_n={self.block_n}{self._layout} "
                     f"min_chunk={self.min_chunk_tiles} +merge(bs={self.merge_block_s})")
         stage2 = f"+merge(bs={self.merge_block_s})" if self.use_stage2 else " one-split"
-        if self.use_stage2 and self.fused_merge:
+        if self.merges_in_stage1:
             stage2 = " +merge(last split)"
         return (
             f"splits={self.num_kv_splits} grid={self.grid} block_h={self.block_h} "

@@ -71,7 +71,7 @@ class SplitWorkspace:
         if plan.balanced:
             return self.item_o is not None and plan.max_work_items <= self.item_o.shape[0] \
                 and plan.batch_size < self.item_indptr.shape[0]
-        if plan.fused_merge and (self.merge_counters is None
+        if plan.merges_in_stage1 and (self.merge_counters is None
                                  or self.merge_counters.shape[0] < plan.batch_size
                                  or self.merge_counters.shape[1] < plan.num_head_blocks):
             return False
@@ -170,7 +170,7 @@ def _workspace_args(workspace: SplitWorkspace | None, out: torch.Tensor):
 def _merge_counters(workspace: SplitWorkspace | None, plan: LaunchPlan,
                     fallback: torch.Tensor) -> torch.Tensor:
     """The workspace's counters for a fused merge; any int32 tensor when unused."""
-    if plan.fused_merge and plan.use_stage2:
+    if plan.merges_in_stage1:
         return workspace.merge_counters
     return fallback
 
@@ -225,7 +225,7 @@ def launch_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
         TILE_IN_PAGE=kv_cache.shape[1] % block_n == 0, ONE_SPLIT=not plan.use_stage2,
         WRITE_LSE=lse is not None, USE_GDC=use_pdl(plan, q.device),
         DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
-        TOKEN_MAJOR=plan.token_major, FUSED_MERGE=plan.fused_merge and plan.use_stage2,
+        TOKEN_MAJOR=plan.token_major, FUSED_MERGE=plan.merges_in_stage1,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
 
