@@ -8,7 +8,9 @@ large cache, with R chosen so that a replay touches several L2s worth of distinc
   split-KV) and, when it is installed, FlashInfer's MLA decode (FA3) on the same inputs,
   over uniform shapes (context x batch) and the ragged mixes of ``bench/ragged.py``. The
   floor is the bytes actually read (each request's KV rows, q and out) over the copy
-  bandwidth measured in the same run; ``frac_of_copy`` = floor_us / us.
+  bandwidth measured in the same run; ``frac_of_copy`` = floor_us / us. ``selected``
+  marks the topology the shipped H200 16-head ladder replays for that batch (ragged
+  batches above 4K tokens switch to balanced, ``Bucket.balanced_imbalance``).
 - ``split_rows``: the planned kernel at every split count of ``--splits`` (what the
   ladder tuner chooses from).
 
@@ -38,7 +40,9 @@ from graphbucket.kernels import (  # noqa: E402
 )
 from graphbucket.kernels.launch import launch_merge  # noqa: E402
 from graphbucket.plan import plan_balanced_mla_decode, plan_mla_decode  # noqa: E402
+from graphbucket.select import GraphSelector  # noqa: E402
 from graphbucket.tuning.measure import Problem, rotated_calls  # noqa: E402
+from graphbucket.tuning.shipped import find_tuned_ladder  # noqa: E402
 
 CONTEXTS = [1, 64, 256, 1024, 4096, 16384, 65536, 131072]
 BATCHES = [1, 8, 64]
@@ -62,6 +66,12 @@ def time_calls(launch, plan, cache, tables, q, out, seq_lens, ws, scale) -> floa
             launch(q[r], cache, tables[r], seq_lens, out[r], ws, plan=plan, sm_scale=scale,
                    check=False)
     return time_replays(call, calls_per_graph=tables.shape[0])
+
+
+def ladder_picks_balanced(lens: list[int]) -> bool:
+    """Whether the shipped H200 16-head ladder replays a balanced graph for ``lens``."""
+    ladder = find_tuned_ladder("NVIDIA H200", HEADS, 131072)
+    return GraphSelector(ladder, [len(lens)]).choose(lens).balanced
 
 
 def against_floor(gbps: float, lens: list[int], us: float) -> dict:
@@ -89,9 +99,11 @@ def compare(args) -> list[dict]:
         ws = SplitWorkspace.allocate(batch, HEADS, variants[0][0].num_kv_splits, RANK, "cuda",
                                      max_items=max(p.max_work_items for p, _ in variants))
         shape = {"heads": HEADS, "batch": batch, "context": context, "mix": mix}
+        picks_balanced = ladder_picks_balanced(lens)
         for plan, launch in variants:
             us = time_calls(launch, plan, cache, tables, q, out, seq_lens, ws, scale)
             rows.append({"impl": "graphbucket", **shape, "topology": plan.describe(),
+                         "selected": plan.balanced == picks_balanced,
                          **against_floor(args.copy_gbps, lens, us)})
         if why_not is None:
             ref = torch.empty_like(out)
@@ -191,8 +203,9 @@ def comparison_table(rows: list[dict]) -> list[str]:
         for r in (r for r in same if r["impl"] == "graphbucket"):
             fi_cells = (f"{fi['us']:.1f} | {100 * fi['frac_of_copy']:.0f} % | "
                         f"{fi['us'] / r['us']:.2f}x") if fi else "- | - | -"
+            pick = " (ladder)" if r.get("selected") and mix != "uniform" else ""
             lines.append(f"| {mix} | {batch} | {context} | {r['us']:.1f} | "
-                         f"{100 * r['frac_of_copy']:.0f} % | {short(r['topology'])} | "
+                         f"{100 * r['frac_of_copy']:.0f} % | {short(r['topology'])}{pick} | "
                          f"{fi_cells} |")
     return lines
 
@@ -203,7 +216,8 @@ def markdown(meta: dict, rows: list[dict], split_rows: list[dict], merges: list[
              f"copy {meta['copy_gbps']:.0f} GB/s (read+write). Command: `{meta['command']}`",
              "", "16 heads, bf16, page 64, cold L2, CUDA-graph replay. Of copy = the bytes "
              "actually read over the copy bandwidth, divided by the time. FlashInfer / "
-             "graphbucket > 1: graphbucket is faster.", ""]
+             "graphbucket > 1: graphbucket is faster. (ladder): the topology the shipped "
+             "ladder replays for that ragged batch.", ""]
     lines += comparison_table(rows) if rows else ["(no comparison rows in this run)"]
     if split_rows:
         run = meta.get("split_table_run")

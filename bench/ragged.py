@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -87,6 +88,11 @@ def measure(gbps: float, sweep: list[tuple[int, int]]) -> list[dict]:
         variants = [(split, mla_decode, f"split-kv ({split.num_kv_splits} splits)"),
                     (balanced, mla_decode_balanced,
                      f"balanced ({balanced.persistent_programs} programs)")]
+        # The merge tile of the earlier plan (256 rows whatever the batch), same run.
+        wide = replace(balanced, merge_block_s=256)
+        if wide != balanced:
+            variants.append((wide, mla_decode_balanced, f"balanced ("
+                             f"{balanced.persistent_programs} programs, merge tile 256)"))
         for programs, min_chunk in sweep:  # balanced variants, when asked for
             plan = plan_balanced_mla_decode(len(lens), HEADS, min_chunk_tiles=min_chunk,
                                             programs=programs * balanced.persistent_programs

@@ -82,6 +82,18 @@ class FrozenPlanGraph:
         self._body = None
 
 
+def plan_for_key(backend: DecodeBackend, key: GraphKey, num_heads: int) -> LaunchPlan:
+    """The plan a key's graph is captured with: split-KV at ``key.hint``, or balanced."""
+    if not key.balanced:
+        return backend.plan(key.batch_size, num_heads, key.hint)
+    plan_balanced = getattr(backend, "plan_balanced", None)
+    if plan_balanced is None:
+        raise ValueError(f"the ladder asks for balanced graphs (bucket {key.bucket} has "
+                         f"balanced_imbalance) but the {backend.name!r} backend has no "
+                         "balanced topology; set balanced_imbalance=0 in its buckets")
+    return plan_balanced(key.batch_size, num_heads)
+
+
 class GraphTable:
     """Plans, captures and replays every graph of one selector.
 
@@ -95,7 +107,7 @@ class GraphTable:
     def __init__(self, selector: GraphSelector, backend: DecodeBackend, num_heads: int) -> None:
         self.selector, self.backend = selector, backend
         self.plans: dict[GraphKey, LaunchPlan] = {
-            key: backend.plan(key.batch_size, num_heads, key.hint) for key in selector.keys()}
+            key: plan_for_key(backend, key, num_heads) for key in selector.keys()}
         self.records: list[GraphRecord] = []
         self.summary: CaptureSummary | None = None
         self._graphs: dict[GraphKey, FrozenPlanGraph | torch.cuda.CUDAGraph] = {}

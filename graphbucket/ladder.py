@@ -7,7 +7,11 @@ length; hand-written ladders hint at the bucket top (enough splits for every len
 it), while a tuned ladder may hint below the bucket (fewer splits) or above it (more),
 wherever that measured faster. The split count a hint buys depends on the batch size (the
 budget is shared by the batch's rows), so a bucket may carry ``batch_hints``: from a
-given padded batch size up, plan with another hint (``Bucket.hint_for``). A
+given padded batch size up, plan with another hint (``Bucket.hint_for``). A bucket may
+also carry ``balanced_imbalance``: a batch in it whose lengths are that ragged (longest
+length x live requests >= balanced_imbalance x total tokens) replays a balanced split-KV
+graph instead (device-partitioned equal chunks, ``plan_balanced_mla_decode``): with one
+split count per row, one long request among short ones sets the step time. A
 ``BucketLadder`` is an ordered list of buckets that covers ``1..max_model_len`` exactly,
 with no gaps and no overlaps; every graph of one bucket serves the same lengths.
 
@@ -31,10 +35,16 @@ from typing import Any
 # <=64, 65..4K, 4K+1..16K, 16K+1..64K, 64K+1..max_model_len.
 DEFAULT_BOUNDS = (64, 4096, 16384, 65536)
 DEFAULT_MAX_MODEL_LEN = 131072
+# Ragged batches switch to the balanced topology from this imbalance in buckets that end
+# above BALANCED_ABOVE tokens. H200, 16 heads (bench/results/h200-ragged.md): balanced was
+# 1.5x faster at imbalance 2 (8 requests spread over 1..128K) and 8x at 43 (one 128K among
+# 63 x 1K); split-KV stays ahead on uniform batches (imbalance 1) by 7-50 %.
+DEFAULT_BALANCED_IMBALANCE = 1.5
+BALANCED_ABOVE = 4096
 
 _JSON_KEYS = frozenset({"max_model_len", "buckets", "meta"})
 _BUCKET_KEYS = frozenset({"max_len", "hint"})
-_BUCKET_OPTIONAL_KEYS = frozenset({"batch_hints"})
+_BUCKET_OPTIONAL_KEYS = frozenset({"batch_hints", "balanced_imbalance"})
 
 
 def _as_int(name: str, value: object) -> int:
@@ -54,11 +64,15 @@ class Bucket:
     ``batch_hints``: ``{batch_size: hint}`` (or pairs); a graph of padded batch size ``n``
     is planned with the hint of the largest listed batch size ``<= n``, and with ``hint``
     below the smallest. Stored as sorted ``(batch_size, hint)`` pairs.
+
+    ``balanced_imbalance``: 0 (never), or the imbalance ``max_len x live / total`` (1.0 for
+    a uniform batch) from which a batch of this bucket runs the balanced topology.
     """
 
     max_len: int
     hint: int
     batch_hints: tuple[tuple[int, int], ...] = ()
+    balanced_imbalance: float = 0.0
 
     def __post_init__(self) -> None:
         # Normalise numpy / torch integers to int so buckets hash, compare and serialise
@@ -73,6 +87,13 @@ class Bucket:
                     f"Bucket(max_len={self.max_len}) has {name}={h}; a hint is a context "
                     "length the kernel plans with and must be >= 1 (use the bucket's max_len)"
                 )
+        threshold = self.balanced_imbalance
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not (
+                threshold == 0 or threshold > 1):
+            raise ValueError(
+                f"Bucket(max_len={self.max_len}).balanced_imbalance={threshold!r}: use 0 "
+                "(never balanced) or a number > 1 (a uniform batch has imbalance 1.0)")
+        object.__setattr__(self, "balanced_imbalance", float(threshold))
 
     def _pairs(self) -> tuple[tuple[int, int], ...]:
         raw = self.batch_hints
@@ -105,10 +126,14 @@ class Bucket:
         out: dict[str, Any] = {"max_len": self.max_len, "hint": self.hint}
         if self.batch_hints:
             out["batch_hints"] = {str(b): h for b, h in self.batch_hints}
+        if self.balanced_imbalance:
+            out["balanced_imbalance"] = self.balanced_imbalance
         return out
 
     def __repr__(self) -> str:
         extra = f", batch_hints={dict(self.batch_hints)}" if self.batch_hints else ""
+        if self.balanced_imbalance:
+            extra += f", balanced_imbalance={self.balanced_imbalance:g}"
         return f"Bucket(max_len={self.max_len}, hint={self.hint}{extra})"
 
 
@@ -202,7 +227,8 @@ class BucketLadder:
         return tuple(b.hint_for(batch_size) for b in self.buckets)
 
     def with_top_hints(self) -> BucketLadder:
-        """The same bounds, every graph hinted at its bucket's top (no per-batch hints).
+        """The same bounds, every graph hinted at its bucket's top (no per-batch hints, no
+        balanced topology).
 
         For attention backends that read the hint as an upper bound on the live lengths
         (a ``max_seq_len`` they size or mask with) rather than as a planning hint: there a
@@ -210,6 +236,17 @@ class BucketLadder:
         """
         return BucketLadder(tuple(Bucket(b.max_len, b.max_len) for b in self.buckets),
                             self.max_model_len, meta={**self.meta, "hints": "bucket tops"})
+
+    def with_balanced_topology(self, imbalance: float = DEFAULT_BALANCED_IMBALANCE, *,
+                               above: int = BALANCED_ABOVE) -> BucketLadder:
+        """The same ladder, with ``balanced_imbalance=imbalance`` in every bucket that ends
+        above ``above`` tokens (0 turns the balanced topology off there)."""
+        buckets = tuple(Bucket(b.max_len, b.hint, b.batch_hints,
+                               imbalance if b.max_len > above else b.balanced_imbalance)
+                        for b in self.buckets)
+        return BucketLadder(buckets, self.max_model_len,
+                            meta={**self.meta, "balanced_imbalance": imbalance,
+                                  "balanced_above": above})
 
     @property
     def ranges(self) -> tuple[tuple[int, int], ...]:
@@ -261,7 +298,7 @@ class BucketLadder:
                     or set(entry) - _BUCKET_KEYS - _BUCKET_OPTIONAL_KEYS:
                 raise ValueError(
                     f"ladder bucket {i} must be an object with keys 'max_len' and 'hint' "
-                    f"(and optionally 'batch_hints'), got {entry!r}"
+                    f"(optionally 'batch_hints', 'balanced_imbalance'), got {entry!r}"
                 )
             extra = entry.get("batch_hints", {})
             if not isinstance(extra, Mapping):
@@ -273,7 +310,8 @@ class BucketLadder:
                 raise ValueError(f"ladder bucket {i}: 'batch_hints' keys must be batch "
                                  f"sizes, got {sorted(extra)}") from None
             buckets.append(Bucket(max_len=entry["max_len"], hint=entry["hint"],
-                                  batch_hints=pairs))
+                                  batch_hints=pairs,
+                                  balanced_imbalance=entry.get("balanced_imbalance", 0.0)))
         return cls(tuple(buckets), data["max_model_len"], meta=data.get("meta"))
 
     @classmethod
@@ -293,7 +331,8 @@ def above_top_error(length: int, max_model_len: int) -> ValueError:
 
 
 def default_ladder(max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> BucketLadder:
-    """The field's buckets <=64, ..4K, ..16K, ..64K, ..max_model_len, each hinted at its top.
+    """The field's buckets <=64, ..4K, ..16K, ..64K, ..max_model_len, each hinted at its top;
+    ragged batches above 4K tokens take the balanced topology (``with_balanced_topology``).
 
     A plan made from a bucket's upper bound has enough splits for every length in the
     bucket (plans are monotone in the hint). Bounds at or above ``max_model_len`` are
@@ -307,4 +346,4 @@ def default_ladder(max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> BucketLadder:
         tuple(Bucket(max_len=b, hint=b) for b in bounds),
         max_model_len,
         meta={"source": "default_ladder"},
-    )
+    ).with_balanced_topology()

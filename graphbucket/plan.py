@@ -318,7 +318,10 @@ def plan_balanced_mla_decode(
     if min_chunk_tiles is None:
         min_chunk_tiles = stream.min_tiles_per_split
     _check_positive(programs=programs, min_chunk_tiles=min_chunk_tiles)
-    # One request may own every item (a single long request): size the merge tile for that.
+    # The merge tile fits the mean items per request: at batch 64 a 256-row tile over
+    # requests of a few items cost ~45 us of masked work (see MERGE_BLOCK_S); a single
+    # long request with every item loops over its items in steps of that tile.
+    items_per_request = cdiv(programs + batch_size, batch_size)
     return _plan(batch_size, num_heads, block_h, stream, kv_lora_rank, qk_rope_dim,
-                 num_kv_splits=1, merge_block_s=merge_block_s(programs),
+                 num_kv_splits=1, merge_block_s=merge_block_s(items_per_request),
                  persistent_programs=programs, min_chunk_tiles=min_chunk_tiles)

@@ -1,7 +1,7 @@
 """Which graph serves a decode step: the one selection path of runners, engines and TP.
 
-A ``GraphKey`` names one graph slot: (padded batch size, bucket index, hint). A
-``GraphSelector`` owns the ladder, the capture batch sizes and the selection rule:
+A ``GraphKey`` names one graph slot: (padded batch size, bucket index, hint, balanced).
+A ``GraphSelector`` owns the ladder, the capture batch sizes and the selection rule:
 
 - ``keys()``: every key in capture order (largest batch first, then ladder order);
 - ``pad(n)``: the smallest capture size that holds ``n`` requests (None: too large);
@@ -11,6 +11,11 @@ A ``GraphKey`` names one graph slot: (padded batch size, bucket index, hint). A
 with its own graph runner does the same with the same object (build its attention
 metadata with ``key.hint``, capture under ``key``). Pure host arithmetic (a ``bisect``
 over the bucket bounds): nothing here reads device memory, so it is safe on every step.
+
+Ragged batches: in a bucket with ``balanced_imbalance`` > 0, a batch of two or more rows
+whose ``max_len x live requests >= balanced_imbalance x total tokens`` gets the key with
+``balanced=True`` (a balanced split-KV graph; one per batch size, since a balanced plan
+ignores the hint and its keys alias). One sum over the host lengths, only in such buckets.
 """
 
 from __future__ import annotations
@@ -31,12 +36,14 @@ SelectRule = Literal["max", "min"]
 
 class GraphKey(NamedTuple):
     """One graph slot: ``batch_size`` rows (padded), ``bucket`` of the ladder, planned
-    with ``hint``. Keys whose plans are equal share one captured graph. A named tuple:
-    immutable, and hashed in C (a step hashes its key three times)."""
+    with ``hint`` (split-KV) or, with ``balanced``, as balanced split-KV. Keys whose plans
+    are equal share one captured graph. A named tuple: immutable, and hashed in C (a step
+    hashes its key three times)."""
 
     batch_size: int
     bucket: int
     hint: int
+    balanced: bool = False
 
 
 class GraphSelector:
@@ -64,6 +71,11 @@ class GraphSelector:
         self._padded = [0] + [sizes[bisect_left(sizes, n)] for n in range(1, sizes[-1] + 1)]
         self._keys = {bs: tuple(GraphKey(bs, i, h) for i, h in enumerate(ladder.hints_for(bs)))
                       for bs in sizes}
+        self._imbalance = tuple(b.balanced_imbalance for b in ladder.buckets)
+        # Balanced keys exist from two rows up (one row is never ragged).
+        self._balanced_keys = {bs: tuple(k._replace(balanced=True) if self._imbalance[k.bucket]
+                                         and bs > 1 else None for k in self._keys[bs])
+                               for bs in sizes}
 
     def __repr__(self) -> str:
         return (f"GraphSelector({len(self.ladder)} buckets, capture_sizes="
@@ -74,11 +86,19 @@ class GraphSelector:
         return self.capture_sizes[-1]
 
     def keys(self) -> list[GraphKey]:
-        """Every key, largest batch first, then ladder order: the capture order."""
-        return [key for bs in reversed(self.capture_sizes) for key in self._keys[bs]]
+        """Every key, largest batch first, then ladder order (balanced keys after a batch
+        size's split keys): the capture order."""
+        return [key for bs in reversed(self.capture_sizes)
+                for key in (*self._keys[bs], *filter(None, self._balanced_keys[bs]))]
 
-    def key(self, batch_size: int, bucket: int) -> GraphKey:
-        """The key of a capture size and bucket index."""
+    def key(self, batch_size: int, bucket: int, *, balanced: bool = False) -> GraphKey:
+        """The key of a capture size and bucket index (KeyError: no such balanced key)."""
+        if balanced:
+            key = self._balanced_keys[batch_size][bucket]
+            if key is None:
+                raise KeyError(f"bucket {bucket} has no balanced graph at batch size "
+                               f"{batch_size} (balanced_imbalance is 0, or one row)")
+            return key
         return self._keys[batch_size][bucket]
 
     def pad(self, batch_size: int) -> int | None:
@@ -108,8 +128,9 @@ class GraphSelector:
 
     def key_for(self, batch_size: int, min_len: int, max_len: int,
                 lens: Sequence[int] | np.ndarray | None = None) -> GraphKey | None:
-        """``choose`` for lengths already checked to be ints >= 0 (``lens`` is needed only
-        by the ``"min"`` rule when ``min_len`` is 0, to skip padding rows)."""
+        """``choose`` for lengths already checked to be ints >= 0 (``lens`` is needed by
+        the ``"min"`` rule when ``min_len`` is 0, to skip padding rows, and by buckets with
+        a balanced topology, to measure how ragged the batch is)."""
         if max_len > self._top:
             raise above_top_error(max_len, self._top)
         if batch_size > self.capture_sizes[-1]:
@@ -117,7 +138,14 @@ class GraphSelector:
         length = max_len
         if self.rule == "min":
             length = min_len if min_len > 0 else _min_positive(lens)
-        return self._keys[self._padded[batch_size]][bisect_left(self._bounds, length)]
+        bucket = bisect_left(self._bounds, length)
+        padded = self._padded[batch_size]
+        threshold = self._imbalance[bucket]
+        if threshold and padded > 1 and lens is not None and min_len < max_len:
+            live, total = _live_and_total(lens)
+            if max_len * live >= threshold * total:
+                return self._balanced_keys[padded][bucket]
+        return self._keys[padded][bucket]
 
 
 def host_lengths(lens: Any) -> np.ndarray | Sequence[int]:
@@ -147,6 +175,13 @@ def _as_length(value: Any) -> int:
     if isinstance(value, (bool, float)) or not hasattr(value, "__index__"):
         raise TypeError(f"sequence lengths must be ints, got {type(value).__name__} {value!r}")
     return int(value)
+
+
+def _live_and_total(lens: Sequence[int] | np.ndarray) -> tuple[int, int]:
+    """(requests with length > 0, sum of lengths)."""
+    if isinstance(lens, np.ndarray):
+        return int(np.count_nonzero(lens)), int(lens.sum(dtype=np.int64))
+    return sum(1 for n in lens if n > 0), sum(lens)
 
 
 def _min_positive(lens: Sequence[int] | np.ndarray | None) -> int:

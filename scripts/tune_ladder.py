@@ -25,7 +25,11 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from graphbucket.ladder import default_ladder  # noqa: E402
+from graphbucket.ladder import (  # noqa: E402
+    BALANCED_ABOVE,
+    DEFAULT_BALANCED_IMBALANCE,
+    default_ladder,
+)
 from graphbucket.tuning.choose import (  # noqa: E402
     TuneResult,
     choose_ladder,
@@ -72,6 +76,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--shared-hints", action="store_true",
                     help="one hint per bucket for every batch size (default: each measured "
                          "batch size gets its own hint; bounds are shared either way)")
+    ap.add_argument("--balanced-imbalance", type=float, default=DEFAULT_BALANCED_IMBALANCE,
+                    help="ragged batches (longest x live / total tokens at least this) in "
+                         f"buckets above {BALANCED_ABOVE} tokens replay a balanced graph; 0: "
+                         "never (default: %(default)s, from bench/results/h200-ragged.md)")
     ap.add_argument("--quiet", action="store_true", help="no progress line per measurement")
     args = ap.parse_args(argv)
     report = "a report JSON this script wrote with --report (e.g. " \
@@ -91,6 +99,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         path = getattr(args, flag)
         if path is not None and path.is_dir():
             ap.error(f"--{flag} {path} is a directory; pass a file path")
+    if args.balanced_imbalance != 0 and not args.balanced_imbalance > 1:
+        ap.error(f"--balanced-imbalance {args.balanced_imbalance}: use 0 (off) or a number "
+                 "> 1 (a uniform batch has imbalance 1)")
     if args.report is not None and args.report.suffix == ".md":
         ap.error(f"--report {args.report}: pass a .json path (its .md is written beside it)")
     return args
@@ -265,7 +276,8 @@ def main(argv: list[str] | None = None) -> None:
     meta.update(max_model_len=args.max_model_len, max_buckets=args.max_buckets)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        result.ladder.save(args.out)
+        # The timing table is of uniform batches; the ragged switch comes from its option.
+        result.ladder.with_balanced_topology(args.balanced_imbalance).save(args.out)
         print(f"wrote {args.out}")
     if args.report:
         args.report.parent.mkdir(parents=True, exist_ok=True)

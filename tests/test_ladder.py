@@ -344,3 +344,46 @@ def test_with_top_hints_keeps_bounds_and_hints_each_bucket_at_its_top():
     # The original is untouched, and a top-hinted ladder is its own fixed point.
     assert lad.hints == (1, 512) and lad.hints_for(8) == (1, 16) and lad.meta == {"device": "x"}
     assert tops.with_top_hints() == tops
+
+
+# ---- balanced topology for ragged batches ----------------------------------------------
+
+
+@pytest.mark.parametrize("value", [1.0, 0.5, -2, True, "2"])
+def test_balanced_imbalance_must_be_zero_or_above_one(value):
+    with pytest.raises(ValueError, match="balanced_imbalance"):
+        Bucket(4096, 4096, balanced_imbalance=value)
+
+
+def test_balanced_imbalance_round_trips_and_defaults_to_off(tmp_path: Path):
+    lad = BucketLadder([Bucket(64, 64), Bucket(MAX, 8192, batch_hints={8: 2048},
+                                              balanced_imbalance=3)], MAX)
+    assert lad[0].balanced_imbalance == 0.0 and lad[1].balanced_imbalance == 3.0
+    assert "balanced_imbalance" not in lad.to_dict()["buckets"][0]
+    path = tmp_path / "l.json"
+    lad.save(path)
+    back = BucketLadder.load(path)
+    assert back == lad and back[1].balanced_imbalance == 3.0
+    assert "balanced_imbalance=3" in repr(back)
+    # Equality sees the threshold: the same bounds and hints without it differ.
+    assert back != BucketLadder([Bucket(64, 64), Bucket(MAX, 8192, batch_hints={8: 2048})],
+                                MAX)
+
+
+def test_bad_balanced_imbalance_json_rejected():
+    text = json.dumps({"max_model_len": 64, "buckets": [
+        {"max_len": 64, "hint": 64, "balanced_imbalance": 0.9}]})
+    with pytest.raises(ValueError, match="balanced_imbalance"):
+        BucketLadder.from_json(text)
+
+
+def test_with_balanced_topology_marks_only_buckets_above_the_bound():
+    lad = default_ladder()
+    assert [b.balanced_imbalance for b in lad] == [0.0, 0.0, 1.5, 1.5, 1.5]
+    off = lad.with_balanced_topology(0)
+    assert all(b.balanced_imbalance == 0 for b in off) and off.bounds == lad.bounds
+    custom = lad.with_balanced_topology(4.0, above=64)
+    assert [b.balanced_imbalance for b in custom] == [0.0, 4.0, 4.0, 4.0, 4.0]
+    assert custom.hints == lad.hints and custom.meta["balanced_imbalance"] == 4.0
+    # The top-hinted form (hint read as an upper bound) has no balanced topology.
+    assert all(b.balanced_imbalance == 0 for b in lad.with_top_hints())

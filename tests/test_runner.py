@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from graphbucket import POLICIES, DecodeBatch, GraphBucketRunner, default_ladder, get_backend
+from graphbucket.ladder import Bucket, BucketLadder
 from tests._toy import LADDER, NUM_SMS, ToyMLA, rel_l2, toy_batch, toy_reference, toy_spec
 
 SM_SCALE = 0.125
@@ -21,7 +22,8 @@ def runner_for(policy, model, device, *, backend="dense", sizes=(1, 2), max_page
     runner = GraphBucketRunner.for_policy(
         policy, model, spec=toy_spec(device=device, max_pages=max_pages),
         batch_sizes=list(sizes), max_model_len=320, sm_scale=SM_SCALE, backend=backend,
-        ladder=LADDER if policy == "ladder" else None, warmup_iters=int(device == "cuda"),
+        ladder=kw.pop("ladder", LADDER) if policy == "ladder" else None,
+        warmup_iters=int(device == "cuda"),
         progress=False, **kw)
     runner.capture()
     return runner
@@ -51,6 +53,28 @@ def test_end_to_end_across_bucket_boundaries_matches_the_reference(device):
         assert rel_l2(runner.step(batch), want) < tol(device), lens
     assert by_bucket(runner) == {(2, 0): 1, (2, 1): 2, (2, 2): 2, (1, 2): 1}
     assert sum(runner.stats().replays.values()) == runner.stats().steps == len(steps)
+    runner.close()
+
+
+def test_ragged_batches_replay_the_balanced_graph_and_match_the_reference(device):
+    model = ToyMLA(device=device)
+    ladder = BucketLadder([Bucket(32, 32), Bucket(64, 64),
+                           Bucket(320, 320, balanced_imbalance=1.5)], 320)
+    runner = runner_for("ladder", model, device, backend="triton", sizes=(1, 4),
+                        ladder=ladder, max_pages=MAX_PAGES)
+    balanced = [r for r in runner.records if r.plan.balanced]
+    assert [(r.batch_size, r.buckets) for r in balanced] == [(4, (2,))]
+    rng = np.random.default_rng(5)
+    # ragged (imbalance 2.7), uniform, ragged with a padding row, one request.
+    steps = [([300, 10, 20], True), ([300, 290, 280, 270], False),
+             ([320, 0, 1, 64], True), ([310], False)]
+    for lens, want_balanced in steps:
+        batch = toy_batch(lens, rng=rng, max_pages=MAX_PAGES)
+        before = runner.stats().replays
+        got = runner.step(batch)
+        assert rel_l2(got, toy_reference(model, batch, sm_scale=SM_SCALE)) < tol(device), lens
+        (key,) = [k for k, n in runner.stats().replays.items() if n != before.get(k, 0)]
+        assert key.balanced == want_balanced and key.bucket == 2, (lens, key)
     runner.close()
 
 

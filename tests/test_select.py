@@ -38,7 +38,8 @@ def brute_force(ladder: BucketLadder, lens: list[int], rule: str) -> int:
 
 @pytest.fixture
 def ladder() -> BucketLadder:
-    return default_ladder(MAX)
+    """The default bounds and hints, split-KV only (the balanced switch has its own tests)."""
+    return default_ladder(MAX).with_balanced_topology(0)
 
 
 @pytest.fixture
@@ -276,3 +277,73 @@ def test_bad_rule_or_ladder_raises():
         GraphSelector(default_ladder(), [1], rule="mean")
     with pytest.raises(TypeError, match="BucketLadder"):
         GraphSelector([Bucket(64, 64)], [1])
+
+
+# ---- ragged batches: the balanced topology ---------------------------------------------
+
+
+def imbalance(lens) -> float:
+    live = [n for n in lens if n > 0]
+    return max(live) * len(live) / sum(live)
+
+
+@pytest.fixture
+def ragged_sel() -> GraphSelector:
+    # Bucket 1 switches at imbalance 2, bucket 2 at 1.5, bucket 0 never.
+    ladder = BucketLadder([Bucket(64, 64), Bucket(4096, 4096, balanced_imbalance=2.0),
+                           Bucket(MAX, MAX, balanced_imbalance=1.5)], MAX)
+    return GraphSelector(ladder, [1, 2, 4, 8])
+
+
+@pytest.mark.parametrize("lens, balanced", [
+    ([131072] + [1024] * 7, True),            # one long among short: imbalance 7.1
+    ([100000, 100000, 100000, 100000], False),  # uniform: 1.0
+    ([70000, 50000], False),                  # 1.17 < 1.5
+    ([70000, 10000], True),                   # 1.75 >= 1.5
+    ([4096, 1, 1, 1], True),                  # bucket 1: 3.99 >= 2
+    ([4096, 4000, 3000, 10], False),          # bucket 1: 1.45 < 2
+    ([64, 1, 1, 1], False),                   # bucket 0 never
+    ([131072], False),                        # one row is never ragged
+    ([131072, 0, 0], False),                  # padding rows do not count as requests
+    ([131072, 0, 1000, 0], True),             # 2 live: 1.98 >= 1.5
+])
+def test_ragged_batches_take_the_balanced_key_at_the_bucket_threshold(ragged_sel, lens,
+                                                                      balanced):
+    key = ragged_sel.choose(lens)
+    bucket = key.bucket
+    threshold = ragged_sel.ladder[bucket].balanced_imbalance
+    # The expectation follows the rule itself, computed independently of the selector.
+    want = threshold > 0 and len([n for n in lens if n > 0]) > 1 \
+        and imbalance(lens) >= threshold
+    assert key.balanced == want
+    assert key.balanced == balanced, (lens, imbalance(lens))
+    assert key == ragged_sel.key(key.batch_size, bucket, balanced=key.balanced)
+    for arr in (np.array(lens, dtype=np.int32), torch.tensor(lens, dtype=torch.int64)):
+        assert ragged_sel.choose(arr) == key
+
+
+def test_balanced_keys_exist_only_where_a_bucket_can_switch(ragged_sel):
+    keys = ragged_sel.keys()
+    balanced = [(k.batch_size, k.bucket) for k in keys if k.balanced]
+    assert balanced == [(bs, b) for bs in (8, 4, 2) for b in (1, 2)]
+    assert len(keys) == 4 * 3 + len(balanced)
+    # Capture order: a batch size's split keys, then its balanced keys.
+    assert [k.balanced for k in keys[:5]] == [False, False, False, True, True]
+    with pytest.raises(KeyError, match="no balanced graph"):
+        ragged_sel.key(8, 0, balanced=True)
+    with pytest.raises(KeyError, match="no balanced graph"):
+        ragged_sel.key(1, 2, balanced=True)
+
+
+def test_random_ragged_steps_follow_the_rule(ragged_sel):
+    rng = np.random.default_rng(7)
+    for _ in range(500):
+        bs = int(rng.integers(1, 9))
+        lens = rng.integers(0, MAX + 1, size=bs)
+        lens[rng.random(bs) < 0.2] = int(rng.integers(1, 2000))  # some short rows
+        key = ragged_sel.choose(lens.tolist())
+        live = lens[lens > 0]
+        threshold = ragged_sel.ladder[key.bucket].balanced_imbalance
+        want = bool(threshold and len(live) > 1
+                    and live.max() * len(live) >= threshold * live.sum())
+        assert key.balanced == want, lens

@@ -16,7 +16,12 @@ import torch
 
 from graphbucket.backends.base import NoWorkspace
 from graphbucket.kernels import check_mla_decode_args
-from graphbucket.plan import H200_NUM_SMS, LaunchPlan, plan_mla_decode
+from graphbucket.plan import (
+    H200_NUM_SMS,
+    LaunchPlan,
+    plan_balanced_mla_decode,
+    plan_mla_decode,
+)
 from graphbucket.reference import masked_mla_decode
 
 
@@ -38,6 +43,12 @@ class DenseBackend:
     def plan(self, batch_size: int, num_heads: int, hint: int) -> LaunchPlan:
         return self._plan(batch_size, num_heads, hint)
 
+    def plan_balanced(self, batch_size: int, num_heads: int) -> LaunchPlan:
+        """Planned like the Triton backend's balanced graphs (``run`` ignores it)."""
+        return plan_balanced_mla_decode(batch_size, num_heads, num_sms=self.num_sms,
+                                        kv_lora_rank=self.kv_lora_rank,
+                                        qk_rope_dim=self.qk_rope_dim)
+
     def _plan_uncached(self, batch_size: int, num_heads: int, hint: int) -> LaunchPlan:
         return plan_mla_decode(batch_size, num_heads, hint, num_sms=self.num_sms,
                                kv_lora_rank=self.kv_lora_rank, qk_rope_dim=self.qk_rope_dim)
@@ -51,7 +62,8 @@ class DenseBackend:
         """Same contract as the Triton backend; the split count does not change the math."""
         # Shape checks only: a one-split view of the plan needs no workspace.
         check_mla_decode_args(q, kv_cache, block_table, seq_lens, out,
-                              dataclasses.replace(plan, num_kv_splits=1), None, lse)
+                              dataclasses.replace(plan, num_kv_splits=1, persistent_programs=0,
+                                                  fused_merge=False), None, lse)
         o, l_ = masked_mla_decode(q, kv_cache, block_table, seq_lens,
                                   kv_lora_rank=plan.kv_lora_rank, sm_scale=sm_scale)
         out.copy_(o)

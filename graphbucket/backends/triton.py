@@ -1,7 +1,8 @@
 """The default backend: graphbucket's Triton split-KV MLA decode kernels.
 
-Plans come from ``plan_mla_decode`` with the device's SM count, or from
-``plan_balanced_mla_decode`` with ``balanced=True``; the workspace is one
+Plans come from ``plan_mla_decode`` with the device's SM count, and from
+``plan_balanced_mla_decode`` for balanced graphs (``plan_balanced``, or every plan with
+``balanced=True``); the workspace is one
 ``SplitWorkspace`` sized for the largest (batch, split count, work items) over all plans.
 """
 
@@ -92,8 +93,12 @@ class TritonBackend:
         """Pure host arithmetic, cached; see ``graphbucket.plan.plan_mla_decode``."""
         return self._plan(batch_size, num_heads, hint)
 
+    def plan_balanced(self, batch_size: int, num_heads: int) -> LaunchPlan:
+        """Balanced split-KV for any lengths (no hint); see ``plan_balanced_mla_decode``."""
+        return self._plan(batch_size, num_heads, 0)
+
     def _plan_uncached(self, batch_size: int, num_heads: int, hint: int) -> LaunchPlan:
-        if self.balanced:
+        if self.balanced or hint == 0:  # hint 0: plan_balanced's cache slot
             return plan_balanced_mla_decode(batch_size, num_heads, num_sms=self.num_sms,
                                             kv_lora_rank=self.kv_lora_rank,
                                             qk_rope_dim=self.qk_rope_dim)
