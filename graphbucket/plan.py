@@ -42,8 +42,9 @@ The ladder tuner measures these choices on the GPU at hand and may replace them.
 
 ``plan_balanced_mla_decode`` plans the other topology, balanced split-KV: a fixed grid of
 persistent programs takes equal chunks of the batch's total tiles, partitioned on the
-device from the live lengths (``graphbucket/kernels/balanced.py``). It is opt-in:
-``plan_mla_decode`` never returns it.
+device from the live lengths (``graphbucket/kernels/balanced.py``). ``plan_mla_decode``
+never returns it; ladders ask for it per bucket for ragged batches
+(``Bucket.balanced_imbalance``), and the backend plans it with ``plan_balanced``.
 """
 
 from __future__ import annotations
@@ -306,8 +307,8 @@ def plan_balanced_mla_decode(
     blocks) persistent programs per head block share the batch's tiles in chunks of
     max(min_chunk_tiles, cdiv(total_tiles, programs)), chosen on the device per step. No
     hint: the device picks the chunk from the live lengths, so one plan serves every
-    context. ``min_chunk_tiles`` defaults to the stream's minimum tiles per split.
-    Not tuned on a GPU yet.
+    context. ``min_chunk_tiles`` defaults to the stream's minimum tiles per split
+    (a sweep of programs and minimum chunks: bench/results/h200-ragged-balanced-sweep.md).
     """
     _check_positive(batch_size=batch_size, num_heads=num_heads, num_sms=num_sms)
     block_h = head_block_size(num_heads)
