@@ -226,6 +226,7 @@ def launch_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
         WRITE_LSE=lse is not None, USE_GDC=use_pdl(plan, q.device),
         DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
         TOKEN_MAJOR=plan.token_major, FUSED_MERGE=plan.merges_in_stage1,
+        PAGE_AHEAD=plan.page_ahead,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
 

@@ -73,6 +73,7 @@ def _attend_tokens(
     TILE_IN_PAGE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     TOKEN_MAJOR: tl.constexpr = False,
+    PAGE_AHEAD: tl.constexpr = False,
 ):
     """Online softmax over tokens [start, end) of one request (start < end, start a
     multiple of BLOCK_N). Returns the unnormalised (acc [BLOCK_H, R], l, m) in log2 units.
@@ -81,8 +82,16 @@ def _attend_tokens(
     tile's token dimension becomes the dots' row dimension (64 rows, where the heads give
     only 16), so on Hopper both dots run as warpgroup MMAs that read the KV tile straight
     from shared memory, and the compiler double-buffers the tile's asynchronous copy. The
-    head-major form feeds the transposed tile through registers, which leaves the copy of
-    the next tile waiting on the current tile's math.
+    head-major form reads the transposed tile from shared memory as well (ldmatrix).
+
+    How many tiles are in flight is set by the page lookup, not by the layout: Triton's
+    pipeliner splits the num_stages - 1 iterations of lookahead between the two dependent
+    loads (block-table entry, then the tile it addresses), so num_stages 2-4 give one tile
+    buffer (the copy of tile i+1 waits for tile i's math) and 5 gives two, with the
+    table entries copied asynchronously as well. PAGE_AHEAD looks the pages of tile i+1 up
+    while tile i is loaded (a loop-carried value, not a dependent load), so the tile gets
+    num_stages - 1 buffers; the lookup itself is then a synchronous load before each
+    tile's copy is issued.
     """
     if TOKEN_MAJOR:
         return _attend_tokens_token_major(
@@ -92,11 +101,19 @@ def _attend_tokens(
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, KV_LORA_RANK], dtype=tl.float32)
+    if PAGE_AHEAD:
+        next_pages = _tile_pages(bt_row, start, end, PAGE_SIZE, BLOCK_N, TILE_IN_PAGE)
 
     for tok0 in range(start, end, BLOCK_N):
-        kv, k_rope, mask_n = _load_tile(KV, bt_row, tok0, end, stride_kv_page, stride_kv_tok,
-                                        PAGE_SIZE, KV_LORA_RANK, ROPE_DIM, BLOCK_N,
-                                        TILE_IN_PAGE)
+        if PAGE_AHEAD:
+            pages = next_pages
+            next_pages = _tile_pages(bt_row, tok0 + BLOCK_N, end, PAGE_SIZE, BLOCK_N,
+                                     TILE_IN_PAGE, PAST_END=True)
+        else:
+            pages = _tile_pages(bt_row, tok0, end, PAGE_SIZE, BLOCK_N, TILE_IN_PAGE)
+        kv, k_rope, mask_n = _load_tile_rows(KV, pages, tok0, end, stride_kv_page,
+                                             stride_kv_tok, PAGE_SIZE, KV_LORA_RANK,
+                                             ROPE_DIM, BLOCK_N)
         qk = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PRECISION)
         qk += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
         qk = tl.where(mask_n[None, :], qk * qk_scale_log2, float("-inf"))
@@ -113,25 +130,50 @@ def _attend_tokens(
 
 
 @triton.jit
-def _load_tile(KV, bt_row, tok0, end, stride_kv_page, stride_kv_tok,
-               PAGE_SIZE: tl.constexpr, KV_LORA_RANK: tl.constexpr, ROPE_DIM: tl.constexpr,
-               BLOCK_N: tl.constexpr, TILE_IN_PAGE: tl.constexpr):
-    """Tokens tok0 .. tok0 + BLOCK_N of one request: (latent [BLOCK_N, R], rope
-    [BLOCK_N, ROPE_DIM], live mask); rows at or past ``end`` load as zeros."""
-    offs_n = tok0 + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < end
+def _tile_pages(bt_row, tok0, end, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                TILE_IN_PAGE: tl.constexpr, PAST_END: tl.constexpr = False):
+    """Cache pages of tokens tok0 .. tok0 + BLOCK_N: one scalar when the tile sits in one
+    page (TILE_IN_PAGE), else one per token. Entries at or past ``end`` read as page 0
+    (their rows are masked); PAST_END: tok0 may be past ``end`` (the lookup ahead of the
+    last tile), so the scalar lookup is masked too."""
     if TILE_IN_PAGE:
         # Tiles start at multiples of BLOCK_N, so the whole tile sits in one page:
         # one scalar table load, and the tile is one contiguous run of cache rows.
-        page = tl.load(bt_row + tok0 // PAGE_SIZE).to(tl.int64)
+        if PAST_END:
+            page = tl.load(bt_row + tok0 // PAGE_SIZE, mask=tok0 < end, other=0)
+        else:
+            page = tl.load(bt_row + tok0 // PAGE_SIZE)
     else:
-        page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
-    row = page * stride_kv_page + (offs_n % PAGE_SIZE) * stride_kv_tok
+        offs_n = tok0 + tl.arange(0, BLOCK_N)
+        page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=offs_n < end, other=0)
+    return page.to(tl.int64)
+
+
+@triton.jit
+def _load_tile_rows(KV, pages, tok0, end, stride_kv_page, stride_kv_tok,
+                    PAGE_SIZE: tl.constexpr, KV_LORA_RANK: tl.constexpr,
+                    ROPE_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Tokens tok0 .. tok0 + BLOCK_N on ``pages`` (``_tile_pages``): (latent [BLOCK_N, R],
+    rope [BLOCK_N, ROPE_DIM], live mask); rows at or past ``end`` load as zeros."""
+    offs_n = tok0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < end
+    row = pages * stride_kv_page + (offs_n % PAGE_SIZE) * stride_kv_tok
     kv = tl.load(KV + row[:, None] + tl.arange(0, KV_LORA_RANK)[None, :],
                  mask=mask_n[:, None], other=0.0)
     k_rope = tl.load(KV + row[:, None] + KV_LORA_RANK + tl.arange(0, ROPE_DIM)[None, :],
                      mask=mask_n[:, None], other=0.0)
     return kv, k_rope, mask_n
+
+
+@triton.jit
+def _load_tile(KV, bt_row, tok0, end, stride_kv_page, stride_kv_tok,
+               PAGE_SIZE: tl.constexpr, KV_LORA_RANK: tl.constexpr, ROPE_DIM: tl.constexpr,
+               BLOCK_N: tl.constexpr, TILE_IN_PAGE: tl.constexpr):
+    """Tokens tok0 .. tok0 + BLOCK_N of one request: (latent [BLOCK_N, R], rope
+    [BLOCK_N, ROPE_DIM], live mask); rows at or past ``end`` load as zeros."""
+    pages = _tile_pages(bt_row, tok0, end, PAGE_SIZE, BLOCK_N, TILE_IN_PAGE)
+    return _load_tile_rows(KV, pages, tok0, end, stride_kv_page, stride_kv_tok, PAGE_SIZE,
+                           KV_LORA_RANK, ROPE_DIM, BLOCK_N)
 
 
 @triton.jit
@@ -213,6 +255,7 @@ def _mla_decode_stage1_kernel(
     USE_GDC: tl.constexpr = False,
     TOKEN_MAJOR: tl.constexpr = False,
     FUSED_MERGE: tl.constexpr = False,
+    PAGE_AHEAD: tl.constexpr = False,
 ):
     bid = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -237,7 +280,7 @@ def _mla_decode_stage1_kernel(
         acc, l_i, m_i = _attend_tokens(
             q_nope, q_rope, KV, BLOCK_TABLE + bid * stride_bt_b, start, end, qk_scale_log2,
             stride_kv_page, stride_kv_tok, PAGE_SIZE, KV_LORA_RANK, ROPE_DIM, BLOCK_H,
-            BLOCK_N, TILE_IN_PAGE, DOT_PRECISION, TOKEN_MAJOR)
+            BLOCK_N, TILE_IN_PAGE, DOT_PRECISION, TOKEN_MAJOR, PAGE_AHEAD)
         lse_log2 = m_i + tl.log2(l_i)
         out = acc / l_i[:, None]
         if ONE_SPLIT:
