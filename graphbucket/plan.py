@@ -100,6 +100,10 @@ class StreamConfig:
     # Look the next tile's pages up one iteration ahead (``_attend_tokens``): the tile then
     # gets num_stages - 1 shared-memory buffers instead of (num_stages - 1) // 2.
     page_ahead: bool = False
+    # A fused merge sums the partials in this many column blocks (1: the whole row at once,
+    # a second [block_h, kv_lora_rank] float32 tile: 184 registers for WIDE on sm_90
+    # against 128 without the merge; 4 blocks: 127, so 4 programs per SM fit again).
+    merge_chunks: int = 1
 
 
 LONG_STREAM = StreamConfig(block_n=64, num_stages=3, ctas_per_sm=2, min_tiles_per_split=1,
@@ -114,17 +118,20 @@ TOKEN_STREAM = StreamConfig(block_n=64, num_stages=2, ctas_per_sm=1, min_tiles_p
 # gives the paged tile (num_stages - 1) // 2 buffers, the block-table lookup taking half the
 # lookahead, so 5 stages double-buffer it: half the tokens of LONG / WIDE per tile keep the
 # shared memory (and programs per SM) of those streams. sm_90 compile: LONG_BUFFERED 93 KB,
-# 128 registers; WIDE_BUFFERED 56 KB, 126 registers (182 with the fused merge). Minimum
-# splits and the fused-merge limit keep LONG's and WIDE's token counts.
+# 128 registers; WIDE_BUFFERED 56 KB, 126 registers (127 with its fused merge in 4 column
+# blocks, 182 in one). Minimum splits and the fused-merge limit keep LONG's and WIDE's
+# token counts.
 LONG_BUFFERED = StreamConfig(block_n=32, num_stages=5, ctas_per_sm=2, min_tiles_per_split=2,
                              dependent_merge=True)
 WIDE_BUFFERED = StreamConfig(block_n=16, num_stages=5, ctas_per_sm=4, min_tiles_per_split=8,
-                             fused_merge_max_tiles=256)
+                             fused_merge_max_tiles=256, merge_chunks=4)
 # The same tiles double-buffered through ``page_ahead`` at 3 stages instead: the pages of
 # tile i+1 are read (synchronously) before its copy is issued, not copied ahead like the
 # tiles.
 LONG_PAGE_AHEAD = replace(LONG_BUFFERED, num_stages=3, page_ahead=True)
 WIDE_PAGE_AHEAD = replace(WIDE_BUFFERED, num_stages=3, page_ahead=True)
+# WIDE with its fused merge in 4 column blocks (opt-in, not measured on a GPU yet).
+WIDE_CHUNKED_MERGE = replace(WIDE_STREAM, merge_chunks=4)
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +173,8 @@ class LaunchPlan:
     fused_merge: bool = False
     # Stage 1 looks each tile's pages up one iteration ahead (StreamConfig.page_ahead).
     page_ahead: bool = False
+    # A fused merge sums the partials in this many column blocks (StreamConfig.merge_chunks).
+    merge_chunks: int = 1
 
     @property
     def num_head_blocks(self) -> int:
@@ -228,7 +237,8 @@ class LaunchPlan:
                     f"min_chunk={self.min_chunk_tiles} +merge(bs={self.merge_block_s})")
         stage2 = f"+merge(bs={self.merge_block_s})" if self.use_stage2 else " one-split"
         if self.merges_in_stage1:
-            stage2 = " +merge(last split)"
+            chunks = f", {self.merge_chunks} column blocks" if self.merge_chunks > 1 else ""
+            stage2 = f" +merge(last split{chunks})"
         return (
             f"splits={self.num_kv_splits} grid={self.grid} block_h={self.block_h} "
             f"block_n={self.block_n}{self._layout}{stage2}"
@@ -320,6 +330,7 @@ def _plan(batch_size: int, num_heads: int, block_h: int, stream: StreamConfig,
                       num_stages=stream.num_stages, kv_lora_rank=kv_lora_rank,
                       qk_rope_dim=qk_rope_dim, merge_block_dv=MERGE_BLOCK_DV,
                       token_major=stream.token_major, page_ahead=stream.page_ahead,
+                      merge_chunks=stream.merge_chunks,
                       **topology)
 
 

@@ -19,6 +19,7 @@ from graphbucket.plan import (
     LONG_STREAM,
     TOKEN_STREAM,
     WIDE_BUFFERED,
+    WIDE_CHUNKED_MERGE,
     WIDE_PAGE_AHEAD,
     WIDE_STREAM,
     LaunchPlan,
@@ -32,7 +33,8 @@ DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPES = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float16, torch.float32]
 STREAMS = {"long": LONG_STREAM, "wide": WIDE_STREAM, "token": TOKEN_STREAM,
            "long_buffered": LONG_BUFFERED, "wide_buffered": WIDE_BUFFERED,
-           "long_ahead": LONG_PAGE_AHEAD, "wide_ahead": WIDE_PAGE_AHEAD}
+           "long_ahead": LONG_PAGE_AHEAD, "wide_ahead": WIDE_PAGE_AHEAD,
+           "wide_chunked": WIDE_CHUNKED_MERGE}
 
 
 def run_kernel(case: DecodeCase, plan: LaunchPlan, *, with_lse: bool = True):
@@ -334,3 +336,30 @@ def test_page_ahead_changes_no_result():
         plan_ahead = with_splits(plan_mla_decode(4, 16, 300, num_sms=8, stream=ahead), 3)
         assert replace(plan_ahead, page_ahead=False, num_stages=plan.num_stages) == plan
         assert torch.equal(run_kernel(case, plan)[0], run_kernel(case, plan_ahead)[0])
+
+
+# --- fused merge in column blocks ------------------------------------------------------
+
+@pytest.mark.parametrize("chunks", [2, 4, 8])
+@pytest.mark.parametrize("seq_len", [1, 65, 200])
+def test_fused_merge_in_column_blocks(chunks, seq_len):
+    # 1 split (no merge), 3 splits (one of them empty for 65 tokens at 32-token tiles).
+    case = make_case([seq_len, 0, 40], 16, page_size=16, dtype=DTYPES[-1], device=DEVICE)
+    base = fused(plan_mla_decode(3, 16, seq_len, num_sms=4, stream=WIDE_STREAM))
+    for splits in (1, 3):
+        plan = replace(with_splits(base, splits), merge_chunks=chunks)
+        out = check(case, plan)
+        assert (out[1] == 0).all()
+
+
+def test_fused_merge_column_blocks_match_the_whole_row():
+    case = make_case([300, 129, 1], 16, page_size=16, dtype=DTYPES[-1], device=DEVICE)
+    plan = with_splits(plan_mla_decode(3, 16, 300, num_sms=4, stream=WIDE_CHUNKED_MERGE), 4)
+    assert plan.merges_in_stage1 and plan.merge_chunks == 4
+    whole, whole_lse = run_kernel(case, replace(plan, merge_chunks=1))
+    blocks, blocks_lse = run_kernel(case, plan)
+    # Same partials, the weights summed in another order: rounding of the output dtype.
+    assert rel_l2(blocks.cpu(), whole.cpu().double()) < 2e-3
+    assert (blocks_lse - whole_lse).abs().max() < 1e-4
+    with pytest.raises(ValueError, match="merge_chunks"):
+        run_kernel(case, replace(plan, merge_chunks=3))

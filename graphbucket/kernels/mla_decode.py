@@ -256,6 +256,7 @@ def _mla_decode_stage1_kernel(
     TOKEN_MAJOR: tl.constexpr = False,
     FUSED_MERGE: tl.constexpr = False,
     PAGE_AHEAD: tl.constexpr = False,
+    MERGE_CHUNKS: tl.constexpr = 1,
 ):
     bid = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -300,11 +301,19 @@ def _mla_decode_stage1_kernel(
                 done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
                 if done == _active_splits(seq_len, num_kv_splits, BLOCK_N) - 1:
                     tl.store(counter, 0)  # ready for the next launch (or graph replay)
-                    merged, merged_lse = _merge_head_block(
-                        PART_O + bid * stride_po_b, PART_LSE + bid * stride_pl_b, offs_h,
-                        mask_h, stride_po_h, stride_po_s, stride_pl_h,
-                        _active_splits(seq_len, num_kv_splits, BLOCK_N), KV_LORA_RANK)
-                    _store_final(o_ptr, lse_ptr, merged, merged_lse, mask_h, WRITE_LSE)
+                    if MERGE_CHUNKS > 1:
+                        _merge_head_block_chunked(
+                            PART_O + bid * stride_po_b, PART_LSE + bid * stride_pl_b,
+                            OUT + bid * stride_o_b, lse_ptr, offs_h, mask_h, stride_po_h,
+                            stride_po_s, stride_pl_h, stride_o_h,
+                            _active_splits(seq_len, num_kv_splits, BLOCK_N), KV_LORA_RANK,
+                            MERGE_CHUNKS, WRITE_LSE)
+                    else:
+                        merged, merged_lse = _merge_head_block(
+                            PART_O + bid * stride_po_b, PART_LSE + bid * stride_pl_b, offs_h,
+                            mask_h, stride_po_h, stride_po_s, stride_pl_h,
+                            _active_splits(seq_len, num_kv_splits, BLOCK_N), KV_LORA_RANK)
+                        _store_final(o_ptr, lse_ptr, merged, merged_lse, mask_h, WRITE_LSE)
     elif ONE_SPLIT:
         _store_padding(o_ptr, lse_ptr, mask_h, BLOCK_H, KV_LORA_RANK, WRITE_LSE)
     elif FUSED_MERGE:
@@ -337,6 +346,43 @@ def _merge_head_block(part_o, part_lse, offs_h, mask_h, stride_po_h, stride_po_s
         l_i = l_i * alpha + w
         m_i = m_new
     return acc / l_i[:, None], m_i + tl.log2(l_i)
+
+
+@triton.jit
+def _merge_head_block_chunked(part_o, part_lse, out_row, lse_ptr, offs_h, mask_h, stride_po_h,
+                              stride_po_s, stride_pl_h, stride_o_h, num_active,
+                              KV_LORA_RANK: tl.constexpr, MERGE_CHUNKS: tl.constexpr,
+                              WRITE_LSE: tl.constexpr):
+    """``_merge_head_block`` and its store, MERGE_CHUNKS column blocks at a time: one pass
+    over the LSEs gives every split's weight, then each block of R / MERGE_CHUNKS columns
+    sums the weighted partials and is stored. Holds a [BLOCK_H, R / MERGE_CHUNKS] float32
+    tile instead of two [BLOCK_H, R] ones (the registers of the program that merges)."""
+    m_i = tl.load(part_lse + offs_h * stride_pl_h, mask=mask_h, other=0.0,
+                  cache_modifier=".cg")
+    l_i = tl.full(m_i.shape, 1.0, dtype=tl.float32)
+    for s in range(1, num_active):
+        # Every active split saw a live token, so its LSE is finite.
+        lse = tl.load(part_lse + offs_h * stride_pl_h + s, mask=mask_h, other=0.0,
+                      cache_modifier=".cg")
+        m_new = tl.maximum(m_i, lse)
+        l_i = l_i * tl.exp2(m_i - m_new) + tl.exp2(lse - m_new)
+        m_i = m_new
+    lse_log2 = m_i + tl.log2(l_i)
+    BLOCK_C: tl.constexpr = KV_LORA_RANK // MERGE_CHUNKS
+    for c in tl.static_range(MERGE_CHUNKS):
+        offs_c = c * BLOCK_C + tl.arange(0, BLOCK_C)
+        acc = tl.zeros([offs_h.shape[0], BLOCK_C], dtype=tl.float32)
+        for s in range(0, num_active):
+            lse = tl.load(part_lse + offs_h * stride_pl_h + s, mask=mask_h, other=0.0,
+                          cache_modifier=".cg")
+            part = tl.load(part_o + offs_h[:, None] * stride_po_h + s * stride_po_s
+                           + offs_c[None, :], mask=mask_h[:, None], other=0.0,
+                           cache_modifier=".cg")
+            acc += tl.exp2(lse - lse_log2)[:, None] * part
+        tl.store(out_row + offs_h[:, None] * stride_o_h + offs_c[None, :],
+                 acc.to(out_row.dtype.element_ty), mask=mask_h[:, None])
+    if WRITE_LSE:
+        tl.store(lse_ptr, lse_log2 * 0.6931471805599453, mask=mask_h)
 
 
 @triton.jit
