@@ -98,6 +98,13 @@ class StreamConfig:
     # Hints of at most this many tiles merge their (at most FUSED_MERGE_MAX_SPLITS) splits
     # in stage 1; 0: always the merge kernel.
     fused_merge_max_tiles: int = 0
+    # Look the next tile's pages up one iteration ahead (``_attend_tokens``): the tile then
+    # gets num_stages - 1 shared-memory buffers instead of (num_stages - 1) // 2.
+    page_ahead: bool = False
+    # A fused merge sums the partials in this many column blocks (1: the whole row at once,
+    # a second [block_h, kv_lora_rank] float32 tile: 184 registers for WIDE on sm_90
+    # against 128 without the merge; 4 blocks: 127, so 4 programs per SM fit again).
+    merge_chunks: int = 1
 
 
 LONG_STREAM = StreamConfig(block_n=64, num_stages=3, ctas_per_sm=2, min_tiles_per_split=1,
@@ -108,6 +115,24 @@ WIDE_STREAM = StreamConfig(block_n=32, num_stages=2, ctas_per_sm=4, min_tiles_pe
 # so one program per SM.
 TOKEN_STREAM = StreamConfig(block_n=64, num_stages=2, ctas_per_sm=1, min_tiles_per_split=1,
                             dependent_merge=True, token_major=True)
+# Two KV tiles in flight per head-major program (opt-in, not tuned on a GPU yet). Triton
+# gives the paged tile (num_stages - 1) // 2 buffers, the block-table lookup taking half the
+# lookahead, so 5 stages double-buffer it: half the tokens of LONG / WIDE per tile keep the
+# shared memory (and programs per SM) of those streams. sm_90 compile: LONG_BUFFERED 93 KB,
+# 128 registers; WIDE_BUFFERED 56 KB, 126 registers (127 with its fused merge in 4 column
+# blocks, 182 in one). Minimum splits and the fused-merge limit keep LONG's and WIDE's
+# token counts.
+LONG_BUFFERED = StreamConfig(block_n=32, num_stages=5, ctas_per_sm=2, min_tiles_per_split=2,
+                             dependent_merge=True)
+WIDE_BUFFERED = StreamConfig(block_n=16, num_stages=5, ctas_per_sm=4, min_tiles_per_split=8,
+                             fused_merge_max_tiles=256, merge_chunks=4)
+# The same tiles double-buffered through ``page_ahead`` at 3 stages instead: the pages of
+# tile i+1 are read (synchronously) before its copy is issued, not copied ahead like the
+# tiles.
+LONG_PAGE_AHEAD = replace(LONG_BUFFERED, num_stages=3, page_ahead=True)
+WIDE_PAGE_AHEAD = replace(WIDE_BUFFERED, num_stages=3, page_ahead=True)
+# WIDE with its fused merge in 4 column blocks (opt-in, not measured on a GPU yet).
+WIDE_CHUNKED_MERGE = replace(WIDE_STREAM, merge_chunks=4)
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +172,10 @@ class LaunchPlan:
     token_major: bool = False
     # Split plans: each request's last split merges in stage 1 (no merge kernel).
     fused_merge: bool = False
+    # Stage 1 looks each tile's pages up one iteration ahead (StreamConfig.page_ahead).
+    page_ahead: bool = False
+    # A fused merge sums the partials in this many column blocks (StreamConfig.merge_chunks).
+    merge_chunks: int = 1
 
     @property
     def num_head_blocks(self) -> int:
@@ -209,15 +238,29 @@ class LaunchPlan:
                     f"min_chunk={self.min_chunk_tiles} +merge(bs={self.merge_block_s})")
         stage2 = f"+merge(bs={self.merge_block_s})" if self.use_stage2 else " one-split"
         if self.merges_in_stage1:
-            stage2 = " +merge(last split)"
+            chunks = f", {self.merge_chunks} column blocks" if self.merge_chunks > 1 else ""
+            stage2 = f" +merge(last split{chunks})"
         return (
             f"splits={self.num_kv_splits} grid={self.grid} block_h={self.block_h} "
             f"block_n={self.block_n}{self._layout}{stage2}"
         )
 
     @property
+    def kv_buffers(self) -> int:
+        """Shared-memory buffers of the head-major stage 1's KV tile under Triton 3.6 (sm_90
+        compile): the block-table lookup takes half of the num_stages - 1 lookahead unless
+        the pages are looked up ahead."""
+        lookahead = self.num_stages - 1
+        return max(1, lookahead if self.page_ahead else lookahead // 2)
+
+    @property
     def _layout(self) -> str:
-        return " token-major" if self.token_major else ""
+        layout = " token-major" if self.token_major else ""
+        if self.page_ahead:
+            layout += " page-ahead"
+        if self.kv_buffers > 1 and not self.token_major:
+            layout += f" kv_buffers={self.kv_buffers}"
+        return layout
 
 
 def stream_config(rows: int, num_sms: int) -> StreamConfig:
@@ -287,7 +330,9 @@ def _plan(batch_size: int, num_heads: int, block_h: int, stream: StreamConfig,
                       block_n=stream.block_n, num_warps=4 if block_h == 16 else 8,
                       num_stages=stream.num_stages, kv_lora_rank=kv_lora_rank,
                       qk_rope_dim=qk_rope_dim, merge_block_dv=MERGE_BLOCK_DV,
-                      token_major=stream.token_major, **topology)
+                      token_major=stream.token_major, page_ahead=stream.page_ahead,
+                      merge_chunks=stream.merge_chunks,
+                      **topology)
 
 
 def plan_balanced_mla_decode(

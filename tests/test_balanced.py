@@ -20,6 +20,7 @@ from graphbucket.kernels import SplitWorkspace, mla_decode, mla_decode_balanced
 from graphbucket.kernels.launch import tile_tokens
 from graphbucket.kernels.launch_balanced import launch_item_planner
 from graphbucket.plan import (
+    LONG_PAGE_AHEAD,
     LONG_STREAM,
     TOKEN_STREAM,
     WIDE_STREAM,
@@ -187,6 +188,7 @@ def test_one_long_request_among_short_ones(dtype):
     check(c, balanced_plan(len(lens), 6))
     check(c, balanced_plan(len(lens), 6, stream=WIDE_STREAM, min_chunk_tiles=2))
     check(c, balanced_plan(len(lens), 6, stream=TOKEN_STREAM))
+    check(c, balanced_plan(len(lens), 6, stream=LONG_PAGE_AHEAD))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

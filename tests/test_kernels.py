@@ -13,14 +13,28 @@ import torch
 
 from graphbucket.kernels import SplitWorkspace, mla_decode
 from graphbucket.kernels.launch import tile_tokens
-from graphbucket.plan import LONG_STREAM, TOKEN_STREAM, WIDE_STREAM, LaunchPlan, plan_mla_decode
+from graphbucket.plan import (
+    LONG_BUFFERED,
+    LONG_PAGE_AHEAD,
+    LONG_STREAM,
+    TOKEN_STREAM,
+    WIDE_BUFFERED,
+    WIDE_CHUNKED_MERGE,
+    WIDE_PAGE_AHEAD,
+    WIDE_STREAM,
+    LaunchPlan,
+    plan_mla_decode,
+)
 from graphbucket.reference import mla_decode_reference
 from tests.kernel_cases import KV_LORA_RANK, SM_SCALE, DecodeCase, make_case, rel_l2
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPES = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float16, torch.float32]
-STREAMS = {"long": LONG_STREAM, "wide": WIDE_STREAM, "token": TOKEN_STREAM}
+STREAMS = {"long": LONG_STREAM, "wide": WIDE_STREAM, "token": TOKEN_STREAM,
+           "long_buffered": LONG_BUFFERED, "wide_buffered": WIDE_BUFFERED,
+           "long_ahead": LONG_PAGE_AHEAD, "wide_ahead": WIDE_PAGE_AHEAD,
+           "wide_chunked": WIDE_CHUNKED_MERGE}
 
 
 def run_kernel(case: DecodeCase, plan: LaunchPlan, *, with_lse: bool = True):
@@ -267,3 +281,85 @@ def test_fused_merge_needs_counters_in_the_workspace():
     with pytest.raises(ValueError, match="workspace"):
         mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, out, ws, plan=plan,
                    sm_scale=SM_SCALE)
+
+
+# --- double-buffered streams: pages looked up one tile ahead, 16- and 32-token tiles -------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("stream", ["long_ahead", "wide_ahead"])
+@pytest.mark.parametrize("seq_len", [1, 16, 17, 33, 65, 97])
+def test_page_ahead_lengths_around_tile_and_page_edges(dtype, stream, seq_len):
+    # 32 (long) or 16 (wide) token tiles on 16-token pages: the lookup ahead of the last
+    # tile of a split (and of the request) must read nothing and change nothing.
+    case = make_case([seq_len], 16, page_size=16, dtype=dtype, device=DEVICE)
+    base = plan_mla_decode(1, 16, seq_len, num_sms=4, stream=STREAMS[stream])
+    assert base.page_ahead
+    for splits in (1, 3):
+        check(case, with_splits(base, splits))
+
+
+@pytest.mark.parametrize("page_size", [8, 16, 64])
+@pytest.mark.parametrize("stream", ["long_ahead", "wide_ahead", "wide_buffered"])
+def test_buffered_streams_scattered_pages_ragged_batch(page_size, stream):
+    # Pages smaller than the tile take the per-token lookup (carried ahead as a vector);
+    # 16 and 64 put every tile in one page (a scalar lookup).
+    lens = [1, 70, 129, 33]
+    case = make_case(lens, 16, page_size=page_size, dtype=torch.float16, device=DEVICE)
+    plan = plan_mla_decode(len(lens), 16, 1, num_sms=8, stream=STREAMS[stream])
+    check(case, plan)
+    check(case, with_splits(plan, 4))
+
+
+@pytest.mark.parametrize("stream", ["long_ahead", "wide_ahead"])
+@pytest.mark.parametrize("num_heads", [12, 128])
+def test_page_ahead_partial_head_blocks(num_heads, stream):
+    case = make_case([45, 3], num_heads, page_size=16, dtype=torch.float16, device=DEVICE)
+    base = plan_mla_decode(2, num_heads, 1, num_sms=4, stream=STREAMS[stream])
+    check(case, base)
+    check(case, with_splits(base, 2))
+
+
+@pytest.mark.parametrize("stream", ["long_ahead", "wide_ahead", "wide_buffered"])
+@pytest.mark.parametrize("seq_len", [1, 16, 17, 64, 200])
+def test_page_ahead_fused_merge_around_split_edges(stream, seq_len):
+    case = make_case([seq_len], 16, page_size=16, dtype=DTYPES[-1], device=DEVICE)
+    base = fused(plan_mla_decode(1, 16, seq_len, num_sms=4, stream=STREAMS[stream]))
+    for splits in (1, 3):
+        check(case, with_splits(base, splits))
+
+
+def test_page_ahead_changes_no_result():
+    # Same tiles, same arithmetic: looking the pages up early gives the same bits.
+    case = make_case([300, 77, 0, 129], 16, page_size=16, dtype=DTYPES[-1], device=DEVICE)
+    for stream, ahead in ((LONG_BUFFERED, LONG_PAGE_AHEAD), (WIDE_BUFFERED, WIDE_PAGE_AHEAD)):
+        plan = with_splits(plan_mla_decode(4, 16, 300, num_sms=8, stream=stream), 3)
+        plan_ahead = with_splits(plan_mla_decode(4, 16, 300, num_sms=8, stream=ahead), 3)
+        assert replace(plan_ahead, page_ahead=False, num_stages=plan.num_stages) == plan
+        assert torch.equal(run_kernel(case, plan)[0], run_kernel(case, plan_ahead)[0])
+
+
+# --- fused merge in column blocks ------------------------------------------------------
+
+@pytest.mark.parametrize("chunks", [2, 4, 8])
+@pytest.mark.parametrize("seq_len", [1, 65, 200])
+def test_fused_merge_in_column_blocks(chunks, seq_len):
+    # 1 split (no merge), 3 splits (one of them empty for 65 tokens at 32-token tiles).
+    case = make_case([seq_len, 0, 40], 16, page_size=16, dtype=DTYPES[-1], device=DEVICE)
+    base = fused(plan_mla_decode(3, 16, seq_len, num_sms=4, stream=WIDE_STREAM))
+    for splits in (1, 3):
+        plan = replace(with_splits(base, splits), merge_chunks=chunks)
+        out = check(case, plan)
+        assert (out[1] == 0).all()
+
+
+def test_fused_merge_column_blocks_match_the_whole_row():
+    case = make_case([300, 129, 1], 16, page_size=16, dtype=DTYPES[-1], device=DEVICE)
+    plan = with_splits(plan_mla_decode(3, 16, 300, num_sms=4, stream=WIDE_CHUNKED_MERGE), 4)
+    assert plan.merges_in_stage1 and plan.merge_chunks == 4
+    whole, whole_lse = run_kernel(case, replace(plan, merge_chunks=1))
+    blocks, blocks_lse = run_kernel(case, plan)
+    # Same partials, the weights summed in another order: rounding of the output dtype.
+    assert rel_l2(blocks.cpu(), whole.cpu().double()) < 2e-3
+    assert (blocks_lse - whole_lse).abs().max() < 1e-4
+    with pytest.raises(ValueError, match="merge_chunks"):
+        run_kernel(case, replace(plan, merge_chunks=3))

@@ -96,3 +96,26 @@ def test_dependent_merge_only_for_few_row_plans():
     assert plan_mla_decode(1, 16, 65536).dependent_merge
     assert plan_mla_decode(8, 16, 65536).dependent_merge
     assert not plan_mla_decode(64, 16, 65536).dependent_merge
+
+
+def test_buffered_streams_are_opt_in_and_double_buffer():
+    from graphbucket.plan import (
+        LONG_BUFFERED,
+        LONG_PAGE_AHEAD,
+        WIDE_BUFFERED,
+        WIDE_PAGE_AHEAD,
+    )
+
+    for batch in (1, 8, 64):
+        default = plan_mla_decode(batch, 16, 4096)
+        assert not default.page_ahead and default.kv_buffers == 1
+        assert "kv_buffers" not in default.describe()
+    for stream in (LONG_BUFFERED, WIDE_BUFFERED, LONG_PAGE_AHEAD, WIDE_PAGE_AHEAD):
+        plan = plan_mla_decode(64, 16, 4096, stream=stream)
+        assert plan.kv_buffers == 2 and plan.page_ahead == stream.page_ahead
+        assert "kv_buffers=2" in plan.describe()
+        assert ("page-ahead" in plan.describe()) == stream.page_ahead
+    # the token counts of LONG / WIDE: minimum split, fused-merge limit
+    wide = plan_mla_decode(64, 16, 4096, stream=WIDE_BUFFERED)
+    assert wide.merges_in_stage1 and wide.num_kv_splits == 4
+    assert not plan_mla_decode(64, 16, 8192, stream=WIDE_BUFFERED).merges_in_stage1

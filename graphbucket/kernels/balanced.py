@@ -92,6 +92,7 @@ def _balanced_stage1_kernel(
     WRITE_LSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr = "tf32",
     TOKEN_MAJOR: tl.constexpr = False,
+    PAGE_AHEAD: tl.constexpr = False,
 ):
     program = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -114,7 +115,7 @@ def _balanced_stage1_kernel(
         acc, l_i, m_i = _attend_tokens(
             q_nope, q_rope, KV, BLOCK_TABLE + bid * stride_bt_b, start, end, qk_scale_log2,
             stride_kv_page, stride_kv_tok, PAGE_SIZE, KV_LORA_RANK, ROPE_DIM, BLOCK_H,
-            BLOCK_N, TILE_IN_PAGE, DOT_PRECISION, TOKEN_MAJOR)
+            BLOCK_N, TILE_IN_PAGE, DOT_PRECISION, TOKEN_MAJOR, PAGE_AHEAD)
         lse_log2 = m_i + tl.log2(l_i)
         out = acc / l_i[:, None]
         if request_items == 1:

@@ -117,6 +117,12 @@ def check_mla_decode_args(q: torch.Tensor, kv_cache: torch.Tensor, block_table: 
     if lse is not None and (lse.dtype != torch.float32 or tuple(lse.shape) != (bs, nh)):
         _fail("lse", f"{lse.dtype} {tuple(lse.shape)}", f"float32 {(bs, nh)}",
               "Pass lse=None or a float32 [batch, heads] tensor.")
+    block_c = plan.kv_lora_rank // max(1, plan.merge_chunks)
+    if plan.merges_in_stage1 and (plan.merge_chunks < 1 or block_c * plan.merge_chunks
+                                  != plan.kv_lora_rank or block_c & (block_c - 1)):
+        _fail("plan.merge_chunks", plan.merge_chunks,
+              f"a divisor of {plan.kv_lora_rank} leaving power-of-two column blocks",
+              "Pick 1, 2, 4 or 8 column blocks.")
     if plan.use_stage2 and (workspace is None or not workspace.fits(plan)):
         got = None if workspace is None else tuple(workspace.partial_o.shape)
         if plan.balanced:
@@ -226,6 +232,8 @@ def launch_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
         WRITE_LSE=lse is not None, USE_GDC=use_pdl(plan, q.device),
         DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
         TOKEN_MAJOR=plan.token_major, FUSED_MERGE=plan.merges_in_stage1,
+        PAGE_AHEAD=plan.page_ahead,
+        MERGE_CHUNKS=plan.merge_chunks if plan.merges_in_stage1 else 1,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
 

@@ -82,7 +82,7 @@ def launch_balanced_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table:
         BLOCK_H=plan.block_h, BLOCK_N=block_n, BLOCK_B=scan_block(plan.batch_size),
         TILE_IN_PAGE=kv_cache.shape[1] % block_n == 0, WRITE_LSE=lse is not None,
         DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
-        TOKEN_MAJOR=plan.token_major,
+        TOKEN_MAJOR=plan.token_major, PAGE_AHEAD=plan.page_ahead,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
 

@@ -73,6 +73,7 @@ def _attend_tokens(
     TILE_IN_PAGE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     TOKEN_MAJOR: tl.constexpr = False,
+    PAGE_AHEAD: tl.constexpr = False,
 ):
     """Online softmax over tokens [start, end) of one request (start < end, start a
     multiple of BLOCK_N). Returns the unnormalised (acc [BLOCK_H, R], l, m) in log2 units.
@@ -81,8 +82,16 @@ def _attend_tokens(
     tile's token dimension becomes the dots' row dimension (64 rows, where the heads give
     only 16), so on Hopper both dots run as warpgroup MMAs that read the KV tile straight
     from shared memory, and the compiler double-buffers the tile's asynchronous copy. The
-    head-major form feeds the transposed tile through registers, which leaves the copy of
-    the next tile waiting on the current tile's math.
+    head-major form reads the transposed tile from shared memory as well (ldmatrix).
+
+    How many tiles are in flight is set by the page lookup, not by the layout: Triton's
+    pipeliner splits the num_stages - 1 iterations of lookahead between the two dependent
+    loads (block-table entry, then the tile it addresses), so num_stages 2-4 give one tile
+    buffer (the copy of tile i+1 waits for tile i's math) and 5 gives two, with the
+    table entries copied asynchronously as well. PAGE_AHEAD looks the pages of tile i+1 up
+    while tile i is loaded (a loop-carried value, not a dependent load), so the tile gets
+    num_stages - 1 buffers; the lookup itself is then a synchronous load before each
+    tile's copy is issued.
     """
     if TOKEN_MAJOR:
         return _attend_tokens_token_major(
@@ -92,11 +101,19 @@ def _attend_tokens(
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, KV_LORA_RANK], dtype=tl.float32)
+    if PAGE_AHEAD:
+        next_pages = _tile_pages(bt_row, start, end, PAGE_SIZE, BLOCK_N, TILE_IN_PAGE)
 
     for tok0 in range(start, end, BLOCK_N):
-        kv, k_rope, mask_n = _load_tile(KV, bt_row, tok0, end, stride_kv_page, stride_kv_tok,
-                                        PAGE_SIZE, KV_LORA_RANK, ROPE_DIM, BLOCK_N,
-                                        TILE_IN_PAGE)
+        if PAGE_AHEAD:
+            pages = next_pages
+            next_pages = _tile_pages(bt_row, tok0 + BLOCK_N, end, PAGE_SIZE, BLOCK_N,
+                                     TILE_IN_PAGE, PAST_END=True)
+        else:
+            pages = _tile_pages(bt_row, tok0, end, PAGE_SIZE, BLOCK_N, TILE_IN_PAGE)
+        kv, k_rope, mask_n = _load_tile_rows(KV, pages, tok0, end, stride_kv_page,
+                                             stride_kv_tok, PAGE_SIZE, KV_LORA_RANK,
+                                             ROPE_DIM, BLOCK_N)
         qk = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PRECISION)
         qk += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
         qk = tl.where(mask_n[None, :], qk * qk_scale_log2, float("-inf"))
@@ -113,25 +130,50 @@ def _attend_tokens(
 
 
 @triton.jit
-def _load_tile(KV, bt_row, tok0, end, stride_kv_page, stride_kv_tok,
-               PAGE_SIZE: tl.constexpr, KV_LORA_RANK: tl.constexpr, ROPE_DIM: tl.constexpr,
-               BLOCK_N: tl.constexpr, TILE_IN_PAGE: tl.constexpr):
-    """Tokens tok0 .. tok0 + BLOCK_N of one request: (latent [BLOCK_N, R], rope
-    [BLOCK_N, ROPE_DIM], live mask); rows at or past ``end`` load as zeros."""
-    offs_n = tok0 + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < end
+def _tile_pages(bt_row, tok0, end, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                TILE_IN_PAGE: tl.constexpr, PAST_END: tl.constexpr = False):
+    """Cache pages of tokens tok0 .. tok0 + BLOCK_N: one scalar when the tile sits in one
+    page (TILE_IN_PAGE), else one per token. Entries at or past ``end`` read as page 0
+    (their rows are masked); PAST_END: tok0 may be past ``end`` (the lookup ahead of the
+    last tile), so the scalar lookup is masked too."""
     if TILE_IN_PAGE:
         # Tiles start at multiples of BLOCK_N, so the whole tile sits in one page:
         # one scalar table load, and the tile is one contiguous run of cache rows.
-        page = tl.load(bt_row + tok0 // PAGE_SIZE).to(tl.int64)
+        if PAST_END:
+            page = tl.load(bt_row + tok0 // PAGE_SIZE, mask=tok0 < end, other=0)
+        else:
+            page = tl.load(bt_row + tok0 // PAGE_SIZE)
     else:
-        page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
-    row = page * stride_kv_page + (offs_n % PAGE_SIZE) * stride_kv_tok
+        offs_n = tok0 + tl.arange(0, BLOCK_N)
+        page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=offs_n < end, other=0)
+    return page.to(tl.int64)
+
+
+@triton.jit
+def _load_tile_rows(KV, pages, tok0, end, stride_kv_page, stride_kv_tok,
+                    PAGE_SIZE: tl.constexpr, KV_LORA_RANK: tl.constexpr,
+                    ROPE_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Tokens tok0 .. tok0 + BLOCK_N on ``pages`` (``_tile_pages``): (latent [BLOCK_N, R],
+    rope [BLOCK_N, ROPE_DIM], live mask); rows at or past ``end`` load as zeros."""
+    offs_n = tok0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < end
+    row = pages * stride_kv_page + (offs_n % PAGE_SIZE) * stride_kv_tok
     kv = tl.load(KV + row[:, None] + tl.arange(0, KV_LORA_RANK)[None, :],
                  mask=mask_n[:, None], other=0.0)
     k_rope = tl.load(KV + row[:, None] + KV_LORA_RANK + tl.arange(0, ROPE_DIM)[None, :],
                      mask=mask_n[:, None], other=0.0)
     return kv, k_rope, mask_n
+
+
+@triton.jit
+def _load_tile(KV, bt_row, tok0, end, stride_kv_page, stride_kv_tok,
+               PAGE_SIZE: tl.constexpr, KV_LORA_RANK: tl.constexpr, ROPE_DIM: tl.constexpr,
+               BLOCK_N: tl.constexpr, TILE_IN_PAGE: tl.constexpr):
+    """Tokens tok0 .. tok0 + BLOCK_N of one request: (latent [BLOCK_N, R], rope
+    [BLOCK_N, ROPE_DIM], live mask); rows at or past ``end`` load as zeros."""
+    pages = _tile_pages(bt_row, tok0, end, PAGE_SIZE, BLOCK_N, TILE_IN_PAGE)
+    return _load_tile_rows(KV, pages, tok0, end, stride_kv_page, stride_kv_tok, PAGE_SIZE,
+                           KV_LORA_RANK, ROPE_DIM, BLOCK_N)
 
 
 @triton.jit
@@ -213,6 +255,8 @@ def _mla_decode_stage1_kernel(
     USE_GDC: tl.constexpr = False,
     TOKEN_MAJOR: tl.constexpr = False,
     FUSED_MERGE: tl.constexpr = False,
+    PAGE_AHEAD: tl.constexpr = False,
+    MERGE_CHUNKS: tl.constexpr = 1,
 ):
     bid = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -237,7 +281,7 @@ def _mla_decode_stage1_kernel(
         acc, l_i, m_i = _attend_tokens(
             q_nope, q_rope, KV, BLOCK_TABLE + bid * stride_bt_b, start, end, qk_scale_log2,
             stride_kv_page, stride_kv_tok, PAGE_SIZE, KV_LORA_RANK, ROPE_DIM, BLOCK_H,
-            BLOCK_N, TILE_IN_PAGE, DOT_PRECISION, TOKEN_MAJOR)
+            BLOCK_N, TILE_IN_PAGE, DOT_PRECISION, TOKEN_MAJOR, PAGE_AHEAD)
         lse_log2 = m_i + tl.log2(l_i)
         out = acc / l_i[:, None]
         if ONE_SPLIT:
@@ -257,11 +301,19 @@ def _mla_decode_stage1_kernel(
                 done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
                 if done == _active_splits(seq_len, num_kv_splits, BLOCK_N) - 1:
                     tl.store(counter, 0)  # ready for the next launch (or graph replay)
-                    merged, merged_lse = _merge_head_block(
-                        PART_O + bid * stride_po_b, PART_LSE + bid * stride_pl_b, offs_h,
-                        mask_h, stride_po_h, stride_po_s, stride_pl_h,
-                        _active_splits(seq_len, num_kv_splits, BLOCK_N), KV_LORA_RANK)
-                    _store_final(o_ptr, lse_ptr, merged, merged_lse, mask_h, WRITE_LSE)
+                    if MERGE_CHUNKS > 1:
+                        _merge_head_block_chunked(
+                            PART_O + bid * stride_po_b, PART_LSE + bid * stride_pl_b,
+                            OUT + bid * stride_o_b, lse_ptr, offs_h, mask_h, stride_po_h,
+                            stride_po_s, stride_pl_h, stride_o_h,
+                            _active_splits(seq_len, num_kv_splits, BLOCK_N), KV_LORA_RANK,
+                            MERGE_CHUNKS, WRITE_LSE)
+                    else:
+                        merged, merged_lse = _merge_head_block(
+                            PART_O + bid * stride_po_b, PART_LSE + bid * stride_pl_b, offs_h,
+                            mask_h, stride_po_h, stride_po_s, stride_pl_h,
+                            _active_splits(seq_len, num_kv_splits, BLOCK_N), KV_LORA_RANK)
+                        _store_final(o_ptr, lse_ptr, merged, merged_lse, mask_h, WRITE_LSE)
     elif ONE_SPLIT:
         _store_padding(o_ptr, lse_ptr, mask_h, BLOCK_H, KV_LORA_RANK, WRITE_LSE)
     elif FUSED_MERGE:
@@ -294,6 +346,43 @@ def _merge_head_block(part_o, part_lse, offs_h, mask_h, stride_po_h, stride_po_s
         l_i = l_i * alpha + w
         m_i = m_new
     return acc / l_i[:, None], m_i + tl.log2(l_i)
+
+
+@triton.jit
+def _merge_head_block_chunked(part_o, part_lse, out_row, lse_ptr, offs_h, mask_h, stride_po_h,
+                              stride_po_s, stride_pl_h, stride_o_h, num_active,
+                              KV_LORA_RANK: tl.constexpr, MERGE_CHUNKS: tl.constexpr,
+                              WRITE_LSE: tl.constexpr):
+    """``_merge_head_block`` and its store, MERGE_CHUNKS column blocks at a time: one pass
+    over the LSEs gives every split's weight, then each block of R / MERGE_CHUNKS columns
+    sums the weighted partials and is stored. Holds a [BLOCK_H, R / MERGE_CHUNKS] float32
+    tile instead of two [BLOCK_H, R] ones (the registers of the program that merges)."""
+    m_i = tl.load(part_lse + offs_h * stride_pl_h, mask=mask_h, other=0.0,
+                  cache_modifier=".cg")
+    l_i = tl.full(m_i.shape, 1.0, dtype=tl.float32)
+    for s in range(1, num_active):
+        # Every active split saw a live token, so its LSE is finite.
+        lse = tl.load(part_lse + offs_h * stride_pl_h + s, mask=mask_h, other=0.0,
+                      cache_modifier=".cg")
+        m_new = tl.maximum(m_i, lse)
+        l_i = l_i * tl.exp2(m_i - m_new) + tl.exp2(lse - m_new)
+        m_i = m_new
+    lse_log2 = m_i + tl.log2(l_i)
+    BLOCK_C: tl.constexpr = KV_LORA_RANK // MERGE_CHUNKS
+    for c in tl.static_range(MERGE_CHUNKS):
+        offs_c = c * BLOCK_C + tl.arange(0, BLOCK_C)
+        acc = tl.zeros([offs_h.shape[0], BLOCK_C], dtype=tl.float32)
+        for s in range(0, num_active):
+            lse = tl.load(part_lse + offs_h * stride_pl_h + s, mask=mask_h, other=0.0,
+                          cache_modifier=".cg")
+            part = tl.load(part_o + offs_h[:, None] * stride_po_h + s * stride_po_s
+                           + offs_c[None, :], mask=mask_h[:, None], other=0.0,
+                           cache_modifier=".cg")
+            acc += tl.exp2(lse - lse_log2)[:, None] * part
+        tl.store(out_row + offs_h[:, None] * stride_o_h + offs_c[None, :],
+                 acc.to(out_row.dtype.element_ty), mask=mask_h[:, None])
+    if WRITE_LSE:
+        tl.store(lse_ptr, lse_log2 * 0.6931471805599453, mask=mask_h)
 
 
 @triton.jit
