@@ -131,8 +131,17 @@ WIDE_BUFFERED = StreamConfig(block_n=16, num_stages=5, ctas_per_sm=4, min_tiles_
 # tiles.
 LONG_PAGE_AHEAD = replace(LONG_BUFFERED, num_stages=3, page_ahead=True)
 WIDE_PAGE_AHEAD = replace(WIDE_BUFFERED, num_stages=3, page_ahead=True)
-# WIDE with its fused merge in 4 column blocks (opt-in, not measured on a GPU yet).
+# WIDE with its fused merge in 4 column blocks (opt-in; measured: no gain on its own).
 WIDE_CHUNKED_MERGE = replace(WIDE_STREAM, merge_chunks=4)
+# Planned by default where they measured faster (H200, same run; bench/NOTES.md
+# 2026-11-30 "double-buffered stage 1"): LONG plans whose splits hold at most
+# SHORT_SPLIT_TOKENS tokens stream LONG_PAGE_AHEAD (1 x 128K 50.2 us against 53.3, 8 x 16K
+# 50.6 against 54.3; with 4K-token splits, 8 x 128K, it lost: 366 against 311), and fused
+# WIDE plans stream WIDE_FUSED (64 x 4K 91.6 us against 102.5, 64 x 1K 36.2 against
+# 38.4). The split count is the one LONG / WIDE plan; only the stage-1 stream changes.
+SHORT_SPLIT_TOKENS = 2048
+WIDE_FUSED = replace(LONG_BUFFERED, min_tiles_per_split=4, fused_merge_max_tiles=128,
+                     merge_chunks=4, dependent_merge=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,12 +314,14 @@ def plan_mla_decode(
 
     Pure host arithmetic: deterministic, monotone non-decreasing in ``hint``, bounded by
     the SM-derived budget and ``max_splits``. Any plan is correct for any live length;
-    the hint only decides speed. ``stream`` overrides the automatic tile configuration.
+    the hint only decides speed. ``stream`` overrides the automatic tile configuration
+    (without it, ``refined_stream`` may swap LONG / WIDE for a double-buffered stream).
     """
     _check_positive(batch_size=batch_size, num_heads=num_heads, hint=hint, num_sms=num_sms,
                     max_splits=max_splits)
     block_h = head_block_size(num_heads)
     rows = batch_size * cdiv(num_heads, block_h)
+    auto = stream is None
     stream = stream or stream_config(rows, num_sms)
     budget = split_budget(rows, stream, num_sms=num_sms, max_splits=max_splits)
     wanted = pow2_ceil(cdiv(cdiv(hint, stream.block_n), stream.min_tiles_per_split))
@@ -318,9 +329,21 @@ def plan_mla_decode(
     fused = 1 < num_splits and cdiv(hint, stream.block_n) <= stream.fused_merge_max_tiles
     if fused:
         num_splits = min(num_splits, FUSED_MERGE_MAX_SPLITS)
+    if auto:
+        stream = refined_stream(stream, hint, num_splits, fused)
     return _plan(batch_size, num_heads, block_h, stream, kv_lora_rank, qk_rope_dim,
                  num_kv_splits=num_splits, merge_block_s=merge_block_s(num_splits),
                  dependent_merge=stream.dependent_merge and not fused, fused_merge=fused)
+
+
+def refined_stream(stream: StreamConfig, hint: int, num_splits: int,
+                   fused: bool) -> StreamConfig:
+    """The stage-1 stream a LONG / WIDE plan runs (see SHORT_SPLIT_TOKENS, WIDE_FUSED)."""
+    if stream == LONG_STREAM and cdiv(hint, num_splits) <= SHORT_SPLIT_TOKENS:
+        return LONG_PAGE_AHEAD
+    if stream == WIDE_STREAM and fused:
+        return WIDE_FUSED
+    return stream
 
 
 def _plan(batch_size: int, num_heads: int, block_h: int, stream: StreamConfig,

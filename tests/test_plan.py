@@ -98,18 +98,41 @@ def test_dependent_merge_only_for_few_row_plans():
     assert not plan_mla_decode(64, 16, 65536).dependent_merge
 
 
-def test_buffered_streams_are_opt_in_and_double_buffer():
+def test_buffered_streams_double_buffer_and_are_planned_where_they_won():
     from graphbucket.plan import (
         LONG_BUFFERED,
         LONG_PAGE_AHEAD,
+        LONG_STREAM,
+        SHORT_SPLIT_TOKENS,
         WIDE_BUFFERED,
+        WIDE_FUSED,
         WIDE_PAGE_AHEAD,
+        WIDE_STREAM,
     )
 
-    for batch in (1, 8, 64):
-        default = plan_mla_decode(batch, 16, 4096)
-        assert not default.page_ahead and default.kv_buffers == 1
-        assert "kv_buffers" not in default.describe()
+    def stream_of(plan):
+        return (plan.block_n, plan.num_stages, plan.page_ahead, plan.merge_chunks)
+
+    def fields(stream):
+        return (stream.block_n, stream.num_stages, stream.page_ahead, stream.merge_chunks)
+
+    for batch, hint in ((1, 1), (1, 4096), (1, 131072), (8, 4096), (8, 16384), (8, 131072),
+                        (64, 64), (64, 1024), (64, 4096), (64, 16384)):
+        plan = plan_mla_decode(batch, 16, hint)
+        # The split count is the one the LONG / WIDE stream plans; only the stream changes.
+        base = plan_mla_decode(batch, 16, hint, stream=LONG_STREAM if batch < 33
+                               else WIDE_STREAM)
+        assert plan.num_kv_splits == base.num_kv_splits, (batch, hint)
+        if batch < 33:
+            short = -(-hint // plan.num_kv_splits) <= SHORT_SPLIT_TOKENS
+            want = LONG_PAGE_AHEAD if short else LONG_STREAM
+        else:
+            want = WIDE_FUSED if plan.merges_in_stage1 else WIDE_STREAM
+        assert stream_of(plan) == fields(want), (batch, hint, plan.describe())
+    # 8 x 128K splits 4K tokens each: the single-buffered LONG stream (it measured faster).
+    assert not plan_mla_decode(8, 16, 131072).page_ahead
+    assert plan_mla_decode(64, 16, 4096).kv_buffers == 2
+    assert "kv_buffers" not in plan_mla_decode(64, 16, 16384).describe()
     for stream in (LONG_BUFFERED, WIDE_BUFFERED, LONG_PAGE_AHEAD, WIDE_PAGE_AHEAD):
         plan = plan_mla_decode(64, 16, 4096, stream=stream)
         assert plan.kv_buffers == 2 and plan.page_ahead == stream.page_ahead

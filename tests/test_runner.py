@@ -30,8 +30,11 @@ def runner_for(policy, model, device, *, backend="dense", sizes=(1, 2), max_page
 
 
 def by_bucket(runner) -> dict[tuple[int, int], int]:
-    """Replays per (padded batch size, bucket)."""
-    return {(k.batch_size, k.bucket): n for k, n in runner.stats().replays.items()}
+    """Replays per (padded batch size, bucket), split-KV and balanced graphs together."""
+    counts: dict[tuple[int, int], int] = {}
+    for k, n in runner.stats().replays.items():
+        counts[(k.batch_size, k.bucket)] = counts.get((k.batch_size, k.bucket), 0) + n
+    return counts
 
 
 def batch_of(lens, seed=0, **kw) -> DecodeBatch:
