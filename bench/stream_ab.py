@@ -1,8 +1,13 @@
-"""A/B of stage-1 stream configurations at fixed shapes (bf16, 16 heads, 64-token pages).
+"""A/B of stage-1 stream configurations, same inputs and run (bf16, 16 heads, page 64).
 
-Usage (CUDA machine, repo root): python bench/stream_ab.py [--out DIR]
-Per shape and stream: the plan, microseconds per call (graph replays, cold L2), the
-fraction of copy bandwidth, and the output's relative difference to the planned default.
+Per shape (uniform batches and the ragged mixes of ``bench/ragged.py``) and per stream of
+``graphbucket.plan`` (``plan_mla_decode(..., stream=S)``; for batches of two or more also
+``plan_balanced_mla_decode(..., stream=S)``): microseconds per call (CUDA-graph replays,
+cold L2), fraction of copy bandwidth over the bytes read, and the output's relative
+difference to the planned plan's. ``--short`` times the short-context variants instead
+(a fused merge for LONG plans, 64-token WIDE_FUSED tiles).
+
+    python3 bench/stream_ab.py --out DIR        # DIR/h200-stream-ab.json
 """
 
 from __future__ import annotations
@@ -11,53 +16,103 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
+
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.gpu_timing import copy_gbps, run_meta, time_replays  # noqa: E402
+from bench.gpu_timing import copy_gbps, run_meta  # noqa: E402
+from bench.kernel_sweep import against_floor, time_calls  # noqa: E402
+from bench.ragged import inputs, mixes  # noqa: E402
 from graphbucket import plan as P  # noqa: E402
-from graphbucket.kernels import SplitWorkspace, default_sm_scale  # noqa: E402
-from graphbucket.tuning.measure import Problem, rotated_calls  # noqa: E402
+from graphbucket.kernels import (  # noqa: E402
+    SplitWorkspace,
+    default_sm_scale,
+    mla_decode,
+    mla_decode_balanced,
+)
 
-SHAPES = [(64, 1024), (64, 4096), (8, 131072), (1, 131072)]
-STREAMS = ["planned", "LONG_STREAM", "WIDE_STREAM", "LONG_BUFFERED", "WIDE_BUFFERED",
-           "LONG_PAGE_AHEAD", "WIDE_PAGE_AHEAD", "WIDE_CHUNKED_MERGE"]
-HEADS, DIM = 16, 576
+HEADS, PAGE, DIM, RANK = 16, 64, 576, 512
+UNIFORM = [(1, 65536), (1, 131072), (8, 4096), (8, 16384), (8, 131072), (64, 256), (64, 1024),
+           (64, 4096), (64, 16384)]
+SHORT = [(1, 128), (1, 256), (1, 512), (1, 1024), (8, 128), (8, 256), (8, 512), (8, 1024),
+         (64, 128), (64, 256), (64, 1024), (64, 4096)]
+
+
+def streams(short: bool) -> dict[str, P.StreamConfig]:
+    if short:
+        fused = {"fused_merge_max_tiles": 16, "merge_chunks": 4, "dependent_merge": False}
+        return {"LONG_FUSED_512": replace(P.LONG_PAGE_AHEAD, **fused),
+                "LONG_FUSED_1K": replace(P.LONG_PAGE_AHEAD, **{**fused,
+                                                               "fused_merge_max_tiles": 32}),
+                "WIDE_FUSED_64": replace(P.WIDE_FUSED, block_n=64, num_stages=3,
+                                         min_tiles_per_split=2, fused_merge_max_tiles=64)}
+    named = {n: getattr(P, n) for n in ("LONG_STREAM", "WIDE_STREAM", "LONG_BUFFERED",
+                                        "WIDE_BUFFERED", "LONG_PAGE_AHEAD", "WIDE_PAGE_AHEAD",
+                                        "WIDE_CHUNKED_MERGE", "WIDE_FUSED")}
+    named["LONG_FUSED_CHUNKED"] = replace(P.LONG_STREAM, min_tiles_per_split=2,
+                                          fused_merge_max_tiles=64, merge_chunks=4,
+                                          dependent_merge=False)
+    return named
+
+
+def variants(mix: str, lens: list[int], short: bool) -> list[tuple[str, P.LaunchPlan, object]]:
+    b, ctx = len(lens), max(lens)
+    out = [("planned", P.plan_mla_decode(b, HEADS, ctx), mla_decode)]
+    for name, stream in streams(short).items():
+        if short and (b == 64) != name.startswith("WIDE"):
+            continue
+        out.append((name, P.plan_mla_decode(b, HEADS, ctx, stream=stream), mla_decode))
+    if not short and b > 1:
+        out.append(("balanced", P.plan_balanced_mla_decode(b, HEADS), mla_decode_balanced))
+        for name, stream in streams(False).items():
+            if stream.fused_merge_max_tiles == 0 or name == "WIDE_STREAM":
+                out.append((f"balanced+{name}", P.plan_balanced_mla_decode(
+                    b, HEADS, stream=stream), mla_decode_balanced))
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--streams", nargs="+", default=STREAMS)
+    ap.add_argument("--out", default=None, help="folder for h200-stream-ab[-short].json")
+    ap.add_argument("--short", action="store_true", help="short-context variants instead")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("stream_ab.py times CUDA-graph replays and needs a CUDA GPU")
     gbps = copy_gbps()
-    problem = Problem(max(b * c for b, c in SHAPES) * 2, HEADS)
-    scale = default_sm_scale()
-    rows = []
-    for batch, context in SHAPES:
-        tables, q, out, seq_lens = problem.inputs(context, batch)
+    shapes = [("uniform", [c] * b) for b, c in (SHORT if args.short else UNIFORM)]
+    if not args.short:
+        shapes += [m for m in mixes() if m[0] != "uniform"]
+    pages = max(sum(-(-n // PAGE) for n in lens) for _, lens in shapes)
+    cache = torch.empty(pages * 3 // 2 + 64, PAGE, DIM, dtype=torch.bfloat16,
+                        device="cuda").normal_()
+    scale, rows = default_sm_scale(), []
+    for mix, lens in shapes:
+        tables, q, out, seq_lens = inputs(lens, cache)
+        todo = variants(mix, lens, args.short)
+        ws = SplitWorkspace.allocate(len(lens), HEADS, max(p.num_kv_splits for _, p, _ in todo),
+                                     RANK, "cuda",
+                                     max_items=max(p.max_work_items for _, p, _ in todo))
         ref = None
-        for name in args.streams:
-            stream = None if name == "planned" else getattr(P, name)
-            plan = P.plan_mla_decode(batch, HEADS, context, stream=stream)
-            ws = SplitWorkspace.allocate(batch, HEADS, plan.num_kv_splits, 512, "cuda")
-            us = time_replays(rotated_calls(problem, tables, q, out, seq_lens, ws, plan,
-                                            scale), calls_per_graph=tables.shape[0])
+        for name, plan, launch in todo:
+            us = time_calls(launch, plan, cache, tables, q, out, seq_lens, ws, scale)
             got = out[0].float().clone()
             ref = got if ref is None else ref
             diff = ((got - ref).norm() / ref.norm()).item()
-            floor_us = batch * context * DIM * 2 / (gbps * 1e3)
-            rows.append({"batch": batch, "context": context, "stream": name,
-                         "plan": plan.describe(), "us": round(us, 2),
-                         "frac_of_copy": round(floor_us / us, 3), "rel_diff": diff})
-            print(f"b={batch} ctx={context} {name:20s} {us:8.1f} us "
-                  f"{100 * floor_us / us:5.1f} %  diff {diff:.1e}  {plan.describe()}",
-                  flush=True)
-        del tables, q, out
+            rows.append({"mix": mix, "batch": len(lens), "context": max(lens),
+                         "variant": name, "topology": plan.describe(),
+                         "rel_diff": round(diff, 6), **against_floor(gbps, lens, us)})
+            print(f"{mix:16s} b={len(lens):3d} ctx={max(lens):6d} {name:28s} {us:8.1f} us "
+                  f"{100 * rows[-1]['frac_of_copy']:4.0f} %  diff {diff:.1e}  "
+                  f"{plan.describe()}", flush=True)
+        del tables, q, out, ws
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "stream-ab.json"), "w") as f:
-            json.dump({"meta": run_meta(), "copy_gbps": gbps, "rows": rows}, f, indent=1)
+        name = "h200-stream-ab-short.json" if args.short else "h200-stream-ab.json"
+        with open(os.path.join(args.out, name), "w") as f:
+            json.dump({"meta": {**run_meta(), "copy_gbps": round(gbps, 1)}, "rows": rows},
+                      f, indent=1)
 
 
 if __name__ == "__main__":
