@@ -53,3 +53,14 @@ def copy_gbps(nbytes: int = 2 << 30) -> float:
     stop.synchronize()
     eager_us = start.elapsed_time(stop) * 1e3 / 20
     return 2 * nbytes / (min(us, eager_us) * 1e3)
+
+
+def matmul_tflops(n: int = 8192) -> float:
+    """bf16 dense matmul rate in TFLOP/s (torch.matmul of n x n by n x n, the best of
+    graph replays): the compute ceiling a decode kernel's FLOPs are held against."""
+    warm_gpu()
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    c = torch.empty(n, n, dtype=torch.bfloat16, device="cuda")
+    us = time_replays(lambda: torch.matmul(a, b, out=c), calls_per_graph=1, min_ms=50.0)
+    return 2 * n ** 3 / (us * 1e6)

@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import flashinfer_ref  # noqa: E402
-from bench.gpu_timing import copy_gbps, run_meta, time_replays  # noqa: E402
+from bench.gpu_timing import copy_gbps, matmul_tflops, run_meta, time_replays  # noqa: E402
 from bench.ragged import bytes_read, inputs, mixes  # noqa: E402
 from graphbucket.kernels import (  # noqa: E402
     SplitWorkspace,
@@ -55,9 +55,25 @@ def kv_bytes(context: int, batch: int) -> int:
     return batch * context * DIM * 2 + q_and_out
 
 
-def shapes(contexts: list[int], batches: list[int]) -> list[tuple[str, list[int]]]:
-    uniform = [("uniform", [c] * b) for c in contexts for b in batches]
-    return uniform + [(name, lens) for name, lens in mixes() if name != "uniform"]
+# 128 heads (data-parallel attention: every head on one GPU): compute-bound shapes.
+WIDE_HEADS_SHAPES = [(1, 4096), (1, 16384), (1, 65536), (1, 131072), (8, 65536), (8, 131072),
+                     (64, 4096), (64, 131072)]
+# FLOPs per token and head: q.k over 576 columns and p.v over 512, a multiply-add each.
+FLOPS_PER_TOKEN_HEAD = 2 * (DIM + RANK)
+
+
+def shapes(contexts: list[int], batches: list[int],
+           heads: list[int]) -> list[tuple[int, str, list[int]]]:
+    """(heads, mix, lengths): 16 heads over contexts x batches and the ragged mixes; other
+    head counts over WIDE_HEADS_SHAPES."""
+    out = []
+    for h in heads:
+        if h == HEADS:
+            out += [(h, "uniform", [c] * b) for c in contexts for b in batches]
+            out += [(h, name, lens) for name, lens in mixes() if name != "uniform"]
+        else:
+            out += [(h, "uniform", [c] * b) for b, c in WIDE_HEADS_SHAPES]
+    return out
 
 
 def time_calls(launch, plan, cache, tables, q, out, seq_lens, ws, scale) -> float:
@@ -74,37 +90,45 @@ def ladder_picks_balanced(lens: list[int]) -> bool:
     return GraphSelector(ladder, [len(lens)]).choose(lens).balanced
 
 
-def against_floor(gbps: float, lens: list[int], us: float) -> dict:
-    floor_us = bytes_read(lens) / (gbps * 1e3)
-    return {"us": round(us, 3), "floor_us": round(floor_us, 3),
-            "frac_of_copy": round(floor_us / us, 4)}
+def against_floor(gbps: float, lens: list[int], us: float, heads: int = HEADS,
+                  tflops: float | None = None) -> dict:
+    """Time against the copy floor (bytes read) and, with ``tflops``, the compute floor."""
+    floor_us = bytes_read(lens, heads) / (gbps * 1e3)
+    row = {"us": round(us, 3), "floor_us": round(floor_us, 3),
+           "frac_of_copy": round(floor_us / us, 4)}
+    if tflops:
+        compute_us = sum(lens) * heads * FLOPS_PER_TOKEN_HEAD / (tflops * 1e6)
+        row.update(compute_floor_us=round(compute_us, 3),
+                   frac_of_compute=round(compute_us / us, 4))
+    return row
 
 
 def compare(args) -> list[dict]:
     """Planned graphbucket kernels and FlashInfer per shape (``rows``)."""
-    all_shapes = shapes(args.contexts, args.batches)
-    pages = max(sum(-(-n // PAGE) for n in lens) for _, lens in all_shapes)
+    all_shapes = shapes(args.contexts, args.batches, args.heads)
+    pages = max(sum(-(-n // PAGE) for n in lens) for _, _, lens in all_shapes)
     # 1.5x the largest shape: rotations of scattered pages for the small ones.
     cache = torch.empty(pages * 3 // 2 + 64, PAGE, DIM, dtype=torch.bfloat16,
                         device="cuda").normal_()
     why_not = flashinfer_ref.available() if args.flashinfer else "--no-flashinfer"
     print(f"flashinfer: {why_not or 'available'}", flush=True)
     rows, scale = [], default_sm_scale()
-    for i, (mix, lens) in enumerate(all_shapes):
-        tables, q, out, seq_lens = inputs(lens, cache)
+    for i, (heads, mix, lens) in enumerate(all_shapes):
+        tables, q, out, seq_lens = inputs(lens, cache, heads)
         batch, context = len(lens), max(lens)
-        variants = [(plan_mla_decode(batch, HEADS, context), mla_decode)]
+        variants = [(plan_mla_decode(batch, heads, context), mla_decode)]
         if mix != "uniform":
-            variants.append((plan_balanced_mla_decode(batch, HEADS), mla_decode_balanced))
-        ws = SplitWorkspace.allocate(batch, HEADS, variants[0][0].num_kv_splits, RANK, "cuda",
+            variants.append((plan_balanced_mla_decode(batch, heads), mla_decode_balanced))
+        ws = SplitWorkspace.allocate(batch, heads, variants[0][0].num_kv_splits, RANK, "cuda",
                                      max_items=max(p.max_work_items for p, _ in variants))
-        shape = {"heads": HEADS, "batch": batch, "context": context, "mix": mix}
-        picks_balanced = ladder_picks_balanced(lens)
+        shape = {"heads": heads, "batch": batch, "context": context, "mix": mix}
+        picks_balanced = heads == HEADS and ladder_picks_balanced(lens)
+        floors = {"gbps": args.copy_gbps, "lens": lens, "heads": heads, "tflops": args.tflops}
         for plan, launch in variants:
             us = time_calls(launch, plan, cache, tables, q, out, seq_lens, ws, scale)
             rows.append({"impl": "graphbucket", **shape, "topology": plan.describe(),
                          "selected": plan.balanced == picks_balanced,
-                         **against_floor(args.copy_gbps, lens, us)})
+                         **against_floor(us=us, **floors)})
         if why_not is None:
             ref = torch.empty_like(out)
             call = flashinfer_ref.rotated_calls(cache, tables, q, ref, seq_lens, scale)
@@ -112,11 +136,11 @@ def compare(args) -> list[dict]:
             # Same inputs, so the outputs must agree (bf16 rounding apart).
             err = ((ref[0].float() - out[0].float()).norm() / out[0].float().norm()).item()
             rows.append({"impl": "flashinfer", **shape, "topology": "fa3",
-                         **against_floor(args.copy_gbps, lens, us),
+                         **against_floor(us=us, **floors),
                          "rel_diff_to_graphbucket": round(err, 5)})
-        done = [r for r in rows if r["mix"] == mix and r["batch"] == batch
-                and r["context"] == context]
-        print(f"[{i + 1}/{len(all_shapes)}] {mix} b={batch} ctx={context} " + "  ".join(
+        done = [r for r in rows if (r["heads"], r["mix"], r["batch"], r["context"])
+                == (heads, mix, batch, context)]
+        print(f"[{i + 1}/{len(all_shapes)}] h={heads} {mix} b={batch} ctx={context} " + "  ".join(
             f"{r['impl']} {r['us']:.1f} us ({100 * r['frac_of_copy']:.0f} %)" for r in done),
             flush=True)
         del tables, q, out, ws
@@ -196,9 +220,11 @@ def comparison_table(rows: list[dict]) -> list[str]:
     """One line per shape: graphbucket's planned (and balanced) kernels against FlashInfer."""
     lines = ["| mix | batch | context | graphbucket us | of copy | topology | FlashInfer us | "
              "of copy | FlashInfer / graphbucket |", "|---|---|---|---|---|---|---|---|---|"]
-    keys = sorted({(r["mix"] != "uniform", r["mix"], r["batch"], r["context"]) for r in rows})
+    keys = sorted({(r["mix"] != "uniform", r["mix"], r["batch"], r["context"]) for r in rows
+                   if r["heads"] == HEADS})
     for _, mix, batch, context in keys:
-        same = [r for r in rows if (r["mix"], r["batch"], r["context"]) == (mix, batch, context)]
+        same = [r for r in rows if (r["heads"], r["mix"], r["batch"], r["context"])
+                == (HEADS, mix, batch, context)]
         fi = next((r for r in same if r["impl"] == "flashinfer"), None)
         for r in (r for r in same if r["impl"] == "graphbucket"):
             fi_cells = (f"{fi['us']:.1f} | {100 * fi['frac_of_copy']:.0f} % | "
@@ -210,15 +236,41 @@ def comparison_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def wide_heads_table(rows: list[dict]) -> list[str]:
+    """Head counts other than 16 (the compute-bound decode): time against both floors."""
+    wide = [r for r in rows if r["heads"] != HEADS]
+    if not wide:
+        return []
+    lines = ["", "Compute-bound decode (every head on one GPU): of compute = FLOPs "
+             f"({FLOPS_PER_TOKEN_HEAD} per token and head) over the bf16 matmul rate measured "
+             "in the same run, divided by the time.", "",
+             "| heads | batch | context | graphbucket us | of copy | of compute | topology | "
+             "FlashInfer us | of compute | FlashInfer / graphbucket |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for h, b, c in sorted({(r["heads"], r["batch"], r["context"]) for r in wide}):
+        same = [r for r in wide if (r["heads"], r["batch"], r["context"]) == (h, b, c)]
+        fi = next((r for r in same if r["impl"] == "flashinfer"), None)
+        for r in (r for r in same if r["impl"] == "graphbucket"):
+            fi_cells = (f"{fi['us']:.1f} | {100 * fi.get('frac_of_compute', 0):.0f} % | "
+                        f"{fi['us'] / r['us']:.2f}x") if fi else "- | - | -"
+            lines.append(f"| {h} | {b} | {c} | {r['us']:.1f} | {100 * r['frac_of_copy']:.0f} % "
+                         f"| {100 * r.get('frac_of_compute', 0):.0f} % | "
+                         f"{short(r['topology'])} | {fi_cells} |")
+    return lines
+
+
 def markdown(meta: dict, rows: list[dict], split_rows: list[dict], merges: list[dict]) -> str:
     lines = [f"# MLA decode kernel sweep ({meta['gpu']})", "",
              f"{meta['date']}, torch {meta['torch']}, triton {meta['triton']}, "
-             f"copy {meta['copy_gbps']:.0f} GB/s (read+write). Command: `{meta['command']}`",
+             f"copy {meta['copy_gbps']:.0f} GB/s (read+write)"
+             + (f", bf16 matmul {meta['matmul_tflops']:.0f} TFLOP/s" if meta.get("matmul_tflops")
+                else "") + f". Command: `{meta['command']}`",
              "", "16 heads, bf16, page 64, cold L2, CUDA-graph replay. Of copy = the bytes "
              "actually read over the copy bandwidth, divided by the time. FlashInfer / "
              "graphbucket > 1: graphbucket is faster. (ladder): the topology the shipped "
              "ladder replays for that ragged batch.", ""]
     lines += comparison_table(rows) if rows else ["(no comparison rows in this run)"]
+    lines += wide_heads_table(rows)
     if split_rows:
         run = meta.get("split_table_run")
         lines += ["", "Best split count per shape (the planned kernel, splits swept):", ""]
@@ -246,6 +298,9 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=BATCHES)
     ap.add_argument("--splits", type=int, nargs="*", default=SPLITS,
                     help="split counts of the split table (none: skip it)")
+    ap.add_argument("--heads", type=int, nargs="+", default=[HEADS, 128],
+                    help="head counts: 16 over contexts x batches and ragged mixes, others "
+                         "over the compute-bound shapes (default: %(default)s)")
     ap.add_argument("--no-flashinfer", dest="flashinfer", action="store_false",
                     help="leave FlashInfer out even when it is installed")
     ap.add_argument("--render", metavar="JSON", help="only rewrite the markdown of a saved run")
@@ -261,7 +316,9 @@ def main() -> None:
         sys.exit("kernel_sweep.py times CUDA-graph replays and needs a CUDA GPU")
     torch.manual_seed(0)
     args.copy_gbps = copy_gbps()
-    meta = {**run_meta(), "copy_gbps": round(args.copy_gbps, 1)}
+    args.tflops = matmul_tflops()
+    meta = {**run_meta(), "copy_gbps": round(args.copy_gbps, 1),
+            "matmul_tflops": round(args.tflops, 1)}
     print(f"copy bandwidth {args.copy_gbps:.0f} GB/s on {meta['gpu']}", flush=True)
     rows = compare(args)
     split_rows = sweep(args) if args.splits else []

@@ -52,16 +52,16 @@ def mixes() -> list[tuple[str, list[int]]]:
             *(("uniform", [n] * b) for b, n in uniform)]
 
 
-def bytes_read(lens: list[int]) -> int:
-    return sum(lens) * DIM * 2 + len(lens) * HEADS * (DIM + RANK) * 2
+def bytes_read(lens: list[int], heads: int = HEADS) -> int:
+    return sum(lens) * DIM * 2 + len(lens) * heads * (DIM + RANK) * 2
 
 
-def inputs(lens: list[int], cache: torch.Tensor):
+def inputs(lens: list[int], cache: torch.Tensor, heads: int = HEADS):
     """R rotations of scattered block tables over ``cache`` (each its own pages), q, out,
     seq_lens: enough distinct KV per graph replay to evict the L2."""
     pages = [-(-n // PAGE) for n in lens]
     per_call = sum(pages)
-    rotations = max(1, min(MAX_ROTATIONS, L2_FLUSH_BYTES // bytes_read(lens),
+    rotations = max(1, min(MAX_ROTATIONS, L2_FLUSH_BYTES // bytes_read(lens, heads),
                            cache.shape[0] // per_call))
     perm = torch.randperm(cache.shape[0], device="cuda")[: rotations * per_call].int()
     tables = torch.zeros(rotations, len(lens), max(pages), dtype=torch.int32, device="cuda")
@@ -69,8 +69,8 @@ def inputs(lens: list[int], cache: torch.Tensor):
         chunk = perm[r * per_call:(r + 1) * per_call].split(pages)
         for b, row in enumerate(chunk):
             tables[r, b, :row.numel()] = row
-    q = torch.randn(rotations, len(lens), HEADS, DIM, dtype=torch.bfloat16, device="cuda")
-    out = torch.empty(rotations, len(lens), HEADS, RANK, dtype=torch.bfloat16, device="cuda")
+    q = torch.randn(rotations, len(lens), heads, DIM, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty(rotations, len(lens), heads, RANK, dtype=torch.bfloat16, device="cuda")
     seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     return tables, q, out, seq_lens
 

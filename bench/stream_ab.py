@@ -5,7 +5,9 @@ Per shape (uniform batches and the ragged mixes of ``bench/ragged.py``) and per 
 ``plan_balanced_mla_decode(..., stream=S)``): microseconds per call (CUDA-graph replays,
 cold L2), fraction of copy bandwidth over the bytes read, and the output's relative
 difference to the planned plan's. ``--short`` times the short-context variants instead
-(a fused merge for LONG plans, 64-token WIDE_FUSED tiles).
+(a fused merge for LONG plans, 64-token WIDE_FUSED tiles); ``--heads 128`` the query-row
+variants at 128 heads (64-row programs: tile, stages, page lookup ahead; and the 32-row
+programs planned before), against the compute floor too.
 
     python3 bench/stream_ab.py --out DIR        # DIR/h200-stream-ab.json
 """
@@ -22,8 +24,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.gpu_timing import copy_gbps, run_meta  # noqa: E402
-from bench.kernel_sweep import against_floor, time_calls  # noqa: E402
+from bench.gpu_timing import copy_gbps, matmul_tflops, run_meta  # noqa: E402
+from bench.kernel_sweep import WIDE_HEADS_SHAPES, against_floor, time_calls  # noqa: E402
 from bench.ragged import inputs, mixes  # noqa: E402
 from graphbucket import plan as P  # noqa: E402
 from graphbucket.kernels import (  # noqa: E402
@@ -57,6 +59,25 @@ def streams(short: bool) -> dict[str, P.StreamConfig]:
     return named
 
 
+ROWS = {"rows64_n32_s3": replace(P.ROWS_STREAM, page_ahead=False),
+        "rows64_n32_s5": replace(P.ROWS_STREAM, page_ahead=False, num_stages=5),
+        "rows64_n64_s2": replace(P.ROWS_STREAM, page_ahead=False, block_n=64, num_stages=2,
+                                 min_tiles_per_split=1),
+        "rows64_n16_ahead": replace(P.ROWS_STREAM, block_n=16, min_tiles_per_split=4)}
+
+
+def row_variants(lens: list[int], heads: int) -> list[tuple[str, P.LaunchPlan, object]]:
+    b, ctx = len(lens), max(lens)
+    out = [("planned", P.plan_mla_decode(b, heads, ctx), mla_decode)]
+    out += [(n, P.plan_mla_decode(b, heads, ctx, stream=st), mla_decode) for n, st in ROWS.items()]
+    out.append(("planned, twice the splits", out[0][1].with_splits(2 * out[0][1].num_kv_splits),
+                mla_decode))
+    old = P.LONG_STREAM if b * heads // 32 < P.H200_NUM_SMS // 4 else P.WIDE_STREAM
+    out.append(("rows32 (planned before)", P.plan_mla_decode(
+        b, heads, ctx, stream=replace(old, block_h=32)), mla_decode))
+    return out
+
+
 def variants(mix: str, lens: list[int], short: bool) -> list[tuple[str, P.LaunchPlan, object]]:
     b, ctx = len(lens), max(lens)
     out = [("planned", P.plan_mla_decode(b, HEADS, ctx), mla_decode)]
@@ -77,21 +98,28 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="folder for h200-stream-ab[-short].json")
     ap.add_argument("--short", action="store_true", help="short-context variants instead")
+    ap.add_argument("--heads", type=int, default=HEADS,
+                    help="other than 16: the query-row variants at this head count")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("stream_ab.py times CUDA-graph replays and needs a CUDA GPU")
     gbps = copy_gbps()
+    tflops = matmul_tflops() if args.heads != HEADS else None
     shapes = [("uniform", [c] * b) for b, c in (SHORT if args.short else UNIFORM)]
-    if not args.short:
+    if args.heads != HEADS:
+        shapes = [("uniform", [c] * b) for b, c in WIDE_HEADS_SHAPES]
+    elif not args.short:
         shapes += [m for m in mixes() if m[0] != "uniform"]
     pages = max(sum(-(-n // PAGE) for n in lens) for _, lens in shapes)
     cache = torch.empty(pages * 3 // 2 + 64, PAGE, DIM, dtype=torch.bfloat16,
                         device="cuda").normal_()
     scale, rows = default_sm_scale(), []
     for mix, lens in shapes:
-        tables, q, out, seq_lens = inputs(lens, cache)
-        todo = variants(mix, lens, args.short)
-        ws = SplitWorkspace.allocate(len(lens), HEADS, max(p.num_kv_splits for _, p, _ in todo),
+        tables, q, out, seq_lens = inputs(lens, cache, args.heads)
+        todo = row_variants(lens, args.heads) if args.heads != HEADS else \
+            variants(mix, lens, args.short)
+        ws = SplitWorkspace.allocate(len(lens), args.heads,
+                                     max(p.num_kv_splits for _, p, _ in todo),
                                      RANK, "cuda",
                                      max_items=max(p.max_work_items for _, p, _ in todo))
         ref = None
@@ -102,16 +130,23 @@ def main() -> None:
             diff = ((got - ref).norm() / ref.norm()).item()
             rows.append({"mix": mix, "batch": len(lens), "context": max(lens),
                          "variant": name, "topology": plan.describe(),
-                         "rel_diff": round(diff, 6), **against_floor(gbps, lens, us)})
+                         "rel_diff": round(diff, 6),
+                         **against_floor(gbps, lens, us, args.heads, tflops)})
+            compute = rows[-1].get("frac_of_compute")
             print(f"{mix:16s} b={len(lens):3d} ctx={max(lens):6d} {name:28s} {us:8.1f} us "
-                  f"{100 * rows[-1]['frac_of_copy']:4.0f} %  diff {diff:.1e}  "
+                  f"{100 * rows[-1]['frac_of_copy']:4.0f} %"
+                  + (f" ({100 * compute:.0f} % of compute)" if compute else "")
+                  + f"  diff {diff:.1e}  "
                   f"{plan.describe()}", flush=True)
         del tables, q, out, ws
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         name = "h200-stream-ab-short.json" if args.short else "h200-stream-ab.json"
+        if args.heads != HEADS:
+            name = f"h200-stream-ab-h{args.heads}.json"
         with open(os.path.join(args.out, name), "w") as f:
-            json.dump({"meta": {**run_meta(), "copy_gbps": round(gbps, 1)}, "rows": rows},
+            json.dump({"meta": {**run_meta(), "copy_gbps": round(gbps, 1),
+                                "matmul_tflops": tflops and round(tflops, 1)}, "rows": rows},
                       f, indent=1)
 
 

@@ -105,6 +105,8 @@ class StreamConfig:
     # a second [block_h, kv_lora_rank] float32 tile: 184 registers for WIDE on sm_90
     # against 128 without the merge; 4 blocks: 127, so 4 programs per SM fit again).
     merge_chunks: int = 1
+    # Query rows per program (heads; later heads x query tokens); 0: ``head_block_size``.
+    block_h: int = 0
 
 
 LONG_STREAM = StreamConfig(block_n=64, num_stages=3, ctas_per_sm=2, min_tiles_per_split=1,
@@ -140,6 +142,13 @@ WIDE_CHUNKED_MERGE = replace(WIDE_STREAM, merge_chunks=4)
 # WIDE plans stream WIDE_FUSED (64 x 4K 91.6 us against 102.5, 64 x 1K 36.2 against
 # 38.4). The split count is the one LONG / WIDE plan; only the stage-1 stream changes.
 SHORT_SPLIT_TOKENS = 2048
+# 64 query rows per program (64 and more heads): both dots run on Hopper's warpgroup MMA
+# (it needs 64-row tiles; 16 and 32 rows compile to mma.sync) and each KV tile feeds 64
+# heads, so 128 heads read the cache twice instead of four times. The 64 x 512 float32
+# accumulator takes 8 warps (~250 registers, no spills on sm_90) and shared memory for one
+# program per SM: 32-token tiles with the pages looked up ahead (3 tile buffers, 184 KB).
+ROWS_STREAM = StreamConfig(block_n=32, num_stages=3, ctas_per_sm=1, min_tiles_per_split=2,
+                           dependent_merge=True, page_ahead=True, block_h=64)
 WIDE_FUSED = replace(LONG_BUFFERED, min_tiles_per_split=4, fused_merge_max_tiles=128,
                      merge_chunks=4, dependent_merge=False)
 
@@ -272,8 +281,11 @@ class LaunchPlan:
         return layout
 
 
-def stream_config(rows: int, num_sms: int) -> StreamConfig:
-    """Long 64-token streams while the grid is thin; shorter tiles, more residents when wide."""
+def stream_config(rows: int, num_sms: int, block_h: int = 16) -> StreamConfig:
+    """64-row programs stream ROWS_STREAM; otherwise long 64-token streams while the grid
+    is thin, shorter tiles and more residents when it is wide."""
+    if block_h >= ROWS_STREAM.block_h:
+        return ROWS_STREAM
     return LONG_STREAM if rows < num_sms // 4 else WIDE_STREAM
 
 
@@ -288,9 +300,12 @@ def merge_block_s(num_splits: int) -> int:
 
 
 def head_block_size(num_heads: int) -> int:
-    # Tensor-core dots need at least 16 rows; 32 heads per program share each KV tile
-    # across twice the heads without spilling the 32 x 512 float32 accumulator.
-    return 16 if num_heads <= 16 else 32
+    """Query rows per program: tensor-core dots need at least 16 rows; 32 heads per program
+    share each KV tile across twice the heads without spilling the 32 x 512 float32
+    accumulator; from 64 heads, 64 rows (warpgroup MMA, ROWS_STREAM)."""
+    if num_heads <= 16:
+        return 16
+    return 32 if num_heads < ROWS_STREAM.block_h else ROWS_STREAM.block_h
 
 
 def _check_positive(**values: int) -> None:
@@ -319,10 +334,11 @@ def plan_mla_decode(
     """
     _check_positive(batch_size=batch_size, num_heads=num_heads, hint=hint, num_sms=num_sms,
                     max_splits=max_splits)
-    block_h = head_block_size(num_heads)
+    block_h = stream.block_h if stream is not None and stream.block_h else \
+        head_block_size(num_heads)
     rows = batch_size * cdiv(num_heads, block_h)
     auto = stream is None
-    stream = stream or stream_config(rows, num_sms)
+    stream = stream or stream_config(rows, num_sms, block_h)
     budget = split_budget(rows, stream, num_sms=num_sms, max_splits=max_splits)
     wanted = pow2_ceil(cdiv(cdiv(hint, stream.block_n), stream.min_tiles_per_split))
     num_splits = max(1, min(wanted, budget))
@@ -379,9 +395,10 @@ def plan_balanced_mla_decode(
     (a sweep of programs and minimum chunks: bench/results/h200-ragged-balanced-sweep.md).
     """
     _check_positive(batch_size=batch_size, num_heads=num_heads, num_sms=num_sms)
-    block_h = head_block_size(num_heads)
+    block_h = stream.block_h if stream is not None and stream.block_h else \
+        head_block_size(num_heads)
     head_blocks = cdiv(num_heads, block_h)
-    stream = stream or stream_config(batch_size * head_blocks, num_sms)
+    stream = stream or stream_config(batch_size * head_blocks, num_sms, block_h)
     if programs is None:
         programs = max(1, stream.ctas_per_sm * num_sms // head_blocks)
     if min_chunk_tiles is None:

@@ -127,8 +127,8 @@ def test_balanced_plan_shape():
     assert plan.max_work_items == 4 * 132 + 64
     assert plan.workspace_shape == (0, 0, 0, 0)  # no split partials
     assert plan.merge_grid == (64, 16, 512 // plan.merge_block_dv)
-    one = plan_balanced_mla_decode(1, 128, num_sms=132)  # 4 head blocks share the wave
-    assert one.grid == (2 * 132 // 4, 4, 1) and one.min_chunk_tiles == 1
+    one = plan_balanced_mla_decode(1, 128, num_sms=132)  # 2 blocks of 64 rows, 1 per SM
+    assert one.block_h == 64 and one.grid == (132 // 2, 2, 1) and one.min_chunk_tiles == 2
     assert "balanced" in one.describe()
     # No hint: one plan serves every context, so ladders alias one graph per batch size.
     backend = TritonBackend(num_sms=132, balanced=True, **DIMS)

@@ -75,7 +75,27 @@ def test_merge_tile_fits_the_split_count():
 
 def test_partial_head_blocks_are_counted():
     assert plan_mla_decode(1, 12, 10).num_head_blocks == 1
-    assert plan_mla_decode(1, 128, 10).num_head_blocks == 4
+    assert plan_mla_decode(1, 128, 10).num_head_blocks == 2  # 64 query rows per program
+    assert plan_mla_decode(1, 96, 10).num_head_blocks == 2  # the second block half full
+    assert plan_mla_decode(1, 32, 10).num_head_blocks == 1
+
+
+def test_wide_query_rows_from_64_heads():
+    from graphbucket.plan import LONG_STREAM, ROWS_STREAM
+
+    for heads, rows in ((12, 16), (16, 16), (32, 32), (48, 32), (64, 64), (128, 64)):
+        plan = plan_mla_decode(8, heads, 4096)
+        assert plan.block_h == rows, heads
+        assert plan.num_warps == (4 if rows == 16 else 8)
+    wide = plan_mla_decode(1, 128, 131072)
+    assert (wide.block_n, wide.page_ahead) == (ROWS_STREAM.block_n, True)
+    # One program per SM: the budget is the SM count over the rows (2 head blocks).
+    assert wide.num_kv_splits == 64 and not wide.merges_in_stage1
+    assert plan_mla_decode(64, 128, 4096).num_kv_splits == 1
+    # A stream may set the rows: 32 at 128 heads (four head blocks), as before.
+    narrow = plan_mla_decode(1, 128, 131072, stream=dataclasses.replace(LONG_STREAM,
+                                                                     block_h=32))
+    assert narrow.block_h == 32 and narrow.num_head_blocks == 4
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "8"])
