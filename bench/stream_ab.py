@@ -59,11 +59,13 @@ def streams(short: bool) -> dict[str, P.StreamConfig]:
     return named
 
 
-ROWS = {"rows64_n32_s3": replace(P.ROWS_STREAM, page_ahead=False),
-        "rows64_n32_s5": replace(P.ROWS_STREAM, page_ahead=False, num_stages=5),
-        "rows64_n64_s2": replace(P.ROWS_STREAM, page_ahead=False, block_n=64, num_stages=2,
-                                 min_tiles_per_split=1),
-        "rows64_n16_ahead": replace(P.ROWS_STREAM, block_n=16, min_tiles_per_split=4)}
+_N32 = {"block_n": 32, "min_tiles_per_split": 2}
+ROWS = {"rows64_n32_s3": replace(P.ROWS_STREAM, num_stages=3, **_N32),
+        "rows64_n32_s3_ahead": replace(P.ROWS_STREAM, num_stages=3, page_ahead=True, **_N32),
+        "rows64_n32_s5": replace(P.ROWS_STREAM, num_stages=5, **_N32),
+        "rows64_n64_s3": replace(P.ROWS_STREAM, num_stages=3),
+        "rows64_n16_ahead": replace(P.ROWS_STREAM, block_n=16, num_stages=3, page_ahead=True,
+                                    min_tiles_per_split=4)}
 
 
 def row_variants(lens: list[int], heads: int) -> list[tuple[str, P.LaunchPlan, object]]:

@@ -220,7 +220,8 @@ def main() -> None:
     rows = run(bench, policies=args.policies, contexts=args.contexts, batches=args.batches,
                copy_gbps=gbps)
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "h200-tpot.json")
+    suffix = "" if args.preset == "deepseek-v3-tp8" else f"-{args.preset}"
+    path = os.path.join(args.out, f"h200-tpot{suffix}.json")
     with open(path, "w") as f:
         json.dump({"meta": meta_for(bench, args, gbps), "rows": rows}, f, indent=1)
     print(f"wrote {path}")

@@ -88,7 +88,7 @@ def test_wide_query_rows_from_64_heads():
         assert plan.block_h == rows, heads
         assert plan.num_warps == (4 if rows == 16 else 8)
     wide = plan_mla_decode(1, 128, 131072)
-    assert (wide.block_n, wide.page_ahead) == (ROWS_STREAM.block_n, True)
+    assert (wide.block_n, wide.num_stages) == (ROWS_STREAM.block_n, ROWS_STREAM.num_stages)
     # One program per SM: the budget is the SM count over the rows (2 head blocks).
     assert wide.num_kv_splits == 64 and not wide.merges_in_stage1
     assert plan_mla_decode(64, 128, 4096).num_kv_splits == 1

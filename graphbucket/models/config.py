@@ -83,6 +83,15 @@ def deepseek_v3_tp8(num_layers: int = 4) -> MLAConfig:
                      intermediate_size=2304, num_layers=num_layers)
 
 
+def deepseek_v3_dp(num_layers: int = 4) -> MLAConfig:
+    """DeepSeek-V3 with data-parallel attention: all 128 heads on one GPU (no head split),
+    where the MLA decode is bound by the tensor cores; the MLP keeps the TP8 preset's
+    per-GPU share (2304), so the step time stays attention-heavy."""
+    return MLAConfig(name="deepseek-v3-dp", num_heads=128, hidden_size=7168,
+                     q_lora_rank=1536, qk_nope_dim=128, qk_rope_dim=64, kv_lora_rank=512,
+                     v_head_dim=128, intermediate_size=2304, num_layers=num_layers)
+
+
 def kimi_tp8(num_layers: int = 4) -> MLAConfig:
     """Kimi-like per rank at TP8: DeepSeek-V3's MLA dims with 12 heads per rank (not an
     official Kimi configuration; it exercises a head count that is not a multiple of 16)."""
@@ -98,4 +107,5 @@ def tiny(num_layers: int = 2) -> MLAConfig:
                      num_layers=num_layers, max_position=4096)
 
 
-PRESETS = {"deepseek-v3-tp8": deepseek_v3_tp8, "kimi-like-tp8": kimi_tp8, "tiny": tiny}
+PRESETS = {"deepseek-v3-tp8": deepseek_v3_tp8, "deepseek-v3-dp": deepseek_v3_dp,
+           "kimi-like-tp8": kimi_tp8, "tiny": tiny}
