@@ -270,7 +270,12 @@ def markdown(meta: dict, rows: list[dict], split_rows: list[dict], merges: list[
              "graphbucket > 1: graphbucket is faster. (ladder): the topology the shipped "
              "ladder replays for that ragged batch.", ""]
     lines += comparison_table(rows) if rows else ["(no comparison rows in this run)"]
-    lines += wide_heads_table(rows)
+    wide = wide_heads_table(rows)
+    run = meta.get("heads_128_run")
+    if wide and run:
+        wide[2:2] = ["", f"(From the run of {run['date']}, copy {run['copy_gbps']:.0f} GB/s, bf16 "
+                     f"matmul {run['matmul_tflops']:.0f} TFLOP/s: {run['note']}.)"]
+    lines += wide
     if split_rows:
         run = meta.get("split_table_run")
         lines += ["", "Best split count per shape (the planned kernel, splits swept):", ""]
