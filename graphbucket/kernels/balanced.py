@@ -74,6 +74,7 @@ def _find_request(ITEM_INDPTR, item, batch, BLOCK_B: tl.constexpr):
 @triton.jit
 def _balanced_stage1_kernel(
     Q, KV, BLOCK_TABLE, SEQ_LENS, ITEM_INDPTR, CHUNK_TILES, OUT, LSE, PART_O, PART_LSE,
+    KV_SCALE,
     batch, num_programs, num_heads, qk_scale_log2,
     stride_q_b, stride_q_h,
     stride_kv_page, stride_kv_tok,
@@ -93,6 +94,7 @@ def _balanced_stage1_kernel(
     DOT_PRECISION: tl.constexpr = "tf32",
     TOKEN_MAJOR: tl.constexpr = False,
     PAGE_AHEAD: tl.constexpr = False,
+    SCALED: tl.constexpr = False,
 ):
     program = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -102,6 +104,9 @@ def _balanced_stage1_kernel(
 
     num_items = tl.load(ITEM_INDPTR + batch)
     chunk = tl.load(CHUNK_TILES) * BLOCK_N
+    kv_scale = 1.0
+    if SCALED:
+        kv_scale = tl.load(KV_SCALE)
     for item in range(program, num_items, num_programs):
         bid = _find_request(ITEM_INDPTR, item, batch, BLOCK_B)
         first = tl.load(ITEM_INDPTR + bid)
@@ -113,11 +118,12 @@ def _balanced_stage1_kernel(
         q_nope, q_rope = _load_q(Q, bid, offs_h, mask_h, stride_q_b, stride_q_h,
                                  KV_LORA_RANK, ROPE_DIM)
         acc, l_i, m_i = _attend_tokens(
-            q_nope, q_rope, KV, BLOCK_TABLE + bid * stride_bt_b, start, end, qk_scale_log2,
+            q_nope, q_rope, KV, BLOCK_TABLE + bid * stride_bt_b, start, end,
+            qk_scale_log2 * kv_scale,
             stride_kv_page, stride_kv_tok, PAGE_SIZE, KV_LORA_RANK, ROPE_DIM, BLOCK_H,
             BLOCK_N, TILE_IN_PAGE, DOT_PRECISION, TOKEN_MAJOR, PAGE_AHEAD)
         lse_log2 = m_i + tl.log2(l_i)
-        out = acc / l_i[:, None]
+        out = acc * (kv_scale / l_i)[:, None]  # kv_scale: see the split-KV stage 1
         if request_items == 1:
             _store_final(OUT + bid * stride_o_b + offs_h[:, None] * stride_o_h + offs_c[None, :],
                          LSE + bid * stride_lse_b + offs_h, out, lse_log2, mask_h, WRITE_LSE)

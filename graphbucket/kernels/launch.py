@@ -19,6 +19,9 @@ from graphbucket.plan import LaunchPlan
 LOG2E = 1.4426950408889634
 
 KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Per-tensor fp8 caches: every 576-wide row in e4m3 with one float32 scale for the whole
+# cache (value = stored * kv_scale); q and out stay bf16 / fp16.
+FP8_KV_DTYPES = (torch.float8_e4m3fn,)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +87,8 @@ def _fail(name: str, got, expected: str, fix: str) -> None:
 
 def check_mla_decode_args(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                           seq_lens: torch.Tensor, out: torch.Tensor, plan: LaunchPlan,
-                          workspace: SplitWorkspace | None, lse: torch.Tensor | None) -> None:
+                          workspace: SplitWorkspace | None, lse: torch.Tensor | None,
+                          kv_scale: torch.Tensor | None = None) -> None:
     """Validate shapes, dtypes and devices against the plan (host metadata only, no sync)."""
     d_qk = plan.kv_lora_rank + plan.qk_rope_dim
     bs, nh = plan.batch_size, plan.num_heads
@@ -100,9 +104,7 @@ def check_mla_decode_args(q: torch.Tensor, kv_cache: torch.Tensor, block_table: 
     if kv_cache.dim() != 3 or kv_cache.shape[2] != d_qk:
         _fail("kv_cache.shape", tuple(kv_cache.shape), f"[num_pages, page_size, {d_qk}]",
               "The cache row is the latent (kv_lora_rank) followed by the rope part.")
-    if kv_cache.dtype not in KV_DTYPES or q.dtype != kv_cache.dtype:
-        _fail("dtypes", f"q={q.dtype}, kv_cache={kv_cache.dtype}",
-              "equal dtypes, one of bfloat16/float16/float32", "Cast q to the cache dtype.")
+    check_kv_dtypes(q, kv_cache, kv_scale)
     if kv_cache.stride(2) != 1 or q.stride(2) != 1 or out.stride(2) != 1:
         raise ValueError("q, kv_cache and out need a contiguous last dimension")
     if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] < bs:
@@ -135,25 +137,53 @@ def check_mla_decode_args(q: torch.Tensor, kv_cache: torch.Tensor, block_table: 
               "Allocate a SplitWorkspace covering every plan you will launch.")
 
 
+def check_kv_dtypes(q: torch.Tensor, kv_cache: torch.Tensor,
+                    kv_scale: torch.Tensor | None) -> None:
+    """q and cache of one dtype, or an fp8 cache with a bf16/fp16 q and its scale."""
+    if kv_cache.dtype in FP8_KV_DTYPES:
+        if q.dtype not in (torch.bfloat16, torch.float16):
+            _fail("dtypes", f"q={q.dtype}, kv_cache={kv_cache.dtype}", "bf16 or fp16 q",
+                  "An fp8 cache is attended with a bfloat16 or float16 q.")
+        if kv_scale is None or not isinstance(kv_scale, torch.Tensor) \
+                or kv_scale.dtype != torch.float32 or kv_scale.numel() != 1 \
+                or kv_scale.device != kv_cache.device:
+            got = None if not isinstance(kv_scale, torch.Tensor) else \
+                f"{kv_scale.dtype} {tuple(kv_scale.shape)} on {kv_scale.device}"
+            _fail("kv_scale", got, f"float32 [1] on {kv_cache.device}",
+                  "An fp8 cache needs its per-tensor scale (value = stored * kv_scale).")
+        return
+    if kv_cache.dtype not in KV_DTYPES or q.dtype != kv_cache.dtype:
+        _fail("dtypes", f"q={q.dtype}, kv_cache={kv_cache.dtype}",
+              "equal dtypes, one of bfloat16/float16/float32, or an fp8 (e4m3) cache",
+              "Cast q to the cache dtype.")
+    if kv_scale is not None:
+        _fail("kv_scale", "a tensor", "None for a bf16/fp16/fp32 cache",
+              "Only fp8 caches take a scale.")
+
+
 def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                seq_lens: torch.Tensor, out: torch.Tensor, workspace: SplitWorkspace | None,
                *, plan: LaunchPlan, sm_scale: float, lse: torch.Tensor | None = None,
-               check: bool = True) -> torch.Tensor:
+               kv_scale: torch.Tensor | None = None, check: bool = True) -> torch.Tensor:
     """Paged MLA decode: ``out = softmax(q K^T * sm_scale) V`` per request and head.
 
     q [B, H, kv_lora_rank + qk_rope_dim], kv_cache [num_pages, page_size, same] (bf16/fp16/
     fp32, V = the first kv_lora_rank columns), block_table [>=B, max_pages] int32,
     seq_lens [>=B] int32 on the device, out [B, H, kv_lora_rank] (written in full);
-    lse [B, H] float32 (natural log) if given. Rows with seq_len 0 give zeros.
+    lse [B, H] float32 (natural log) if given. Rows with seq_len 0 give zeros. An fp8
+    (e4m3) cache takes ``kv_scale`` (float32 [1] on the device: value = stored * scale),
+    with a bf16 / fp16 q and out.
     Graph-safe: no device reads, no allocation; the plan fixes grid and split count.
     """
     if plan.balanced:
         raise ValueError(f"{plan.describe()} is a balanced plan: launch it with "
                          "graphbucket.kernels.mla_decode_balanced")
     if check:
-        check_mla_decode_args(q, kv_cache, block_table, seq_lens, out, plan, workspace, lse)
+        check_mla_decode_args(q, kv_cache, block_table, seq_lens, out, plan, workspace, lse,
+                              kv_scale)
     workspace = workspace if plan.use_stage2 else None
     launch_stage1(q, kv_cache, block_table, seq_lens, out, workspace, plan=plan,
+                  kv_scale=kv_scale,
                   sm_scale=sm_scale, lse=lse)
     if plan.merge_kernel:
         launch_merge(seq_lens, out, workspace, plan=plan, lse=lse,
@@ -208,7 +238,8 @@ def tile_tokens(plan: LaunchPlan, element_size: int) -> int:
 
 def launch_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                   seq_lens: torch.Tensor, out: torch.Tensor, workspace: SplitWorkspace | None,
-                  *, plan: LaunchPlan, sm_scale: float, lse: torch.Tensor | None):
+                  *, plan: LaunchPlan, sm_scale: float, lse: torch.Tensor | None,
+                  kv_scale: torch.Tensor | None = None):
     """Stage 1 alone (unchecked). One split: writes ``out``; else partials in ``workspace``.
 
     Returns Triton's handle of the launched kernel (registers, shared memory, spills).
@@ -218,7 +249,7 @@ def launch_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
     counters = _merge_counters(workspace, plan, seq_lens)
     return _mla_decode_stage1_kernel[plan.grid](
         q, kv_cache, block_table, seq_lens, out, out if lse is None else lse, part_o, part_lse,
-        counters, plan.num_kv_splits, plan.num_heads,
+        counters, seq_lens if kv_scale is None else kv_scale, plan.num_kv_splits, plan.num_heads,
         counters.stride(0) if counters is not seq_lens else 0, sm_scale * LOG2E,
         q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1),
@@ -234,6 +265,7 @@ def launch_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
         TOKEN_MAJOR=plan.token_major, FUSED_MERGE=plan.merges_in_stage1,
         PAGE_AHEAD=plan.page_ahead,
         MERGE_CHUNKS=plan.merge_chunks if plan.merges_in_stage1 else 1,
+        SCALED=kv_scale is not None,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
 

@@ -34,6 +34,7 @@ def scan_block(batch_size: int) -> int:
 def mla_decode_balanced(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                         seq_lens: torch.Tensor, out: torch.Tensor, workspace: SplitWorkspace,
                         *, plan: LaunchPlan, sm_scale: float, lse: torch.Tensor | None = None,
+                        kv_scale: torch.Tensor | None = None,
                         check: bool = True) -> torch.Tensor:
     """``mla_decode`` for a balanced plan (``plan_balanced_mla_decode``): same arguments,
     same result; the workspace needs item buffers for ``plan.max_work_items`` items.
@@ -41,11 +42,12 @@ def mla_decode_balanced(q: torch.Tensor, kv_cache: torch.Tensor, block_table: to
     if not plan.balanced:
         raise ValueError(f"{plan.describe()} is a split-KV plan: launch it with mla_decode")
     if check:
-        check_mla_decode_args(q, kv_cache, block_table, seq_lens, out, plan, workspace, lse)
+        check_mla_decode_args(q, kv_cache, block_table, seq_lens, out, plan, workspace, lse,
+                              kv_scale)
     block_n = tile_tokens(plan, kv_cache.element_size())
     launch_item_planner(seq_lens, workspace, plan=plan, block_n=block_n)
     launch_balanced_stage1(q, kv_cache, block_table, seq_lens, out, workspace, plan=plan,
-                           sm_scale=sm_scale, lse=lse, block_n=block_n)
+                           sm_scale=sm_scale, lse=lse, block_n=block_n, kv_scale=kv_scale)
     launch_balanced_merge(out, workspace, plan=plan, lse=lse)
     return out
 
@@ -64,12 +66,14 @@ def launch_item_planner(seq_lens: torch.Tensor, workspace: SplitWorkspace, *,
 def launch_balanced_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                            seq_lens: torch.Tensor, out: torch.Tensor,
                            workspace: SplitWorkspace, *, plan: LaunchPlan, sm_scale: float,
-                           lse: torch.Tensor | None, block_n: int):
+                           lse: torch.Tensor | None, block_n: int,
+                           kv_scale: torch.Tensor | None = None):
     """Persistent stage 1 alone (unchecked); returns Triton's handle of the kernel."""
     part_o, part_lse = workspace.item_o, workspace.item_lse
     return _balanced_stage1_kernel[plan.grid](
         q, kv_cache, block_table, seq_lens, workspace.item_indptr, workspace.chunk_tiles,
         out, out if lse is None else lse, part_o, part_lse,
+        seq_lens if kv_scale is None else kv_scale,
         plan.batch_size, plan.persistent_programs, plan.num_heads, sm_scale * LOG2E,
         q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1),
@@ -82,7 +86,7 @@ def launch_balanced_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table:
         BLOCK_H=plan.block_h, BLOCK_N=block_n, BLOCK_B=scan_block(plan.batch_size),
         TILE_IN_PAGE=kv_cache.shape[1] % block_n == 0, WRITE_LSE=lse is not None,
         DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
-        TOKEN_MAJOR=plan.token_major, PAGE_AHEAD=plan.page_ahead,
+        TOKEN_MAJOR=plan.token_major, PAGE_AHEAD=plan.page_ahead, SCALED=kv_scale is not None,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
 

@@ -114,6 +114,9 @@ def _attend_tokens(
         kv, k_rope, mask_n = _load_tile_rows(KV, pages, tok0, end, stride_kv_page,
                                              stride_kv_tok, PAGE_SIZE, KV_LORA_RANK,
                                              ROPE_DIM, BLOCK_N)
+        # An fp8 cache dequantizes on the way in (its scale is applied by the caller);
+        # for caches of q's dtype this is a no-op.
+        kv, k_rope = kv.to(q_nope.dtype), k_rope.to(q_nope.dtype)
         qk = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PRECISION)
         qk += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
         qk = tl.where(mask_n[None, :], qk * qk_scale_log2, float("-inf"))
@@ -199,6 +202,7 @@ def _attend_tokens_token_major(
         kv, k_rope, mask_n = _load_tile(KV, bt_row, tok0, end, stride_kv_page, stride_kv_tok,
                                         PAGE_SIZE, KV_LORA_RANK, ROPE_DIM, BLOCK_N,
                                         TILE_IN_PAGE)
+        kv, k_rope = kv.to(q_nope.dtype), k_rope.to(q_nope.dtype)
         s_t = tl.dot(kv, q_nope_t, input_precision=DOT_PRECISION)
         s_t += tl.dot(k_rope, q_rope_t, input_precision=DOT_PRECISION)
         s_t = tl.where(mask_n[:, None], s_t * qk_scale_log2, float("-inf"))
@@ -234,7 +238,7 @@ def _store_padding(o_ptr, lse_ptr, mask_h, BLOCK_H: tl.constexpr, KV_LORA_RANK: 
 
 @triton.jit
 def _mla_decode_stage1_kernel(
-    Q, KV, BLOCK_TABLE, SEQ_LENS, OUT, LSE, PART_O, PART_LSE, MERGE_COUNTERS,
+    Q, KV, BLOCK_TABLE, SEQ_LENS, OUT, LSE, PART_O, PART_LSE, MERGE_COUNTERS, KV_SCALE,
     num_kv_splits, num_heads, stride_mc_b, qk_scale_log2,
     stride_q_b, stride_q_h,
     stride_kv_page, stride_kv_tok,
@@ -257,6 +261,7 @@ def _mla_decode_stage1_kernel(
     FUSED_MERGE: tl.constexpr = False,
     PAGE_AHEAD: tl.constexpr = False,
     MERGE_CHUNKS: tl.constexpr = 1,
+    SCALED: tl.constexpr = False,
 ):
     bid = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -278,12 +283,17 @@ def _mla_decode_stage1_kernel(
     if start < end:
         q_nope, q_rope = _load_q(Q, bid, offs_h, mask_h, stride_q_b, stride_q_h,
                                  KV_LORA_RANK, ROPE_DIM)
+        kv_scale = 1.0
+        if SCALED:
+            kv_scale = tl.load(KV_SCALE)
         acc, l_i, m_i = _attend_tokens(
-            q_nope, q_rope, KV, BLOCK_TABLE + bid * stride_bt_b, start, end, qk_scale_log2,
+            q_nope, q_rope, KV, BLOCK_TABLE + bid * stride_bt_b, start, end,
+            qk_scale_log2 * kv_scale,
             stride_kv_page, stride_kv_tok, PAGE_SIZE, KV_LORA_RANK, ROPE_DIM, BLOCK_H,
             BLOCK_N, TILE_IN_PAGE, DOT_PRECISION, TOKEN_MAJOR, PAGE_AHEAD)
         lse_log2 = m_i + tl.log2(l_i)
-        out = acc / l_i[:, None]
+        # A scaled (fp8) cache: q.(s k) = s (q.k) above, sum p (s v) = s sum p v here.
+        out = acc * (kv_scale / l_i)[:, None]
         if ONE_SPLIT:
             _store_final(o_ptr, lse_ptr, out, lse_log2, mask_h, WRITE_LSE)
         else:

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from graphbucket.fp8 import FP8_DTYPE
+
 
 def rope_cache(rope_dim: int, max_position: int, theta: float, *,
                device: torch.device | str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -81,10 +83,11 @@ def _rotate(src, cs_row, offs_h, HALF: tl.constexpr, mask):
 
 
 @triton.jit
-def _kv_store_kernel(KV, W, ROPE, POS, SLOT, SEQ_LENS, CACHE, stride_kv, stride_rope,
+def _kv_store_kernel(KV, W, ROPE, POS, SLOT, SEQ_LENS, CACHE, KV_SCALE, stride_kv, stride_rope,
                      stride_page, stride_tok, num_slots, max_pos, eps,
                      R: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr,
-                     BLOCK_H: tl.constexpr, PAGE_SIZE: tl.constexpr):
+                     BLOCK_H: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                     SCALED: tl.constexpr = False, FP8_MAX: tl.constexpr = 448.0):
     b = tl.program_id(0)
     slot = tl.load(SLOT + b).to(tl.int64)
     valid = (slot >= 0) & (slot < num_slots) & (tl.load(SEQ_LENS + b) > 0)
@@ -100,6 +103,11 @@ def _kv_store_kernel(KV, W, ROPE, POS, SLOT, SEQ_LENS, CACHE, stride_kv, stride_
     k1, k2 = _rotate(KV + b * stride_kv + R, ROPE + pos * stride_rope, offs_h, HALF, mask_h)
     row = CACHE + (slot // PAGE_SIZE) * stride_page + (slot % PAGE_SIZE) * stride_tok
     ty = CACHE.dtype.element_ty
+    if SCALED:  # fp8 cache: value / scale, saturated (graphbucket.fp8's rule)
+        inv_scale = 1.0 / tl.load(KV_SCALE)
+        lat = tl.minimum(tl.maximum(lat * inv_scale, -FP8_MAX), FP8_MAX)
+        k1 = tl.minimum(tl.maximum(k1 * inv_scale, -FP8_MAX), FP8_MAX)
+        k2 = tl.minimum(tl.maximum(k2 * inv_scale, -FP8_MAX), FP8_MAX)
     # tl.where, not `mask & valid`: the interpreter makes a block & scalar bool int32, which
     # its store rejects from Triton 3.9 on.
     tl.store(row + offs_r, lat.to(ty), mask=tl.where(valid, mask_r, False))
@@ -109,8 +117,9 @@ def _kv_store_kernel(KV, W, ROPE, POS, SLOT, SEQ_LENS, CACHE, stride_kv, stride_
 
 def store_kv(kv_a: torch.Tensor, norm_weight: torch.Tensor, rope: torch.Tensor,
              positions: torch.Tensor, slot_mapping: torch.Tensor, seq_lens: torch.Tensor,
-             kv_cache: torch.Tensor, eps: float) -> None:
-    """Write each row's [RMSNorm(latent) | rotary(k_rope)] into ``kv_cache`` at its slot.
+             kv_cache: torch.Tensor, eps: float, kv_scale: torch.Tensor | None = None) -> None:
+    """Write each row's [RMSNorm(latent) | rotary(k_rope)] into ``kv_cache`` at its slot;
+    an fp8 cache stores them quantized with ``kv_scale`` (``graphbucket.fp8``).
 
     kv_a [B, R + P] (rows may be strided), positions [B] int64, slot_mapping [B] int64
     (page * page_size + offset), seq_lens [B] int32, kv_cache [num_pages, page_size, R + P].
@@ -121,11 +130,16 @@ def store_kv(kv_a: torch.Tensor, norm_weight: torch.Tensor, rope: torch.Tensor,
     r = norm_weight.numel()
     half = (dim - r) // 2
     assert kv_a.shape[1] == dim and kv_a.stride(1) == 1 and kv_cache.stride(2) == 1
+    if (kv_cache.dtype == FP8_DTYPE) != (kv_scale is not None):
+        raise ValueError(f"a {kv_cache.dtype} cache takes "
+                         f"{'a float32 kv_scale' if kv_scale is None else 'no kv_scale'}")
     _kv_store_kernel[(kv_a.shape[0],)](
-        kv_a, norm_weight, rope, positions, slot_mapping, seq_lens, kv_cache, kv_a.stride(0),
+        kv_a, norm_weight, rope, positions, slot_mapping, seq_lens, kv_cache,
+        seq_lens if kv_scale is None else kv_scale, kv_a.stride(0),
         rope.stride(0), kv_cache.stride(0), kv_cache.stride(1), num_pages * page_size,
         rope.shape[0], eps, R=r, HALF=half, BLOCK_R=triton.next_power_of_2(r),
-        BLOCK_H=triton.next_power_of_2(half), PAGE_SIZE=page_size, num_warps=4)
+        BLOCK_H=triton.next_power_of_2(half), PAGE_SIZE=page_size,
+        SCALED=kv_scale is not None, num_warps=4)
 
 
 @triton.jit

@@ -1,0 +1,103 @@
+"""FP8 KV cache against bf16: decode time per shape, same run (H200).
+
+The same random latent cache in two formats: bf16 and per-tensor fp8 (``graphbucket.fp8``,
+scale = amax / 448); the planned kernel on each, 16 heads, page 64, cold L2, CUDA-graph
+replays. ``frac_of_copy`` is over that format's bytes (576 or 1152 per token, plus q and
+out); ``rel_l2`` is the fp8 output against the bf16-cache output on the same inputs (the
+fp8 kernel against float64 over the dequantized cache is in tests/test_fp8.py).
+
+    python3 bench/fp8_sweep.py --out DIR        # DIR/h200-fp8.{json,md}
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.gpu_timing import copy_gbps, run_meta  # noqa: E402
+from bench.kernel_sweep import time_calls  # noqa: E402
+from bench.ragged import inputs  # noqa: E402
+from graphbucket import fp8  # noqa: E402
+from graphbucket.kernels import SplitWorkspace, default_sm_scale, mla_decode  # noqa: E402
+from graphbucket.plan import plan_mla_decode  # noqa: E402
+
+HEADS, PAGE, DIM, RANK = 16, 64, 576, 512
+SHAPES = [(1, 256), (8, 256), (64, 256), (1, 16384), (1, 65536), (1, 131072), (8, 65536),
+          (8, 131072), (64, 16384), (64, 65536)]
+
+
+def floor_us(gbps: float, lens: list[int], elem_bytes: int) -> float:
+    nbytes = sum(lens) * DIM * elem_bytes + len(lens) * HEADS * (DIM + RANK) * 2
+    return nbytes / (gbps * 1e3)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench/results")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("fp8_sweep.py times CUDA-graph replays and needs a CUDA GPU")
+    gbps = copy_gbps()
+    pages = max(b * -(-c // PAGE) for b, c in SHAPES)
+    bf16 = torch.empty(pages * 3 // 2 + 64, PAGE, DIM, dtype=torch.bfloat16,
+                       device="cuda").normal_()
+    scale = fp8.scale_for(bf16.abs().amax().float().cpu()).cuda()
+    packed = fp8.quantize(bf16, scale)
+    sm_scale, rows = default_sm_scale(), []
+    for batch, context in SHAPES:
+        lens = [context] * batch
+        tables, q, out, seq_lens = inputs(lens, bf16)
+        plan = plan_mla_decode(batch, HEADS, context)
+        ws = SplitWorkspace.allocate(batch, HEADS, plan.num_kv_splits, RANK, "cuda")
+        outs = {}
+        for fmt, cache, launch, nbytes in (
+                ("bf16", bf16, mla_decode, 2),
+                ("fp8-tensor", packed, functools.partial(mla_decode, kv_scale=scale), 1)):
+            us = time_calls(launch, plan, cache, tables, q, out, seq_lens, ws, sm_scale)
+            outs[fmt] = out[0].float().clone()
+            f_us = floor_us(gbps, lens, nbytes)
+            err = ((outs[fmt] - outs["bf16"]).norm() / outs["bf16"].norm()).item()
+            rows.append({"format": fmt, "batch": batch, "context": context, "heads": HEADS,
+                         "us": round(us, 3), "floor_us": round(f_us, 3),
+                         "frac_of_copy": round(f_us / us, 4), "rel_l2": round(err, 5),
+                         "topology": plan.describe()})
+            print(f"b={batch:3d} ctx={context:6d} {fmt:10s} {us:8.1f} us "
+                  f"{100 * f_us / us:4.0f} % of copy  rel_l2 vs bf16 {err:.1e}", flush=True)
+        del tables, q, out, ws
+    result = {"meta": {**run_meta(), "copy_gbps": round(gbps, 1)}, "rows": rows}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "h200-fp8.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(args.out, "h200-fp8.md"), "w") as f:
+        f.write(markdown(result))
+    print(markdown(result))
+
+
+def markdown(result: dict) -> str:
+    meta = result["meta"]
+    lines = [f"# FP8 KV cache against bf16 ({meta['gpu']})", "",
+             f"{meta['date']}, torch {meta['torch']}, triton {meta['triton']}, copy "
+             f"{meta['copy_gbps']:.0f} GB/s. Command: `{meta['command']}`", "",
+             "16 heads, page 64, cold L2, CUDA-graph replays, the planned kernel. Of copy: "
+             "over that format's bytes. rel_l2: fp8 output against the bf16-cache output.", "",
+             "| batch | context | bf16 us | fp8 us | fp8 / bf16 | bf16 of copy | fp8 of copy | "
+             "rel_l2 |", "|---|---|---|---|---|---|---|---|"]
+    rows = result["rows"]
+    for b, c in sorted({(r["batch"], r["context"]) for r in rows}):
+        bf, f8 = (next(r for r in rows if (r["batch"], r["context"], r["format"]) == (b, c, x))
+                  for x in ("bf16", "fp8-tensor"))
+        lines.append(f"| {b} | {c} | {bf['us']:.1f} | {f8['us']:.1f} | "
+                     f"{f8['us'] / bf['us']:.2f} | {100 * bf['frac_of_copy']:.0f} % | "
+                     f"{100 * f8['frac_of_copy']:.0f} % | {f8['rel_l2']:.1e} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
