@@ -116,6 +116,16 @@ def _attend_tokens(
                                              ROPE_DIM, BLOCK_N)
         # An fp8 cache dequantizes on the way in (its scale is applied by the caller);
         # for caches of q's dtype this is a no-op.
+        kv_v = kv.to(q_nope.dtype)
+        if KV.dtype.element_ty != q_nope.dtype:
+            # A converted tile feeding two dots stays in registers (no shared-memory
+            # pipeline); reading it once per dot lets each copy be pipelined.
+            # (A different cache hint keeps the compiler from merging the two loads.)
+            offs_n = tok0 + tl.arange(0, BLOCK_N)
+            row = pages * stride_kv_page + (offs_n % PAGE_SIZE) * stride_kv_tok
+            kv_v = tl.load(KV + row[:, None] + tl.arange(0, KV_LORA_RANK)[None, :],
+                           mask=(offs_n < end)[:, None], other=0.0,
+                           eviction_policy="evict_first").to(q_nope.dtype)
         kv, k_rope = kv.to(q_nope.dtype), k_rope.to(q_nope.dtype)
         qk = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PRECISION)
         qk += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
@@ -126,7 +136,7 @@ def _attend_tokens(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv,
+        acc = acc * alpha[:, None] + tl.dot(p.to(kv_v.dtype), kv_v,
                                             input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
