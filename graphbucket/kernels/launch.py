@@ -231,8 +231,13 @@ def tile_tokens(plan: LaunchPlan, element_size: int) -> int:
     Plans are tuned for 2-byte caches (bf16: 64 x 576 x 2 B = 72 KB tiles, 94 KB of shared
     memory at 3 stages). A 64-token float32 tile needs 233 KB even unpipelined (H200:
     227 KB per block), so float32 caches stream tiles of the same bytes: half the tokens.
-    Both stages must use the same count (it fixes every split's token range).
+    Both stages must use the same count (it fixes every split's token range). fp8 caches
+    keep the plan's tokens (half the bytes), except with 64 query rows (below).
     """
+    if element_size == 1 and plan.block_h >= 64:
+        # fp8: the latent tile is copied once per dot; 64 query rows also keep q in shared
+        # memory, so half the tokens keep the copies within one SM's shared memory.
+        return max(16, plan.block_n // 2)
     return max(16, plan.block_n * 2 // max(2, element_size))
 
 
