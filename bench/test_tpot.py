@@ -116,3 +116,21 @@ def bench_copy_gbps() -> float:
 
         _COPY_GBPS.append(copy_gbps())
     return _COPY_GBPS[0]
+
+
+@pytest.mark.skipif(ON_GPU, reason="CPU check of the fp8 plumbing; the GPU numbers come from "
+                    "bench/tpot.py --kv-cache fp8-tensor")
+def test_fp8_cache_bench_matches_its_reference():
+    b = TpotBench.build(tiny(), max_model_len=128, batches=[1], page_size=16,
+                        dtype=torch.float16, device="cpu", backend_kwargs={"num_sms": 2},
+                        policies=("ladder",), kv_cache="fp8-tensor")
+    try:
+        assert b.model.kv_caches[0].dtype == torch.float8_e4m3fn
+        decode = b.batch(100, 1)
+        lens = np.asarray(decode.seq_lens_cpu)
+        want = b.model.forward_reference(
+            decode.inputs["hidden"], positions=lens - 1, seq_lens=lens,
+            block_table=decode.block_table_cpu, slot_mapping=decode.inputs["slot_mapping"])
+        assert rel_l2(b.runners["ladder"].step(decode), want) < 2e-2
+    finally:
+        b.close()

@@ -75,10 +75,15 @@ class TpotBench:
               batches: list[int] = BATCHES, policies: tuple[str, ...] = POLICIES,
               page_size: int = PAGE_SIZE, dtype: torch.dtype = torch.bfloat16,
               device: str = "cuda", seed: int = 0, backend_kwargs: dict | None = None,
-              ladder: BucketLadder | None = None, projections: str = "auto") -> TpotBench:
+              ladder: BucketLadder | None = None, projections: str = "auto",
+              kv_cache: str = "bf16") -> TpotBench:
         pages = -(-max_model_len // page_size)
+        # fp8-tensor: the prefill's N(0, 1) rows and the new rows fit amax 8 (graphbucket.fp8).
+        fp8_cache = {"kv_cache_dtype": torch.float8_e4m3fn, "kv_scale": 8.0 / 448} \
+            if kv_cache == "fp8-tensor" else {}
         model = MLADecoder(config, num_pages=max(batches) * pages, page_size=page_size,
-                           dtype=dtype, device=device, seed=seed, projections=projections)
+                           dtype=dtype, device=device, seed=seed, projections=projections,
+                           **fp8_cache)
         rng = np.random.default_rng(seed)
         table = random_block_table(max(batches), pages, model.num_pages, rng)
         prefill_random(model, table, [max_model_len] * max(batches), seed=seed)
@@ -187,6 +192,7 @@ def meta_for(bench: TpotBench, args, copy_gbps: float) -> dict:
     captures = {p: r.capture().describe() for p, r in bench.runners.items() if not r.is_eager}
     return {**run_meta(), "model": cfg.name, "layers": cfg.num_layers,
             "copy_gbps": round(copy_gbps, 1), "dtype": "bfloat16", "page_size": PAGE_SIZE,
+            "kv_cache": str(bench.model.kv_cache_dtype).replace("torch.", ""),
             "max_model_len": bench.max_model_len,
             "weights_mb": round(bench.model.weight_bytes() / 1e6, 1),
             "projections": bench.model.projections,
@@ -204,6 +210,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=BATCHES)
     ap.add_argument("--policies", nargs="+", default=list(BENCH_POLICIES),
                     choices=BENCH_POLICIES)
+    ap.add_argument("--kv-cache", default="bf16", choices=("bf16", "fp8-tensor"),
+                    help="latent cache format (fp8-tensor: e4m3 with one scale)")
     ap.add_argument("--projections", default="auto", choices=PROJECTIONS,
                     help="skinny Triton products (auto on CUDA) or torch's GEMM/BMM")
     args = ap.parse_args()
@@ -216,11 +224,12 @@ def main() -> None:
     print(f"copy bandwidth {gbps:.0f} GB/s", flush=True)
     bench = TpotBench.build(PRESETS[args.preset](num_layers=args.layers),
                             batches=args.batches, policies=tuple(args.policies),
-                            projections=args.projections)
+                            projections=args.projections, kv_cache=args.kv_cache)
     rows = run(bench, policies=args.policies, contexts=args.contexts, batches=args.batches,
                copy_gbps=gbps)
     os.makedirs(args.out, exist_ok=True)
     suffix = "" if args.preset == "deepseek-v3-tp8" else f"-{args.preset}"
+    suffix += "" if args.kv_cache == "bf16" else f"-{args.kv_cache}"
     path = os.path.join(args.out, f"h200-tpot{suffix}.json")
     with open(path, "w") as f:
         json.dump({"meta": meta_for(bench, args, gbps), "rows": rows}, f, indent=1)

@@ -37,7 +37,11 @@ class DecodeContext:
     workspace: Any
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
-               lse: torch.Tensor | None = None) -> torch.Tensor:
-        """Paged MLA decode of q [bs, H, D] over ``kv_cache`` into out [bs, H, R]."""
+               lse: torch.Tensor | None = None,
+               kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """Paged MLA decode of q [bs, H, D] over ``kv_cache`` into out [bs, H, R]
+        (``kv_scale``: an fp8 cache's per-tensor scale, ``graphbucket.fp8``)."""
+        extra = {} if kv_scale is None else {"kv_scale": kv_scale}
         return self.backend.run(q, kv_cache, self.block_table, self.seq_lens, out,
-                                self.workspace, plan=self.plan, sm_scale=self.sm_scale, lse=lse)
+                                self.workspace, plan=self.plan, sm_scale=self.sm_scale, lse=lse,
+                                **extra)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from graphbucket import fp8
 from graphbucket.backends import get_backend
 from graphbucket.context import DecodeContext
 from graphbucket.models import (
@@ -281,3 +282,28 @@ def test_gpu_graph_replays_sync_free_and_match_eager():
         assert rel_l2(got, eager.step(batch)) < 1e-2, lens
     ladder.close()
     eager.close()
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("hint", [1, 100])
+def test_fp8_cache_decode_matches_the_reference_over_the_fp8_cache(hint):
+    model = tiny_model(torch.float16, kv_cache_dtype=torch.float8_e4m3fn, kv_scale=4.0 / 448)
+    assert model.kv_caches[0].dtype == torch.float8_e4m3fn
+    assert model.kv_row_bytes() == model.config.num_layers * model.config.kv_dim
+    batch = setup_batch(model, [40, 100])
+    ref_caches = model.reference_caches()  # dequantized, float64
+    out = model(context(model, batch, hint=hint))
+    want = reference(model, batch, ref_caches)
+    assert rel_l2(out, want) < 2e-2
+    # The new rows were quantized by the store op as the reference quantized them.
+    for cache, ref_cache in zip(model.kv_caches, ref_caches, strict=True):
+        assert rel_l2(fp8.dequantize(cache, model.kv_scale), ref_cache) < 2e-2
+
+
+def test_fp8_cache_needs_its_scale_and_a_16_bit_model():
+    with pytest.raises(ValueError, match="kv_scale"):
+        tiny_model(torch.float16, kv_cache_dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="kv_scale"):
+        tiny_model(torch.float16, kv_scale=0.01)
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        tiny_model(torch.float32, kv_cache_dtype=torch.float8_e4m3fn, kv_scale=0.01)

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 
 import torch
 
+from graphbucket import fp8
 from graphbucket.backends.base import NoWorkspace
 from graphbucket.kernels import check_mla_decode_args
 from graphbucket.plan import (
@@ -58,12 +59,15 @@ class DenseBackend:
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
             seq_lens: torch.Tensor, out: torch.Tensor, workspace: None = None, *,
-            plan: LaunchPlan, sm_scale: float, lse: torch.Tensor | None = None) -> torch.Tensor:
+            plan: LaunchPlan, sm_scale: float, lse: torch.Tensor | None = None,
+            kv_scale: torch.Tensor | None = None) -> torch.Tensor:
         """Same contract as the Triton backend; the split count does not change the math."""
         # Shape checks only: a one-split view of the plan needs no workspace.
         check_mla_decode_args(q, kv_cache, block_table, seq_lens, out,
                               dataclasses.replace(plan, num_kv_splits=1, persistent_programs=0,
-                                                  fused_merge=False), None, lse)
+                                                  fused_merge=False), None, lse, kv_scale)
+        if kv_scale is not None:  # an fp8 cache, dequantized whole (static shapes)
+            kv_cache = fp8.dequantize(kv_cache, kv_scale, torch.float32)
         o, l_ = masked_mla_decode(q, kv_cache, block_table, seq_lens,
                                   kv_lora_rank=plan.kv_lora_rank, sm_scale=sm_scale)
         out.copy_(o)

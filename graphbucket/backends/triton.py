@@ -120,8 +120,9 @@ class TritonBackend:
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
             seq_lens: torch.Tensor, out: torch.Tensor, workspace: SplitWorkspace | None, *,
-            plan: LaunchPlan, sm_scale: float, lse: torch.Tensor | None = None) -> torch.Tensor:
+            plan: LaunchPlan, sm_scale: float, lse: torch.Tensor | None = None,
+            kv_scale: torch.Tensor | None = None) -> torch.Tensor:
         """See ``graphbucket.kernels.mla_decode``. Graph-safe: launches only."""
         launch = mla_decode_balanced if plan.balanced else mla_decode
         return launch(q, kv_cache, block_table, seq_lens, out, workspace, plan=plan,
-                      sm_scale=sm_scale, lse=lse)
+                      sm_scale=sm_scale, lse=lse, kv_scale=kv_scale)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from graphbucket import fp8
 from graphbucket.context import DecodeContext
 from graphbucket.kernels import kernel_device_error
 from graphbucket.models.config import MLAConfig
@@ -50,7 +51,9 @@ SLOT_INPUT = "slot_mapping"
 class MLADecoder:
     """Seeded random MLA decoder with one paged latent cache per layer.
 
-    kv_caches[l]: [num_pages, page_size, R + P] in ``dtype`` on ``device`` (default: CUDA
+    kv_caches[l]: [num_pages, page_size, R + P] in ``dtype`` (or ``kv_cache_dtype``:
+    ``torch.float8_e4m3fn`` with the per-tensor ``kv_scale``, ``graphbucket.fp8``) on
+    ``device`` (default: CUDA
     when available, else the CPU, where the kernels need ``TRITON_INTERPRET=1``). Call the model
     as ``model(ctx)``; it is the ``forward`` a ``GraphBucketRunner`` captures. ``weights``
     (per-layer weights, final norm [D]) replaces the seeded draw, e.g. a tensor-parallel shard.
@@ -60,7 +63,8 @@ class MLADecoder:
                  dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None,
                  seed: int = 0,
                  weights: tuple[list[MLALayerWeights], torch.Tensor] | None = None,
-                 projections: str = "auto") -> None:
+                 projections: str = "auto", kv_cache_dtype: torch.dtype | None = None,
+                 kv_scale: float | None = None) -> None:
         if projections not in PROJECTIONS:
             raise ValueError(f"projections must be one of {PROJECTIONS}, got {projections!r}")
         if device is None:
@@ -78,8 +82,19 @@ class MLADecoder:
         if weights is None:
             weights = random_weights(config, seed=seed, device=self.device, dtype=dtype)
         self.layers, self.final_norm = weights
-        self.kv_caches = [torch.zeros(num_pages, page_size, config.kv_dim, dtype=dtype,
-                                      device=self.device) for _ in range(config.num_layers)]
+        self.kv_cache_dtype = kv_cache_dtype or dtype
+        fp8_cache = self.kv_cache_dtype == fp8.FP8_DTYPE
+        if fp8_cache != (kv_scale is not None):
+            raise ValueError("an fp8 cache (kv_cache_dtype=torch.float8_e4m3fn) takes a "
+                             "kv_scale (graphbucket.fp8: value = stored x kv_scale, e.g. "
+                             "amax / 448); other caches take none")
+        if fp8_cache and dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"an fp8 cache needs a bf16 or fp16 model, got {dtype}")
+        self.kv_scale = None if kv_scale is None else torch.tensor(
+            [float(kv_scale)], dtype=torch.float32, device=self.device)
+        self.kv_caches = [torch.zeros(num_pages, page_size, config.kv_dim,
+                                      dtype=self.kv_cache_dtype, device=self.device)
+                          for _ in range(config.num_layers)]
         self.rope = rope_cache(config.qk_rope_dim, config.max_position, config.rope_theta,
                                    device=self.device)
 
@@ -142,21 +157,25 @@ class MLADecoder:
         bs, q_lora = h.shape[0], cfg.q_lora_rank
         qkv_a = self._linear(h, layer.w_qkv_a)                      # [B, Q + R + P]
         store_kv(qkv_a[:, q_lora:], layer.kv_a_norm, self.rope, ctx.positions,
-                     ctx.inputs[SLOT_INPUT], ctx.seq_lens, cache, cfg.rms_eps)
+                     ctx.inputs[SLOT_INPUT], ctx.seq_lens, cache, cfg.rms_eps,
+                     kv_scale=self.kv_scale)
         q_b = self._linear(rms_norm(qkv_a[:, :q_lora], layer.q_a_norm, cfg.rms_eps),
                            layer.w_q_b)                             # [B, H * (nope + P)]
         q_nope = q_b.view(bs, cfg.num_heads, cfg.qk_head_dim)[..., :cfg.qk_nope_dim]
         q_latent = self._bmm(q_nope.transpose(0, 1), layer.w_uk)    # [H, B, R]
         q = assemble_q(q_latent, q_b, self.rope, ctx.positions, nope_dim=cfg.qk_nope_dim)
         attn = torch.empty(bs, cfg.num_heads, cfg.kv_lora_rank, dtype=h.dtype, device=h.device)
-        ctx.attend(q, cache, attn)
+        ctx.attend(q, cache, attn, kv_scale=self.kv_scale)
         o = self._bmm(attn.transpose(0, 1), layer.w_uv)             # [H, B, v_head]
         return self._linear(o.transpose(0, 1).reshape(bs, -1), layer.w_o)
 
     # ---- float reference (tests) -----------------------------------------------------
 
     def reference_caches(self, dtype: torch.dtype = torch.float64) -> list[torch.Tensor]:
-        """Copies of every layer's cache in ``dtype``, for ``forward_reference`` to update."""
+        """Copies of every layer's cache in ``dtype`` (an fp8 cache dequantized), for
+        ``forward_reference`` to update."""
+        if self.kv_scale is not None:
+            return [fp8.dequantize(cache, self.kv_scale, dtype) for cache in self.kv_caches]
         return [cache.to(dtype, copy=True) for cache in self.kv_caches]
 
     def forward_reference(self, hidden, *, positions, seq_lens, block_table, slot_mapping,
@@ -168,7 +187,7 @@ class MLADecoder:
         return decode_reference(self.config, self.layers, self.final_norm, hidden,
                                 positions=positions, seq_lens=seq_lens,
                                 block_table=block_table, slot_mapping=slot_mapping,
-                                caches=caches, dtype=dtype)
+                                caches=caches, dtype=dtype, kv_scale=self.kv_scale)
 
     # ---- accounting (for roofline floors) ---------------------------------------------
 
@@ -178,5 +197,5 @@ class MLADecoder:
 
     def kv_row_bytes(self) -> int:
         """Bytes of one token's cache rows over all layers."""
-        elt = torch.empty((), dtype=self.dtype).element_size()
+        elt = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         return self.config.num_layers * self.config.kv_dim * elt

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from graphbucket import fp8
 from graphbucket.batch import DecodeBatch
 
 if TYPE_CHECKING:
@@ -51,6 +52,11 @@ def prefill_random(model: MLADecoder, block_table: np.ndarray, seq_lens, *,
     gen = torch.Generator(device=model.device).manual_seed(seed)
     for cache in model.kv_caches:
         rows = torch.randn(idx.numel(), page, cache.shape[2], generator=gen, device=model.device)
+        if model.kv_scale is not None:  # an fp8 cache: stored as its store op would
+            # (index_copy_ has no fp8 kernel on the CPU: copy the bytes)
+            rows = fp8.quantize(rows, model.kv_scale)
+            cache.view(torch.uint8).index_copy_(0, idx, rows.view(torch.uint8))
+            continue
         cache.index_copy_(0, idx, rows.to(cache.dtype))
 
 

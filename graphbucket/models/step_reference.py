@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from graphbucket import fp8
 from graphbucket.models.config import MLAConfig
 from graphbucket.models.weights import MLALayerWeights
 from graphbucket.reference import mla_decode_reference
@@ -39,10 +40,12 @@ def _as(t, device, dtype=None) -> torch.Tensor:
 def decode_reference(config: MLAConfig, layers: list[MLALayerWeights],
                      final_norm: torch.Tensor, hidden, *, positions, seq_lens, block_table,
                      slot_mapping, caches: list[torch.Tensor],
-                     dtype: torch.dtype = torch.float64) -> torch.Tensor:
+                     dtype: torch.dtype = torch.float64,
+                     kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One decode step of the model with ``config``, ``layers`` and ``final_norm`` in
     ``dtype``; writes the new rows into ``caches`` (one per layer, [num_pages, page_size,
-    R + P] in ``dtype``, e.g. ``MLADecoder.reference_caches()``).
+    R + P] in ``dtype``, e.g. ``MLADecoder.reference_caches()``). With ``kv_scale`` (an fp8
+    cache) the new rows are stored as the fp8 cache holds them: quantized, dequantized.
 
     hidden [B, D]; positions, seq_lens, slot_mapping [B]; block_table [B, cols] (tensors
     on any device, numpy arrays or lists). Returns the final hidden states [B, D].
@@ -62,6 +65,8 @@ def decode_reference(config: MLAConfig, layers: list[MLALayerWeights],
         q_a, kv = (h @ w.w_qkv_a.T).split([cfg.q_lora_rank, cfg.kv_dim], dim=-1)
         row = torch.cat([rms_norm_ref(kv[:, :r], w.kv_a_norm, cfg.rms_eps),
                          rotary_ref(kv[:, r:], positions, cfg.rope_theta)], dim=-1)
+        if kv_scale is not None:
+            row = fp8.dequantize(fp8.quantize(row, kv_scale.to(row.device)), kv_scale, dtype)
         cache.view(-1, cfg.kv_dim)[slots[live]] = row[live]
         q = (rms_norm_ref(q_a, w.q_a_norm, cfg.rms_eps) @ w.w_q_b.T).view(bs, heads, -1)
         q_nope, q_rope = q.split([cfg.qk_nope_dim, cfg.qk_rope_dim], dim=-1)
