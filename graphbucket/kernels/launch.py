@@ -161,10 +161,23 @@ def check_kv_dtypes(q: torch.Tensor, kv_cache: torch.Tensor,
               "Only fp8 caches take a scale.")
 
 
+def check_q_len(plan: LaunchPlan, q_len: int) -> None:
+    """q_len tokens folded into the plan's rows: a positive int dividing its head count."""
+    if isinstance(q_len, bool) or not isinstance(q_len, int) or q_len < 1:
+        raise ValueError(f"q_len must be a positive int, got {q_len!r}")
+    if plan.num_heads % q_len:
+        _fail("q_len", q_len, f"a divisor of the plan's {plan.num_heads} rows",
+              "Plan with q_len x heads rows (query tokens folded into the heads).")
+    if q_len > 1 and plan.token_major:
+        _fail("q_len", q_len, "1 with a token-major plan",
+              "Multi-token decode runs the head-major stage 1 (plan without TOKEN_STREAM).")
+
+
 def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                seq_lens: torch.Tensor, out: torch.Tensor, workspace: SplitWorkspace | None,
                *, plan: LaunchPlan, sm_scale: float, lse: torch.Tensor | None = None,
-               kv_scale: torch.Tensor | None = None, check: bool = True) -> torch.Tensor:
+               kv_scale: torch.Tensor | None = None, q_len: int = 1,
+               check: bool = True) -> torch.Tensor:
     """Paged MLA decode: ``out = softmax(q K^T * sm_scale) V`` per request and head.
 
     q [B, H, kv_lora_rank + qk_rope_dim], kv_cache [num_pages, page_size, same] (bf16/fp16/
@@ -173,6 +186,12 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     lse [B, H] float32 (natural log) if given. Rows with seq_len 0 give zeros. An fp8
     (e4m3) cache takes ``kv_scale`` (float32 [1] on the device: value = stored * scale),
     with a bf16 / fp16 q and out.
+
+    Multi-token decode (a verify step of ``q_len`` tokens per request): q [B, q_len * H,
+    D] is q [B, q_len, H, D] with the tokens folded into the rows (plan with q_len * H
+    heads), out likewise; ``seq_lens`` count the q_len new tokens, and token j attends to
+    the positions before seq_len - q_len + j + 1. A row with no position (seq_len < q_len)
+    gives zeros; the runner rejects such lengths on the host.
     Graph-safe: no device reads, no allocation; the plan fixes grid and split count.
     """
     if plan.balanced:
@@ -181,9 +200,10 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     if check:
         check_mla_decode_args(q, kv_cache, block_table, seq_lens, out, plan, workspace, lse,
                               kv_scale)
+        check_q_len(plan, q_len)
     workspace = workspace if plan.use_stage2 else None
     launch_stage1(q, kv_cache, block_table, seq_lens, out, workspace, plan=plan,
-                  kv_scale=kv_scale,
+                  kv_scale=kv_scale, q_len=q_len,
                   sm_scale=sm_scale, lse=lse)
     if plan.merge_kernel:
         launch_merge(seq_lens, out, workspace, plan=plan, lse=lse,
@@ -244,7 +264,7 @@ def tile_tokens(plan: LaunchPlan, element_size: int) -> int:
 def launch_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                   seq_lens: torch.Tensor, out: torch.Tensor, workspace: SplitWorkspace | None,
                   *, plan: LaunchPlan, sm_scale: float, lse: torch.Tensor | None,
-                  kv_scale: torch.Tensor | None = None):
+                  kv_scale: torch.Tensor | None = None, q_len: int = 1):
     """Stage 1 alone (unchecked). One split: writes ``out``; else partials in ``workspace``.
 
     Returns Triton's handle of the launched kernel (registers, shared memory, spills).
@@ -255,6 +275,7 @@ def launch_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
     return _mla_decode_stage1_kernel[plan.grid](
         q, kv_cache, block_table, seq_lens, out, out if lse is None else lse, part_o, part_lse,
         counters, seq_lens if kv_scale is None else kv_scale, plan.num_kv_splits, plan.num_heads,
+        q_len, plan.num_heads // q_len,
         counters.stride(0) if counters is not seq_lens else 0, sm_scale * LOG2E,
         q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1),
@@ -270,7 +291,7 @@ def launch_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
         TOKEN_MAJOR=plan.token_major, FUSED_MERGE=plan.merges_in_stage1,
         PAGE_AHEAD=plan.page_ahead,
         MERGE_CHUNKS=plan.merge_chunks if plan.merges_in_stage1 else 1,
-        SCALED=kv_scale is not None,
+        SCALED=kv_scale is not None, MULTI_TOKEN=q_len > 1,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
 

@@ -74,9 +74,15 @@ def _attend_tokens(
     DOT_PRECISION: tl.constexpr,
     TOKEN_MAJOR: tl.constexpr = False,
     PAGE_AHEAD: tl.constexpr = False,
+    row_limit=None,
+    MULTI_TOKEN: tl.constexpr = False,
 ):
     """Online softmax over tokens [start, end) of one request (start < end, start a
     multiple of BLOCK_N). Returns the unnormalised (acc [BLOCK_H, R], l, m) in log2 units.
+
+    MULTI_TOKEN: the rows are query tokens x heads, each row attending to the tokens
+    before its own ``row_limit`` (causal among a verify step's tokens); a row may see no
+    token of this range (then l = 0, m = -inf, acc = 0).
 
     TOKEN_MAJOR computes the transposed products, S^T = KV Q^T and O^T += KV^T P^T: the
     tile's token dimension becomes the dots' row dimension (64 rows, where the heads give
@@ -129,12 +135,21 @@ def _attend_tokens(
         kv, k_rope = kv.to(q_nope.dtype), k_rope.to(q_nope.dtype)
         qk = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PRECISION)
         qk += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
-        qk = tl.where(mask_n[None, :], qk * qk_scale_log2, float("-inf"))
-
-        # Every tile holds at least one live token, so m_new is finite after tile one.
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
+        if MULTI_TOKEN:
+            live = mask_n[None, :] & ((tok0 + tl.arange(0, BLOCK_N))[None, :]
+                                      < row_limit[:, None])
+            qk = tl.where(live, qk * qk_scale_log2, float("-inf"))
+            # A row may have no live token yet: keep -inf - -inf out of the exponents.
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(qk - m_safe[:, None])
+        else:
+            qk = tl.where(mask_n[None, :], qk * qk_scale_log2, float("-inf"))
+            # Every tile holds at least one live token, so m_new is finite after tile one.
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(kv_v.dtype), kv_v,
                                             input_precision=DOT_PRECISION)
@@ -249,7 +264,7 @@ def _store_padding(o_ptr, lse_ptr, mask_h, BLOCK_H: tl.constexpr, KV_LORA_RANK: 
 @triton.jit
 def _mla_decode_stage1_kernel(
     Q, KV, BLOCK_TABLE, SEQ_LENS, OUT, LSE, PART_O, PART_LSE, MERGE_COUNTERS, KV_SCALE,
-    num_kv_splits, num_heads, stride_mc_b, qk_scale_log2,
+    num_kv_splits, num_heads, q_len, heads_per_token, stride_mc_b, qk_scale_log2,
     stride_q_b, stride_q_h,
     stride_kv_page, stride_kv_tok,
     stride_bt_b,
@@ -272,6 +287,7 @@ def _mla_decode_stage1_kernel(
     PAGE_AHEAD: tl.constexpr = False,
     MERGE_CHUNKS: tl.constexpr = 1,
     SCALED: tl.constexpr = False,
+    MULTI_TOKEN: tl.constexpr = False,
 ):
     bid = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -296,12 +312,18 @@ def _mla_decode_stage1_kernel(
         kv_scale = 1.0
         if SCALED:
             kv_scale = tl.load(KV_SCALE)
+        # Rows are query tokens x heads (q_len 1: heads); token j of a verify step sees
+        # the positions before seq_len - q_len + j + 1.
+        row_limit = seq_len - q_len + 1 + offs_h // heads_per_token
         acc, l_i, m_i = _attend_tokens(
             q_nope, q_rope, KV, BLOCK_TABLE + bid * stride_bt_b, start, end,
             qk_scale_log2 * kv_scale,
             stride_kv_page, stride_kv_tok, PAGE_SIZE, KV_LORA_RANK, ROPE_DIM, BLOCK_H,
-            BLOCK_N, TILE_IN_PAGE, DOT_PRECISION, TOKEN_MAJOR, PAGE_AHEAD)
+            BLOCK_N, TILE_IN_PAGE, DOT_PRECISION, TOKEN_MAJOR, PAGE_AHEAD, row_limit,
+            MULTI_TOKEN)
         lse_log2 = m_i + tl.log2(l_i)
+        if MULTI_TOKEN:  # rows that saw no token here: zeros, LSE -inf
+            l_i = tl.where(l_i > 0.0, l_i, 1.0)
         # A scaled (fp8) cache: q.(s k) = s (q.k) above, sum p (s v) = s sum p v here.
         out = acc * (kv_scale / l_i)[:, None]
         if ONE_SPLIT:
