@@ -100,3 +100,24 @@ def test_bad_q_len_raises_before_launch(q_len, match):
         mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, out, None,
                    plan=token, sm_scale=SM_SCALE, q_len=2)
     assert torch.isnan(out).all()
+
+
+@pytest.mark.parametrize("q_len", [2, 4])
+def test_flat_form_matches_the_folded_form(q_len):
+    from graphbucket.kernels.verify import flatten_verify
+
+    lens = [max(q_len, 50), 0, max(q_len, 17)]
+    case = verify_case(lens, q_len, seed=2)
+    folded = plan_mla_decode(3, q_len * HEADS, 1, num_sms=8).with_splits(2)
+    out_folded, _ = run(case, folded, q_len)
+    q, table, flat_lens = flatten_verify(case.q, case.block_table, case.seq_lens, q_len)
+    assert flat_lens.tolist() == [n - q_len + 1 + j if n else 0 for n in lens
+                                  for j in range(q_len)]
+    rows = 3 * q_len
+    plan = plan_mla_decode(rows, HEADS, 1, num_sms=8).with_splits(2)
+    out = torch.empty(rows, HEADS, KV_LORA_RANK, dtype=DTYPE, device=DEVICE)
+    ws = SplitWorkspace.allocate(rows, HEADS, 2, KV_LORA_RANK, DEVICE)
+    mla_decode(q, case.kv_cache, table, flat_lens, out, ws, plan=plan, sm_scale=SM_SCALE)
+    assert rel_l2(out.reshape(3, q_len * HEADS, -1), out_folded.float()) < 1e-3
+    with pytest.raises(ValueError, match="tokens"):
+        flatten_verify(case.q[:, :HEADS + 1], case.block_table, case.seq_lens, q_len)

@@ -1,0 +1,90 @@
+"""Multi-token decode (verify steps of q_len tokens): folded against flat, same run (H200).
+
+Per shape (16 or 128 heads, batch, context) and q_len in 1, 2, 4: the folded form (q_len x
+heads rows per program, ``mla_decode(..., q_len=)``) and the flat form (one row per query
+token, ``graphbucket.kernels.verify.flatten_verify``), planned kernels, cold L2, CUDA-graph
+replays. ``rel_l2``: the flat output against the folded one on the same inputs (both are
+checked against float64 in tests/test_multi_token.py).
+
+    python3 bench/mtp_sweep.py --out DIR        # DIR/h200-mtp.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.gpu_timing import copy_gbps, run_meta, time_replays  # noqa: E402
+from bench.ragged import inputs  # noqa: E402
+from graphbucket.kernels import SplitWorkspace, default_sm_scale, mla_decode  # noqa: E402
+from graphbucket.kernels.verify import flatten_verify  # noqa: E402
+from graphbucket.plan import plan_mla_decode  # noqa: E402
+
+PAGE, DIM, RANK = 64, 576, 512
+SHAPES = [(16, 1, 32768), (16, 1, 131072), (16, 8, 32768), (16, 8, 131072), (128, 1, 131072),
+          (128, 8, 32768)]
+
+
+def timed(plan, cache, tables, q, out, lens, ws, scale, q_len) -> float:
+    def call():
+        for r in range(tables.shape[0]):
+            mla_decode(q[r], cache, tables[r], lens[r] if lens.dim() == 2 else lens, out[r],
+                       ws, plan=plan, sm_scale=scale, q_len=q_len, check=False)
+    return time_replays(call, calls_per_graph=tables.shape[0])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench/results")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("mtp_sweep.py times CUDA-graph replays and needs a CUDA GPU")
+    gbps = copy_gbps()
+    pages = max(b * -(-c // PAGE) for _, b, c in SHAPES)
+    cache = torch.empty(pages * 3 // 2 + 64, PAGE, DIM, dtype=torch.bfloat16,
+                        device="cuda").normal_()
+    scale, rows = default_sm_scale(), []
+    for heads, batch, context in SHAPES:
+        lens = [context] * batch
+        for q_len in (1, 2, 4):
+            tables, q, out, seq_lens = inputs(lens, cache, heads * q_len)
+            folded = plan_mla_decode(batch, heads * q_len, context)
+            ws = SplitWorkspace.allocate(batch * q_len, heads * q_len,
+                                         max(folded.num_kv_splits, 64), RANK, "cuda")
+            us = timed(folded, cache, tables, q, out, seq_lens, ws, scale, q_len)
+            ref = out[0].float().clone()
+            rows.append({"q_len": q_len, "form": "folded", "heads": heads, "batch": batch,
+                         "context": context, "us": round(us, 3), "rel_l2": 0.0,
+                         "topology": folded.describe()})
+            if q_len > 1:
+                flat = [flatten_verify(q[r], tables[r], seq_lens, q_len)
+                        for r in range(tables.shape[0])]
+                fq = torch.stack([f[0] for f in flat])
+                ft = torch.stack([f[1] for f in flat])
+                fl = torch.stack([f[2] for f in flat])
+                fo = torch.empty(fq.shape[0], fq.shape[1], heads, RANK, dtype=torch.bfloat16,
+                                 device="cuda")
+                plan = plan_mla_decode(batch * q_len, heads, context)
+                us = timed(plan, cache, ft, fq, fo, fl, ws, scale, 1)
+                err = ((fo[0].float().reshape(ref.shape) - ref).norm() / ref.norm()).item()
+                rows.append({"q_len": q_len, "form": "flat", "heads": heads, "batch": batch,
+                             "context": context, "us": round(us, 3), "rel_l2": round(err, 6),
+                             "topology": plan.describe()})
+            for r in rows[-2 if q_len > 1 else -1:]:
+                print(f"h={heads} b={batch} ctx={context} q_len={q_len} {r['form']:6s} "
+                      f"{r['us']:9.1f} us  {r['topology']}", flush=True)
+            del tables, q, out, ws
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "h200-mtp.json"), "w") as f:
+        json.dump({"meta": {**run_meta(), "copy_gbps": round(gbps, 1)}, "rows": rows}, f,
+                  indent=1)
+
+
+if __name__ == "__main__":
+    main()
