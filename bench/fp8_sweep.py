@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.gpu_timing import copy_gbps, run_meta  # noqa: E402
 from bench.kernel_sweep import time_calls  # noqa: E402
-from bench.ragged import inputs  # noqa: E402
+from bench.ragged import inputs, random_cache  # noqa: E402
 from graphbucket import fp8  # noqa: E402
 from graphbucket.kernels import SplitWorkspace, default_sm_scale, mla_decode  # noqa: E402
 from graphbucket.plan import plan_mla_decode  # noqa: E402
@@ -46,8 +46,7 @@ def main() -> None:
         sys.exit("fp8_sweep.py times CUDA-graph replays and needs a CUDA GPU")
     gbps = copy_gbps()
     pages = max(b * -(-c // PAGE) for b, c in SHAPES)
-    bf16 = torch.empty(pages * 3 // 2 + 64, PAGE, DIM, dtype=torch.bfloat16,
-                       device="cuda").normal_()
+    bf16 = random_cache(pages)
     scale = fp8.scale_for(bf16.abs().amax().float().cpu()).cuda()
     packed = fp8.quantize(bf16, scale)
     sm_scale, rows = default_sm_scale(), []

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import flashinfer_ref  # noqa: E402
 from bench.gpu_timing import copy_gbps, matmul_tflops, run_meta, time_replays  # noqa: E402
-from bench.ragged import bytes_read, inputs, mixes  # noqa: E402
+from bench.ragged import bytes_read, inputs, mixes, random_cache  # noqa: E402
 from graphbucket.kernels import (  # noqa: E402
     SplitWorkspace,
     default_sm_scale,
@@ -108,8 +108,7 @@ def compare(args) -> list[dict]:
     all_shapes = shapes(args.contexts, args.batches, args.heads)
     pages = max(sum(-(-n // PAGE) for n in lens) for _, _, lens in all_shapes)
     # 1.5x the largest shape: rotations of scattered pages for the small ones.
-    cache = torch.empty(pages * 3 // 2 + 64, PAGE, DIM, dtype=torch.bfloat16,
-                        device="cuda").normal_()
+    cache = random_cache(pages)
     why_not = flashinfer_ref.available() if args.flashinfer else "--no-flashinfer"
     print(f"flashinfer: {why_not or 'available'}", flush=True)
     rows, scale = [], default_sm_scale()

@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.gpu_timing import copy_gbps, run_meta, time_replays  # noqa: E402
-from bench.ragged import inputs  # noqa: E402
+from bench.ragged import inputs, random_cache  # noqa: E402
 from graphbucket.kernels import SplitWorkspace, default_sm_scale, mla_decode  # noqa: E402
 from graphbucket.kernels.verify import flatten_verify  # noqa: E402
 from graphbucket.plan import plan_mla_decode  # noqa: E402
@@ -47,8 +47,7 @@ def main() -> None:
         sys.exit("mtp_sweep.py times CUDA-graph replays and needs a CUDA GPU")
     gbps = copy_gbps()
     pages = max(b * -(-c // PAGE) for _, b, c in SHAPES)
-    cache = torch.empty(pages * 3 // 2 + 64, PAGE, DIM, dtype=torch.bfloat16,
-                        device="cuda").normal_()
+    cache = random_cache(pages)
     scale, rows = default_sm_scale(), []
     for heads, batch, context in SHAPES:
         lens = [context] * batch

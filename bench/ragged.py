@@ -56,6 +56,13 @@ def bytes_read(lens: list[int], heads: int = HEADS) -> int:
     return sum(lens) * DIM * 2 + len(lens) * heads * (DIM + RANK) * 2
 
 
+def random_cache(pages: int) -> torch.Tensor:
+    """A bf16 N(0, 1) cache 1.5x the largest shape's pages (+64): room for several
+    rotations of scattered pages for the smaller shapes (``inputs``)."""
+    return torch.empty(pages * 3 // 2 + 64, PAGE, DIM, dtype=torch.bfloat16,
+                       device="cuda").normal_()
+
+
 def inputs(lens: list[int], cache: torch.Tensor, heads: int = HEADS):
     """R rotations of scattered block tables over ``cache`` (each its own pages), q, out,
     seq_lens: enough distinct KV per graph replay to evict the L2."""

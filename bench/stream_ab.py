@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.gpu_timing import copy_gbps, matmul_tflops, run_meta  # noqa: E402
 from bench.kernel_sweep import WIDE_HEADS_SHAPES, against_floor, time_calls  # noqa: E402
-from bench.ragged import inputs, mixes  # noqa: E402
+from bench.ragged import inputs, mixes, random_cache  # noqa: E402
 from graphbucket import plan as P  # noqa: E402
 from graphbucket.kernels import (  # noqa: E402
     SplitWorkspace,
@@ -113,8 +113,7 @@ def main() -> None:
     elif not args.short:
         shapes += [m for m in mixes() if m[0] != "uniform"]
     pages = max(sum(-(-n // PAGE) for n in lens) for _, lens in shapes)
-    cache = torch.empty(pages * 3 // 2 + 64, PAGE, DIM, dtype=torch.bfloat16,
-                        device="cuda").normal_()
+    cache = random_cache(pages)
     scale, rows = default_sm_scale(), []
     for mix, lens in shapes:
         tables, q, out, seq_lens = inputs(lens, cache, args.heads)
