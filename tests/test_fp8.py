@@ -288,13 +288,16 @@ def check_v32(plan, q, cache, table, lens, *, balanced=False):
 
 
 @pytest.mark.host
-def test_v32_tiles_follow_the_fp8_rule():
-    from graphbucket.kernels.launch import tile_tokens
+def test_v32_tiles_are_half_the_plans():
+    from graphbucket.kernels.launch import kv_tile_tokens, tile_tokens
 
+    cache = torch.zeros(1, 64, 656, dtype=torch.uint8)
     for heads in (16, 128):
-        plan = plan_mla_decode(1, heads, 1, num_sms=8)
-        assert tile_tokens(plan, 1, v32=True) == tile_tokens(plan, 1)
-    assert tile_tokens(plan_mla_decode(1, 128, 1, num_sms=8), 1, v32=True) == 32
+        for stream in (None, LONG_PAGE_AHEAD, TOKEN_STREAM):
+            kw = {} if stream is None else {"stream": stream}
+            plan = plan_mla_decode(1, heads, 1, num_sms=8, **kw)
+            assert tile_tokens(plan, 1, v32=True) == max(16, plan.block_n // 2)
+            assert kv_tile_tokens(plan, cache) == tile_tokens(plan, 1, v32=True)
 
 
 @pytest.mark.parametrize("lens", [[1], [16, 17], [33, 0, 100, 5]])

@@ -277,10 +277,16 @@ def tile_tokens(plan: LaunchPlan, element_size: int, *, v32: bool = False) -> in
     227 KB per block), so float32 caches stream tiles of the same bytes: half the tokens.
     Both stages must use the same count (it fixes every split's token range). fp8 caches
     keep the plan's tokens (half the bytes), except with 64 query rows (below).
-    V3.2 caches (``v32``: 656-byte rows, 0.57x a bf16 row) follow the fp8 rule: their latent
-    tile is also copied once per dot.
+    V3.2 caches (``v32``: 656-byte rows, 0.57x a bf16 row) stream half the plan's tokens:
+    their tile is dequantized into a bf16 tile in shared memory (and its transpose for the
+    head-major layout), so it takes more than its bytes. sm_90 compile with half tiles, no
+    spills: LONG 89 KB, LONG_PAGE_AHEAD 56 KB, WIDE 54 KB, TOKEN_STREAM 56 KB, ROWS_STREAM
+    132 KB, each stream's programs per SM as planned; with the plan's tokens LONG needed
+    159 KB (one program per SM, not two), WIDE 89 KB and TOKEN_STREAM spilled 1232 bytes.
     """
-    if (v32 or element_size == 1) and plan.block_h >= 64:
+    if v32:
+        return max(16, plan.block_n // 2)
+    if element_size == 1 and plan.block_h >= 64:
         # fp8: the latent tile is copied once per dot; 64 query rows also keep q in shared
         # memory, so half the tokens keep the copies within one SM's shared memory.
         return max(16, plan.block_n // 2)

@@ -126,10 +126,14 @@ def _attend_tokens(
         # An fp8 cache dequantizes on the way in (a per-tensor scale is applied by the
         # caller, V3.2 group scales by the loader); for caches of q's dtype this is a no-op.
         kv_v = kv.to(q_nope.dtype)
-        if KV.dtype.element_ty != q_nope.dtype:
+        if KV.dtype.element_ty != q_nope.dtype and KV_FORMAT == "dense":
             # A converted tile feeding two dots stays in registers (no shared-memory
             # pipeline); reading it once per dot lets each copy be pipelined.
             # (A different cache hint keeps the compiler from merging the two loads.)
+            # Not for "v32": its scaled tile is not a plain conversion, so each read kept
+            # a float32 tile in registers (sm_90 compile, 64-token tiles at 3 stages:
+            # 2312 bytes of spills); read once, both dots share one dequantized bf16 tile
+            # in shared memory and nothing spills.
             offs_n = tok0 + tl.arange(0, BLOCK_N)
             row = pages * stride_kv_page + (offs_n % PAGE_SIZE) * stride_kv_tok
             kv_v = _load_latent(KV, row, offs_n < end, KV_LORA_RANK, BLOCK_N, KV_FORMAT,
@@ -170,12 +174,12 @@ def _tile_pages(bt_row, tok0, end, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexp
     return page.to(tl.int64)
 
 
-V32_GROUP: tl.constexpr = 128  # latent values per float32 scale in a "v32" row
+V32_GROUP = tl.constexpr(128)  # latent values per float32 scale in a "v32" row
 
 
 @triton.jit
 def _load_latent(KV, row, mask_n, KV_LORA_RANK: tl.constexpr, BLOCK_N: tl.constexpr,
-                 KV_FORMAT: tl.constexpr, EVICTION: tl.constexpr = ""):
+                 KV_FORMAT: tl.constexpr, EVICTION: tl.constexpr):
     """The latent [BLOCK_N, R] of cache rows at element offsets ``row`` (masked rows: zeros).
     "dense": the cache's dtype; "v32": float32, the e4m3 values times their group scales."""
     offs_c = tl.arange(0, KV_LORA_RANK)
@@ -207,7 +211,7 @@ def _load_tile_rows(KV, pages, tok0, end, stride_kv_page, stride_kv_tok,
     offs_n = tok0 + tl.arange(0, BLOCK_N)
     mask_n = offs_n < end
     row = pages * stride_kv_page + (offs_n % PAGE_SIZE) * stride_kv_tok
-    kv = _load_latent(KV, row, mask_n, KV_LORA_RANK, BLOCK_N, KV_FORMAT)
+    kv = _load_latent(KV, row, mask_n, KV_LORA_RANK, BLOCK_N, KV_FORMAT, "")
     if KV_FORMAT == "v32":
         # bf16 rope after the latent and the scales: row offsets in bf16 units.
         rope_row = tl.multiple_of(row // 2, 8)
