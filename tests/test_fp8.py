@@ -194,3 +194,186 @@ def test_store_kv_quantizes_into_an_fp8_cache():
     assert (got.view(-1, r + p)[[0, 1, 2, 4]] == 0).all()
     with pytest.raises(ValueError, match="kv_scale"):
         store_kv(kv_a, weight, rope, pos, slots, lens, packed, 1e-6)
+
+
+# ---- DeepSeek-V3.2 format: per-token, per-128-group scales ---------------------------------
+
+
+@pytest.mark.host
+def test_pack_v32_layout_and_round_trip():
+    gen = torch.Generator().manual_seed(5)
+    rows = torch.randn(3, 7, 576, generator=gen)
+    rows[0, 0, :128] = 0.0                       # a zero group
+    rows[0, 1, 128:256] *= 1e4                   # groups of very different magnitude
+    rows[0, 1, 256:384] *= 1e-4
+    rows[0, 2, :512] = 0.0                       # a token whose latent is all zeros
+    rows[1, 3, 384:512] = torch.linspace(-1, 1, 128) * 3e38  # near float32's limit
+    packed = fp8.pack_v32(rows)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 7, fp8.V32_BYTES) == (3, 7, 656)
+    # Bytes 512..527: the float32 group scales; 528..655: the rope in bf16.
+    scales = packed[..., 512:528].contiguous().view(torch.float32)
+    amax = rows[..., :512].reshape(3, 7, 4, 128).abs().amax(-1)
+    assert torch.equal(scales, (amax / 448).clamp_min(2.0 ** -126))
+    assert torch.equal(fp8.v32_scales(rows[..., :512]), scales)
+    assert scales[0, 0, 0] == 2.0 ** -126 and (scales > 0).all() and torch.isfinite(scales).all()
+    rope = packed[..., 528:].contiguous().view(torch.bfloat16)
+    assert torch.equal(rope, rows[..., 512:].to(torch.bfloat16))
+    stored = packed[..., :512].contiguous().view(torch.float8_e4m3fn).float()
+    assert torch.isfinite(stored).all()  # saturated at +-448, never e4m3fn's nan
+    assert torch.equal(stored.reshape(3, 7, 4, 128).abs().amax(-1)[amax > 0],
+                       torch.full_like(amax[amax > 0], 448.0))
+
+    back = fp8.unpack_v32(packed)
+    assert back.dtype == torch.float64 and back.shape == (3, 7, 576)
+    assert (back[0, 0, :128] == 0).all() and (back[0, 2, :512] == 0).all()
+    assert torch.equal(back[..., 512:], rows[..., 512:].to(torch.bfloat16).double())
+    # Each value within one e4m3 rounding of its group: 2^-4 relative in the normal range,
+    # half a subnormal step (2^-10 of the scale) below it.
+    x = rows[..., :512].double()
+    step = scales.double().repeat_interleave(128, -1)
+    err = (back[..., :512] - x).abs()
+    assert (err <= torch.maximum(x.abs() * 2 ** -4, step * 2 ** -10) * (1 + 1e-6)).all()
+    # The group's largest magnitude comes back to float32 rounding of the scale.
+    big = x[1, 3, 384:512].abs().argmax()
+    assert back[1, 3, 384 + big].item() == pytest.approx(x[1, 3, 384 + big].item(), rel=1e-6)
+    # Rope values representable in bf16 are exact; packing the unpacked rows is a no-op.
+    assert torch.equal(fp8.pack_v32(back.float()), packed)
+
+
+@pytest.mark.host
+def test_pack_v32_saturates_rather_than_producing_nan():
+    # amax / 448 rounds down in float32 for some amax, so amax / scale can land just above
+    # 448: it must saturate to 448 (e4m3fn has no infinity; beyond 464 its cast gives nan).
+    vals = torch.tensor([1.0 + k * 2 ** -23 for k in range(1, 4096, 7)])
+    rows = torch.zeros(len(vals), 576)
+    rows[:, 0] = vals
+    rows[:, 1] = -vals
+    stored = fp8.pack_v32(rows)[:, :2].contiguous().view(torch.float8_e4m3fn).float()
+    assert torch.equal(stored.abs(), torch.full_like(stored, 448.0))
+
+
+@pytest.mark.host
+@pytest.mark.parametrize("bad", ["width", "int"])
+def test_pack_and_unpack_v32_reject_other_shapes(bad):
+    with pytest.raises(ValueError, match="pack_v32"):
+        fp8.pack_v32(torch.zeros(2, 512) if bad == "width" else torch.zeros(2, 576,
+                                                                            dtype=torch.int32))
+    with pytest.raises(ValueError, match="unpack_v32"):
+        fp8.unpack_v32(torch.zeros(2, 576, dtype=torch.uint8) if bad == "width"
+                       else torch.zeros(2, 656))
+
+
+def v32_case(lens, heads, *, q_dtype, page_size=16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    case = make_case(lens, heads, page_size=page_size, dtype=torch.float32, device="cpu",
+                     gen=gen)
+    # Groups of different magnitudes, so a wrong group scale shows in the error.
+    case.kv_cache[..., :512] *= torch.tensor([0.05, 1.0, 8.0, 0.5]).repeat_interleave(128)
+    return (case.q.to(q_dtype).to(DEVICE), fp8.pack_v32(case.kv_cache).to(DEVICE),
+            case.block_table.to(DEVICE), case.seq_lens.to(DEVICE))
+
+
+def v32_reference(q, cache, table, lens):
+    return mla_decode_reference(q.cpu(), fp8.unpack_v32(cache.cpu()), table.cpu(), lens.cpu(),
+                                kv_lora_rank=KV_LORA_RANK, sm_scale=SM_SCALE)
+
+
+def check_v32(plan, q, cache, table, lens, *, balanced=False):
+    out, lse = run(plan, q, cache, table, lens, None, balanced=balanced)
+    ref, ref_lse = v32_reference(q, cache, table, lens)
+    assert rel_l2(out, ref) < 1e-2, plan.describe()
+    live = lens.cpu() > 0
+    assert (lse.cpu().double()[live] - ref_lse[live]).abs().max() < 2e-2, plan.describe()
+    assert (out[~live.to(out.device)] == 0).all()
+
+
+@pytest.mark.host
+def test_v32_tiles_are_half_the_plans():
+    from graphbucket.kernels.launch import kv_tile_tokens, tile_tokens
+
+    cache = torch.zeros(1, 64, 656, dtype=torch.uint8)
+    for heads in (16, 128):
+        for stream in (None, LONG_PAGE_AHEAD, TOKEN_STREAM):
+            kw = {} if stream is None else {"stream": stream}
+            plan = plan_mla_decode(1, heads, 1, num_sms=8, **kw)
+            assert tile_tokens(plan, 1, v32=True) == max(16, plan.block_n // 2)
+            assert kv_tile_tokens(plan, cache) == tile_tokens(plan, 1, v32=True)
+
+
+@pytest.mark.parametrize("lens", [[1], [16, 17], [33, 0, 100, 5]])
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_v32_split_kv_matches_float64_over_the_unpacked_cache(lens, page_size, splits):
+    q, cache, table, seq_lens = v32_case(lens, 16, q_dtype=Q_DTYPES[-1], page_size=page_size)
+    check_v32(plan_mla_decode(len(lens), 16, 1, num_sms=8).with_splits(splits),
+              q, cache, table, seq_lens)
+
+
+@pytest.mark.parametrize("q_dtype", Q_DTYPES)
+@pytest.mark.parametrize(("lens", "splits"), [([33, 0, 100, 5], 1), ([100], 3)])
+def test_v32_128_heads(q_dtype, lens, splits):
+    # 64 query rows per program, half-token tiles. (The merge of 128 heads is slow in the
+    # interpreter: fewer requests where there is one.)
+    q, cache, table, seq_lens = v32_case(lens, 128, q_dtype=q_dtype, page_size=64, seed=6)
+    check_v32(plan_mla_decode(len(lens), 128, 1, num_sms=8).with_splits(splits),
+              q, cache, table, seq_lens)
+
+
+@pytest.mark.parametrize("stream", [LONG_PAGE_AHEAD, TOKEN_STREAM])
+@pytest.mark.parametrize("heads", [16, 128])
+def test_v32_other_streams_and_query_rows(stream, heads):
+    q, cache, table, seq_lens = v32_case([70, 3], heads, q_dtype=Q_DTYPES[-1], seed=7)
+    # One split at 128 heads: the interpreter's merge of 128 heads is slow.
+    splits = 2 if heads == 16 else 1
+    check_v32(plan_mla_decode(2, heads, 1, num_sms=4, stream=stream).with_splits(splits),
+              q, cache, table, seq_lens)
+
+
+def test_v32_balanced_ragged_batch():
+    lens = [130, 1, 0, 47]
+    q, cache, table, seq_lens = v32_case(lens, 16, q_dtype=Q_DTYPES[-1], seed=8)
+    check_v32(plan_balanced_mla_decode(len(lens), 16, num_sms=4), q, cache, table, seq_lens,
+              balanced=True)
+
+
+def test_v32_error_against_the_unquantized_cache_is_small():
+    gen = torch.Generator().manual_seed(9)
+    case = make_case([200, 31], 16, page_size=16, dtype=torch.float32, device="cpu", gen=gen)
+    q = case.q.to(Q_DTYPES[-1]).to(DEVICE)
+    plan = plan_mla_decode(2, 16, 1, num_sms=8).with_splits(2)
+    out, _ = run(plan, q, fp8.pack_v32(case.kv_cache).to(DEVICE), case.block_table.to(DEVICE),
+                 case.seq_lens.to(DEVICE), None)
+    exact, _ = mla_decode_reference(q.cpu(), case.kv_cache, case.block_table, case.seq_lens,
+                                    kv_lora_rank=KV_LORA_RANK, sm_scale=SM_SCALE)
+    assert rel_l2(out, exact) < 0.1
+
+
+@pytest.mark.parametrize("bad", ["kv_scale", "width_576", "width_660", "fp32_q", "misaligned",
+                                 "balanced_kv_scale"])
+def test_bad_v32_inputs_raise_before_launch_and_write_nothing(bad):
+    q, cache, table, seq_lens = v32_case([20], 16, q_dtype=Q_DTYPES[-1])
+    plan = plan_mla_decode(1, 16, 1, num_sms=8)
+    launch, ws, scale, match = mla_decode, None, None, "kv_cache"
+    if bad in ("kv_scale", "balanced_kv_scale"):
+        scale, match = torch.ones(1, device=DEVICE), "kv_scale"
+        if bad == "balanced_kv_scale":
+            plan = plan_balanced_mla_decode(1, 16, num_sms=4)
+            ws = SplitWorkspace.allocate(1, 16, 1, KV_LORA_RANK, DEVICE,
+                                         max_items=plan.max_work_items)
+            launch = mla_decode_balanced
+    elif bad == "width_576":
+        cache = cache[..., :576].contiguous()  # per-tensor width in bytes: not a V3.2 row
+    elif bad == "width_660":
+        cache = torch.nn.functional.pad(cache, (0, 4))
+    elif bad == "fp32_q":
+        q, match = q.float(), "dtypes"
+    else:
+        # 656-byte rows at a 660-byte stride: not 16-byte aligned.
+        cache = torch.nn.functional.pad(cache, (0, 4))[..., :656]
+    out = torch.full((1, 16, KV_LORA_RANK), float("nan"), dtype=q.dtype, device=DEVICE)
+    with pytest.raises(ValueError, match=match) as err:
+        launch(q, cache, table, seq_lens, out, ws, plan=plan, sm_scale=SM_SCALE,
+               kv_scale=scale)
+    if bad.startswith("width"):
+        assert "656" in str(err.value) and "V3.2" in str(err.value)
+    assert torch.isnan(out).all()

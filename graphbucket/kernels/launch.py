@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from graphbucket import fp8
 from graphbucket.kernels.mla_decode import _mla_decode_merge_kernel, _mla_decode_stage1_kernel
 from graphbucket.plan import LaunchPlan
 
@@ -22,6 +23,15 @@ KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Per-tensor fp8 caches: every 576-wide row in e4m3 with one float32 scale for the whole
 # cache (value = stored * kv_scale); q and out stay bf16 / fp16.
 FP8_KV_DTYPES = (torch.float8_e4m3fn,)
+# DeepSeek-V3.2 caches ("fp8-v32", graphbucket.fp8): uint8 [num_pages, page_size, 656], per
+# token 512 e4m3 latent values, 4 float32 scales (one per 128 values) and 64 bf16 rope
+# values; no kv_scale, q and out bf16 / fp16.
+V32_KV_DTYPE = torch.uint8
+
+
+def is_v32(kv_cache: torch.Tensor) -> bool:
+    """A uint8 cache is read as the V3.2 format (656-byte rows)."""
+    return kv_cache.dtype == V32_KV_DTYPE
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +111,9 @@ def check_mla_decode_args(q: torch.Tensor, kv_cache: torch.Tensor, block_table: 
     if tuple(q.shape) != (bs, nh, d_qk):
         _fail("q.shape", tuple(q.shape), f"{(bs, nh, d_qk)} from the plan",
               "Plan with this batch size and head count, or pass a view of the static buffer.")
-    if kv_cache.dim() != 3 or kv_cache.shape[2] != d_qk:
+    if is_v32(kv_cache):
+        check_v32_cache(kv_cache, plan)
+    elif kv_cache.dim() != 3 or kv_cache.shape[2] != d_qk:
         _fail("kv_cache.shape", tuple(kv_cache.shape), f"[num_pages, page_size, {d_qk}]",
               "The cache row is the latent (kv_lora_rank) followed by the rope part.")
     check_kv_dtypes(q, kv_cache, kv_scale)
@@ -137,9 +149,39 @@ def check_mla_decode_args(q: torch.Tensor, kv_cache: torch.Tensor, block_table: 
               "Allocate a SplitWorkspace covering every plan you will launch.")
 
 
+def check_v32_cache(kv_cache: torch.Tensor, plan: LaunchPlan) -> None:
+    """A uint8 cache holds V3.2 rows: [num_pages, page_size, 656] for a plan of 512 latent
+    and 64 rope values, 16-byte aligned rows (the kernels read float32 scales and bf16 rope
+    through reinterpreted pointers)."""
+    if kv_cache.dim() != 3 or kv_cache.shape[2] != fp8.V32_BYTES:
+        _fail("kv_cache.shape", f"uint8 {tuple(kv_cache.shape)}",
+              f"[num_pages, page_size, {fp8.V32_BYTES}] for a uint8 cache",
+              f"A uint8 cache is DeepSeek-V3.2's fp8 format, {fp8.V32_BYTES} bytes per token "
+              f"({fp8.V32_LATENT} e4m3 latent, {fp8.V32_GROUPS} float32 scales, "
+              f"{fp8.V32_ROPE} bf16 rope; graphbucket.fp8.pack_v32); a per-tensor fp8 "
+              "cache is torch.float8_e4m3fn.")
+    if (plan.kv_lora_rank, plan.qk_rope_dim) != (fp8.V32_LATENT, fp8.V32_ROPE):
+        _fail("plan", f"kv_lora_rank={plan.kv_lora_rank}, qk_rope_dim={plan.qk_rope_dim}",
+              f"{fp8.V32_LATENT} and {fp8.V32_ROPE} for a V3.2 (uint8) cache",
+              "The V3.2 layout is fixed: 512 latent and 64 rope values per token.")
+    if kv_cache.stride(0) % 16 or kv_cache.stride(1) % 16 or kv_cache.data_ptr() % 16:
+        _fail("kv_cache strides", f"{kv_cache.stride()[:2]} at {kv_cache.data_ptr() % 16} "
+              "bytes past a 16-byte boundary", "multiples of 16 bytes, 16-byte aligned",
+              "Pass a contiguous V3.2 cache (656-byte rows).")
+
+
 def check_kv_dtypes(q: torch.Tensor, kv_cache: torch.Tensor,
                     kv_scale: torch.Tensor | None) -> None:
-    """q and cache of one dtype, or an fp8 cache with a bf16/fp16 q and its scale."""
+    """q and cache of one dtype, an fp8 cache with a bf16/fp16 q and its scale, or a V3.2
+    (uint8) cache with a bf16/fp16 q and no scale."""
+    if is_v32(kv_cache):
+        if q.dtype not in (torch.bfloat16, torch.float16):
+            _fail("dtypes", f"q={q.dtype}, kv_cache={kv_cache.dtype}", "bf16 or fp16 q",
+                  "A V3.2 fp8 (uint8) cache is attended with a bfloat16 or float16 q.")
+        if kv_scale is not None:
+            _fail("kv_scale", "a tensor", "None for a V3.2 (uint8) cache",
+                  "A V3.2 cache carries its scales in every row (4 per token).")
+        return
     if kv_cache.dtype in FP8_KV_DTYPES:
         if q.dtype not in (torch.bfloat16, torch.float16):
             _fail("dtypes", f"q={q.dtype}, kv_cache={kv_cache.dtype}", "bf16 or fp16 q",
@@ -154,7 +196,8 @@ def check_kv_dtypes(q: torch.Tensor, kv_cache: torch.Tensor,
         return
     if kv_cache.dtype not in KV_DTYPES or q.dtype != kv_cache.dtype:
         _fail("dtypes", f"q={q.dtype}, kv_cache={kv_cache.dtype}",
-              "equal dtypes, one of bfloat16/float16/float32, or an fp8 (e4m3) cache",
+              "equal dtypes, one of bfloat16/float16/float32, an fp8 (e4m3) cache, or a "
+              "V3.2 fp8 (uint8, 656-byte rows) cache",
               "Cast q to the cache dtype.")
     if kv_scale is not None:
         _fail("kv_scale", "a tensor", "None for a bf16/fp16/fp32 cache",
@@ -185,13 +228,8 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     seq_lens [>=B] int32 on the device, out [B, H, kv_lora_rank] (written in full);
     lse [B, H] float32 (natural log) if given. Rows with seq_len 0 give zeros. An fp8
     (e4m3) cache takes ``kv_scale`` (float32 [1] on the device: value = stored * scale),
-    with a bf16 / fp16 q and out.
-
-    Multi-token decode (a verify step of ``q_len`` tokens per request): q [B, q_len * H,
-    D] is q [B, q_len, H, D] with the tokens folded into the rows (plan with q_len * H
-    heads), out likewise; ``seq_lens`` count the q_len new tokens, and token j attends to
-    the positions before seq_len - q_len + j + 1. A row with no position (seq_len < q_len)
-    gives zeros; the runner rejects such lengths on the host.
+        SCALED=kv_scale is not None, MULTI_TOKEN=q_len > 1,
+        KV_FORMAT="v32" if is_v32(kv_cache) else "dense",
     Graph-safe: no device reads, no allocation; the plan fixes grid and split count.
     """
     if plan.balanced:
@@ -207,7 +245,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
                   sm_scale=sm_scale, lse=lse)
     if plan.merge_kernel:
         launch_merge(seq_lens, out, workspace, plan=plan, lse=lse,
-                     block_n=tile_tokens(plan, kv_cache.element_size()))
+                     block_n=kv_tile_tokens(plan, kv_cache))
     return out
 
 
@@ -245,7 +283,7 @@ def use_pdl(plan: LaunchPlan, device: torch.device) -> bool:
     return plan.merge_kernel and plan.dependent_merge and _pdl_capable(device)
 
 
-def tile_tokens(plan: LaunchPlan, element_size: int) -> int:
+def tile_tokens(plan: LaunchPlan, element_size: int, *, v32: bool = False) -> int:
     """Tokens per KV tile for this cache dtype: the plan's, or fewer for wider elements.
 
     Plans are tuned for 2-byte caches (bf16: 64 x 576 x 2 B = 72 KB tiles, 94 KB of shared
@@ -253,12 +291,25 @@ def tile_tokens(plan: LaunchPlan, element_size: int) -> int:
     227 KB per block), so float32 caches stream tiles of the same bytes: half the tokens.
     Both stages must use the same count (it fixes every split's token range). fp8 caches
     keep the plan's tokens (half the bytes), except with 64 query rows (below).
+    V3.2 caches (``v32``: 656-byte rows, 0.57x a bf16 row) stream half the plan's tokens:
+    their tile is dequantized into a bf16 tile in shared memory (and its transpose for the
+    head-major layout), so it takes more than its bytes. sm_90 compile with half tiles, no
+    spills: LONG 89 KB, LONG_PAGE_AHEAD 56 KB, WIDE 54 KB, TOKEN_STREAM 56 KB, ROWS_STREAM
+    132 KB, each stream's programs per SM as planned; with the plan's tokens LONG needed
+    159 KB (one program per SM, not two), WIDE 89 KB and TOKEN_STREAM spilled 1232 bytes.
     """
+    if v32:
+        return max(16, plan.block_n // 2)
     if element_size == 1 and plan.block_h >= 64:
         # fp8: the latent tile is copied once per dot; 64 query rows also keep q in shared
         # memory, so half the tokens keep the copies within one SM's shared memory.
         return max(16, plan.block_n // 2)
     return max(16, plan.block_n * 2 // max(2, element_size))
+
+
+def kv_tile_tokens(plan: LaunchPlan, kv_cache: torch.Tensor) -> int:
+    """``tile_tokens`` for this cache (its element size and format)."""
+    return tile_tokens(plan, kv_cache.element_size(), v32=is_v32(kv_cache))
 
 
 def launch_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -270,7 +321,7 @@ def launch_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
     Returns Triton's handle of the launched kernel (registers, shared memory, spills).
     """
     part_o, part_lse, po_strides, pl_strides = _workspace_args(workspace, out)
-    block_n = tile_tokens(plan, kv_cache.element_size())
+    block_n = kv_tile_tokens(plan, kv_cache)
     counters = _merge_counters(workspace, plan, seq_lens)
     return _mla_decode_stage1_kernel[plan.grid](
         q, kv_cache, block_table, seq_lens, out, out if lse is None else lse, part_o, part_lse,
@@ -292,6 +343,7 @@ def launch_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
         PAGE_AHEAD=plan.page_ahead,
         MERGE_CHUNKS=plan.merge_chunks if plan.merges_in_stage1 else 1,
         SCALED=kv_scale is not None, MULTI_TOKEN=q_len > 1,
+        KV_FORMAT="v32" if is_v32(kv_cache) else "dense",
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
 

@@ -18,7 +18,8 @@ from graphbucket.kernels.launch import (
     LOG2E,
     SplitWorkspace,
     check_mla_decode_args,
-    tile_tokens,
+    is_v32,
+    kv_tile_tokens,
 )
 from graphbucket.plan import LaunchPlan, pow2_ceil
 
@@ -44,7 +45,7 @@ def mla_decode_balanced(q: torch.Tensor, kv_cache: torch.Tensor, block_table: to
     if check:
         check_mla_decode_args(q, kv_cache, block_table, seq_lens, out, plan, workspace, lse,
                               kv_scale)
-    block_n = tile_tokens(plan, kv_cache.element_size())
+    block_n = kv_tile_tokens(plan, kv_cache)
     launch_item_planner(seq_lens, workspace, plan=plan, block_n=block_n)
     launch_balanced_stage1(q, kv_cache, block_table, seq_lens, out, workspace, plan=plan,
                            sm_scale=sm_scale, lse=lse, block_n=block_n, kv_scale=kv_scale)
@@ -87,6 +88,7 @@ def launch_balanced_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table:
         TILE_IN_PAGE=kv_cache.shape[1] % block_n == 0, WRITE_LSE=lse is not None,
         DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
         TOKEN_MAJOR=plan.token_major, PAGE_AHEAD=plan.page_ahead, SCALED=kv_scale is not None,
+        KV_FORMAT="v32" if is_v32(kv_cache) else "dense",
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
 

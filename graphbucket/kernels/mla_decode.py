@@ -15,6 +15,14 @@ both dots. All heads share the single latent KV head, so BLOCK_H heads ride one 
 caches multiply in IEEE float32 (``DOT_PRECISION="ieee"``), not TF32: a float32 cache is
 asked for precision, and TF32 gave ~1e-3 relative error against float64 on the H200.
 
+Cache formats (the KV_FORMAT constexpr): "dense" rows of the cache's dtype (bf16 / fp16 /
+fp32, or per-tensor fp8 e4m3 whose scale the stage-1 kernels apply to scores and output),
+and "v32", DeepSeek-V3.2's 656-byte rows in a uint8 cache (``graphbucket.fp8``: e4m3
+latent at bytes 0..511, one float32 scale per 128 latent values at 512..527, bf16 rope at
+528..655). A "v32" tile is read through reinterpreted pointers (strides in bytes, multiples
+of 16: the launcher checks) and its latent is dequantized by its group scales before the
+dots.
+
 The split count is a runtime argument: a graph captured with any plan stays correct for
 any live length. Each program derives its token range from ``seq_lens`` on the device:
 
@@ -74,6 +82,7 @@ def _attend_tokens(
     DOT_PRECISION: tl.constexpr,
     TOKEN_MAJOR: tl.constexpr = False,
     PAGE_AHEAD: tl.constexpr = False,
+    KV_FORMAT: tl.constexpr = "dense",
     row_limit=None,
     MULTI_TOKEN: tl.constexpr = False,
 ):
@@ -103,7 +112,7 @@ def _attend_tokens(
         return _attend_tokens_token_major(
             q_nope, q_rope, KV, bt_row, start, end, qk_scale_log2, stride_kv_page,
             stride_kv_tok, PAGE_SIZE, KV_LORA_RANK, ROPE_DIM, BLOCK_H, BLOCK_N, TILE_IN_PAGE,
-            DOT_PRECISION)
+            DOT_PRECISION, KV_FORMAT)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, KV_LORA_RANK], dtype=tl.float32)
@@ -119,19 +128,22 @@ def _attend_tokens(
             pages = _tile_pages(bt_row, tok0, end, PAGE_SIZE, BLOCK_N, TILE_IN_PAGE)
         kv, k_rope, mask_n = _load_tile_rows(KV, pages, tok0, end, stride_kv_page,
                                              stride_kv_tok, PAGE_SIZE, KV_LORA_RANK,
-                                             ROPE_DIM, BLOCK_N)
-        # An fp8 cache dequantizes on the way in (its scale is applied by the caller);
-        # for caches of q's dtype this is a no-op.
+                                             ROPE_DIM, BLOCK_N, KV_FORMAT)
+        # An fp8 cache dequantizes on the way in (a per-tensor scale is applied by the
+        # caller, V3.2 group scales by the loader); for caches of q's dtype this is a no-op.
         kv_v = kv.to(q_nope.dtype)
-        if KV.dtype.element_ty != q_nope.dtype:
+        if KV.dtype.element_ty != q_nope.dtype and KV_FORMAT == "dense":
             # A converted tile feeding two dots stays in registers (no shared-memory
             # pipeline); reading it once per dot lets each copy be pipelined.
             # (A different cache hint keeps the compiler from merging the two loads.)
+            # Not for "v32": its scaled tile is not a plain conversion, so each read kept
+            # a float32 tile in registers (sm_90 compile, 64-token tiles at 3 stages:
+            # 2312 bytes of spills); read once, both dots share one dequantized bf16 tile
+            # in shared memory and nothing spills.
             offs_n = tok0 + tl.arange(0, BLOCK_N)
             row = pages * stride_kv_page + (offs_n % PAGE_SIZE) * stride_kv_tok
-            kv_v = tl.load(KV + row[:, None] + tl.arange(0, KV_LORA_RANK)[None, :],
-                           mask=(offs_n < end)[:, None], other=0.0,
-                           eviction_policy="evict_first").to(q_nope.dtype)
+            kv_v = _load_latent(KV, row, offs_n < end, KV_LORA_RANK, BLOCK_N, KV_FORMAT,
+                                "evict_first").to(q_nope.dtype)
         kv, k_rope = kv.to(q_nope.dtype), k_rope.to(q_nope.dtype)
         qk = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PRECISION)
         qk += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
@@ -177,31 +189,67 @@ def _tile_pages(bt_row, tok0, end, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexp
     return page.to(tl.int64)
 
 
+V32_GROUP = tl.constexpr(128)  # latent values per float32 scale in a "v32" row
+
+
+@triton.jit
+def _load_latent(KV, row, mask_n, KV_LORA_RANK: tl.constexpr, BLOCK_N: tl.constexpr,
+                 KV_FORMAT: tl.constexpr, EVICTION: tl.constexpr):
+    """The latent [BLOCK_N, R] of cache rows at element offsets ``row`` (masked rows: zeros).
+    "dense": the cache's dtype; "v32": float32, the e4m3 values times their group scales."""
+    offs_c = tl.arange(0, KV_LORA_RANK)
+    if KV_FORMAT == "v32":
+        kv = tl.load(KV.to(tl.pointer_type(tl.float8e4nv)) + row[:, None] + offs_c[None, :],
+                     mask=mask_n[:, None], other=0.0, eviction_policy=EVICTION)
+        GROUPS: tl.constexpr = KV_LORA_RANK // V32_GROUP
+        # float32 scales at byte R: row offsets in float32 units (rows are 16-byte aligned).
+        scale_row = tl.multiple_of(row // 4, 4)
+        scale = tl.load((KV + KV_LORA_RANK).to(tl.pointer_type(tl.float32))
+                        + scale_row[:, None] + tl.arange(0, GROUPS)[None, :],
+                        mask=mask_n[:, None], other=0.0, eviction_policy=EVICTION)
+        kv = tl.reshape(kv.to(tl.float32), [BLOCK_N, GROUPS, V32_GROUP]) * scale[:, :, None]
+        kv = tl.reshape(kv, [BLOCK_N, KV_LORA_RANK])
+    else:
+        kv = tl.load(KV + row[:, None] + offs_c[None, :], mask=mask_n[:, None], other=0.0,
+                     eviction_policy=EVICTION)
+    return kv
+
+
 @triton.jit
 def _load_tile_rows(KV, pages, tok0, end, stride_kv_page, stride_kv_tok,
                     PAGE_SIZE: tl.constexpr, KV_LORA_RANK: tl.constexpr,
-                    ROPE_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+                    ROPE_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                    KV_FORMAT: tl.constexpr = "dense"):
     """Tokens tok0 .. tok0 + BLOCK_N on ``pages`` (``_tile_pages``): (latent [BLOCK_N, R],
-    rope [BLOCK_N, ROPE_DIM], live mask); rows at or past ``end`` load as zeros."""
+    rope [BLOCK_N, ROPE_DIM], live mask); rows at or past ``end`` load as zeros. A "v32"
+    cache gives the dequantized latent in float32 and the rope in bf16."""
     offs_n = tok0 + tl.arange(0, BLOCK_N)
     mask_n = offs_n < end
     row = pages * stride_kv_page + (offs_n % PAGE_SIZE) * stride_kv_tok
-    kv = tl.load(KV + row[:, None] + tl.arange(0, KV_LORA_RANK)[None, :],
-                 mask=mask_n[:, None], other=0.0)
-    k_rope = tl.load(KV + row[:, None] + KV_LORA_RANK + tl.arange(0, ROPE_DIM)[None, :],
-                     mask=mask_n[:, None], other=0.0)
+    kv = _load_latent(KV, row, mask_n, KV_LORA_RANK, BLOCK_N, KV_FORMAT, "")
+    if KV_FORMAT == "v32":
+        # bf16 rope after the latent and the scales: row offsets in bf16 units.
+        rope_row = tl.multiple_of(row // 2, 8)
+        k_rope = tl.load((KV + KV_LORA_RANK + 4 * (KV_LORA_RANK // V32_GROUP))
+                         .to(tl.pointer_type(tl.bfloat16))
+                         + rope_row[:, None] + tl.arange(0, ROPE_DIM)[None, :],
+                         mask=mask_n[:, None], other=0.0)
+    else:
+        k_rope = tl.load(KV + row[:, None] + KV_LORA_RANK + tl.arange(0, ROPE_DIM)[None, :],
+                         mask=mask_n[:, None], other=0.0)
     return kv, k_rope, mask_n
 
 
 @triton.jit
 def _load_tile(KV, bt_row, tok0, end, stride_kv_page, stride_kv_tok,
                PAGE_SIZE: tl.constexpr, KV_LORA_RANK: tl.constexpr, ROPE_DIM: tl.constexpr,
-               BLOCK_N: tl.constexpr, TILE_IN_PAGE: tl.constexpr):
+               BLOCK_N: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
+               KV_FORMAT: tl.constexpr = "dense"):
     """Tokens tok0 .. tok0 + BLOCK_N of one request: (latent [BLOCK_N, R], rope
     [BLOCK_N, ROPE_DIM], live mask); rows at or past ``end`` load as zeros."""
     pages = _tile_pages(bt_row, tok0, end, PAGE_SIZE, BLOCK_N, TILE_IN_PAGE)
     return _load_tile_rows(KV, pages, tok0, end, stride_kv_page, stride_kv_tok, PAGE_SIZE,
-                           KV_LORA_RANK, ROPE_DIM, BLOCK_N)
+                           KV_LORA_RANK, ROPE_DIM, BLOCK_N, KV_FORMAT)
 
 
 @triton.jit
@@ -215,6 +263,7 @@ def _attend_tokens_token_major(
     BLOCK_N: tl.constexpr,
     TILE_IN_PAGE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FORMAT: tl.constexpr = "dense",
 ):
     """``_attend_tokens`` with tokens as the dots' rows (see there); same result."""
     q_nope_t = tl.trans(q_nope)  # [R, BLOCK_H]
@@ -226,7 +275,7 @@ def _attend_tokens_token_major(
     for tok0 in range(start, end, BLOCK_N):
         kv, k_rope, mask_n = _load_tile(KV, bt_row, tok0, end, stride_kv_page, stride_kv_tok,
                                         PAGE_SIZE, KV_LORA_RANK, ROPE_DIM, BLOCK_N,
-                                        TILE_IN_PAGE)
+                                        TILE_IN_PAGE, KV_FORMAT)
         kv, k_rope = kv.to(q_nope.dtype), k_rope.to(q_nope.dtype)
         s_t = tl.dot(kv, q_nope_t, input_precision=DOT_PRECISION)
         s_t += tl.dot(k_rope, q_rope_t, input_precision=DOT_PRECISION)
@@ -288,6 +337,7 @@ def _mla_decode_stage1_kernel(
     MERGE_CHUNKS: tl.constexpr = 1,
     SCALED: tl.constexpr = False,
     MULTI_TOKEN: tl.constexpr = False,
+    KV_FORMAT: tl.constexpr = "dense",
 ):
     bid = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -319,8 +369,8 @@ def _mla_decode_stage1_kernel(
             q_nope, q_rope, KV, BLOCK_TABLE + bid * stride_bt_b, start, end,
             qk_scale_log2 * kv_scale,
             stride_kv_page, stride_kv_tok, PAGE_SIZE, KV_LORA_RANK, ROPE_DIM, BLOCK_H,
-            BLOCK_N, TILE_IN_PAGE, DOT_PRECISION, TOKEN_MAJOR, PAGE_AHEAD, row_limit,
-            MULTI_TOKEN)
+            BLOCK_N, TILE_IN_PAGE, DOT_PRECISION, TOKEN_MAJOR, PAGE_AHEAD, KV_FORMAT,
+            row_limit, MULTI_TOKEN)
         lse_log2 = m_i + tl.log2(l_i)
         if MULTI_TOKEN:  # rows that saw no token here: zeros, LSE -inf
             l_i = tl.where(l_i > 0.0, l_i, 1.0)
