@@ -228,8 +228,14 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     seq_lens [>=B] int32 on the device, out [B, H, kv_lora_rank] (written in full);
     lse [B, H] float32 (natural log) if given. Rows with seq_len 0 give zeros. An fp8
     (e4m3) cache takes ``kv_scale`` (float32 [1] on the device: value = stored * scale),
-        SCALED=kv_scale is not None, MULTI_TOKEN=q_len > 1,
-        KV_FORMAT="v32" if is_v32(kv_cache) else "dense",
+    with a bf16 / fp16 q and out. A uint8 cache [num_pages, page_size, 656] is DeepSeek-
+    V3.2's fp8 format (``graphbucket.fp8.pack_v32``): bf16 / fp16 q and out, no kv_scale.
+
+    Multi-token decode (a verify step of ``q_len`` tokens per request): q [B, q_len * H,
+    D] is q [B, q_len, H, D] with the tokens folded into the rows (plan with q_len * H
+    heads), out likewise; ``seq_lens`` count the q_len new tokens, and token j attends to
+    the positions before seq_len - q_len + j + 1. A row with no position (seq_len < q_len)
+    gives zeros; the runner rejects such lengths on the host.
     Graph-safe: no device reads, no allocation; the plan fixes grid and split count.
     """
     if plan.balanced:
