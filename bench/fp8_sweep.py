@@ -1,10 +1,11 @@
 """FP8 KV cache against bf16: decode time per shape, same run (H200).
 
-The same random latent cache in two formats: bf16 and per-tensor fp8 (``graphbucket.fp8``,
-scale = amax / 448); the planned kernel on each, 16 heads, page 64, cold L2, CUDA-graph
-replays. ``frac_of_copy`` is over that format's bytes (576 or 1152 per token, plus q and
-out); ``rel_l2`` is the fp8 output against the bf16-cache output on the same inputs (the
-fp8 kernel against float64 over the dequantized cache is in tests/test_fp8.py).
+The same random latent cache in three formats: bf16, per-tensor fp8 (``graphbucket.fp8``,
+scale = amax / 448) and DeepSeek-V3.2's fp8 rows (``pack_v32``); the planned kernel on
+each, 16 heads, page 64, cold L2, CUDA-graph replays. ``frac_of_copy`` is over that
+format's bytes (1152, 576 or 656 per token, plus q and out); ``rel_l2`` is the fp8 output
+against the bf16-cache output on the same inputs (the fp8 kernels against float64 over
+the dequantized cache are in tests/test_fp8.py).
 
     python3 bench/fp8_sweep.py --out DIR        # DIR/h200-fp8.{json,md}
 """
@@ -33,8 +34,8 @@ SHAPES = [(1, 256), (8, 256), (64, 256), (1, 16384), (1, 65536), (1, 131072), (8
           (8, 131072), (64, 16384), (64, 65536)]
 
 
-def floor_us(gbps: float, lens: list[int], elem_bytes: int) -> float:
-    nbytes = sum(lens) * DIM * elem_bytes + len(lens) * HEADS * (DIM + RANK) * 2
+def floor_us(gbps: float, lens: list[int], row_bytes: int) -> float:
+    nbytes = sum(lens) * row_bytes + len(lens) * HEADS * (DIM + RANK) * 2
     return nbytes / (gbps * 1e3)
 
 
@@ -49,6 +50,7 @@ def main() -> None:
     bf16 = random_cache(pages)
     scale = fp8.scale_for(bf16.abs().amax().float().cpu()).cuda()
     packed = fp8.quantize(bf16, scale)
+    v32 = torch.cat([fp8.pack_v32(bf16[i:i + 4096]) for i in range(0, bf16.shape[0], 4096)])
     sm_scale, rows = default_sm_scale(), []
     for batch, context in SHAPES:
         lens = [context] * batch
@@ -57,8 +59,9 @@ def main() -> None:
         ws = SplitWorkspace.allocate(batch, HEADS, plan.num_kv_splits, RANK, "cuda")
         outs = {}
         for fmt, cache, launch, nbytes in (
-                ("bf16", bf16, mla_decode, 2),
-                ("fp8-tensor", packed, functools.partial(mla_decode, kv_scale=scale), 1)):
+                ("bf16", bf16, mla_decode, 2 * DIM),
+                ("fp8-tensor", packed, functools.partial(mla_decode, kv_scale=scale), DIM),
+                ("fp8-v32", v32, mla_decode, fp8.V32_BYTES)):
             us = time_calls(launch, plan, cache, tables, q, out, seq_lens, ws, sm_scale)
             outs[fmt] = out[0].float().clone()
             f_us = floor_us(gbps, lens, nbytes)
@@ -86,15 +89,16 @@ def markdown(result: dict) -> str:
              f"{meta['copy_gbps']:.0f} GB/s. Command: `{meta['command']}`", "",
              "16 heads, page 64, cold L2, CUDA-graph replays, the planned kernel. Of copy: "
              "over that format's bytes. rel_l2: fp8 output against the bf16-cache output.", "",
-             "| batch | context | bf16 us | fp8 us | fp8 / bf16 | bf16 of copy | fp8 of copy | "
-             "rel_l2 |", "|---|---|---|---|---|---|---|---|"]
+             "| batch | context | format | us | / bf16 | of copy | rel_l2 |",
+             "|---|---|---|---|---|---|---|"]
     rows = result["rows"]
     for b, c in sorted({(r["batch"], r["context"]) for r in rows}):
-        bf, f8 = (next(r for r in rows if (r["batch"], r["context"], r["format"]) == (b, c, x))
-                  for x in ("bf16", "fp8-tensor"))
-        lines.append(f"| {b} | {c} | {bf['us']:.1f} | {f8['us']:.1f} | "
-                     f"{f8['us'] / bf['us']:.2f} | {100 * bf['frac_of_copy']:.0f} % | "
-                     f"{100 * f8['frac_of_copy']:.0f} % | {f8['rel_l2']:.1e} |")
+        same = [r for r in rows if (r["batch"], r["context"]) == (b, c)]
+        bf = next(r for r in same if r["format"] == "bf16")
+        for r in same:
+            lines.append(f"| {b} | {c} | {r['format']} | {r['us']:.1f} | "
+                         f"{r['us'] / bf['us']:.2f} | {100 * r['frac_of_copy']:.0f} % | "
+                         f"{r['rel_l2']:.1e} |")
     return "\n".join(lines) + "\n"
 
 
