@@ -81,10 +81,13 @@ def test_lengths_around_block_and_page_edges(dtype, stream, seq_len):
         check(case, with_splits(base, splits))
 
 
-@pytest.mark.parametrize("page_size", [1, 16, 64])
-@pytest.mark.parametrize("stream", ["long", "wide", "token"])
+@pytest.mark.parametrize("page_size, stream", [
+    *((p, s) for p in (1, 16, 64) for s in ("long", "wide", "token")),
+    # double-buffered streams: pages looked up ahead as a scalar (16, 64) or a vector (8)
+    *((p, s) for p in (8, 16, 64) for s in ("long_ahead", "wide_ahead", "wide_buffered"))])
 def test_scattered_pages_ragged_batch(page_size, stream):
-    # page 64 with either tile takes the one-page-per-tile path; 1 and 16 gather per token.
+    # page 64 with either tile takes the one-page-per-tile path; 1, 8 and 16 (below the
+    # tile) gather per token.
     lens = [1, 70, 129, 33]
     case = make_case(lens, 16, page_size=page_size, dtype=torch.float16, device=DEVICE)
     plan = plan_mla_decode(len(lens), 16, 1, num_sms=8, stream=STREAMS[stream])
@@ -296,18 +299,6 @@ def test_page_ahead_lengths_around_tile_and_page_edges(dtype, stream, seq_len):
     assert base.page_ahead
     for splits in (1, 3):
         check(case, with_splits(base, splits))
-
-
-@pytest.mark.parametrize("page_size", [8, 16, 64])
-@pytest.mark.parametrize("stream", ["long_ahead", "wide_ahead", "wide_buffered"])
-def test_buffered_streams_scattered_pages_ragged_batch(page_size, stream):
-    # Pages smaller than the tile take the per-token lookup (carried ahead as a vector);
-    # 16 and 64 put every tile in one page (a scalar lookup).
-    lens = [1, 70, 129, 33]
-    case = make_case(lens, 16, page_size=page_size, dtype=torch.float16, device=DEVICE)
-    plan = plan_mla_decode(len(lens), 16, 1, num_sms=8, stream=STREAMS[stream])
-    check(case, plan)
-    check(case, with_splits(plan, 4))
 
 
 @pytest.mark.parametrize("stream", ["long_ahead", "wide_ahead"])
