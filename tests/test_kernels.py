@@ -238,8 +238,11 @@ def fused(plan: LaunchPlan) -> LaunchPlan:
     return replace(plan, fused_merge=True)
 
 
-@pytest.mark.parametrize("stream", ["long", "wide", "token"])
-@pytest.mark.parametrize("seq_len", [1, 63, 64, 65, 200])
+@pytest.mark.parametrize("stream, seq_len", [
+    *((s, n) for s in ("long", "wide", "token") for n in (1, 63, 64, 65, 200)),
+    # double-buffered streams: 16- and 32-token tiles on 16-token pages
+    *((s, n) for s in ("long_ahead", "wide_ahead", "wide_buffered")
+      for n in (1, 16, 17, 64, 200))])
 def test_fused_merge_around_split_edges(stream, seq_len):
     # 1 and 3 splits; 3 splits of a 1-tile request leave two splits without tokens.
     case = make_case([seq_len], 16, page_size=16, dtype=DTYPES[-1], device=DEVICE)
@@ -308,15 +311,6 @@ def test_page_ahead_partial_head_blocks(num_heads, stream):
     base = plan_mla_decode(2, num_heads, 1, num_sms=4, stream=STREAMS[stream])
     check(case, base)
     check(case, with_splits(base, 2))
-
-
-@pytest.mark.parametrize("stream", ["long_ahead", "wide_ahead", "wide_buffered"])
-@pytest.mark.parametrize("seq_len", [1, 16, 17, 64, 200])
-def test_page_ahead_fused_merge_around_split_edges(stream, seq_len):
-    case = make_case([seq_len], 16, page_size=16, dtype=DTYPES[-1], device=DEVICE)
-    base = fused(plan_mla_decode(1, 16, seq_len, num_sms=4, stream=STREAMS[stream]))
-    for splits in (1, 3):
-        check(case, with_splits(base, splits))
 
 
 def test_page_ahead_changes_no_result():
