@@ -44,7 +44,8 @@ def test_quantize_saturates_rounds_and_dequantizes():
     assert back[3].item() == pytest.approx(2.0) and back[4].item() == pytest.approx(-2.0)
     assert torch.isfinite(back).all() and back[0] == 0
     # e4m3 keeps 3 mantissa bits: relative error <= 2^-4 inside the normal range.
-    y = torch.randn(4096) * 0.5
+    # Inside +-amax (beyond it values saturate, tested above).
+    y = (torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 0.5).clamp(-2, 2)
     err = (fp8.dequantize(fp8.quantize(y, scale), scale) - y.double()).abs()
     normal = y.abs() > scale.item() * 2 ** -6
     assert (err[normal] <= y.double().abs()[normal] * 2 ** -4 + 1e-12).all()
