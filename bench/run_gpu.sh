@@ -2,7 +2,8 @@
 # GPU evidence in one call: GPU tests, kernel sweep, capture/dispatch bench, ladder tune,
 # TPOT per policy, and the demo's GPU path.
 # Usage (on a CUDA machine, from the repo root): OUT=/some/dir bash bench/run_gpu.sh [steps]
-# steps: any of tests gputests sweep capture tune tpot ragged demo tp
+# steps: any of tests gputests sweep fisweep capture tune tpot ragged demo tp fp8 mtp
+#        (fisweep: the sweep with FlashInfer rows, wheels installed from .whl/ if present)
 #        (ragged: batches whose lengths differ, against the bytes they read)
 #        (tp needs 2 GPUs: TP=2 decode, numerics vs TP=1, TPOT ladder vs fixed-1)
 #        (default: tests sweep capture tune tpot).
@@ -27,6 +28,14 @@ for step in $steps; do
                 > "$R/tests.log" 2>&1; tail -15 "$R/tests.log" ;;
     sweep) timeout 240 python3 bench/kernel_sweep.py --out "$R" > "$R/sweep.log" 2>&1
            tail -42 "$R/sweep.log" ;;
+    fisweep) [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile \
+               --no-cache-dir --upgrade --target /tmp/site .whl/*.whl > /dev/null 2>&1
+             PYTHONPATH=/tmp/site timeout 300 python3 bench/kernel_sweep.py --splits --out "$R" \
+               > "$R/sweep.log" 2>&1; tail -60 "$R/sweep.log" ;;
+    fp8) timeout 200 python3 bench/fp8_sweep.py --out "$R" > "$R/fp8.log" 2>&1
+         tail -40 "$R/fp8.log" ;;
+    mtp) timeout 200 python3 bench/mtp_sweep.py --out "$R" > "$R/mtp.log" 2>&1
+         tail -40 "$R/mtp.log" ;;
     capture) timeout 120 python3 bench/capture_dispatch.py --out "$R" > "$R/capture.log" 2>&1
              tail -20 "$R/capture.log" ;;
     tune) for h in 16 12; do
