@@ -284,7 +284,10 @@ def check_v32(plan, q, cache, table, lens, *, balanced=False):
     ref, ref_lse = v32_reference(q, cache, table, lens)
     assert rel_l2(out, ref) < 1e-2, plan.describe()
     live = lens.cpu() > 0
-    assert (lse.cpu().double()[live] - ref_lse[live]).abs().max() < 2e-2, plan.describe()
+    # The dequantized tile is rounded to q's dtype before the dot: a bf16 q carries a
+    # relative error of a few 1e-3 into scores of magnitude ~20 at 128 heads.
+    got, want = lse.cpu().double()[live], ref_lse[live]
+    assert ((got - want).abs() <= 2e-2 + 3e-3 * want.abs()).all(), plan.describe()
     assert (out[~live.to(out.device)] == 0).all()
 
 
