@@ -7,6 +7,7 @@ replays. ``rel_l2``: the flat output against the folded one on the same inputs (
 checked against float64 in tests/test_multi_token.py).
 
     python3 bench/mtp_sweep.py --out DIR        # DIR/h200-mtp.json
+    python3 bench/mtp_sweep.py --variants       # folded stage-1 streams for 32 rows too
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -22,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.gpu_timing import copy_gbps, run_meta, time_replays  # noqa: E402
 from bench.ragged import inputs, random_cache  # noqa: E402
+from graphbucket import plan as P  # noqa: E402
 from graphbucket.kernels import SplitWorkspace, default_sm_scale, mla_decode  # noqa: E402
 from graphbucket.kernels.verify import flatten_verify  # noqa: E402
 from graphbucket.plan import plan_mla_decode  # noqa: E402
@@ -29,6 +32,19 @@ from graphbucket.plan import plan_mla_decode  # noqa: E402
 PAGE, DIM, RANK = 64, 576, 512
 SHAPES = [(16, 1, 32768), (16, 1, 131072), (16, 8, 32768), (16, 8, 131072), (128, 1, 131072),
           (128, 8, 32768)]
+
+
+# Folded q_len 2 at 16 heads is 32 rows per program: 8 warps (the default above 16 rows)
+# hold one program per SM; 4 warps with shorter tiles fit two (sm_90 compile: 246
+# registers, 75 KB); or 64-row warpgroup-MMA programs with half the rows masked.
+ROW_VARIANTS = {
+    "rows32_n16_w4_ahead": replace(P.LONG_PAGE_AHEAD, block_n=16, block_h=32, num_warps=4,
+                                   min_tiles_per_split=4),
+    "rows32_n32_w4_ahead": replace(P.LONG_PAGE_AHEAD, block_h=32, num_warps=4),
+    "rows32_n16_w8_ahead": replace(P.LONG_PAGE_AHEAD, block_n=16, block_h=32,
+                                   min_tiles_per_split=4),
+    "rows64": P.ROWS_STREAM,
+}
 
 
 def timed(plan, cache, tables, q, out, lens, ws, scale, q_len) -> float:
@@ -42,6 +58,8 @@ def timed(plan, cache, tables, q, out, lens, ws, scale, q_len) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--variants", action="store_true",
+                    help="also time other folded streams where a program holds 32 rows")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("mtp_sweep.py times CUDA-graph replays and needs a CUDA GPU")
@@ -54,13 +72,24 @@ def main() -> None:
         for q_len in (1, 2, 4):
             tables, q, out, seq_lens = inputs(lens, cache, heads * q_len)
             folded = plan_mla_decode(batch, heads * q_len, context)
+            most = 256 if args.variants and heads * q_len == 32 else 64
             ws = SplitWorkspace.allocate(batch * q_len, heads * q_len,
-                                         max(folded.num_kv_splits, 64), RANK, "cuda")
+                                         max(folded.num_kv_splits, most), RANK, "cuda")
             us = timed(folded, cache, tables, q, out, seq_lens, ws, scale, q_len)
             ref = out[0].float().clone()
             rows.append({"q_len": q_len, "form": "folded", "heads": heads, "batch": batch,
                          "context": context, "us": round(us, 3), "rel_l2": 0.0,
                          "topology": folded.describe()})
+            if args.variants and heads * q_len == 32:
+                for name, stream in ROW_VARIANTS.items():
+                    plan = plan_mla_decode(batch, 32, context, stream=stream)
+                    vus = timed(plan, cache, tables, q, out, seq_lens, ws, scale, q_len)
+                    err = ((out[0].float() - ref).norm() / ref.norm()).item()
+                    print(f"h={heads} b={batch} ctx={context} q_len={q_len} {name:20s} "
+                          f"{vus:9.1f} us  diff {err:.1e}  {plan.describe()}", flush=True)
+                    rows.append({"q_len": q_len, "form": f"folded:{name}", "heads": heads,
+                                 "batch": batch, "context": context, "us": round(vus, 3),
+                                 "rel_l2": round(err, 6), "topology": plan.describe()})
             if q_len > 1:
                 flat = [flatten_verify(q[r], tables[r], seq_lens, q_len)
                         for r in range(tables.shape[0])]

@@ -107,6 +107,8 @@ class StreamConfig:
     merge_chunks: int = 1
     # Query rows per program (heads; later heads x query tokens); 0: ``head_block_size``.
     block_h: int = 0
+    # Warps per stage-1 program; 0: 4 for 16 rows, 8 for more.
+    num_warps: int = 0
 
 
 LONG_STREAM = StreamConfig(block_n=64, num_stages=3, ctas_per_sm=2, min_tiles_per_split=1,
@@ -368,7 +370,8 @@ def _plan(batch_size: int, num_heads: int, block_h: int, stream: StreamConfig,
           kv_lora_rank: int, qk_rope_dim: int, **topology) -> LaunchPlan:
     """The fields every topology shares: tile shape and pipeline from the stream."""
     return LaunchPlan(batch_size=batch_size, num_heads=num_heads, block_h=block_h,
-                      block_n=stream.block_n, num_warps=4 if block_h == 16 else 8,
+                      block_n=stream.block_n,
+                      num_warps=stream.num_warps or (4 if block_h == 16 else 8),
                       num_stages=stream.num_stages, kv_lora_rank=kv_lora_rank,
                       qk_rope_dim=qk_rope_dim, merge_block_dv=MERGE_BLOCK_DV,
                       token_major=stream.token_major, page_ahead=stream.page_ahead,
