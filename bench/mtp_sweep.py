@@ -104,14 +104,48 @@ def main() -> None:
                 rows.append({"q_len": q_len, "form": "flat", "heads": heads, "batch": batch,
                              "context": context, "us": round(us, 3), "rel_l2": round(err, 6),
                              "topology": plan.describe()})
-            for r in rows[-2 if q_len > 1 else -1:]:
-                print(f"h={heads} b={batch} ctx={context} q_len={q_len} {r['form']:6s} "
-                      f"{r['us']:9.1f} us  {r['topology']}", flush=True)
+            for r in rows:
+                if (r["heads"], r["batch"], r["context"], r["q_len"]) == \
+                        (heads, batch, context, q_len) and r["form"] in ("folded", "flat"):
+                    print(f"h={heads} b={batch} ctx={context} q_len={q_len} {r['form']:6s} "
+                          f"{r['us']:9.1f} us  {r['topology']}", flush=True)
             del tables, q, out, ws
     os.makedirs(args.out, exist_ok=True)
+    meta = {**run_meta(), "copy_gbps": round(gbps, 1)}
     with open(os.path.join(args.out, "h200-mtp.json"), "w") as f:
-        json.dump({"meta": {**run_meta(), "copy_gbps": round(gbps, 1)}, "rows": rows}, f,
-                  indent=1)
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    with open(os.path.join(args.out, "h200-mtp.md"), "w") as f:
+        f.write(markdown(meta, rows))
+
+
+def markdown(meta: dict, rows: list[dict]) -> str:
+    """One line per shape: each q_len's folded and flat time and its ratio to q_len 1."""
+    by = {(r["heads"], r["batch"], r["context"], r["q_len"], r["form"]): r["us"] for r in rows}
+    shapes = sorted({(r["heads"], r["batch"], r["context"]) for r in rows})
+    lines = [f"# Multi-token decode: folded against flat ({meta['gpu']})", "",
+             f"{meta['date']}, torch {meta['torch']}, triton {meta['triton']}. Command: "
+             f"`{meta['command']}`", "",
+             "bf16, page 64, cold L2, CUDA-graph replays, planned kernels. us (x the q_len 1 "
+             "time of the same shape).", "",
+             "| heads | batch | context | q_len 1 | q_len 2 folded | q_len 2 flat "
+             "| q_len 4 folded | q_len 4 flat |", "|---|---|---|---|---|---|---|---|"]
+    for h, b, c in shapes:
+        one = by.get((h, b, c, 1, "folded"))
+        cells = [f"{one:.1f}" if one else "-"]
+        for q_len in (2, 4):
+            for form in ("folded", "flat"):
+                us = by.get((h, b, c, q_len, form))
+                cells.append(f"{us:.1f} ({us / one:.2f}x)" if us and one else "-")
+        lines.append(f"| {h} | {b} | {c} | " + " | ".join(cells) + " |")
+    other = [r for r in rows if r["form"].startswith("folded:")]
+    if other:
+        lines += ["", "Other folded streams (`--variants`):", "",
+                  "| heads | batch | context | q_len | stream | us | topology |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['heads']} | {r['batch']} | {r['context']} | {r['q_len']} | "
+                  f"{r['form'].split(':', 1)[1]} | {r['us']:.1f} | {r['topology']} |"
+                  for r in other]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
