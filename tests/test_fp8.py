@@ -114,6 +114,25 @@ def test_fp8_other_streams_and_query_rows(stream, heads):
             plan.describe()
 
 
+@pytest.mark.parametrize("fmt", ["tensor", "v32"])
+def test_fp8_tiles_copied_as_stored(monkeypatch, fmt):
+    # The shared-memory path (no register prefetch) stays correct for both formats.
+    from graphbucket.kernels import launch
+
+    monkeypatch.setattr(launch, "FP8_REGISTER_PREFETCH", False)
+    lens = [70, 0, 3]
+    plan = plan_mla_decode(len(lens), 16, 1, num_sms=4).with_splits(2)
+    if fmt == "tensor":
+        q, cache, table, seq_lens, scale = fp8_case(lens, 16, q_dtype=Q_DTYPES[-1], seed=3)
+        out, _ = run(plan, q, cache, table, seq_lens, scale)
+        ref = reference(q, cache, table, seq_lens, scale)[0]
+    else:
+        q, cache, table, seq_lens = v32_case(lens, 16, q_dtype=Q_DTYPES[-1], seed=3)
+        out, _ = run(plan, q, cache, table, seq_lens, None)
+        ref = v32_reference(q, cache, table, seq_lens)[0]
+    assert rel_l2(out, ref) < 1e-2
+
+
 def test_fp8_balanced_ragged_batch():
     lens = [130, 1, 0, 47]
     q, cache, table, seq_lens, scale = fp8_case(lens, 16, q_dtype=Q_DTYPES[-1], seed=2)
@@ -292,7 +311,8 @@ def check_v32(plan, q, cache, table, lens, *, balanced=False):
 
 
 @pytest.mark.host
-def test_v32_tiles_are_half_the_plans():
+def test_fp8_tile_tokens(monkeypatch):
+    from graphbucket.kernels import launch
     from graphbucket.kernels.launch import kv_tile_tokens, tile_tokens
 
     cache = torch.zeros(1, 64, 656, dtype=torch.uint8)
@@ -300,8 +320,15 @@ def test_v32_tiles_are_half_the_plans():
         for stream in (None, LONG_PAGE_AHEAD, TOKEN_STREAM):
             kw = {} if stream is None else {"stream": stream}
             plan = plan_mla_decode(1, heads, 1, num_sms=8, **kw)
+            # Head-major fp8 tiles stream through registers: 32 tokens at 16 rows, 16 above.
+            want = max(16, plan.block_n // 2) if plan.token_major else \
+                min(plan.block_n, 32 if plan.block_h <= 16 else 16)
+            assert tile_tokens(plan, 1, v32=True) == want
+            assert kv_tile_tokens(plan, cache) == want
+            monkeypatch.setattr(launch, "FP8_REGISTER_PREFETCH", False)
+            # Without: V3.2 tiles are half the plan's.
             assert tile_tokens(plan, 1, v32=True) == max(16, plan.block_n // 2)
-            assert kv_tile_tokens(plan, cache) == tile_tokens(plan, 1, v32=True)
+            monkeypatch.setattr(launch, "FP8_REGISTER_PREFETCH", True)
 
 
 @pytest.mark.parametrize("lens", [[1], [16, 17], [33, 0, 100, 5]])
