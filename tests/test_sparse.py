@@ -9,6 +9,8 @@ two logits lie within the logits' tolerance of each other at the threshold.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -36,7 +38,10 @@ from tests.kernel_cases import KV_LORA_RANK, SM_SCALE, make_case, rel_l2
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPE = torch.bfloat16 if ON_GPU else torch.float16
-HEADS, INDEX_HEADS, INDEX_DIM = 16, 64, 128
+# 8 heads on the CPU (a masked half of the 16-row head block; the interpreter runs one
+# program at a time), DeepSeek-V3.2's 16 per rank on the GPU.
+HEADS = 16 if ON_GPU else 8
+INDEX_HEADS, INDEX_DIM = 64, 128
 
 
 # ---- plans (host) --------------------------------------------------------------------------
@@ -126,6 +131,8 @@ def run_sparse(inputs, *, topk, attention_splits=None, indexer_splits=None, max_
     hint = max(1, int(inputs["seq_lens"].max()))
     plan = plan_sparse_decode(rows, HEADS, hint, topk=topk, num_sms=8).with_splits(
         indexer=indexer_splits, attention=attention_splits)
+    if not ON_GPU:  # fewer merge programs for the interpreter (the GPU runs the default)
+        plan = replace(plan, merge_block_dv=256)
     max_len = max_len or inputs["block_table"].shape[1] * inputs["kv_cache"].shape[1]
     ws = SparseWorkspace.allocate(rows, HEADS, max_len, topk=topk,
                                   max_splits=plan.attention_splits, device=DEVICE)
@@ -281,6 +288,21 @@ def test_topk_kernel_selects_exactly_with_negatives_and_ties(lens, topk, seeded)
             assert got == want
 
 
+def test_topk_kernel_threshold_on_signed_zeros_takes_the_first_zeros(seeded):
+    # 30 positives, 40 zeros of both signs, 30 negatives: the 50th largest is a zero.
+    values = torch.cat([torch.rand(30) + 1, torch.zeros(40), -torch.rand(30) - 1])
+    values[30:70:2] = -0.0
+    perm = torch.randperm(100)
+    logits = values[perm][None, :].contiguous()
+    indices = torch.empty(1, 50, dtype=torch.int32, device=DEVICE)
+    sparse_lens = torch.empty(1, dtype=torch.int32, device=DEVICE)
+    launch_topk(logits.to(DEVICE), torch.tensor([100], dtype=torch.int32, device=DEVICE),
+                indices, sparse_lens, num_rows=1, block=64)
+    zero_positions = (logits[0] == 0).nonzero().flatten().tolist()
+    expected = set((logits[0] > 0).nonzero().flatten().tolist()) | set(zero_positions[:20])
+    assert set(indices[0].cpu().tolist()) == expected and sparse_lens.item() == 50
+
+
 # ---- bad input (host checks, before any launch) --------------------------------------------
 
 
@@ -293,7 +315,7 @@ def _bad_inputs():
     yield "kv_cache", lambda i: i | {"kv_cache": i["kv_cache"].float()}
     yield "kv_cache.shape", lambda i: i | {"kv_cache": torch.zeros(
         *i["kv_cache"].shape[:2], 600, dtype=torch.uint8, device=DEVICE)}
-    yield "q", lambda i: i | {"q": i["q"][:, :8]}
+    yield "q", lambda i: i | {"q": i["q"][:, :4]}
     yield "block_table", lambda i: i | {"block_table": i["block_table"].long()}
     yield "seq_lens", lambda i: i | {"seq_lens": i["seq_lens"][:1]}
 

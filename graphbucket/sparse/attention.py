@@ -35,7 +35,7 @@ from graphbucket.kernels.mla_decode import (
     _store_final,
     _store_padding,
 )
-from graphbucket.plan import MERGE_BLOCK_DV, pow2_ceil
+from graphbucket.plan import pow2_ceil
 from graphbucket.sparse.plan import SparsePlan
 
 
@@ -149,11 +149,11 @@ def launch_sparse_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     )
     if not one_split:
         _mla_decode_merge_kernel[(plan.num_rows, plan.num_heads,
-                                  triton.cdiv(kv_lora_rank, MERGE_BLOCK_DV))](
+                                  triton.cdiv(kv_lora_rank, plan.merge_block_dv))](
             part_o, part_lse, sparse_lens, out, lse_arg,
             plan.attention_splits,
             *po_strides, *pl_strides,
             out.stride(0), out.stride(1), lse_stride,
             BLOCK_N=plan.attention_block_n, BLOCK_S=merge_block_s(plan.attention_splits),
-            BLOCK_DV=MERGE_BLOCK_DV, WRITE_LSE=lse is not None, num_warps=4,
+            BLOCK_DV=plan.merge_block_dv, WRITE_LSE=lse is not None, num_warps=4,
         )

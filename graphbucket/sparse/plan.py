@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from graphbucket.plan import H200_NUM_SMS, cdiv, pow2_ceil, pow2_floor
+from graphbucket.plan import H200_NUM_SMS, MERGE_BLOCK_DV, cdiv, pow2_ceil, pow2_floor
 
 DEFAULT_TOPK = 2048
 INDEX_HEADS = 64        # DeepSeek-V3.2 indexer heads (not sharded by tensor parallelism)
@@ -58,6 +58,7 @@ class SparsePlan:
     attention_block_n: int = ATTENTION_BLOCK_N
     block_h: int = ATTENTION_BLOCK_H
     topk_block: int = TOPK_BLOCK
+    merge_block_dv: int = MERGE_BLOCK_DV  # latent columns per merge program
     num_warps: int = 4
     num_stages: int = 2
 

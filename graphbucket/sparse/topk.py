@@ -5,12 +5,13 @@ Per row r with live length n = len_r (one program per row), writing ``indices[r,
 
 - n <= k: every position 0 .. n-1 in order, then -1 padding.
 - n > k: the k largest logits. Each float32 logit is mapped to a uint32 key with the same
-  order (``_order_key``: sign bit set for positives, all bits flipped for negatives); the
-  k-th largest key T is found by a most-significant-digit radix select, RADIX_BITS bits
-  per pass over the row (a histogram of the next digit among the keys that match the
-  digits chosen so far, then the digit whose suffix count first reaches the number still
-  needed). A last pass writes, in position order, every position whose key is above T and
-  the first positions whose key equals T until k are written. Exact, deterministic (ties
+  order (``_order_key``: sign bit set for positives, all bits flipped for negatives, -0.0
+  read as +0.0); the k-th largest key T is found by a most-significant-digit radix
+  select, RADIX_BITS bits per pass over the row (a histogram of the next digit among the
+  keys that match the digits chosen so far, then the digit whose suffix count first
+  reaches the number still needed). A last pass writes, in position order, every
+  position whose key is above T and the first positions whose key equals T until k are
+  written. Exact, deterministic (ties
   at T are broken by position), and the output is not sorted by logit.
 
 Passes over the row: 32 / RADIX_BITS + 1 (5 at 8 bits), all from one program, the row
@@ -31,8 +32,8 @@ RADIX_BITS = 8
 
 @triton.jit
 def _order_key(x):
-    """float32 -> uint32 with the same order (-0.0 sorts just below +0.0)."""
-    u = x.to(tl.uint32, bitcast=True)
+    """float32 -> uint32 with the same order; -0.0 and +0.0 give one key (they tie)."""
+    u = tl.where(x == 0.0, 0.0, x).to(tl.uint32, bitcast=True)
     return tl.where((u >> 31) != 0, u ^ 0xFFFFFFFF, u | 0x80000000)
 
 
