@@ -11,8 +11,8 @@ Per row r with live length n = len_r (one program per row), writing ``indices[r,
   keys that match the digits chosen so far, then the digit whose suffix count first
   reaches the number still needed). A last pass writes, in position order, every
   position whose key is above T and the first positions whose key equals T until k are
-  written. Exact, deterministic (ties
-  at T are broken by position), and the output is not sorted by logit.
+  written. Exact, deterministic (ties at T are broken by position), and the output is
+  not sorted by logit.
 
 Passes over the row: 32 / RADIX_BITS + 1 (5 at 8 bits), all from one program, the row
 (4 bytes a token) coming from L2 after the first. No host reads, fixed grid: graph-safe.
