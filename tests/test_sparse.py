@@ -396,3 +396,27 @@ def test_attention_tile_constant_is_what_the_split_formula_assumes():
     plan = plan_sparse_decode(1, HEADS, 4096, topk=2048)
     assert plan.attention_block_n == ATTENTION_BLOCK_N
     assert cdiv(2048, ATTENTION_BLOCK_N) >= plan.attention_splits
+
+
+@pytest.mark.host
+def test_sweep_summary_and_markdown_carry_the_issue_keys():
+    from bench.sparse_sweep import ATTENTION_BATCH, markdown, rotations, summary
+
+    assert rotations(1) == 16 and rotations(1 << 40) == 1
+    split_times = {1: 9.0, 2: 7.5}
+    attention = {b: {"us": 7.5, "frac_of_floor": 0.5, "planned_splits": 2, "best_splits": 2,
+                     "seed_splits": 1, "us_per_splits": split_times}
+                 for b in (1, ATTENTION_BATCH)}
+    keys = summary({1: {"frac_of_copy": 0.7}}, {1: {"us": 20.0}, 8: {"us": 30.0}}, attention,
+                   {1: {"us": 40.0, "dense_us": 60.0}, 8: {"us": 90.0, "dense_us": 300.0}})
+    assert set(keys) == {
+        "indexer_frac_of_copy_128k", "topk_us_128k_b1", "topk_us_128k_b8",
+        "sparse_attention_us_b1", "sparse_attention_frac_b64", "layer_attention_us_128k_b1",
+        "dense_attention_us_128k_b1", "layer_attention_us_128k_b8",
+        "dense_attention_us_128k_b8"}
+    meta = {"gpu": "x", "date": "d", "torch": "t", "triton": "tr", "copy_gbps": 1.0,
+            "command": "c"}
+    text = markdown({"meta": meta, "summary": keys,
+                     "attention": {str(b): row for b, row in attention.items()}})
+    assert "| layer_attention_us_128k_b1 | 40.0 | <= 45.0 |" in text
+    assert "| layer_attention_us_128k_b8 | 90.0 | <= 105.0 |" in text
