@@ -2,7 +2,7 @@
 # GPU evidence in one call: GPU tests, kernel sweep, capture/dispatch bench, ladder tune,
 # TPOT per policy, and the demo's GPU path.
 # Usage (on a CUDA machine, from the repo root): OUT=/some/dir bash bench/run_gpu.sh [steps]
-# steps: any of tests gputests sweep fisweep capture tune tpot ragged demo tp fp8 mtp
+# steps: any of tests gputests sweep fisweep capture tune tpot ragged demo tp fp8 mtp sparse
 #        (fisweep: the sweep with FlashInfer rows, wheels installed from .whl/ if present)
 #        (ragged: batches whose lengths differ, against the bytes they read)
 #        (tp needs 2 GPUs: TP=2 decode, numerics vs TP=1, TPOT ladder vs fixed-1)
@@ -36,6 +36,10 @@ for step in $steps; do
          tail -40 "$R/fp8.log" ;;
     mtp) timeout 200 python3 bench/mtp_sweep.py --out "$R" > "$R/mtp.log" 2>&1
          tail -40 "$R/mtp.log" ;;
+    sparse) timeout 120 python3 -m pytest -q tests/test_sparse.py -p no:cacheprovider \
+              > "$R/sparse-tests.log" 2>&1; tail -5 "$R/sparse-tests.log"
+            timeout 300 python3 bench/sparse_sweep.py --out "$R" > "$R/sparse.log" 2>&1
+            tail -30 "$R/sparse.log" ;;
     capture) timeout 120 python3 bench/capture_dispatch.py --out "$R" > "$R/capture.log" 2>&1
              tail -20 "$R/capture.log" ;;
     tune) for h in 16 12; do

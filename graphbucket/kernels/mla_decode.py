@@ -293,6 +293,15 @@ def _load_tile_rows(KV, pages, tok0, end, stride_kv_page, stride_kv_tok,
     offs_n = tok0 + tl.arange(0, BLOCK_N)
     mask_n = offs_n < end
     row = pages * stride_kv_page + (offs_n % PAGE_SIZE) * stride_kv_tok
+    kv, k_rope = _load_kv_rows(KV, row, mask_n, KV_LORA_RANK, ROPE_DIM, BLOCK_N, KV_FORMAT)
+    return kv, k_rope, mask_n
+
+
+@triton.jit
+def _load_kv_rows(KV, row, mask_n, KV_LORA_RANK: tl.constexpr, ROPE_DIM: tl.constexpr,
+                  BLOCK_N: tl.constexpr, KV_FORMAT: tl.constexpr = "dense"):
+    """Cache rows at element offsets ``row`` (any rows: a tile or a gather): (latent
+    [BLOCK_N, R], rope [BLOCK_N, ROPE_DIM]); masked rows load as zeros."""
     kv = _load_latent(KV, row, mask_n, KV_LORA_RANK, BLOCK_N, KV_FORMAT, "")
     if KV_FORMAT == "v32":
         # bf16 rope after the latent and the scales: row offsets in bf16 units.
@@ -304,7 +313,7 @@ def _load_tile_rows(KV, pages, tok0, end, stride_kv_page, stride_kv_tok,
     else:
         k_rope = tl.load(KV + row[:, None] + KV_LORA_RANK + tl.arange(0, ROPE_DIM)[None, :],
                          mask=mask_n[:, None], other=0.0)
-    return kv, k_rope, mask_n
+    return kv, k_rope
 
 
 @triton.jit
