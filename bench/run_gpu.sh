@@ -3,6 +3,7 @@
 # TPOT per policy, and the demo's GPU path.
 # Usage (on a CUDA machine, from the repo root): OUT=/some/dir bash bench/run_gpu.sh [steps]
 # steps: any of tests gputests sweep fisweep capture tune tpot ragged demo tp fp8 mtp sparse
+#        tpotmtp (tpotmtp: TPOT of verify steps at q_len 1, 2, 4 on fewer contexts)
 #        (fisweep: the sweep with FlashInfer rows, wheels installed from .whl/ if present)
 #        (ragged: batches whose lengths differ, against the bytes they read)
 #        (tp needs 2 GPUs: TP=2 decode, numerics vs TP=1, TPOT ladder vs fixed-1)
@@ -54,6 +55,12 @@ for step in $steps; do
     tpot) timeout 240 python3 bench/tpot.py --layers "${TPOT_LAYERS:-4}" --out "$R" \
             > "$R/tpot.log" 2>&1; tail -5 "$R/tpot.log"
           python3 scripts/tpot_report.py --json "$R/h200-tpot.json" --force ;;
+    tpotmtp) timeout 540 python3 bench/tpot.py --layers "${TPOT_LAYERS:-4}" --out "$R" \
+            --q-len 1 2 4 --policies eager fixed-1 fixed-max ladder \
+            --contexts 64 1024 16384 65536 100000 131072 > "$R/tpot-mtp.log" 2>&1
+          tail -5 "$R/tpot-mtp.log"
+          for q in 1 2 4; do python3 scripts/tpot_report.py --json "$R/h200-tpot-mtp.json" \
+            --q-len "$q" --no-png --force; done ;;
     tp) NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
           timeout 300 python3 scripts/tp_decode.py --world-size 2 --out "$R" > "$R/tp.log" 2>&1
         tail -12 "$R/tp.log" ;;

@@ -458,12 +458,21 @@ def main(argv: list[str] | None = None) -> int:
                     help="write only the markdown table (no matplotlib needed)")
     ap.add_argument("--force", action="store_true",
                     help="replace output files that already exist")
+    ap.add_argument("--q-len", type=int, default=1,
+                    help="render the rows of this q_len (verify steps, bench/tpot.py --q-len; "
+                         "default 1; other values name the outputs <json stem>-q<N>)")
     args = ap.parse_args(argv)
     if args.no_png and args.out_png:
         ap.error("--out-png and --no-png contradict each other; pass one of them")
     data = read_result(ap, args.json)
-    md_path = args.out_md or args.json.with_suffix(".md")
-    png_path = None if args.no_png else (args.out_png or args.json.with_suffix(".png"))
+    rows = [r for r in data["rows"] if r.get("q_len", 1) == args.q_len]
+    if not rows:
+        ap.error(f"--json {args.json} has no rows at q_len {args.q_len}")
+    data = {**data, "rows": rows}
+    stem = args.json if args.q_len == 1 else args.json.with_name(
+        f"{args.json.stem}-q{args.q_len}{args.json.suffix}")
+    md_path = args.out_md or stem.with_suffix(".md")
+    png_path = None if args.no_png else (args.out_png or stem.with_suffix(".png"))
     outputs = [p for p in (md_path, png_path) if p is not None]
     if len({p.resolve() for p in outputs}) < len(outputs):
         ap.error(f"--out-md and --out-png are the same file ({md_path})")

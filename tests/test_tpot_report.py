@@ -168,3 +168,18 @@ def test_figure_is_written_and_linked(report, tmp_path):
 def test_context_labels(report):
     assert [report.fmt_context(n) for n in (1, 512, 1024, 100_000, 131072)] == \
         ["1", "512", "1K", "100K", "128K"]
+
+
+def test_q_len_selects_the_verify_step_rows(report, tmp_path):
+    data = result_data()
+    verify = [{**r, "q_len": 2, "tpot_ms": r["tpot_ms"] / 2 + 0.0123} for r in data["rows"]]
+    path = tmp_path / "h200-tpot-mtp.json"
+    path.write_text(json.dumps({"meta": data["meta"], "rows": data["rows"] + verify}))
+    assert report.main(["--json", str(path), "--no-png"]) == 0
+    assert report.main(["--json", str(path), "--no-png", "--q-len", "2"]) == 0
+    one, two = (tmp_path / "h200-tpot-mtp.md").read_text(), \
+        (tmp_path / "h200-tpot-mtp-q2.md").read_text()
+    halved = f"{0.6 / 2 + 0.0123:.3f}"  # the ladder at 100K, per token at q_len 2
+    assert halved in two and halved not in one
+    with pytest.raises(SystemExit):
+        report.main(["--json", str(path), "--no-png", "--q-len", "4"])

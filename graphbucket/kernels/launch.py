@@ -40,7 +40,8 @@ class SplitWorkspace:
 
     partial_o:   [max_batch, num_heads, max_splits, kv_lora_rank] float32
     partial_lse: [max_batch, num_heads, max_splits] float32 (log2 units)
-    Any plan with batch <= max_batch and splits <= max_splits uses views of these.
+    Any plan with batch <= max_batch, heads <= num_heads and splits <= max_splits uses
+    views of these.
 
     merge_counters: [max_batch, num_heads] int32, zero between launches: the splits of a
     (request, head block) that have finished, for plans that merge in stage 1.
@@ -79,7 +80,8 @@ class SplitWorkspace:
 
     def fits(self, plan: LaunchPlan) -> bool:
         b, h, s, d = self.partial_o.shape
-        if plan.num_heads != h or plan.kv_lora_rank != d:
+        # Fewer heads than allocated is fine: the kernels index through the strides.
+        if plan.num_heads > h or plan.kv_lora_rank != d:
             return False
         if plan.balanced:
             return self.item_o is not None and plan.max_work_items <= self.item_o.shape[0] \

@@ -41,22 +41,32 @@ def decode_reference(config: MLAConfig, layers: list[MLALayerWeights],
                      final_norm: torch.Tensor, hidden, *, positions, seq_lens, block_table,
                      slot_mapping, caches: list[torch.Tensor],
                      dtype: torch.dtype = torch.float64,
-                     kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+                     kv_scale: torch.Tensor | None = None, q_len: int = 1) -> torch.Tensor:
     """One decode step of the model with ``config``, ``layers`` and ``final_norm`` in
     ``dtype``; writes the new rows into ``caches`` (one per layer, [num_pages, page_size,
     R + P] in ``dtype``, e.g. ``MLADecoder.reference_caches()``). With ``kv_scale`` (an fp8
     cache) the new rows are stored as the fp8 cache holds them: quantized, dequantized.
 
+    A verify step (``q_len`` > 1) decodes q_len tokens per request: hidden [B * q_len, D],
+    positions and slot_mapping [B * q_len] (row b * q_len + j is request b's token j),
+    seq_lens [B] counting the q_len new tokens; every new row is stored first, then token j
+    attends to the positions before seq_len - q_len + j + 1.
+
     hidden [B, D]; positions, seq_lens, slot_mapping [B]; block_table [B, cols] (tensors
-    on any device, numpy arrays or lists). Returns the final hidden states [B, D].
+    on any device, numpy arrays or lists). Returns the final hidden states [B * q_len, D].
     """
     cfg, dev = config, caches[0].device
     x = _as(hidden, dev, dtype)
     positions, seq_lens = _as(positions, dev, torch.int64), _as(seq_lens, dev, torch.int32)
     block_table, slots = _as(block_table, dev, torch.int32), _as(slot_mapping, dev, torch.int64)
     num_slots = caches[0].shape[0] * caches[0].shape[1]
-    live = [b for b, (s, n) in enumerate(zip(slots.tolist(), seq_lens.tolist(), strict=True))
-            if 0 <= s < num_slots and n > 0]
+    request_lens = seq_lens.repeat_interleave(q_len)
+    live = [t for t, (s, n) in enumerate(zip(slots.tolist(), request_lens.tolist(),
+                                             strict=True)) if 0 <= s < num_slots and n > 0]
+    # One attention row per token with its causal limit (0 stays 0: padding).
+    offsets = torch.arange(q_len, device=dev, dtype=torch.int32).repeat(seq_lens.shape[0])
+    limits = torch.where(request_lens > 0, (request_lens - q_len + 1 + offsets).clamp_min(0), 0)
+    token_table = block_table.repeat_interleave(q_len, dim=0)
     bs, heads, r = x.shape[0], cfg.num_heads, cfg.kv_lora_rank
     for layer, cache in zip(layers, caches, strict=True):
         w = layer.to(dtype)
@@ -72,7 +82,7 @@ def decode_reference(config: MLAConfig, layers: list[MLALayerWeights],
         q_nope, q_rope = q.split([cfg.qk_nope_dim, cfg.qk_rope_dim], dim=-1)
         q_mla = torch.cat([torch.einsum("bhn,hnr->bhr", q_nope, w.w_uk),
                            rotary_ref(q_rope, positions, cfg.rope_theta)], dim=-1)
-        attn, _ = mla_decode_reference(q_mla, cache, block_table, seq_lens, kv_lora_rank=r,
+        attn, _ = mla_decode_reference(q_mla, cache, token_table, limits, kv_lora_rank=r,
                                        sm_scale=cfg.sm_scale, dtype=dtype)
         o = torch.einsum("bhr,hrv->bhv", attn, w.w_uv).reshape(bs, -1) @ w.w_o.T
         x = x + o
