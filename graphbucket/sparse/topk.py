@@ -47,7 +47,7 @@ def _radix_threshold(row_ptr, n, k, BLOCK: tl.constexpr, RADIX_BITS: tl.constexp
     prefix = tl.zeros([], dtype=tl.uint32)
     need = k
     for p in tl.static_range(PASSES):
-        SHIFT: tl.constexpr = 32 - RADIX_BITS * (p + 1)
+        SHIFT = 32 - RADIX_BITS * (p + 1)
         hist = tl.zeros([BINS], dtype=tl.int32)
         for c0 in range(0, n, BLOCK):
             offs = c0 + tl.arange(0, BLOCK)
