@@ -131,7 +131,7 @@ def topk_rows(caches: Caches) -> dict:
                               c["index_scales"], c["block_table"], c["seq_lens"], ws.logits,
                               plan=plan)
         args = (ws.logits, c["seq_lens"], ws.indices, ws.sparse_lens)
-        ours = measure(lambda: launch_topk(*args, num_rows=rows), calls_per_graph=1)
+        ours = measure(lambda: launch_topk(*args, ws.topk, num_rows=rows), calls_per_graph=1)
         check_topk(ws, c["seq_lens"])
         theirs = measure(lambda: topk_torch(*args, num_rows=rows), calls_per_graph=1)
         out[rows] = {"us": round(ours, 2), "torch_us": round(theirs, 2)}

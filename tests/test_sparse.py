@@ -32,7 +32,7 @@ from graphbucket.sparse.reference import (
     sparse_attention_reference,
     topk_reference,
 )
-from graphbucket.sparse.topk import launch_topk, topk_torch
+from graphbucket.sparse.topk import TopkScratch, launch_topk, topk_torch
 from tests.kernel_cases import KV_LORA_RANK, SM_SCALE, make_case, rel_l2
 
 ON_GPU = torch.cuda.is_available()
@@ -250,9 +250,19 @@ def test_sparse_decode_without_lse_and_with_a_wider_logits_buffer(seeded):
     check_decode(inputs, out, None, ws, 32)
 
 
-@pytest.mark.parametrize("lens, topk", [([0, 1, 31, 32, 33, 200], 32), ([2500, 1024], 1000)])
-def test_topk_kernel_selects_exactly_with_negatives_and_ties(lens, topk, seeded):
+@pytest.mark.parametrize("lens, topk, chunks", [([0, 1, 31, 32, 33, 200], 32, 1),
+                                                ([0, 1, 31, 32, 33, 200], 32, 3),
+                                                ([2500, 1024], 1000, 4)])
+def test_topk_kernel_selects_exactly_with_negatives_and_ties(lens, topk, chunks, seeded):
     rows, width = len(lens), max(max(lens), topk)
+    scratch = TopkScratch.allocate(rows, DEVICE)
+    # Twice on one scratch: each call leaves its histogram cleared for the next.
+    for _ in range(2):
+        check_topk_kernel(lens, topk, chunks, width, scratch)
+
+
+def check_topk_kernel(lens, topk, chunks, width, scratch):
+    rows = len(lens)
     logits = torch.randn(rows, width, dtype=torch.float64).float() * 100
     logits[:, 1::7] = logits[:, 0:1]  # ties, some of them at the threshold
     logits[:, 3::11] = -0.0
@@ -261,13 +271,16 @@ def test_topk_kernel_selects_exactly_with_negatives_and_ties(lens, topk, seeded)
     indices = torch.full((rows, topk), 7, dtype=torch.int32)
     sparse_lens = torch.zeros(rows, dtype=torch.int32)
     launch_topk(logits.to(DEVICE), seq_lens.to(DEVICE), out_i := indices.to(DEVICE),
-                out_s := sparse_lens.to(DEVICE), num_rows=rows, block=256)
+                out_s := sparse_lens.to(DEVICE), scratch, num_rows=rows, num_chunks=chunks,
+                block=64)
     out_i, out_s = out_i.cpu(), out_s.cpu()
+    assert (scratch.hist == 0).all()
     for r, n in enumerate(lens):
         taken = min(n, topk)
         assert out_s[r] == taken and (out_i[r, taken:] == -1).all()
         pos = out_i[r, :taken].long()
         assert len(set(pos.tolist())) == taken and (pos < n).all() and (pos >= 0).all()
+        assert pos.tolist() == sorted(pos.tolist())  # position order
         if n > topk:  # every selected logit >= every rejected one; ties by position
             row = logits[r, :n]
             chosen = torch.zeros(n, dtype=torch.bool)
@@ -297,7 +310,8 @@ def test_topk_kernel_threshold_on_signed_zeros_takes_the_first_zeros(seeded):
     indices = torch.empty(1, 50, dtype=torch.int32, device=DEVICE)
     sparse_lens = torch.empty(1, dtype=torch.int32, device=DEVICE)
     launch_topk(logits.to(DEVICE), torch.tensor([100], dtype=torch.int32, device=DEVICE),
-                indices, sparse_lens, num_rows=1, block=64)
+                indices, sparse_lens, TopkScratch.allocate(1, DEVICE), num_rows=1,
+                num_chunks=2, block=32)
     zero_positions = (logits[0] == 0).nonzero().flatten().tolist()
     expected = set((logits[0] > 0).nonzero().flatten().tolist()) | set(zero_positions[:20])
     assert set(indices[0].cpu().tolist()) == expected and sparse_lens.item() == 50

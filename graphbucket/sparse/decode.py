@@ -23,7 +23,7 @@ from graphbucket.sparse.attention import launch_sparse_attention
 from graphbucket.sparse.index_cache import INDEX_DIM
 from graphbucket.sparse.indexer import launch_indexer_logits
 from graphbucket.sparse.plan import SparsePlan
-from graphbucket.sparse.topk import launch_topk
+from graphbucket.sparse.topk import TopkScratch, launch_topk
 
 KV_LORA_RANK, ROPE_DIM = 512, 64
 
@@ -37,12 +37,14 @@ class SparseWorkspace:
     indices:     [max_rows, topk] int32, the selected positions (-1 padding)
     sparse_lens: [max_rows] int32, min(length, topk) per row
     split:       the attention's split partials (``SplitWorkspace``)
+    topk:        the top-k's histograms and counts (``TopkScratch``)
     """
 
     logits: torch.Tensor
     indices: torch.Tensor
     sparse_lens: torch.Tensor
     split: SplitWorkspace
+    topk: TopkScratch
 
     @classmethod
     def allocate(cls, max_rows: int, num_heads: int, max_len: int, *, topk: int,
@@ -52,7 +54,8 @@ class SparseWorkspace:
                    torch.full((max_rows, topk), -1, dtype=torch.int32, device=device),
                    torch.zeros(max_rows, dtype=torch.int32, device=device),
                    SplitWorkspace.allocate(max_rows, num_heads, max_splits, kv_lora_rank,
-                                           device))
+                                           device),
+                   TopkScratch.allocate(max_rows, device))
 
     @property
     def max_len(self) -> int:
@@ -178,7 +181,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, index_q: torch.Te
     launch_indexer_logits(index_q, index_weights, index_cache, index_scales, block_table,
                           seq_lens, workspace.logits, plan=plan)
     launch_topk(workspace.logits, seq_lens, workspace.indices, workspace.sparse_lens,
-                num_rows=plan.num_rows, block=plan.topk_block)
+                workspace.topk, num_rows=plan.num_rows, block=plan.topk_block)
     launch_sparse_attention(q, kv_cache, block_table, workspace.indices, workspace.sparse_lens,
                             out, workspace.split, plan=plan, sm_scale=sm_scale, lse=lse)
     return out
