@@ -113,10 +113,16 @@ def indexer_rows(caches: Caches, gbps: float) -> dict:
             c["index_q"], c["index_weights"], c["index_cache"], c["index_scales"],
             c["block_table"], c["seq_lens"], logits, plan=plan))
         frac = rows * CONTEXT * INDEX_BYTES / (us * 1e3) / gbps
+        by_splits = {}
+        for splits in (16, 32, 64, 128, 256, 512):
+            other = plan.with_splits(indexer=splits)
+            by_splits[splits] = round(timed(calls, lambda c: launch_indexer_logits(
+                c["index_q"], c["index_weights"], c["index_cache"], c["index_scales"],
+                c["block_table"], c["seq_lens"], logits, plan=other)), 2)
         out[rows] = {"us": round(us, 2), "frac_of_copy": round(frac, 3),
-                     "splits": plan.indexer_splits}
+                     "splits": plan.indexer_splits, "us_by_splits": by_splits}
         print(f"indexer 128K b{rows}: {us:8.1f} us  {frac:.2f} of copy  "
-              f"({plan.indexer_splits} splits)", flush=True)
+              f"({plan.indexer_splits} splits); by splits {by_splits}", flush=True)
     return out
 
 
