@@ -8,8 +8,9 @@ q [rows, 64, 128] bf16 / fp16 (fp32 for tests), w [rows, 64] float32 (the indexe
 weights, softmax scale folded in), k_t the stored e4m3 key of token t and scale_t its
 float32 scale (``graphbucket/sparse/index_cache.py``). The key is converted exactly to q's
 dtype and the scale applied after the head sum (relu(s x) = s relu(x) for s > 0), so the
-dot is a plain [64, 128] x [128, BLOCK_N] product on the tensor cores. (DeepSeek quantizes
-q to fp8 too and runs an fp8 dot; a bf16 q keeps q's precision and the same key bytes.)
+dot is a plain [BLOCK_N, 128] x [128, 64] product on the tensor cores (tokens as rows).
+(DeepSeek quantizes q to fp8 too and runs an fp8 dot; a bf16 q keeps q's precision and the
+same key bytes.)
 
 Grid (rows, splits): split s of row r takes the tiles of [0, len_r) that
 ``graphbucket.kernels.mla_decode._split_range`` gives it, so any split count is correct
@@ -63,8 +64,10 @@ def _indexer_logits_kernel(
             k_row = pages * stride_k_page + slot * stride_k_tok  # [BLOCK_N] either way
             k = tl.load(K + k_row[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
             scale = tl.load(K_SCALE + pages * stride_s_page + slot, mask=mask_n, other=0.0)
-            dots = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
-            logit = tl.sum(tl.maximum(dots, 0.0) * w[:, None], 0) * scale
+            # Tokens as the dot's rows: the sum over heads runs along each row (no
+            # cross-warp reduction), and the converted keys are the register operand.
+            dots = tl.dot(k.to(q.dtype), tl.trans(q), input_precision=DOT_PRECISION)
+            logit = tl.sum(tl.maximum(dots, 0.0) * w[None, :], 1) * scale
             tl.store(out_row + offs_n, logit, mask=mask_n)
 
 
