@@ -242,7 +242,7 @@ def test_gpu_1000_random_steps_sync_free_match_eager_and_pool_within_one_bucket(
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("lens", [[3000], [1500, 9000]])
-def test_gpu_eager_step_matches_the_float64_reference(lens):
+def test_gpu_ladder_step_matches_the_float64_reference(lens):
     model = SparseMLADecoder(deepseek_v32_tp8(num_layers=1), num_pages=2 * 9024 // 64,
                              device="cuda")
     table = random_block_table(len(lens), 141, model.num_pages, np.random.default_rng(2))
