@@ -122,8 +122,12 @@ class GraphBucketRunner:
                   policy: Policy = "ladder", **kwargs) -> GraphBucketRunner:
         """A runner for a model with ``config`` (an ``MLAConfig``) and ``buffer_spec``, such
         as ``graphbucket.models.MLADecoder``: spec, sm_scale and the latent dimensions come
-        from the model."""
+        from the model, and whatever its ``runner_defaults(max_model_len, policy)`` gives
+        (``SparseMLADecoder``: its backend and ladder) unless passed here."""
         cfg = model.config
+        defaults = getattr(model, "runner_defaults", None)
+        for name, value in (defaults(max_model_len, policy) if defaults else {}).items():
+            kwargs.setdefault(name, value)
         kwargs.setdefault("kv_lora_rank", cfg.kv_lora_rank)
         kwargs.setdefault("qk_rope_dim", cfg.qk_rope_dim)
         return cls.for_policy(policy, model, spec=model.buffer_spec(max_model_len),

@@ -1,0 +1,139 @@
+"""Sparse MLA decode behind graphbucket's plan / capture / replay path.
+
+``SparseBackend`` plans ``SparsePlan``s (``plan_sparse_decode``) for the graph table and
+the runner exactly where the dense backends plan ``LaunchPlan``s: ``plan(batch, heads x
+q_len, hint)`` (the protocol's folded head count) becomes a plan of batch x q_len flat
+rows (``kernels.verify.flatten_verify``: the sparse decode gives each query token its own
+index set). Keys whose whole plans are equal alias one graph: the attention saturates at
+top-k, so buckets above it differ only where the indexer's split count does, and the
+indexer's budget caps that count too (for one row at 132 SMs: 512 splits from 128K).
+
+The model calls ``ctx.backend.run_sparse(...)`` with the indexer's inputs and
+``ctx.plan`` / ``ctx.workspace``; the dense ``run`` (``ctx.attend``) is refused.
+``sparse_ladder`` gives the ``ladder`` policy's buckets for this backend: doubling bounds
+from top-k up, where each bucket buys the indexer more splits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from graphbucket.backends.triton import device_num_sms
+from graphbucket.kernels.verify import flatten_verify
+from graphbucket.ladder import Bucket, BucketLadder
+from graphbucket.sparse.decode import SparseWorkspace, sparse_mla_decode
+from graphbucket.sparse.plan import DEFAULT_TOPK, SparsePlan, plan_sparse_decode
+from graphbucket.sparse.topk import HIST_BINS, MAX_CHUNKS
+
+
+@dataclass(frozen=True, slots=True)
+class SparseWorkspaceSpec:
+    """A ``SparseWorkspace`` for ``max_rows`` query rows of contexts up to ``max_len``."""
+
+    max_rows: int
+    num_heads: int
+    max_len: int
+    topk: int
+    max_splits: int
+    kv_lora_rank: int = 512
+
+    @property
+    def nbytes(self) -> int:
+        rows = self.max_rows
+        split = rows * self.num_heads * self.max_splits * (self.kv_lora_rank + 1)
+        scratch = rows * (HIST_BINS + 2 + 2 * MAX_CHUNKS)
+        return 4 * (rows * self.max_len + rows * self.topk + rows + split + scratch)
+
+    def allocate(self, device: torch.device | str) -> SparseWorkspace:
+        return SparseWorkspace.allocate(self.max_rows, self.num_heads, self.max_len,
+                                        topk=self.topk, max_splits=self.max_splits,
+                                        device=device, kv_lora_rank=self.kv_lora_rank)
+
+
+class SparseBackend:
+    """DeepSeek-V3.2 sparse MLA decode (indexer -> top-k -> sparse attention) for runners.
+
+    ``num_heads``: attention heads per query token (the plan unfolds the protocol's
+    q_len x heads); ``max_len``: the longest context (the indexer's logits row width);
+    ``num_sms`` defaults to the CUDA device's count, else the H200's 132 (pass a small
+    value in CPU tests to keep split counts low).
+    """
+
+    name = "sparse"
+
+    def __init__(self, *, num_heads: int, max_len: int, topk: int = DEFAULT_TOPK,
+                 kv_lora_rank: int = 512, qk_rope_dim: int = 64, num_sms: int | None = None,
+                 device: torch.device | str | None = None) -> None:
+        if num_heads < 1 or max_len < 1 or topk < 1:
+            raise ValueError(f"num_heads, max_len and topk must be >= 1, got {num_heads}, "
+                             f"{max_len} and {topk}")
+        self.num_heads, self.max_len, self.topk = num_heads, max_len, topk
+        self.kv_lora_rank, self.qk_rope_dim = kv_lora_rank, qk_rope_dim
+        self.num_sms = num_sms if num_sms is not None else device_num_sms(device)
+
+    def __repr__(self) -> str:
+        return (f"SparseBackend(num_heads={self.num_heads}, max_len={self.max_len}, "
+                f"topk={self.topk}, num_sms={self.num_sms})")
+
+    def plan(self, batch_size: int, num_heads: int, hint: int) -> SparsePlan:
+        """``batch_size`` requests of ``num_heads // self.num_heads`` query tokens each,
+        planned at context ``hint``. Pure host arithmetic."""
+        q_len, rest = divmod(num_heads, self.num_heads)
+        if rest or q_len < 1:
+            raise ValueError(f"num_heads={num_heads} is not q_len x {self.num_heads} (the "
+                             "backend's heads per token); build it with the model's heads")
+        return plan_sparse_decode(batch_size * q_len, self.num_heads, hint, topk=self.topk,
+                                  num_sms=self.num_sms)
+
+    def workspace_spec(self, plans: Iterable[SparsePlan]) -> SparseWorkspaceSpec:
+        """One workspace for every plan: the most rows and attention splits."""
+        plans = list(plans)
+        if not plans:
+            raise ValueError("workspace_spec needs at least one SparsePlan")
+        return SparseWorkspaceSpec(max(p.num_rows for p in plans), self.num_heads,
+                                   self.max_len, self.topk,
+                                   max(p.attention_splits for p in plans), self.kv_lora_rank)
+
+    def run(self, *args, **kwargs) -> torch.Tensor:
+        raise TypeError("the sparse backend needs the indexer's inputs: call "
+                        "ctx.backend.run_sparse(q, kv_cache, index_q, index_weights, "
+                        "index_cache, index_scales, ...) instead of ctx.attend")
+
+    def run_sparse(self, q: torch.Tensor, kv_cache: torch.Tensor, index_q: torch.Tensor,
+                   index_weights: torch.Tensor, index_cache: torch.Tensor,
+                   index_scales: torch.Tensor, block_table: torch.Tensor,
+                   seq_lens: torch.Tensor, out: torch.Tensor, workspace: SparseWorkspace, *,
+                   plan: SparsePlan, sm_scale: float, q_len: int = 1) -> torch.Tensor:
+        """Sparse decode of B x q_len query tokens (row b * q_len + j: request b's token j).
+
+        q [B * q_len, H, 576], index_q [B * q_len, 64, 128], index_weights [B * q_len, 64]
+        float32, out [B * q_len, H, 512]; block_table [B, pages] and seq_lens [B] per
+        request (the q_len new tokens counted), flattened to one row per token here.
+        See ``sparse.sparse_mla_decode``. Graph-safe: fixed-shape ops and launches only.
+        """
+        if q_len > 1:
+            bs = q.shape[0] // q_len
+            q, block_table, seq_lens = flatten_verify(q.view(bs, -1, q.shape[-1]), block_table,
+                                                      seq_lens[:bs], q_len)
+        return sparse_mla_decode(q, kv_cache, index_q, index_weights, index_cache,
+                                 index_scales, block_table, seq_lens, out, workspace,
+                                 plan=plan, sm_scale=sm_scale)
+
+
+def sparse_ladder(max_model_len: int, *, topk: int = DEFAULT_TOPK) -> BucketLadder:
+    """Buckets ..topk/4, ..topk, then doubling to ``max_model_len``, each hinted at its top.
+
+    Below top-k the attention's splits still grow with the context; from top-k on only the
+    indexer's do (one more power of two per doubling until its budget is spent, where
+    neighbouring buckets plan alike and alias)."""
+    bounds = {max(1, topk // 4), topk}
+    bound = 2 * topk
+    while bound < max_model_len:
+        bounds.add(bound)
+        bound *= 2
+    tops = sorted(b for b in bounds if b < max_model_len) + [max_model_len]
+    return BucketLadder(tuple(Bucket(max_len=b, hint=b) for b in tops), max_model_len,
+                        meta={"source": "sparse_ladder", "topk": topk})
