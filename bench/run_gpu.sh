@@ -3,7 +3,7 @@
 # TPOT per policy, and the demo's GPU path.
 # Usage (on a CUDA machine, from the repo root): OUT=/some/dir bash bench/run_gpu.sh [steps]
 # steps: any of tests gputests sweep fisweep capture tune tpot ragged demo tp fp8 mtp sparse
-#        tpotmtp (tpotmtp: TPOT of verify steps at q_len 1, 2, 4 on fewer contexts)
+#        tpotmtp tpotsparse (tpotmtp: TPOT of verify steps at q_len 1, 2, 4 on fewer contexts)
 #        (fisweep: the sweep with FlashInfer rows, wheels installed from .whl/ if present)
 #        (ragged: batches whose lengths differ, against the bytes they read)
 #        (tp needs 2 GPUs: TP=2 decode, numerics vs TP=1, TPOT ladder vs fixed-1)
@@ -23,7 +23,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 for step in $steps; do
   echo "== $step $(date -u +%H:%M:%S)"
   case $step in
-    tests) timeout 240 python3 -m pytest -q tests -p no:cacheprovider > "$R/tests.log" 2>&1
+    tests) timeout 420 python3 -m pytest -q tests -p no:cacheprovider > "$R/tests.log" 2>&1
            tail -15 "$R/tests.log" ;;
     gputests) timeout 240 python3 -m pytest -q -m gpu tests -p no:cacheprovider \
                 > "$R/tests.log" 2>&1; tail -15 "$R/tests.log" ;;
@@ -41,6 +41,8 @@ for step in $steps; do
               > "$R/sparse-tests.log" 2>&1; tail -5 "$R/sparse-tests.log"
             timeout 300 python3 bench/sparse_sweep.py --out "$R" > "$R/sparse.log" 2>&1
             tail -30 "$R/sparse.log" ;;
+    tpotsparse) timeout 300 python3 bench/tpot_sparse.py --layers 2 --out "$R" \
+                  > "$R/tpot-sparse.log" 2>&1; tail -30 "$R/tpot-sparse.log" ;;
     capture) timeout 120 python3 bench/capture_dispatch.py --out "$R" > "$R/capture.log" 2>&1
              tail -20 "$R/capture.log" ;;
     tune) for h in 16 12; do
