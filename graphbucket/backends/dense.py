@@ -66,8 +66,8 @@ class DenseBackend:
         check_mla_decode_args(q, kv_cache, block_table, seq_lens, out,
                               dataclasses.replace(plan, num_kv_splits=1, persistent_programs=0,
                                                   fused_merge=False), None, lse, kv_scale)
-        if kv_scale is not None:  # an fp8 cache, dequantized whole (static shapes)
-            kv_cache = fp8.dequantize(kv_cache, kv_scale, torch.float32)
+        if fp8.format_of(kv_cache) != "bf16":  # an fp8 cache, dequantized whole (static shapes)
+            kv_cache = fp8.dequantize_cache(kv_cache, kv_scale, torch.float32)
         o, l_ = masked_mla_decode(q, kv_cache, block_table, seq_lens,
                                   kv_lora_rank=plan.kv_lora_rank, sm_scale=sm_scale)
         out.copy_(o)
