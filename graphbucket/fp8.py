@@ -164,8 +164,9 @@ def check_cache(kv_cache: torch.Tensor, kv_cache_format: str, kv_scale: torch.Te
     if kv_cache_format == "bf16" and elt not in UNQUANTIZED_DTYPES:
         elt = torch.bfloat16  # an fp8 / uint8 cache declared unquantized: name the usual one
     if kv_cache.dim() != 3 or kv_cache.dtype != elt or kv_cache.shape[2] != width:
-        raise ValueError(f"a {kv_cache_format} cache is {elt} [num_pages, page_size, {width}],"
-                         f" got {kv_cache.dtype} {tuple(kv_cache.shape)}. Allocate it for the "
+        raise ValueError(f"the {kv_cache_format} format needs a {elt} cache [num_pages, "
+                         f"page_size, {width}], got {kv_cache.dtype} {tuple(kv_cache.shape)}. "
+                         "Allocate it for the "
                          f"declared format (graphbucket.fp8.cache_row) or declare the format "
                          f"it holds ({format_of(kv_cache)})")
     if kv_cache_format != "fp8-tensor":

@@ -495,7 +495,7 @@ def test_bad_store_kv_inputs_raise_before_launch_and_write_nothing(bad):
     from graphbucket.models.ops import store_kv
 
     kv_a, weight, rope, pos, slots, lens = store_inputs(0)
-    fmt, scale, match = bad.split("_")[0], None, "cache is"
+    fmt, scale, match = bad.split("_")[0], None, "format needs"
     fmt = {"v32": "fp8-v32", "tensor": "fp8-tensor"}.get(fmt, "bf16")
     cache = torch.full((4, 8, 656), 0xAB, dtype=torch.uint8, device=DEVICE)
     if bad == "v32_bf16_cache":
@@ -524,7 +524,7 @@ def test_bad_store_kv_inputs_raise_before_launch_and_write_nothing(bad):
     with pytest.raises(ValueError, match=match) as err:
         store_kv(kv_a, weight, rope, pos, slots, lens, cache, 1e-6, kv_scale=scale,
                  kv_cache_format=fmt)
-    if match == "cache is":  # names the declared format, the received cache and the fix
+    if match == "format needs":  # names the declared format, the received cache and the fix
         assert fmt in str(err.value) and str(cache.dtype) in str(err.value)
     after = cache.view(torch.uint8) if cache.dtype != torch.bfloat16 else cache
     assert torch.equal(after, before)

@@ -130,6 +130,7 @@ class MLADecoder:
         """One decode step -> final hidden states [B, D] in the model dtype."""
         if self._kernel_error:
             raise ValueError(self._kernel_error)
+        self.check_caches()
         cfg = self.config
         x = ctx.inputs[HIDDEN_INPUT]
         h = rms_norm(x, self.layers[0].attn_norm, cfg.rms_eps)
@@ -142,6 +143,17 @@ class MLADecoder:
                          else self.final_norm)
             x, h = add_rms_norm(x, d, next_norm, cfg.rms_eps)
         return h
+
+    def check_caches(self) -> None:
+        """Every layer's cache and the scale hold ``kv_cache_format`` rows, else ValueError
+        (host metadata only; runs before the forward launches anything, so a bad cache
+        leaves every cache as it was)."""
+        for i, cache in enumerate(self.kv_caches):
+            try:
+                fp8.check_cache(cache, self.kv_cache_format, self.kv_scale,
+                                kv_dim=self.config.kv_dim)
+            except ValueError as e:
+                raise ValueError(f"kv_caches[{i}]: {e}") from None
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return F.linear(x, w)
