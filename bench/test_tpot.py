@@ -31,7 +31,7 @@ from bench.tpot import (
     sync,
     time_tpot,
 )
-from graphbucket.models import deepseek_v3_tp8, tiny
+from graphbucket.models import deepseek_v3_tp8, tiny, tiny_v32
 from graphbucket.policies import POLICIES
 
 ON_GPU = torch.cuda.is_available()
@@ -119,13 +119,19 @@ def bench_copy_gbps() -> float:
 
 
 @pytest.mark.skipif(ON_GPU, reason="CPU check of the fp8 plumbing; the GPU numbers come from "
-                    "bench/tpot.py --kv-cache fp8-tensor")
-def test_fp8_cache_bench_matches_its_reference():
-    b = TpotBench.build(tiny(), max_model_len=128, batches=[1], page_size=16,
+                    "bench/tpot.py --kv-cache fp8-tensor fp8-v32")
+@pytest.mark.parametrize("kv_cache", ["fp8-tensor", "fp8-v32"])
+def test_fp8_cache_bench_matches_its_reference(kv_cache):
+    config = tiny() if kv_cache == "fp8-tensor" else tiny_v32()
+    b = TpotBench.build(config, max_model_len=128, batches=[1], page_size=16,
                         dtype=torch.float16, device="cpu", backend_kwargs={"num_sms": 2},
-                        policies=("ladder",), kv_cache="fp8-tensor")
+                        policies=("ladder",), kv_cache=kv_cache)
     try:
-        assert b.model.kv_caches[0].dtype == torch.float8_e4m3fn
+        assert b.model.kv_caches[0].dtype == (torch.float8_e4m3fn if kv_cache == "fp8-tensor"
+                                              else torch.uint8)
+        # The breakdown's bytes: 576 (fp8-tensor) or 656 (fp8-v32) bytes per token and layer.
+        row = config.kv_dim if kv_cache == "fp8-tensor" else 656
+        assert b.kv_bytes(100, 1) == 100 * config.num_layers * row
         decode = b.batch(100, 1)
         lens = np.asarray(decode.seq_lens_cpu)
         want = b.model.forward_reference(

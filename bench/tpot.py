@@ -13,7 +13,14 @@ model's weights (~172 MB per layer) are several times the 60 MB L2, so each step
 them, and the context's KV, cold. ``floor_ms`` = bytes one step must read (weights, the
 context's KV rows, activations) / the device-to-device copy bandwidth of the same run.
 
+Cache formats (``--kv-cache``, ``graphbucket.fp8``): bf16, fp8-tensor (e4m3, one scale) and
+fp8-v32 (DeepSeek-V3.2's 656-byte rows); several in one run build one model per format
+in turn, and every row names its format (``kv_cache``) and the KV bytes its step reads
+(``kv_mb``), from which ``scripts/tpot_report.py`` breaks the fp8 rows down against bf16.
+
     python3 bench/tpot.py --layers 4 --out bench/results      # writes h200-tpot.json
+    python3 bench/tpot.py --kv-cache bf16 fp8-tensor fp8-v32 --policies fixed-1 ladder
+                                                              # writes h200-tpot-fp8.json
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from graphbucket import fp8  # noqa: E402
 from graphbucket.backends import get_backend  # noqa: E402
 from graphbucket.batch import DecodeBatch  # noqa: E402
 from graphbucket.ladder import BucketLadder, default_ladder  # noqa: E402
@@ -54,6 +62,7 @@ PAGE_SIZE = 64
 LAYERS_ENV = "GRAPHBUCKET_TPOT_LAYERS"
 DEFAULT_LAYERS = 4
 BENCH_POLICIES = (*POLICIES, "default-ladder")
+FP8_TENSOR_AMAX = 8.0
 
 
 def default_layers() -> int:
@@ -79,11 +88,10 @@ class TpotBench:
               kv_cache: str = "bf16") -> TpotBench:
         pages = -(-max_model_len // page_size)
         # fp8-tensor: the prefill's N(0, 1) rows and the new rows fit amax 8 (graphbucket.fp8).
-        fp8_cache = {"kv_cache_dtype": torch.float8_e4m3fn, "kv_scale": 8.0 / 448} \
-            if kv_cache == "fp8-tensor" else {}
+        scale = {"kv_scale": FP8_TENSOR_AMAX / fp8.FP8_MAX} if kv_cache == "fp8-tensor" else {}
         model = MLADecoder(config, num_pages=max(batches) * pages, page_size=page_size,
                            dtype=dtype, device=device, seed=seed, projections=projections,
-                           **fp8_cache)
+                           kv_cache_format=fp8.check_format(kv_cache), **scale)
         rng = np.random.default_rng(seed)
         table = random_block_table(max(batches), pages, model.num_pages, rng)
         prefill_random(model, table, [max_model_len] * max(batches), seed=seed)
@@ -122,11 +130,14 @@ class TpotBench:
         Activations per layer and request: the hidden state in and out, the MLA query and
         the attention output; split-KV partials are not counted (an algorithm's choice).
         """
-        cfg, elt = self.model.config, self.model.kv_caches[0].element_size()
+        cfg, elt = self.model.config, self.model.dtype.itemsize
         act = cfg.num_layers * (2 * cfg.hidden_size + cfg.num_heads * (cfg.kv_dim
                                                                        + cfg.kv_lora_rank))
-        return (self.model.weight_bytes() + batch * context * self.model.kv_row_bytes()
-                + batch * act * elt)
+        return self.model.weight_bytes() + self.kv_bytes(context, batch) + batch * act * elt
+
+    def kv_bytes(self, context: int, batch: int) -> int:
+        """The context's cache rows over every layer, in the cache's format."""
+        return batch * context * self.model.kv_row_bytes()
 
     def close(self) -> None:
         for runner in self.runners.values():
@@ -169,7 +180,8 @@ def measure_row(bench: TpotBench, policy: str, context: int, batch: int,
     tpot = time_tpot(lambda: runner.step(decode))
     return {"policy": policy, "context": context, "batch": batch, "tpot_ms": round(tpot, 4),
             "floor_ms": round(bench.floor_bytes(context, batch) / (copy_gbps * 1e6), 4),
-            "splits": plan.num_kv_splits}
+            "splits": plan.num_kv_splits, "kv_cache": bench.model.kv_cache_format,
+            "kv_mb": round(bench.kv_bytes(context, batch) / 1e6, 4)}
 
 
 def run(bench: TpotBench, *, policies, contexts, batches, copy_gbps: float) -> list[dict]:
@@ -179,10 +191,20 @@ def run(bench: TpotBench, *, policies, contexts, batches, copy_gbps: float) -> l
             for policy in policies:
                 rows.append(measure_row(bench, policy, context, batch, copy_gbps))
                 r = rows[-1]
-                print(f"[{len(rows)}/{total}] bs={batch} ctx={context} {policy:<9} "
+                print(f"[{len(rows)}/{total}] {r['kv_cache']} bs={batch} ctx={context} "
+                      f"{policy:<9} "
                       f"{r['tpot_ms']:.3f} ms (floor {r['floor_ms']:.3f}, splits "
                       f"{r['splits']})", flush=True)
     return rows
+
+
+def ladder_source(ladder: BucketLadder) -> str:
+    """Which ladder the ladder policy captured: tuned for which cache format, or default."""
+    if "kv_cache_fallback" in ladder.meta:
+        return f"tuned for bf16 (no {ladder.meta['kv_cache_fallback']} ladder ships)"
+    if ladder.meta.get("source") == "graphbucket.tuning":
+        return f"tuned for {ladder.meta.get('kv_cache', 'bf16')}"
+    return "default"
 
 
 def meta_for(bench: TpotBench, args, copy_gbps: float) -> dict:
@@ -192,11 +214,13 @@ def meta_for(bench: TpotBench, args, copy_gbps: float) -> dict:
     captures = {p: r.capture().describe() for p, r in bench.runners.items() if not r.is_eager}
     return {**run_meta(), "model": cfg.name, "layers": cfg.num_layers,
             "copy_gbps": round(copy_gbps, 1), "dtype": "bfloat16", "page_size": PAGE_SIZE,
-            "kv_cache": str(bench.model.kv_cache_dtype).replace("torch.", ""),
+            "kv_cache": bench.model.kv_cache_format,
+            "kv_row_bytes": bench.model.kv_row_bytes(),
             "max_model_len": bench.max_model_len,
             "weights_mb": round(bench.model.weight_bytes() / 1e6, 1),
             "projections": bench.model.projections,
             "ladder": ladder.ladder.to_dict()["buckets"] if ladder else None,
+            "ladder_source": ladder_source(ladder.ladder) if ladder else None,
             "captures": captures,
             "timing": "CUDA events over back-to-back runner.step calls, median of 5 runs"}
 
@@ -210,8 +234,9 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=BATCHES)
     ap.add_argument("--policies", nargs="+", default=list(BENCH_POLICIES),
                     choices=BENCH_POLICIES)
-    ap.add_argument("--kv-cache", default="bf16", choices=("bf16", "fp8-tensor"),
-                    help="latent cache format (fp8-tensor: e4m3 with one scale)")
+    ap.add_argument("--kv-cache", nargs="+", default=["bf16"], choices=fp8.KV_CACHE_FORMATS,
+                    help="latent cache formats, one model each (fp8-tensor: e4m3 with one "
+                         "scale; fp8-v32: DeepSeek-V3.2's 656-byte rows)")
     ap.add_argument("--projections", default="auto", choices=PROJECTIONS,
                     help="skinny Triton products (auto on CUDA) or torch's GEMM/BMM")
     args = ap.parse_args()
@@ -222,19 +247,30 @@ def main() -> None:
 
     gbps = copy_gbps()
     print(f"copy bandwidth {gbps:.0f} GB/s", flush=True)
-    bench = TpotBench.build(PRESETS[args.preset](num_layers=args.layers),
-                            batches=args.batches, policies=tuple(args.policies),
-                            projections=args.projections, kv_cache=args.kv_cache)
-    rows = run(bench, policies=args.policies, contexts=args.contexts, batches=args.batches,
-               copy_gbps=gbps)
+    formats = list(dict.fromkeys(args.kv_cache))
+    rows, metas = [], []
+    for kv_cache in formats:  # one model at a time: each holds max batch x 128K tokens
+        bench = TpotBench.build(PRESETS[args.preset](num_layers=args.layers),
+                                batches=args.batches, policies=tuple(args.policies),
+                                projections=args.projections, kv_cache=kv_cache)
+        rows += run(bench, policies=args.policies, contexts=args.contexts,
+                    batches=args.batches, copy_gbps=gbps)
+        metas.append(meta_for(bench, args, gbps))
+        bench.close()
+        del bench
+        torch.cuda.empty_cache()
+    meta = {**metas[0], "kv_caches": formats,
+            "per_format": {m["kv_cache"]: {k: m[k] for k in ("ladder", "ladder_source",
+                                                            "captures", "kv_row_bytes")}
+                           for m in metas}}
     os.makedirs(args.out, exist_ok=True)
     suffix = "" if args.preset == "deepseek-v3-tp8" else f"-{args.preset}"
-    suffix += "" if args.kv_cache == "bf16" else f"-{args.kv_cache}"
+    if formats != ["bf16"]:
+        suffix += f"-{formats[0]}" if len(formats) == 1 else "-fp8"
     path = os.path.join(args.out, f"h200-tpot{suffix}.json")
     with open(path, "w") as f:
-        json.dump({"meta": meta_for(bench, args, gbps), "rows": rows}, f, indent=1)
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
     print(f"wrote {path}")
-    bench.close()
 
 
 if __name__ == "__main__":
