@@ -1,7 +1,11 @@
 """fp8 latent caches: the scale rules, quantize / dequantize and pack / unpack (torch ops).
 
 Two formats. Per-tensor (``quantize`` / ``dequantize``) and DeepSeek-V3.2's per-token
-groups (``pack_v32`` / ``unpack_v32``).
+groups (``pack_v32`` / ``unpack_v32``). By name (``KV_CACHE_FORMATS``, what the model, the
+buffer spec, the benchmarks and the tuner take): "bf16" (unquantized, the model's dtype),
+"fp8-tensor" and "fp8-v32"; ``cache_row`` / ``row_bytes`` give a format's row,
+``check_cache`` checks a cache and scale against it, ``as_stored`` / ``dequantize_cache``
+are what the float reference stores and reads.
 
 Per-tensor format ("fp8-tensor"): every 576-wide cache row (latent then rope) in ``float8_e4m3fn``,
 576 bytes per token, and one float32 scale for the whole cache, on the device:
