@@ -8,6 +8,7 @@ against the bf16-cache output on the same inputs (the fp8 kernels against float6
 the dequantized cache are in tests/test_fp8.py).
 
     python3 bench/fp8_sweep.py --out DIR        # DIR/h200-fp8.{json,md}
+    python3 bench/fp8_sweep.py --ab --out DIR   # fp8 rows without register prefetch too
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from bench.kernel_sweep import time_calls  # noqa: E402
 from bench.ragged import inputs, random_cache  # noqa: E402
 from graphbucket import fp8  # noqa: E402
 from graphbucket.kernels import SplitWorkspace, default_sm_scale, mla_decode  # noqa: E402
+from graphbucket.kernels import launch as kernel_launch  # noqa: E402
 from graphbucket.plan import plan_mla_decode  # noqa: E402
 
 HEADS, PAGE, DIM, RANK = 16, 64, 576, 512
@@ -42,6 +44,9 @@ def floor_us(gbps: float, lens: list[int], row_bytes: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--ab", action="store_true",
+                    help="also time the fp8 formats with the tile copied to shared memory as "
+                         "stored (no register prefetch)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("fp8_sweep.py times CUDA-graph replays and needs a CUDA GPU")
@@ -58,20 +63,29 @@ def main() -> None:
         plan = plan_mla_decode(batch, HEADS, context)
         ws = SplitWorkspace.allocate(batch, HEADS, plan.num_kv_splits, RANK, "cuda")
         outs = {}
-        for fmt, cache, launch, nbytes in (
-                ("bf16", bf16, mla_decode, 2 * DIM),
-                ("fp8-tensor", packed, functools.partial(mla_decode, kv_scale=scale), DIM),
-                ("fp8-v32", v32, mla_decode, fp8.V32_BYTES)):
+        todo = [("bf16", bf16, mla_decode, 2 * DIM, True),
+                ("fp8-tensor", packed, functools.partial(mla_decode, kv_scale=scale), DIM,
+                 True),
+                ("fp8-v32", v32, mla_decode, fp8.V32_BYTES, True)]
+        if args.ab:
+            todo += [(fmt, cache, launch, nbytes, False)
+                     for fmt, cache, launch, nbytes, _ in todo[1:]]
+        for fmt, cache, launch, nbytes, prefetch in todo:
+            kernel_launch.FP8_REGISTER_PREFETCH = prefetch
             us = time_calls(launch, plan, cache, tables, q, out, seq_lens, ws, sm_scale)
-            outs[fmt] = out[0].float().clone()
+            kernel_launch.FP8_REGISTER_PREFETCH = True
+            got = out[0].float().clone()
+            outs.setdefault(fmt, got)
             f_us = floor_us(gbps, lens, nbytes)
-            err = ((outs[fmt] - outs["bf16"]).norm() / outs["bf16"].norm()).item()
+            err = ((got - outs["bf16"]).norm() / outs["bf16"].norm()).item()
             rows.append({"format": fmt, "batch": batch, "context": context, "heads": HEADS,
                          "us": round(us, 3), "floor_us": round(f_us, 3),
                          "frac_of_copy": round(f_us / us, 4), "rel_l2": round(err, 5),
-                         "topology": plan.describe()})
-            print(f"b={batch:3d} ctx={context:6d} {fmt:10s} {us:8.1f} us "
-                  f"{100 * f_us / us:4.0f} % of copy  rel_l2 vs bf16 {err:.1e}", flush=True)
+                         "topology": plan.describe(),
+                         **({} if prefetch else {"variant": "no register prefetch"})})
+            print(f"b={batch:3d} ctx={context:6d} {fmt:10s} {'' if prefetch else '(no pf)':7s}"
+                  f" {us:8.1f} us {100 * f_us / us:4.0f} % of copy  rel_l2 vs bf16 {err:.1e}",
+                  flush=True)
         del tables, q, out, ws
     result = {"meta": {**run_meta(), "copy_gbps": round(gbps, 1)}, "rows": rows}
     os.makedirs(args.out, exist_ok=True)
@@ -95,8 +109,10 @@ def markdown(result: dict) -> str:
     for b, c in sorted({(r["batch"], r["context"]) for r in rows}):
         same = [r for r in rows if (r["batch"], r["context"]) == (b, c)]
         bf = next(r for r in same if r["format"] == "bf16")
+        same.sort(key=lambda r: (r["format"], "variant" in r))
         for r in same:
-            lines.append(f"| {b} | {c} | {r['format']} | {r['us']:.1f} | "
+            name = r["format"] + (f" ({r['variant']})" if "variant" in r else "")
+            lines.append(f"| {b} | {c} | {name} | {r['us']:.1f} | "
                          f"{r['us'] / bf['us']:.2f} | {100 * r['frac_of_copy']:.0f} % | "
                          f"{r['rel_l2']:.1e} |")
     return "\n".join(lines) + "\n"

@@ -7,6 +7,7 @@ replays. ``rel_l2``: the flat output against the folded one on the same inputs (
 checked against float64 in tests/test_multi_token.py).
 
     python3 bench/mtp_sweep.py --out DIR        # DIR/h200-mtp.json
+    python3 bench/mtp_sweep.py --variants       # folded stage-1 streams for 32 rows too
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -22,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.gpu_timing import copy_gbps, run_meta, time_replays  # noqa: E402
 from bench.ragged import inputs, random_cache  # noqa: E402
+from graphbucket import plan as P  # noqa: E402
 from graphbucket.kernels import SplitWorkspace, default_sm_scale, mla_decode  # noqa: E402
 from graphbucket.kernels.verify import flatten_verify  # noqa: E402
 from graphbucket.plan import plan_mla_decode  # noqa: E402
@@ -29,6 +32,19 @@ from graphbucket.plan import plan_mla_decode  # noqa: E402
 PAGE, DIM, RANK = 64, 576, 512
 SHAPES = [(16, 1, 32768), (16, 1, 131072), (16, 8, 32768), (16, 8, 131072), (128, 1, 131072),
           (128, 8, 32768)]
+
+
+# Folded q_len 2 at 16 heads is 32 rows per program: 8 warps (the default above 16 rows)
+# hold one program per SM; 4 warps with shorter tiles fit two (sm_90 compile: 246
+# registers, 75 KB); or 64-row warpgroup-MMA programs with half the rows masked.
+ROW_VARIANTS = {
+    "rows32_n16_w4_ahead": replace(P.LONG_PAGE_AHEAD, block_n=16, block_h=32, num_warps=4,
+                                   min_tiles_per_split=4),
+    "rows32_n32_w4_ahead": replace(P.LONG_PAGE_AHEAD, block_h=32, num_warps=4),
+    "rows32_n16_w8_ahead": replace(P.LONG_PAGE_AHEAD, block_n=16, block_h=32,
+                                   min_tiles_per_split=4),
+    "rows64": P.ROWS_STREAM,
+}
 
 
 def timed(plan, cache, tables, q, out, lens, ws, scale, q_len) -> float:
@@ -42,6 +58,8 @@ def timed(plan, cache, tables, q, out, lens, ws, scale, q_len) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--variants", action="store_true",
+                    help="also time other folded streams where a program holds 32 rows")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("mtp_sweep.py times CUDA-graph replays and needs a CUDA GPU")
@@ -54,13 +72,24 @@ def main() -> None:
         for q_len in (1, 2, 4):
             tables, q, out, seq_lens = inputs(lens, cache, heads * q_len)
             folded = plan_mla_decode(batch, heads * q_len, context)
+            most = 256 if args.variants and heads * q_len == 32 else 64
             ws = SplitWorkspace.allocate(batch * q_len, heads * q_len,
-                                         max(folded.num_kv_splits, 64), RANK, "cuda")
+                                         max(folded.num_kv_splits, most), RANK, "cuda")
             us = timed(folded, cache, tables, q, out, seq_lens, ws, scale, q_len)
             ref = out[0].float().clone()
             rows.append({"q_len": q_len, "form": "folded", "heads": heads, "batch": batch,
                          "context": context, "us": round(us, 3), "rel_l2": 0.0,
                          "topology": folded.describe()})
+            if args.variants and heads * q_len == 32:
+                for name, stream in ROW_VARIANTS.items():
+                    plan = plan_mla_decode(batch, 32, context, stream=stream)
+                    vus = timed(plan, cache, tables, q, out, seq_lens, ws, scale, q_len)
+                    err = ((out[0].float() - ref).norm() / ref.norm()).item()
+                    print(f"h={heads} b={batch} ctx={context} q_len={q_len} {name:20s} "
+                          f"{vus:9.1f} us  diff {err:.1e}  {plan.describe()}", flush=True)
+                    rows.append({"q_len": q_len, "form": f"folded:{name}", "heads": heads,
+                                 "batch": batch, "context": context, "us": round(vus, 3),
+                                 "rel_l2": round(err, 6), "topology": plan.describe()})
             if q_len > 1:
                 flat = [flatten_verify(q[r], tables[r], seq_lens, q_len)
                         for r in range(tables.shape[0])]
@@ -75,14 +104,48 @@ def main() -> None:
                 rows.append({"q_len": q_len, "form": "flat", "heads": heads, "batch": batch,
                              "context": context, "us": round(us, 3), "rel_l2": round(err, 6),
                              "topology": plan.describe()})
-            for r in rows[-2 if q_len > 1 else -1:]:
-                print(f"h={heads} b={batch} ctx={context} q_len={q_len} {r['form']:6s} "
-                      f"{r['us']:9.1f} us  {r['topology']}", flush=True)
+            for r in rows:
+                if (r["heads"], r["batch"], r["context"], r["q_len"]) == \
+                        (heads, batch, context, q_len) and r["form"] in ("folded", "flat"):
+                    print(f"h={heads} b={batch} ctx={context} q_len={q_len} {r['form']:6s} "
+                          f"{r['us']:9.1f} us  {r['topology']}", flush=True)
             del tables, q, out, ws
     os.makedirs(args.out, exist_ok=True)
+    meta = {**run_meta(), "copy_gbps": round(gbps, 1)}
     with open(os.path.join(args.out, "h200-mtp.json"), "w") as f:
-        json.dump({"meta": {**run_meta(), "copy_gbps": round(gbps, 1)}, "rows": rows}, f,
-                  indent=1)
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    with open(os.path.join(args.out, "h200-mtp.md"), "w") as f:
+        f.write(markdown(meta, rows))
+
+
+def markdown(meta: dict, rows: list[dict]) -> str:
+    """One line per shape: each q_len's folded and flat time and its ratio to q_len 1."""
+    by = {(r["heads"], r["batch"], r["context"], r["q_len"], r["form"]): r["us"] for r in rows}
+    shapes = sorted({(r["heads"], r["batch"], r["context"]) for r in rows})
+    lines = [f"# Multi-token decode: folded against flat ({meta['gpu']})", "",
+             f"{meta['date']}, torch {meta['torch']}, triton {meta['triton']}. Command: "
+             f"`{meta['command']}`", "",
+             "bf16, page 64, cold L2, CUDA-graph replays, planned kernels. us (x the q_len 1 "
+             "time of the same shape).", "",
+             "| heads | batch | context | q_len 1 | q_len 2 folded | q_len 2 flat "
+             "| q_len 4 folded | q_len 4 flat |", "|---|---|---|---|---|---|---|---|"]
+    for h, b, c in shapes:
+        one = by.get((h, b, c, 1, "folded"))
+        cells = [f"{one:.1f}" if one else "-"]
+        for q_len in (2, 4):
+            for form in ("folded", "flat"):
+                us = by.get((h, b, c, q_len, form))
+                cells.append(f"{us:.1f} ({us / one:.2f}x)" if us and one else "-")
+        lines.append(f"| {h} | {b} | {c} | " + " | ".join(cells) + " |")
+    other = [r for r in rows if r["form"].startswith("folded:")]
+    if other:
+        lines += ["", "Other folded streams (`--variants`):", "",
+                  "| heads | batch | context | q_len | stream | us | topology |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['heads']} | {r['batch']} | {r['context']} | {r['q_len']} | "
+                  f"{r['form'].split(':', 1)[1]} | {r['us']:.1f} | {r['topology']} |"
+                  for r in other]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -2,11 +2,12 @@
 # GPU evidence in one call: GPU tests, kernel sweep, capture/dispatch bench, ladder tune,
 # TPOT per policy, and the demo's GPU path.
 # Usage (on a CUDA machine, from the repo root): OUT=/some/dir bash bench/run_gpu.sh [steps]
-# steps: any of tests gputests sweep fisweep capture tune tunefp8 tpot tpotfp8 ragged demo tp
-#        fp8 mtp
+# steps: any of tests gputests sweep fisweep capture tune tunefp8 tpot tpotfp8 tpotmtp
+#        ragged demo tp fp8 mtp sparse
 #        (tunefp8: 16-head ladders over fp8-tensor and fp8-v32 caches, copied into
 #        graphbucket/ladders/ like tune's; tpotfp8: TPOT of bf16, fp8-tensor and fp8-v32
 #        caches in one table, fixed-1 and the ladder, after tunefp8)
+#        (tpotmtp: TPOT of verify steps at q_len 1, 2, 4 on fewer contexts)
 #        (fisweep: the sweep with FlashInfer rows, wheels installed from .whl/ if present)
 #        (ragged: batches whose lengths differ, against the bytes they read)
 #        (tp needs 2 GPUs: TP=2 decode, numerics vs TP=1, TPOT ladder vs fixed-1)
@@ -40,6 +41,10 @@ for step in $steps; do
          tail -40 "$R/fp8.log" ;;
     mtp) timeout 200 python3 bench/mtp_sweep.py --out "$R" > "$R/mtp.log" 2>&1
          tail -40 "$R/mtp.log" ;;
+    sparse) timeout 120 python3 -m pytest -q tests/test_sparse.py -p no:cacheprovider \
+              > "$R/sparse-tests.log" 2>&1; tail -5 "$R/sparse-tests.log"
+            timeout 300 python3 bench/sparse_sweep.py --out "$R" > "$R/sparse.log" 2>&1
+            tail -30 "$R/sparse.log" ;;
     capture) timeout 120 python3 bench/capture_dispatch.py --out "$R" > "$R/capture.log" 2>&1
              tail -20 "$R/capture.log" ;;
     tune) for h in 16 12; do
@@ -66,6 +71,12 @@ for step in $steps; do
     tpot) timeout 240 python3 bench/tpot.py --layers "${TPOT_LAYERS:-4}" --out "$R" \
             > "$R/tpot.log" 2>&1; tail -5 "$R/tpot.log"
           python3 scripts/tpot_report.py --json "$R/h200-tpot.json" --force ;;
+    tpotmtp) timeout 540 python3 bench/tpot.py --layers "${TPOT_LAYERS:-4}" --out "$R" \
+            --q-len 1 2 4 --policies eager fixed-1 fixed-max ladder \
+            --contexts 64 1024 16384 65536 100000 131072 > "$R/tpot-mtp.log" 2>&1
+          tail -5 "$R/tpot-mtp.log"
+          for q in 1 2 4; do python3 scripts/tpot_report.py --json "$R/h200-tpot-mtp.json" \
+            --q-len "$q" --no-png --force; done ;;
     tp) NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
           timeout 300 python3 scripts/tp_decode.py --world-size 2 --out "$R" > "$R/tp.log" 2>&1
         tail -12 "$R/tp.log" ;;

@@ -140,3 +140,50 @@ def test_fp8_cache_bench_matches_its_reference(kv_cache):
         assert rel_l2(b.runners["ladder"].step(decode), want) < 2e-2
     finally:
         b.close()
+
+
+@pytest.mark.skipif(ON_GPU, reason="CPU check of the verify-step plumbing; the GPU numbers "
+                    "come from bench/tpot.py --q-len 1 2 4")
+def test_verify_step_bench_matches_its_reference_and_rows_count_per_token():
+    from bench.tpot import tpot_row
+
+    b = TpotBench.build(tiny(), max_model_len=128, batches=[1], page_size=16,
+                        dtype=torch.float32, device="cpu", backend_kwargs={"num_sms": 2},
+                        policies=("fixed-1", "ladder"), q_lens=(1, 2))
+    try:
+        for policy, runner in b.runners.items():
+            assert runner.q_lens == (1, 2)
+            decode = b.batch(100, 1, q_len=2)
+            assert b.plan(policy, 100, 1, q_len=2).num_heads == 2 * b.model.config.num_heads
+            lens = np.asarray(decode.seq_lens_cpu)
+            want = b.model.forward_reference(
+                decode.inputs["hidden"], positions=[98, 99], seq_lens=lens,
+                block_table=decode.block_table_cpu, slot_mapping=decode.inputs["slot_mapping"],
+                q_len=2)
+            got = runner.step(decode)
+            assert got.shape == (2, b.model.config.hidden_size)
+            assert rel_l2(got, want) < 1e-4, policy
+        assert b.floor_bytes(100, 1, 2) > b.floor_bytes(100, 1, 1)
+    finally:
+        b.close()
+    row = tpot_row("ladder", 100, 1, step_ms=3.0, floor_ms=1.0, splits=4, q_len=2)
+    assert (row["step_ms"], row["tpot_ms"], row["floor_ms"], row["q_len"]) == (3.0, 1.5, 0.5, 2)
+    one = tpot_row("ladder", 100, 1, step_ms=3.0, floor_ms=1.0, splits=4)
+    assert one["tpot_ms"] == one["step_ms"] == 3.0  # q_len 1: the keys read as before
+
+
+def test_rows_name_their_format_and_files_both_options():
+    from bench.tpot import output_name, tpot_row
+
+    row = tpot_row("ladder", 100, 1, step_ms=3.0, floor_ms=1.0, splits=4, q_len=2,
+                   kv_cache="fp8-v32", kv_mb=1.23456)
+    assert (row["kv_cache"], row["kv_mb"], row["q_len"], row["tpot_ms"]) == \
+        ("fp8-v32", 1.2346, 2, 1.5)
+    assert tpot_row("ladder", 100, 1, step_ms=3.0, floor_ms=1.0, splits=4)["kv_cache"] == "bf16"
+    preset = "deepseek-v3-tp8"
+    assert output_name(preset, ["bf16"], [1]) == "h200-tpot.json"
+    assert output_name(preset, ["fp8-tensor"], [1]) == "h200-tpot-fp8-tensor.json"
+    assert output_name(preset, ["bf16", "fp8-tensor", "fp8-v32"], [1]) == "h200-tpot-fp8.json"
+    assert output_name(preset, ["bf16"], [1, 2, 4]) == "h200-tpot-mtp.json"
+    assert output_name(preset, ["bf16", "fp8-v32"], [1, 2]) == "h200-tpot-fp8-mtp.json"
+    assert output_name("tiny", ["bf16", "bf16"], [1, 1]) == "h200-tpot-tiny.json"

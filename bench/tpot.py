@@ -18,9 +18,20 @@ fp8-v32 (DeepSeek-V3.2's 656-byte rows); several in one run build one model per 
 in turn, and every row names its format (``kv_cache``) and the KV bytes its step reads
 (``kv_mb``), from which ``scripts/tpot_report.py`` breaks the fp8 rows down against bf16.
 
+Verify steps (``--q-len 1 2 4``: MTP / speculative decoding, q_len tokens per request;
+the runners capture every q_len): each row then has ``q_len``, ``step_ms`` (the step) and
+``tpot_ms`` = step_ms / q_len (time per token, every draft accepted); at q_len 1 both are
+the step time. Contexts below q_len are skipped.
+
+The output is h200-tpot{-preset}{-formats}{-mtp}.json (``output_name``): ``-formats`` is
+absent for bf16 alone, the format's name for one fp8 format and ``-fp8`` for several;
+``-mtp`` follows when any q_len other than 1 runs. Both options together combine the
+suffixes (``--kv-cache bf16 fp8-tensor --q-len 1 2`` writes h200-tpot-fp8-mtp.json).
+
     python3 bench/tpot.py --layers 4 --out bench/results      # writes h200-tpot.json
     python3 bench/tpot.py --kv-cache bf16 fp8-tensor fp8-v32 --policies fixed-1 ladder
                                                               # writes h200-tpot-fp8.json
+    python3 bench/tpot.py --layers 4 --q-len 1 2 4            # writes h200-tpot-mtp.json
 """
 
 from __future__ import annotations
@@ -76,7 +87,7 @@ class TpotBench:
     model: MLADecoder
     runners: dict[str, GraphBucketRunner]
     block_table: np.ndarray           # int32 [max batch, max pages per request]
-    hidden: dict[int, torch.Tensor]   # batch size -> seeded [B, D] inputs on the device
+    hidden: dict[int, torch.Tensor]   # tokens (B x q_len) -> seeded inputs on the device
     max_model_len: int
 
     @classmethod
@@ -85,7 +96,7 @@ class TpotBench:
               page_size: int = PAGE_SIZE, dtype: torch.dtype = torch.bfloat16,
               device: str = "cuda", seed: int = 0, backend_kwargs: dict | None = None,
               ladder: BucketLadder | None = None, projections: str = "auto",
-              kv_cache: str = "bf16") -> TpotBench:
+              kv_cache: str = "bf16", q_lens: tuple[int, ...] = (1,)) -> TpotBench:
         pages = -(-max_model_len // page_size)
         # fp8-tensor: the prefill's N(0, 1) rows and the new rows fit amax 8 (graphbucket.fp8).
         scale = {"kv_scale": FP8_TENSOR_AMAX / fp8.FP8_MAX} if kv_cache == "fp8-tensor" else {}
@@ -96,8 +107,8 @@ class TpotBench:
         table = random_block_table(max(batches), pages, model.num_pages, rng)
         prefill_random(model, table, [max_model_len] * max(batches), seed=seed)
         gen = torch.Generator(device=device).manual_seed(seed)
-        hidden = {b: torch.randn(b, config.hidden_size, generator=gen, device=device).to(dtype)
-                  for b in batches}
+        hidden = {n: torch.randn(n, config.hidden_size, generator=gen, device=device).to(dtype)
+                  for n in sorted({b * q for b in batches for q in q_lens})}
         runners = {}
         for policy in policies:
             backend = get_backend("triton", device=device, kv_lora_rank=config.kv_lora_rank,
@@ -105,38 +116,40 @@ class TpotBench:
             which = "ladder" if policy == "default-ladder" else policy
             runners[policy] = GraphBucketRunner.for_model(
                 model, policy=which, max_model_len=max_model_len, batch_sizes=batches,
-                backend=backend, progress=False,
+                backend=backend, progress=False, q_lens=tuple(q_lens),
                 ladder=default_ladder(max_model_len) if policy == "default-ladder"
                 else ladder if policy == "ladder" else None)
             runners[policy].capture()
         return cls(model, runners, table, hidden, max_model_len)
 
-    def batch(self, context: int, batch: int) -> DecodeBatch:
-        """``batch`` requests at ``context`` tokens each (the decoded token included)."""
+    def batch(self, context: int, batch: int, q_len: int = 1) -> DecodeBatch:
+        """``batch`` requests at ``context`` tokens each (the q_len decoded tokens included)."""
         cols = -(-context // self.model.page_size)
         return decode_batch(self.model, [context] * batch, self.block_table[:batch, :cols],
-                            self.hidden[batch])
+                            self.hidden[batch * q_len], q_len=q_len)
 
-    def plan(self, policy: str, context: int, batch: int) -> LaunchPlan:
+    def plan(self, policy: str, context: int, batch: int, q_len: int = 1) -> LaunchPlan:
         """The plan the policy's step launches for this shape (host arithmetic only)."""
         runner = self.runners[policy]
         if runner.is_eager:
-            return runner.backend.plan(batch, self.model.config.num_heads, context)
-        return runner.plan_for(runner.selector.choose([context] * batch))
+            return runner.backend.plan(batch, self.model.config.num_heads * q_len, context)
+        return runner.plan_for(runner.selector.choose([context] * batch, q_len))
 
-    def floor_bytes(self, context: int, batch: int) -> int:
+    def floor_bytes(self, context: int, batch: int, q_len: int = 1) -> int:
         """Weights + the context's KV rows (every layer) + activations one step must read.
 
-        Activations per layer and request: the hidden state in and out, the MLA query and
-        the attention output; split-KV partials are not counted (an algorithm's choice).
+        Activations per layer and query token: the hidden state in and out, the MLA query
+        and the attention output; split-KV partials are not counted (an algorithm's choice).
         """
         cfg, elt = self.model.config, self.model.dtype.itemsize
         act = cfg.num_layers * (2 * cfg.hidden_size + cfg.num_heads * (cfg.kv_dim
                                                                        + cfg.kv_lora_rank))
-        return self.model.weight_bytes() + self.kv_bytes(context, batch) + batch * act * elt
+        return (self.model.weight_bytes() + self.kv_bytes(context, batch)
+                + batch * q_len * act * elt)
 
     def kv_bytes(self, context: int, batch: int) -> int:
-        """The context's cache rows over every layer, in the cache's format."""
+        """The context's cache rows over every layer, in the cache's format (a verify step
+        reads them once per request, whatever its q_len)."""
         return batch * context * self.model.kv_row_bytes()
 
     def close(self) -> None:
@@ -173,28 +186,57 @@ def time_tpot(step: Callable[[], object], *, reps: int = 5, min_ms: float = 30.0
     return statistics.median(samples)
 
 
+def tpot_row(policy: str, context: int, batch: int, *, step_ms: float, floor_ms: float,
+             splits: int, q_len: int = 1, kv_cache: str = "bf16",
+             kv_mb: float | None = None) -> dict:
+    """One result row: ``tpot_ms`` is the time per token (step_ms / q_len); ``floor_ms``
+    the step's floor (per token likewise); ``kv_cache`` the cache format and ``kv_mb`` the
+    context's KV megabytes the step reads (per step, not per token)."""
+    row = {"policy": policy, "context": context, "batch": batch, "q_len": q_len,
+           "tpot_ms": round(step_ms / q_len, 4), "step_ms": round(step_ms, 4),
+           "floor_ms": round(floor_ms / q_len, 4), "splits": splits, "kv_cache": kv_cache}
+    if kv_mb is not None:
+        row["kv_mb"] = round(kv_mb, 4)
+    return row
+
+
+def output_name(preset: str, formats: list[str], q_lens: list[int]) -> str:
+    """The result file: h200-tpot.json for bf16 at q_len 1 on the default preset;
+    ``-{preset}`` for another preset, then ``-{format}`` for one fp8 format or ``-fp8``
+    for several, then ``-mtp`` when a q_len other than 1 runs (both: h200-tpot-fp8-mtp.json).
+    """
+    formats, q_lens = list(dict.fromkeys(formats)), list(dict.fromkeys(q_lens))
+    suffix = "" if preset == "deepseek-v3-tp8" else f"-{preset}"
+    if formats != ["bf16"]:
+        suffix += f"-{formats[0]}" if len(formats) == 1 else "-fp8"
+    suffix += "" if q_lens == [1] else "-mtp"
+    return f"h200-tpot{suffix}.json"
+
+
 def measure_row(bench: TpotBench, policy: str, context: int, batch: int,
-                copy_gbps: float) -> dict:
-    runner, decode = bench.runners[policy], bench.batch(context, batch)
-    plan = bench.plan(policy, context, batch)
-    tpot = time_tpot(lambda: runner.step(decode))
-    return {"policy": policy, "context": context, "batch": batch, "tpot_ms": round(tpot, 4),
-            "floor_ms": round(bench.floor_bytes(context, batch) / (copy_gbps * 1e6), 4),
-            "splits": plan.num_kv_splits, "kv_cache": bench.model.kv_cache_format,
-            "kv_mb": round(bench.kv_bytes(context, batch) / 1e6, 4)}
+                copy_gbps: float, q_len: int = 1) -> dict:
+    runner, decode = bench.runners[policy], bench.batch(context, batch, q_len)
+    plan = bench.plan(policy, context, batch, q_len)
+    step_ms = time_tpot(lambda: runner.step(decode))
+    floor_ms = bench.floor_bytes(context, batch, q_len) / (copy_gbps * 1e6)
+    return tpot_row(policy, context, batch, step_ms=step_ms, floor_ms=floor_ms,
+                    splits=plan.num_kv_splits, q_len=q_len,
+                    kv_cache=bench.model.kv_cache_format,
+                    kv_mb=bench.kv_bytes(context, batch) / 1e6)
 
 
-def run(bench: TpotBench, *, policies, contexts, batches, copy_gbps: float) -> list[dict]:
-    rows, total = [], len(policies) * len(contexts) * len(batches)
-    for batch in batches:
-        for context in contexts:
-            for policy in policies:
-                rows.append(measure_row(bench, policy, context, batch, copy_gbps))
-                r = rows[-1]
-                print(f"[{len(rows)}/{total}] {r['kv_cache']} bs={batch} ctx={context} "
-                      f"{policy:<9} "
-                      f"{r['tpot_ms']:.3f} ms (floor {r['floor_ms']:.3f}, splits "
-                      f"{r['splits']})", flush=True)
+def run(bench: TpotBench, *, policies, contexts, batches, copy_gbps: float,
+        q_lens=(1,)) -> list[dict]:
+    shapes = [(q, b, c) for q in q_lens for b in batches for c in contexts if c >= q]
+    rows, total = [], len(policies) * len(shapes)
+    for q_len, batch, context in shapes:
+        for policy in policies:
+            rows.append(measure_row(bench, policy, context, batch, copy_gbps, q_len))
+            r = rows[-1]
+            print(f"[{len(rows)}/{total}] {r['kv_cache']} q_len={q_len} bs={batch} "
+                  f"ctx={context} {policy:<9} {r['step_ms']:.3f} ms/step "
+                  f"{r['tpot_ms']:.3f} ms/token (floor {r['floor_ms']:.3f}, splits "
+                  f"{r['splits']})", flush=True)
     return rows
 
 
@@ -222,7 +264,9 @@ def meta_for(bench: TpotBench, args, copy_gbps: float) -> dict:
             "ladder": ladder.ladder.to_dict()["buckets"] if ladder else None,
             "ladder_source": ladder_source(ladder.ladder) if ladder else None,
             "captures": captures,
-            "timing": "CUDA events over back-to-back runner.step calls, median of 5 runs"}
+            "q_lens": list(next(iter(bench.runners.values())).q_lens),
+            "timing": "CUDA events over back-to-back runner.step calls, median of 5 runs; "
+                      "tpot_ms = step_ms / q_len"}
 
 
 def main() -> None:
@@ -239,7 +283,13 @@ def main() -> None:
                          "scale; fp8-v32: DeepSeek-V3.2's 656-byte rows)")
     ap.add_argument("--projections", default="auto", choices=PROJECTIONS,
                     help="skinny Triton products (auto on CUDA) or torch's GEMM/BMM")
+    ap.add_argument("--q-len", type=int, nargs="+", default=[1], dest="q_lens",
+                    help="query tokens per request (verify steps), e.g. 1 2 4; other than "
+                         "1 alone writes h200-tpot-mtp.json (h200-tpot-fp8-mtp.json with "
+                         "several cache formats)")
     args = ap.parse_args()
+    if any(q < 1 for q in args.q_lens):
+        ap.error(f"--q-len takes positive ints, got {args.q_lens}")
     if not torch.cuda.is_available():
         sys.exit("tpot.py times CUDA decode steps and needs a CUDA GPU; on CPU run "
                  "`python3 -m pytest bench/test_tpot.py --benchmark-disable`")
@@ -248,13 +298,15 @@ def main() -> None:
     gbps = copy_gbps()
     print(f"copy bandwidth {gbps:.0f} GB/s", flush=True)
     formats = list(dict.fromkeys(args.kv_cache))
+    q_lens = list(dict.fromkeys(args.q_lens))
     rows, metas = [], []
     for kv_cache in formats:  # one model at a time: each holds max batch x 128K tokens
         bench = TpotBench.build(PRESETS[args.preset](num_layers=args.layers),
                                 batches=args.batches, policies=tuple(args.policies),
-                                projections=args.projections, kv_cache=kv_cache)
+                                projections=args.projections, kv_cache=kv_cache,
+                                q_lens=tuple(q_lens))
         rows += run(bench, policies=args.policies, contexts=args.contexts,
-                    batches=args.batches, copy_gbps=gbps)
+                    batches=args.batches, copy_gbps=gbps, q_lens=q_lens)
         metas.append(meta_for(bench, args, gbps))
         bench.close()
         del bench
@@ -264,10 +316,7 @@ def main() -> None:
                                                             "captures", "kv_row_bytes")}
                            for m in metas}}
     os.makedirs(args.out, exist_ok=True)
-    suffix = "" if args.preset == "deepseek-v3-tp8" else f"-{args.preset}"
-    if formats != ["bf16"]:
-        suffix += f"-{formats[0]}" if len(formats) == 1 else "-fp8"
-    path = os.path.join(args.out, f"h200-tpot{suffix}.json")
+    path = os.path.join(args.out, output_name(args.preset, formats, q_lens))
     with open(path, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     print(f"wrote {path}")

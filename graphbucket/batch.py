@@ -41,18 +41,22 @@ class DecodeBatch:
     """One decode step on the host.
 
     seq_lens_cpu: [B] ints (list, numpy or CPU tensor): context length of each request,
-        the token being decoded included.
+        the tokens being decoded included (0: a padding row).
     block_table_cpu: [B, num_cols] ints (numpy or CPU tensor), num_cols <= max_pages:
         cache page of each request's pages, in order.
-    inputs: name -> tensor [B, *shape] per the spec's ``InputSpec``s, on the CPU (staged
+    inputs: name -> tensor [B * q_len, *shape] per the spec's ``InputSpec``s (one row per
+        query token, token j of request b at row b * q_len + j), on the CPU (staged
         through pinned memory) or on the buffers' device (copied device to device).
-    positions_cpu: [B] ints, default ``seq_len - 1``.
+    positions_cpu: [B * q_len] ints, default ``seq_len - q_len + j`` for token j.
+    q_len: query tokens per request (1: plain decode; 2..: a verify step of draft tokens,
+        every live request then has seq_len >= q_len).
     """
 
     seq_lens_cpu: Any
     block_table_cpu: Any
     inputs: Mapping[str, torch.Tensor] = field(default_factory=dict)
     positions_cpu: Any = None
+    q_len: int = 1
 
 
 # Not frozen: built on every decode step, and a frozen dataclass's __init__ costs ~4x more.
@@ -61,9 +65,9 @@ class CheckedBatch:
     """A validated ``DecodeBatch`` as numpy integer arrays.
 
     seq_lens [B]; block_table [B, need] (only the columns the longest request uses, every
-    entry inside the cache); positions [B] or None (then ``seq_len - 1``); inputs as given,
-    split into ``host_inputs`` (name, numpy view in ``numpy_view_dtype``) and
-    ``device_inputs`` (name, tensor on the buffers' device).
+    entry inside the cache); positions [B * q_len] or None (then ``seq_len - q_len + j``);
+    inputs as given ([B * q_len, ...]), split into ``host_inputs`` (name, numpy view in
+    ``numpy_view_dtype``) and ``device_inputs`` (name, tensor on the buffers' device).
     """
 
     seq_lens: np.ndarray
@@ -75,6 +79,7 @@ class CheckedBatch:
     batch_size: int
     host_inputs: tuple[tuple[str, np.ndarray], ...] = ()
     device_inputs: tuple[tuple[str, torch.Tensor], ...] = ()
+    q_len: int = 1
 
 
 def _host_ints(name: str, value: Any, ndim: int) -> np.ndarray:
@@ -112,16 +117,17 @@ def _all_below(table: np.ndarray, limit: int) -> bool:
 class BatchValidator:
     """Checks ``DecodeBatch``es against one ``BufferSpec`` (its constants looked up once);
     ``validator(batch)`` returns a ``CheckedBatch`` or raises TypeError/ValueError.
+    ``max_q_len``: the most query tokens per request the buffers hold.
 
     Graph safety: host arithmetic only; a device tensor where a host copy is expected is
     rejected, never read.
     """
 
-    __slots__ = ("spec", "_max_len", "_max_pages", "_num_pages", "_page", "_device",
-                 "_inputs")
+    __slots__ = ("spec", "max_q_len", "_max_len", "_max_pages", "_num_pages", "_page",
+                 "_device", "_inputs")
 
-    def __init__(self, spec: BufferSpec) -> None:
-        self.spec = spec
+    def __init__(self, spec: BufferSpec, *, max_q_len: int = 1) -> None:
+        self.spec, self.max_q_len = spec, max_q_len
         self._max_len, self._max_pages = spec.max_context_len, spec.max_pages_per_seq
         self._num_pages, self._page, self._device = spec.num_pages, spec.page_size, spec.device
         # (name, dtype, per-request shape, dtype viewed as before .numpy() or None if same)
@@ -132,18 +138,33 @@ class BatchValidator:
     def __call__(self, batch: DecodeBatch) -> CheckedBatch:
         if type(batch) is not DecodeBatch and not isinstance(batch, DecodeBatch):
             raise TypeError(f"expected a DecodeBatch, got {type(batch).__name__}")
+        q_len = batch.q_len
+        if q_len != 1 or type(q_len) is not int:
+            self._q_len(q_len)
         raw = batch.seq_lens_cpu
         lens = _host_ints("seq_lens_cpu", raw, 1)
         min_len, max_len = self._lengths(lens, raw)
+        if q_len != 1 and min_len < q_len:
+            _check_lengths_hold(lens, q_len)
         table = self._block_table(_host_ints("block_table_cpu", batch.block_table_cpu, 2),
                                   lens, max_len)
         positions = batch.positions_cpu
         if positions is not None:
-            positions = self._positions(_host_ints("positions_cpu", positions, 1), lens)
+            positions = self._positions(_host_ints("positions_cpu", positions, 1), lens, q_len)
         bs = lens.shape[0]
         inputs = batch.inputs
-        host, device = self._split_inputs(inputs, bs)
-        return CheckedBatch(lens, table, positions, inputs, min_len, max_len, bs, host, device)
+        host, device = self._split_inputs(inputs, bs * q_len)
+        return CheckedBatch(lens, table, positions, inputs, min_len, max_len, bs, host, device,
+                            q_len)
+
+    def _q_len(self, q_len: Any) -> None:
+        if isinstance(q_len, bool) or not isinstance(q_len, int) or q_len < 1:
+            raise ValueError(f"q_len must be a positive int (query tokens per request), "
+                             f"got {q_len!r}")
+        if q_len > self.max_q_len:
+            raise ValueError(f"q_len={q_len} is above the largest captured q_len "
+                             f"{self.max_q_len}; build the runner with q_lens=(..., {q_len}) "
+                             "or verify fewer draft tokens per step")
 
     def _lengths(self, lens: np.ndarray, raw: Any) -> tuple[int, int]:
         n = lens.shape[0]
@@ -165,17 +186,20 @@ class BatchValidator:
         return lo, hi
 
     @staticmethod
-    def _positions(positions: np.ndarray, lens: np.ndarray) -> np.ndarray:
-        if positions.shape != lens.shape:
+    def _positions(positions: np.ndarray, lens: np.ndarray, q_len: int) -> np.ndarray:
+        if positions.shape != (lens.shape[0] * q_len,):
             raise ValueError(f"positions_cpu has shape {positions.shape}; expected "
-                             f"{lens.shape}, one per request")
-        # The decoded token lies inside its context: 0 <= position < seq_len (0 for padding).
-        bad = (positions < 0) | (positions >= np.maximum(lens, 1))
+                             f"{(lens.shape[0] * q_len,)}, one per query token "
+                             f"({lens.shape[0]} requests x q_len {q_len})")
+        # A decoded token lies inside its context: 0 <= position < seq_len (0 for padding).
+        limit = np.maximum(lens, 1) if q_len == 1 else np.repeat(np.maximum(lens, 1), q_len)
+        bad = (positions < 0) | (positions >= limit)
         if bad.any():
             row = int(bad.argmax())
             raise ValueError(f"positions_cpu[{row}] = {int(positions[row])} is outside "
-                             f"[0, seq_len={int(lens[row])}); the decoded token's position "
-                             "must lie inside its context (default: seq_len - 1)")
+                             f"[0, seq_len={int(lens[row // q_len])}); a decoded token's "
+                             "position must lie inside its context (default: seq_len - "
+                             "q_len + j for token j)")
         return positions
 
     def _block_table(self, bt: np.ndarray, lens: np.ndarray, max_len: int) -> np.ndarray:
@@ -196,7 +220,7 @@ class BatchValidator:
             return _sanitize_block_table(live, lens, self.spec)
         return live
 
-    def _split_inputs(self, inputs: Mapping[str, torch.Tensor], bs: int
+    def _split_inputs(self, inputs: Mapping[str, torch.Tensor], rows: int
                       ) -> tuple[tuple[tuple[str, np.ndarray], ...],
                                  tuple[tuple[str, torch.Tensor], ...]]:
         if type(inputs) is not dict and not isinstance(inputs, Mapping):
@@ -220,9 +244,9 @@ class BatchValidator:
                 raise TypeError(f"inputs[{name!r}] is on {t.device}; expected the CPU or "
                                 f"{self._device}. Move it with .to({str(self._device)!r})")
             t_shape = t.shape
-            if len(t_shape) != ndim or t_shape[0] != bs or t_shape[1:] != shape:
+            if len(t_shape) != ndim or t_shape[0] != rows or t_shape[1:] != shape:
                 raise ValueError(f"inputs[{name!r}] has shape {tuple(t_shape)}; expected "
-                                 f"{(bs, *shape)} (batch, *InputSpec.shape)")
+                                 f"{(rows, *shape)} (batch x q_len, *InputSpec.shape)")
             if on_host:
                 host.append((name, t.numpy() if view is None else t.view(view).numpy()))
             else:
@@ -232,6 +256,15 @@ class BatchValidator:
     def _keys_error(self, inputs: Mapping[str, torch.Tensor]) -> ValueError:
         return ValueError(f"inputs has keys {sorted(inputs)}; expected "
                           f"{sorted(i[0] for i in self._inputs)} (one tensor per InputSpec)")
+
+
+def _check_lengths_hold(lens: np.ndarray, q_len: int) -> None:
+    short = (lens > 0) & (lens < q_len)
+    if short.any():
+        row = int(short.argmax())
+        raise ValueError(f"seq_lens_cpu[{row}] = {int(lens[row])} is below q_len {q_len}; a "
+                         "verify step's lengths count its q_len new tokens (seq_len >= q_len, "
+                         "or 0 for a padding row)")
 
 
 def _sanitize_block_table(bt: np.ndarray, lens: np.ndarray, spec: BufferSpec) -> np.ndarray:

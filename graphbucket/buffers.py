@@ -7,6 +7,10 @@ non-blocking copy from a pinned staging arena. Staging arenas form a ring of
 ``num_staging_slots``; an event per slot guards its reuse, so a stage never overwrites
 pinned memory whose copy is still in flight.
 
+Per-token tensors (``positions``, the inputs, the output) hold ``max_q_len`` rows per
+request: a verify step of q_len tokens per request stages B x q_len of them (token j of
+request b at row b * q_len + j); per-request ones (``seq_lens``, ``block_table``) one.
+
 Padding rows (``batch_size <= row < padded_bs``) get seq_len 0, position 0 and zero
 inputs: kernels read nothing for them and write only their own output rows. Block-table
 entries past a row's live pages are not cleared: kernels read only the first
@@ -48,10 +52,12 @@ class _Segment:
         return arena[self.offset:self.offset + self.nbytes].view(self.dtype).view(self.shape)
 
 
-def _layout(spec: BufferSpec, max_bs: int) -> tuple[dict[str, _Segment], int]:
+def _layout(spec: BufferSpec, max_bs: int, max_q_len: int = 1
+            ) -> tuple[dict[str, _Segment], int]:
     # block_table goes last: a stage copies the arena prefix up to row padded_bs of it.
-    wanted = [("seq_lens", (max_bs,), torch.int32), ("positions", (max_bs,), torch.int64)]
-    wanted += [(f"input:{s.name}", (max_bs, *s.shape), s.dtype) for s in spec.inputs]
+    tokens = max_bs * max_q_len
+    wanted = [("seq_lens", (max_bs,), torch.int32), ("positions", (tokens,), torch.int64)]
+    wanted += [(f"input:{s.name}", (tokens, *s.shape), s.dtype) for s in spec.inputs]
     wanted += [("block_table", (max_bs, spec.max_pages_per_seq), torch.int32)]
     segments, offset = {}, 0
     for name, shape, dtype in wanted:
@@ -65,8 +71,8 @@ def _layout(spec: BufferSpec, max_bs: int) -> tuple[dict[str, _Segment], int]:
 class _StagingSlot:
     """One pinned staging arena and what is known about the bytes it still holds.
 
-    Dirt tracking lets a stage zero only what an earlier stage left behind: seq_lens,
-    positions and input rows from ``live_rows`` on are zero.
+    Dirt tracking lets a stage zero only what an earlier stage left behind: seq_lens
+    rows from ``live_rows`` on and positions and input rows from ``live_tokens`` on are zero.
     """
 
     arena: torch.Tensor  # uint8, host; pinned when the buffers live on CUDA
@@ -77,28 +83,39 @@ class _StagingSlot:
     event: torch.Event | None  # torch.Event records on the current stream in C++
     in_flight: bool = False
     live_rows: int = 0
+    live_tokens: int = 0
 
     def fill(self, batch: CheckedBatch, padded_bs: int) -> None:
-        """Rows [0, bs) from ``batch``; rows [bs, padded_bs) neutral (zero lengths)."""
-        bs, lens = batch.batch_size, batch.seq_lens
+        """Rows [0, bs) from ``batch``; rows [bs, padded_bs) neutral (zero lengths). Per-token
+        rows: [0, bs x q_len) from ``batch``, [bs x q_len, padded_bs x q_len) zero."""
+        bs, lens, q_len = batch.batch_size, batch.seq_lens, batch.q_len
+        tokens = bs * q_len
         self.seq_lens[:bs] = lens
-        positions = self.positions[:bs]
+        positions = self.positions[:tokens]
         if batch.positions is not None:
             positions[...] = batch.positions
-        else:
+        elif q_len == 1:
             np.subtract(lens, 1, out=positions, dtype=np.int64)
             if batch.min_len == 0:
                 np.maximum(positions, 0, out=positions)
+        else:  # token j at seq_len - q_len + j; padding requests at 0
+            grid = positions.reshape(bs, q_len)
+            np.add(lens[:, None].astype(np.int64) - q_len, np.arange(q_len), out=grid)
+            np.maximum(grid, 0, out=grid)
         for name, arr in batch.host_inputs:
-            self.inputs[name][:bs] = arr
+            self.inputs[name][:tokens] = arr
         live = self.live_rows
         top = padded_bs if padded_bs < live else live
         if top > bs:
             self.seq_lens[bs:top] = 0
-            self.positions[bs:top] = 0
-            for arr in self.inputs.values():  # device inputs too: the prefix copy pads them
-                arr[bs:top] = 0
         self.live_rows = bs if live <= padded_bs else live
+        live, padded = self.live_tokens, padded_bs * q_len
+        top = padded if padded < live else live
+        if top > tokens:
+            self.positions[tokens:top] = 0
+            for arr in self.inputs.values():  # device inputs too: the prefix copy pads them
+                arr[tokens:top] = 0
+        self.live_tokens = tokens if live <= padded else live
         table = batch.block_table
         self.block_table[:bs, :table.shape[1]] = table
 
@@ -120,9 +137,10 @@ def _staging_slot(segments: dict[str, _Segment], nbytes: int, device: torch.devi
 class StaticBuffers:
     """seq_info + persistent workspace + output, shared by every graph (static addresses).
 
-    seq_lens [max_bs] int32, positions [max_bs] int64, block_table [max_bs, max_pages]
-    int32, inputs name -> [max_bs, *shape], output [max_bs, *output_shape], all on
-    ``spec.device``. Graph-safe: nothing here is ever reallocated; ``stage`` only copies.
+    seq_lens [max_bs] int32, positions [max_bs * max_q_len] int64, block_table [max_bs,
+    max_pages] int32, inputs name -> [max_bs * max_q_len, *shape], output [max_bs *
+    max_q_len, *output_shape], all on ``spec.device``. Graph-safe: nothing here is ever
+    reallocated; ``stage`` only copies.
     """
 
     spec: BufferSpec
@@ -140,15 +158,17 @@ class StaticBuffers:
     _next_slot: int = 0
     _prefixes: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=dict)
     staging_waits: int = 0
+    max_q_len: int = 1
 
     @classmethod
     def allocate(cls, spec: BufferSpec, *, max_batch_size: int, workspace: WorkspaceSpec,
-                 num_staging_slots: int = 2) -> StaticBuffers:
-        """Allocate everything once for ``max_batch_size`` requests (before any capture)."""
-        if max_batch_size < 1 or num_staging_slots < 1:
-            raise ValueError(f"need max_batch_size >= 1 and num_staging_slots >= 1, got "
-                             f"{max_batch_size} and {num_staging_slots}")
-        segments, nbytes = _layout(spec, max_batch_size)
+                 num_staging_slots: int = 2, max_q_len: int = 1) -> StaticBuffers:
+        """Allocate everything once for ``max_batch_size`` requests of up to ``max_q_len``
+        query tokens each (before any capture)."""
+        if max_batch_size < 1 or num_staging_slots < 1 or max_q_len < 1:
+            raise ValueError(f"need max_batch_size, num_staging_slots and max_q_len >= 1, got "
+                             f"{max_batch_size}, {num_staging_slots} and {max_q_len}")
+        segments, nbytes = _layout(spec, max_batch_size, max_q_len)
         arena = torch.zeros(nbytes, dtype=torch.uint8, device=spec.device)
         views = {name: seg.view(arena) for name, seg in segments.items()}
         pin = spec.device.type == "cuda" and torch.cuda.is_available()
@@ -156,12 +176,12 @@ class StaticBuffers:
             spec=spec, max_batch_size=max_batch_size, seq_lens=views["seq_lens"],
             positions=views["positions"], block_table=views["block_table"],
             inputs={s.name: views[f"input:{s.name}"] for s in spec.inputs},
-            output=torch.zeros(max_batch_size, *spec.output_shape, dtype=spec.output_dtype,
-                               device=spec.device),
+            output=torch.zeros(max_batch_size * max_q_len, *spec.output_shape,
+                               dtype=spec.output_dtype, device=spec.device),
             workspace=workspace.allocate(spec.device), workspace_nbytes=workspace.nbytes,
             _arena=arena, _bt_offset=segments["block_table"].offset,
             _slots=[_staging_slot(segments, nbytes, spec.device if pin else None)
-                    for _ in range(num_staging_slots)])
+                    for _ in range(num_staging_slots)], max_q_len=max_q_len)
 
     @property
     def nbytes(self) -> int:
@@ -174,7 +194,8 @@ class StaticBuffers:
         return [slot.arena for slot in self._slots]
 
     def stage(self, batch: CheckedBatch, padded_bs: int) -> None:
-        """Copy a validated host batch into rows [0, padded_bs) of seq_info; pad the rest.
+        """Copy a validated host batch into rows [0, padded_bs) of seq_info (per-token
+        tensors: rows [0, padded_bs x q_len)); pad the rest.
 
         One pinned host -> device copy (non-blocking) of the arena prefix, plus device ->
         device copies for inputs already on the device. Graph-safe and sync-free, except
@@ -183,14 +204,16 @@ class StaticBuffers:
         """
         bs = batch.batch_size
         assert bs <= padded_bs <= self.max_batch_size, (bs, padded_bs, self.max_batch_size)
+        assert batch.q_len <= self.max_q_len, (batch.q_len, self.max_q_len)
         index, slot = self._acquire_slot()
         slot.fill(batch, padded_bs)
         views = self._prefixes.get(padded_bs) or self._prefix_views(padded_bs)
         event = slot.event
         views[0].copy_(views[1][index], non_blocking=event is not None)
         # Rows [bs, padded_bs) of a device input were zeroed by the prefix copy above.
+        tokens = bs * batch.q_len
         for name, t in batch.device_inputs:
-            self.inputs[name][:bs].copy_(t, non_blocking=True)
+            self.inputs[name][:tokens].copy_(t, non_blocking=True)
         if event is not None:
             event.record()
             slot.in_flight = True
@@ -215,16 +238,20 @@ class StaticBuffers:
         return index, slot
 
     def context(self, batch_size: int, plan: LaunchPlan, backend: DecodeBackend,
-                sm_scale: float) -> DecodeContext:
-        """Views of rows [0, batch_size) with the plan a graph is captured (or run) with."""
+                sm_scale: float, *, q_len: int = 1) -> DecodeContext:
+        """Views of rows [0, batch_size) (per-token tensors: [0, batch_size x q_len)) with
+        the plan a graph is captured (or run) with."""
         if not 1 <= batch_size <= self.max_batch_size:
             raise ValueError(f"batch_size {batch_size} outside [1, {self.max_batch_size}]")
+        if not 1 <= q_len <= self.max_q_len:
+            raise ValueError(f"q_len {q_len} outside [1, {self.max_q_len}]")
+        tokens = batch_size * q_len
         return DecodeContext(
             batch_size=batch_size, plan=plan, backend=backend, sm_scale=sm_scale,
             seq_lens=self.seq_lens[:batch_size], block_table=self.block_table[:batch_size],
-            positions=self.positions[:batch_size],
-            inputs={name: t[:batch_size] for name, t in self.inputs.items()},
-            workspace=self.workspace)
+            positions=self.positions[:tokens],
+            inputs={name: t[:tokens] for name, t in self.inputs.items()},
+            workspace=self.workspace, q_len=q_len)
 
     def close(self) -> None:
         """Drop every tensor (call after the graphs that captured them are gone)."""

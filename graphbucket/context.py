@@ -21,9 +21,12 @@ from graphbucket.plan import LaunchPlan
 class DecodeContext:
     """Static views for one padded batch plus the frozen plan it runs with.
 
-    seq_lens [bs] int32, block_table [bs, max_pages] int32, positions [bs] int64 and
-    ``inputs`` (name -> [bs, *shape]) are views of the shared static buffers; ``workspace``
-    is the backend's persistent workspace. Graph-safe: views never depend on live lengths.
+    seq_lens [bs] int32 and block_table [bs, max_pages] int32 (one row per request),
+    positions [bs * q_len] int64 and ``inputs`` (name -> [bs * q_len, *shape]; one row per
+    query token, token j of request b at row b * q_len + j) are views of the shared static
+    buffers; ``workspace`` is the backend's persistent workspace. ``q_len``: query tokens
+    per request (1: plain decode; more: a verify step, planned with q_len x heads rows).
+    Graph-safe: views never depend on live lengths.
     """
 
     batch_size: int
@@ -35,13 +38,26 @@ class DecodeContext:
     positions: torch.Tensor
     inputs: Mapping[str, torch.Tensor]
     workspace: Any
+    q_len: int = 1
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
                lse: torch.Tensor | None = None,
                kv_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """Paged MLA decode of q [bs, H, D] over ``kv_cache`` into out [bs, H, R]
-        (``kv_scale``: an fp8 cache's per-tensor scale, ``graphbucket.fp8``)."""
+        """Paged MLA decode of q [bs * q_len, H, D] over ``kv_cache`` into out [bs * q_len,
+        H, R] (``lse`` [bs * q_len, H]; ``kv_scale``: an fp8 cache's per-tensor scale,
+        ``graphbucket.fp8``). With q_len > 1, token j of each request sees the positions
+        before seq_len - q_len + j + 1; the tokens run folded into the rows (a view, q and
+        out must be contiguous over tokens and heads)."""
         extra = {} if kv_scale is None else {"kv_scale": kv_scale}
-        return self.backend.run(q, kv_cache, self.block_table, self.seq_lens, out,
-                                self.workspace, plan=self.plan, sm_scale=self.sm_scale, lse=lse,
-                                **extra)
+        q_len = self.q_len
+        if q_len == 1:
+            return self.backend.run(q, kv_cache, self.block_table, self.seq_lens, out,
+                                    self.workspace, plan=self.plan, sm_scale=self.sm_scale,
+                                    lse=lse, **extra)
+        bs = self.batch_size
+        folded = out.view(bs, -1, out.shape[-1])
+        self.backend.run(q.view(bs, -1, q.shape[-1]), kv_cache, self.block_table,
+                         self.seq_lens, folded, self.workspace, plan=self.plan,
+                         sm_scale=self.sm_scale, q_len=q_len,
+                         lse=None if lse is None else lse.view(bs, -1), **extra)
+        return out

@@ -62,10 +62,11 @@ class KeyMismatchError(RuntimeError):
 # ---- 1. same key ------------------------------------------------------------------------
 
 
-def step_key(runner: GraphBucketRunner, seq_lens_cpu: Any) -> GraphKey | None:
-    """The key ``runner.step`` replays for these host lengths (the runner's own selector);
-    None for an eager step. Host arithmetic only; raises as ``GraphSelector.choose``."""
-    key = runner.selector.choose(seq_lens_cpu)
+def step_key(runner: GraphBucketRunner, seq_lens_cpu: Any, q_len: int = 1) -> GraphKey | None:
+    """The key ``runner.step`` replays for these host lengths and q_len (the runner's own
+    selector); None for an eager step. Host arithmetic only; raises as
+    ``GraphSelector.choose``."""
+    key = runner.selector.choose(seq_lens_cpu, q_len)
     return None if runner.is_eager else key
 
 
@@ -150,7 +151,8 @@ class KeyCheckedRunner:
 
     def step(self, batch: DecodeBatch) -> torch.Tensor:
         try:
-            key = _wire(step_key(self.runner, batch.seq_lens_cpu), batch.seq_lens_cpu)
+            key = _wire(step_key(self.runner, batch.seq_lens_cpu, batch.q_len),
+                        batch.seq_lens_cpu)
             digest = lengths_digest(batch.seq_lens_cpu)
         except (TypeError, ValueError):
             _gather(None, -1, self.group)  # tell the other ranks, so they raise too

@@ -42,13 +42,14 @@ Body = Callable[[], None]
 @dataclass(frozen=True, slots=True)
 class GraphRecord:
     """One captured graph: its batch size and plan, the keys it serves, pool bytes added,
-    capture seconds."""
+    capture seconds, query tokens per request."""
 
     batch_size: int
     plan: LaunchPlan
     keys: tuple[GraphKey, ...]
     nbytes: int
     seconds: float
+    q_len: int = 1
 
     @property
     def buckets(self) -> tuple[int, ...]:
@@ -83,9 +84,14 @@ class FrozenPlanGraph:
 
 
 def plan_for_key(backend: DecodeBackend, key: GraphKey, num_heads: int) -> LaunchPlan:
-    """The plan a key's graph is captured with: split-KV at ``key.hint``, or balanced."""
+    """The plan a key's graph is captured with: split-KV at ``key.hint``, or balanced.
+    A key of q_len query tokens per request plans q_len x ``num_heads`` rows (the tokens
+    folded into the heads, ``kernels.mla_decode(..., q_len=)``) with the same hint."""
     if not key.balanced:
-        return backend.plan(key.batch_size, num_heads, key.hint)
+        return backend.plan(key.batch_size, num_heads * key.q_len, key.hint)
+    if key.q_len != 1:
+        raise ValueError(f"{key} asks for a balanced graph of {key.q_len} query tokens per "
+                         "request; balanced split-KV decodes one token per request")
     plan_balanced = getattr(backend, "plan_balanced", None)
     if plan_balanced is None:
         raise ValueError(f"the ladder asks for balanced graphs (bucket {key.bucket} has "
@@ -114,7 +120,8 @@ class GraphTable:
         self._pool = None
 
     def capture_order(self) -> list[tuple[int, LaunchPlan]]:
-        """The distinct (batch size, plan) pairs in capture order (equal plans once)."""
+        """The distinct (batch size, plan) pairs in capture order (equal plans once; a
+        plan's head count tells its q_len apart)."""
         return list(dict.fromkeys((k.batch_size, p) for k, p in self.plans.items()))
 
     def capture(self, forward: Forward, buffers: StaticBuffers, *, sm_scale: float,
@@ -123,25 +130,28 @@ class GraphTable:
         goes to stderr (redrawn in place on a terminal). Idempotent."""
         if self.summary is not None:
             return self.summary
-        groups: dict[tuple[int, LaunchPlan], list[GraphKey]] = {}
+        # q_len in the group: the body stages q_len tokens per request (plans of different
+        # q_len differ in their head count anyway).
+        groups: dict[tuple[int, int, LaunchPlan], list[GraphKey]] = {}
         for key, plan in self.plans.items():
-            groups.setdefault((key.batch_size, plan), []).append(key)
+            groups.setdefault((key.batch_size, key.q_len, plan), []).append(key)
         device = buffers.spec.device
         self._pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         bar = _Progress(len(groups), progress)
         start = time.perf_counter()
         try:
-            for (bs, plan), keys in groups.items():
-                bar.update(f"bs={bs} {plan.describe()}")
+            for (bs, q_len, plan), keys in groups.items():
+                bar.update(f"bs={bs}{f' q_len={q_len}' if q_len > 1 else ''} "
+                           f"{plan.describe()}")
                 t0 = time.perf_counter()
-                ctx = buffers.context(bs, plan, self.backend, sm_scale)
-                body = _body(forward, ctx, buffers.output[:bs])
+                ctx = buffers.context(bs, plan, self.backend, sm_scale, q_len=q_len)
+                body = _body(forward, ctx, buffers.output[:bs * q_len])
                 graph, nbytes = _capture(body, stream, self._pool, warmup_iters)
                 for key in keys:
                     self._graphs[key] = graph
                 self.records.append(GraphRecord(bs, plan, tuple(keys), nbytes,
-                                                time.perf_counter() - t0))
+                                                time.perf_counter() - t0, q_len))
         except BaseException:
             self.close()  # no half-captured set survives; a retry starts from scratch
             raise
@@ -174,7 +184,8 @@ def _body(forward: Forward, ctx: DecodeContext, out: torch.Tensor) -> Body:
         result = forward(ctx)
         if result.shape != out.shape or result.dtype != out.dtype:
             raise ValueError(f"forward returned {result.dtype} {tuple(result.shape)}; expected "
-                             f"{out.dtype} {tuple(out.shape)} (batch, *BufferSpec.output_shape)")
+                             f"{out.dtype} {tuple(out.shape)} (batch x q_len, "
+                             "*BufferSpec.output_shape)")
         if result.data_ptr() != out.data_ptr():
             out.copy_(result)
     return body

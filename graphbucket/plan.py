@@ -116,6 +116,8 @@ class StreamConfig:
     merge_chunks: int = 1
     # Query rows per program (heads; later heads x query tokens); 0: ``head_block_size``.
     block_h: int = 0
+    # Warps per stage-1 program; 0: 4 for 16 rows, 8 for more.
+    num_warps: int = 0
 
 
 LONG_STREAM = StreamConfig(block_n=64, num_stages=3, ctas_per_sm=2, min_tiles_per_split=1,
@@ -160,6 +162,13 @@ SHORT_SPLIT_TOKENS = 2048
 # 290 us against 882), ahead of 32-token tiles with 3 buffers by 10-16 %.
 ROWS_STREAM = StreamConfig(block_n=64, num_stages=2, ctas_per_sm=1, min_tiles_per_split=1,
                            dependent_merge=True, block_h=64)
+# 32 query rows per program (17-63 heads; 16 heads x 2 query tokens) on thin grids:
+# 32-token tiles with the pages looked up ahead and 4 warps, so two programs fit per SM
+# (sm_90 compile: 255 registers, 110 KB, no spills; 8 warps take 156-169 registers, one
+# program per SM; LONG_STREAM and WIDE_STREAM spill at 4 warps). Measured (H200, same run,
+# bench/NOTES.md 2026-11-30 23:05, folded q_len 2 at 16 heads): 1 x 128K 64.5 us against
+# 108.1 with 8 warps, 8 x 128K 423 against 589, 8 x 32K 115.5 against 200.3.
+ROWS32_STREAM = replace(LONG_PAGE_AHEAD, block_h=32, num_warps=4)
 WIDE_FUSED = replace(LONG_BUFFERED, min_tiles_per_split=4, fused_merge_max_tiles=128,
                      merge_chunks=4, dependent_merge=False)
 
@@ -293,11 +302,14 @@ class LaunchPlan:
 
 
 def stream_config(rows: int, num_sms: int, block_h: int = 16) -> StreamConfig:
-    """64-row programs stream ROWS_STREAM; otherwise long 64-token streams while the grid
-    is thin, shorter tiles and more residents when it is wide."""
+    """64-row programs stream ROWS_STREAM; otherwise long streams while the grid is thin
+    (ROWS32_STREAM for 32-row programs), shorter tiles and more residents when it is
+    wide."""
     if block_h >= ROWS_STREAM.block_h:
         return ROWS_STREAM
-    return LONG_STREAM if rows < num_sms // 4 else WIDE_STREAM
+    if rows < num_sms // 4:
+        return ROWS32_STREAM if block_h == ROWS32_STREAM.block_h else LONG_STREAM
+    return WIDE_STREAM
 
 
 def split_budget(rows: int, stream: StreamConfig, *, num_sms: int, max_splits: int) -> int:
@@ -377,7 +389,8 @@ def _plan(batch_size: int, num_heads: int, block_h: int, stream: StreamConfig,
           kv_lora_rank: int, qk_rope_dim: int, **topology) -> LaunchPlan:
     """The fields every topology shares: tile shape and pipeline from the stream."""
     return LaunchPlan(batch_size=batch_size, num_heads=num_heads, block_h=block_h,
-                      block_n=stream.block_n, num_warps=4 if block_h == 16 else 8,
+                      block_n=stream.block_n,
+                      num_warps=stream.num_warps or (4 if block_h == 16 else 8),
                       num_stages=stream.num_stages, kv_lora_rank=kv_lora_rank,
                       qk_rope_dim=qk_rope_dim, merge_block_dv=MERGE_BLOCK_DV,
                       token_major=stream.token_major, page_ahead=stream.page_ahead,

@@ -6,15 +6,21 @@ sm_scale), so its attention layers call ``ctx.attend(q, kv_cache, out)`` with th
 the graph was captured with. One step is::
 
     batch = validate(DecodeBatch)           # host checks; bad input raises here
-    key = selector.key_for(lengths)         # host bisect: (padded batch, bucket, hint)
+    key = selector.key_for(lengths, q_len)  # host bisect: (padded batch, bucket, hint, q_len)
     buffers.stage(batch, key.batch_size)    # one pinned, non-blocking copy of seq_info
     graphs.replay(key)                      # or the eager path (see below)
-    return buffers.output[:batch_size]
+    return buffers.output[:batch_size * q_len]
 
 Nothing on that path reads device memory or synchronizes. Eager path (documented,
 counted, logged once): a batch above the largest capture size runs the forward eagerly,
 planned from its live host lengths, on overflow buffers sized for it; an eager runner
 (``ladder=None``) runs every step that way.
+
+Multi-token steps (MTP / speculative verification): ``q_lens=(1, 2, 4)`` captures every
+(batch size, bucket) graph once per q_len, planned with q_len x heads rows; a
+``DecodeBatch(..., q_len=2)`` replays its q_len's graph and returns one output row per
+query token. A q_len the runner was not built with raises ValueError before anything is
+staged (no silent eager path: a verify step cannot be padded to more tokens).
 """
 
 from __future__ import annotations
@@ -57,6 +63,9 @@ class GraphBucketRunner:
     ``ladder=None`` is eager mode: nothing is captured and each step plans from its live
     host lengths (a benchmark baseline). The backend defaults to the Triton one, built with
     ``kv_lora_rank``/``qk_rope_dim`` (those of the model, which ``for_model`` reads).
+    ``q_lens``: the query tokens per request steps may have (default 1; e.g. (1, 2, 4)
+    for a verify step of up to 3 draft tokens), each captured; the static buffers hold
+    the largest.
     Graph-safe: ``step`` is host-only selection, one pinned non-blocking copy and a replay.
     """
 
@@ -64,7 +73,7 @@ class GraphBucketRunner:
                  ladder: BucketLadder | None, sm_scale: float, max_model_len: int | None = None,
                  backend: DecodeBackend | None = None, kv_lora_rank: int = 512,
                  qk_rope_dim: int = 64, rule: SelectRule = "max", warmup_iters: int = 1,
-                 progress: bool = True) -> None:
+                 progress: bool = True, q_lens: tuple[int, ...] = (1,)) -> None:
         if ladder is None and max_model_len is None:
             raise ValueError("an eager runner (ladder=None) needs max_model_len")
         top = ladder.max_model_len if ladder is not None else max_model_len
@@ -83,14 +92,16 @@ class GraphBucketRunner:
         # An eager runner still validates lengths against max_model_len: a one-bucket
         # selector whose keys it never captures.
         self.selector = GraphSelector(ladder or BucketLadder((Bucket(top, top),), top),
-                                      batch_sizes, rule=rule)
+                                      batch_sizes, rule=rule, q_lens=q_lens)
         self.graphs = None if ladder is None else GraphTable(self.selector, self.backend,
                                                              spec.num_heads)
+        max_q = self.selector.max_q_len
         self.buffers = StaticBuffers.allocate(
-            spec, max_batch_size=self.selector.max_batch_size,
+            spec, max_batch_size=self.selector.max_batch_size, max_q_len=max_q,
             workspace=self.backend.workspace_spec(self._workspace_plans()))
-        self._validate = BatchValidator(spec)
-        self._outputs = [self.buffers.output[:n] for n in range(self.buffers.max_batch_size + 1)]
+        self._validate = BatchValidator(spec, max_q_len=max_q)
+        # Output views by token count (batch x q_len), so a step slices nothing.
+        self._outputs = [self.buffers.output[:n] for n in range(self.buffers.output.shape[0] + 1)]
         self._overflow: StaticBuffers | None = None
         self._replays: Counter[GraphKey] = Counter()
         self._steps = self._eager_steps = self._fallbacks = self._errors = 0
@@ -122,14 +133,21 @@ class GraphBucketRunner:
     def _workspace_plans(self) -> list[LaunchPlan]:
         if self.graphs is not None:
             return list(self.graphs.plans.values())
-        # Eager steps plan from live lengths: cover every batch size at the longest hint
-        # (plans are monotone in the hint).
-        return [self.backend.plan(b, self.spec.num_heads, self.max_model_len)
-                for b in range(1, self.selector.max_batch_size + 1)]
+        return self._eager_plans(self.selector.max_batch_size)
+
+    def _eager_plans(self, max_batch_size: int) -> list[LaunchPlan]:
+        # Eager steps plan from live lengths: cover every batch size and q_len at the
+        # longest hint (plans are monotone in the hint).
+        return [self.backend.plan(b, self.spec.num_heads * q, self.max_model_len)
+                for b in range(1, max_batch_size + 1) for q in self.selector.q_lens]
 
     @property
     def batch_sizes(self) -> tuple[int, ...]:
         return self.selector.capture_sizes
+
+    @property
+    def q_lens(self) -> tuple[int, ...]:
+        return self.selector.q_lens
 
     @property
     def is_eager(self) -> bool:
@@ -155,11 +173,13 @@ class GraphBucketRunner:
                                    warmup_iters=self.warmup_iters, progress=self.progress)
 
     def step(self, batch: DecodeBatch) -> torch.Tensor:
-        """One decode step -> output [B, *output_shape], a view of the static output.
+        """One decode step -> output [B x q_len, *output_shape], a view of the static output
+        (one row per query token: token j of request b at row b x q_len + j).
 
         Raises TypeError/ValueError before staging anything for a bad batch (length above
-        max_model_len, block table outside the cache, wrong dtype/device/shape). Consume
-        the result (copy or use) before the next step: the next replay overwrites it.
+        max_model_len, block table outside the cache, wrong dtype/device/shape, a q_len
+        not captured, a live length below q_len). Consume the result (copy or use) before
+        the next step: the next replay overwrites it.
         """
         self._check_open()
         if self.graphs is not None and self.graphs.summary is None:
@@ -167,7 +187,7 @@ class GraphBucketRunner:
         try:
             host = self._validate(batch)
             key = self.selector.key_for(host.batch_size, host.min_len, host.max_len,
-                                        host.seq_lens)
+                                        host.seq_lens, host.q_len)
             eager = self.graphs is None or key is None
             buffers = self._buffers_for(host.batch_size) if eager else self.buffers
             buffers.stage(host, host.batch_size if eager else key.batch_size)
@@ -182,7 +202,7 @@ class GraphBucketRunner:
             return self._fallback(host, buffers)
         self.graphs.replay(key)
         self._replays[key] += 1
-        return self._outputs[host.batch_size]
+        return self._outputs[host.batch_size * host.q_len]
 
     def stats(self) -> RunnerStats:
         waits = self.buffers.staging_waits + (self._overflow.staging_waits
@@ -207,10 +227,11 @@ class GraphBucketRunner:
     def _run_eager(self, host: CheckedBatch, buffers: StaticBuffers) -> torch.Tensor:
         """The forward without graphs on staged ``buffers``, planned from the batch's
         longest host length."""
-        bs = host.batch_size
-        plan = self.backend.plan(bs, self.spec.num_heads, max(1, host.max_len))
-        out = buffers.output[:bs]
-        result = self.forward(buffers.context(bs, plan, self.backend, self.sm_scale))
+        bs, q_len = host.batch_size, host.q_len
+        plan = self.backend.plan(bs, self.spec.num_heads * q_len, max(1, host.max_len))
+        out = buffers.output[:bs * q_len]
+        result = self.forward(buffers.context(bs, plan, self.backend, self.sm_scale,
+                                              q_len=q_len))
         if result.data_ptr() != out.data_ptr():
             out.copy_(result)
         return out
@@ -222,12 +243,11 @@ class GraphBucketRunner:
             return self.buffers
         if self._overflow is None or self._overflow.max_batch_size < bs:
             capacity = 1 << (bs - 1).bit_length()
-            plans = [self.backend.plan(b, self.spec.num_heads, self.max_model_len)
-                     for b in range(1, capacity + 1)]
             if self._overflow is not None:
                 self._overflow.close()
             self._overflow = StaticBuffers.allocate(
-                self.spec, max_batch_size=capacity, workspace=self.backend.workspace_spec(plans))
+                self.spec, max_batch_size=capacity, max_q_len=self.selector.max_q_len,
+                workspace=self.backend.workspace_spec(self._eager_plans(capacity)))
         return self._overflow
 
     # ---- lifetime -----------------------------------------------------------------------

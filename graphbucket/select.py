@@ -1,11 +1,13 @@
 """Which graph serves a decode step: the one selection path of runners, engines and TP.
 
-A ``GraphKey`` names one graph slot: (padded batch size, bucket index, hint, balanced).
-A ``GraphSelector`` owns the ladder, the capture batch sizes and the selection rule:
+A ``GraphKey`` names one graph slot: (padded batch size, bucket index, hint, balanced,
+q_len). A ``GraphSelector`` owns the ladder, the capture batch sizes, the query tokens per
+request it captures (``q_lens``) and the selection rule:
 
-- ``keys()``: every key in capture order (largest batch first, then ladder order);
+- ``keys()``: every key in capture order (largest batch first, then the largest q_len,
+  then ladder order);
 - ``pad(n)``: the smallest capture size that holds ``n`` requests (None: too large);
-- ``choose(seq_lens_cpu)``: the key for one step's host lengths (None: eager path).
+- ``choose(seq_lens_cpu, q_len)``: the key for one step's host lengths (None: eager path).
 
 ``GraphBucketRunner`` captures ``keys()`` and replays ``choose``'s key each step; an engine
 with its own graph runner does the same with the same object (build its attention
@@ -16,6 +18,14 @@ Ragged batches: in a bucket with ``balanced_imbalance`` > 0, a batch of two or m
 whose ``max_len x live requests >= balanced_imbalance x total tokens`` gets the key with
 ``balanced=True`` (a balanced split-KV graph; one per batch size, since a balanced plan
 ignores the hint and its keys alias). One sum over the host lengths, only in such buckets.
+
+Multi-token steps (MTP / speculative verification, ``q_len`` query tokens per request):
+every (capture size, bucket) has one key per captured q_len, hinted as at q_len 1 (the
+plan folds the tokens into q_len x heads rows, ``graphs.plan_for_key``). A q_len the
+selector was not built with raises ValueError (no graph can serve it, and a verify step
+cannot be padded to more tokens: each token's causal limit depends on q_len). Balanced
+keys exist at q_len 1 only (the balanced kernels decode one token per request); ragged
+multi-token batches replay the split-KV graph.
 """
 
 from __future__ import annotations
@@ -38,12 +48,13 @@ class GraphKey(NamedTuple):
     """One graph slot: ``batch_size`` rows (padded), ``bucket`` of the ladder, planned
     with ``hint`` (split-KV) or, with ``balanced``, as balanced split-KV. Keys whose plans
     are equal share one captured graph. A named tuple: immutable, and hashed in C (a step
-    hashes its key three times)."""
+    hashes its key three times). ``q_len``: query tokens per request (1: plain decode)."""
 
     batch_size: int
     bucket: int
     hint: int
     balanced: bool = False
+    q_len: int = 1
 
 
 class GraphSelector:
@@ -51,10 +62,11 @@ class GraphSelector:
 
     ``capture_sizes``: the padded batch sizes graphs exist for (e.g. 1, 2, 4, ..., 64);
     a batch above the largest one has no graph (``choose`` returns None: the eager path).
+    ``q_lens``: the query tokens per request graphs exist for (default: 1, plain decode).
     """
 
     def __init__(self, ladder: BucketLadder, capture_sizes: Iterable[int], *,
-                 rule: SelectRule = "max") -> None:
+                 rule: SelectRule = "max", q_lens: Iterable[int] = (1,)) -> None:
         if not isinstance(ladder, BucketLadder):
             raise TypeError(f"ladder must be a BucketLadder, got {type(ladder).__name__}")
         given = list(capture_sizes)
@@ -64,42 +76,59 @@ class GraphSelector:
         sizes = sorted({int(s) for s in given})
         if rule not in get_args(SelectRule):
             raise ValueError(f"rule must be one of {get_args(SelectRule)}, got {rule!r}")
+        q_given = list(q_lens)
+        if not q_given or any(isinstance(q, bool) or not isinstance(q, int) or q < 1
+                              for q in q_given):
+            raise ValueError(f"q_lens must be positive ints (query tokens per request), "
+                             f"got {q_given}")
         self.ladder, self.capture_sizes, self.rule = ladder, tuple(sizes), rule
+        self.q_lens = tuple(sorted(set(q_given)))
         self._bounds, self._top = ladder.bounds, ladder.max_model_len
         # Precomputed so that a step allocates nothing: padded size per batch size, and the
-        # key of every (capture size, bucket).
+        # key of every (q_len, capture size, bucket).
         self._padded = [0] + [sizes[bisect_left(sizes, n)] for n in range(1, sizes[-1] + 1)]
-        self._keys = {bs: tuple(GraphKey(bs, i, h) for i, h in enumerate(ladder.hints_for(bs)))
-                      for bs in sizes}
         self._imbalance = tuple(b.balanced_imbalance for b in ladder.buckets)
-        # Balanced keys exist from two rows up (one row is never ragged).
-        self._balanced_keys = {bs: tuple(k._replace(balanced=True) if self._imbalance[k.bucket]
-                                         and bs > 1 else None for k in self._keys[bs])
-                               for bs in sizes}
+        self._keys: dict[int, dict[int, tuple[GraphKey, ...]]] = {}
+        self._balanced_keys: dict[int, dict[int, tuple[GraphKey | None, ...]]] = {}
+        for q in self.q_lens:
+            keys = {bs: tuple(GraphKey(bs, i, h, False, q)
+                              for i, h in enumerate(ladder.hints_for(bs))) for bs in sizes}
+            self._keys[q] = keys
+            # Balanced keys exist from two rows up (one row is never ragged), at q_len 1.
+            self._balanced_keys[q] = {
+                bs: tuple(k._replace(balanced=True) if self._imbalance[k.bucket] and bs > 1
+                          and q == 1 else None for k in keys[bs]) for bs in sizes}
 
     def __repr__(self) -> str:
+        q = "" if self.q_lens == (1,) else f", q_lens={list(self.q_lens)}"
         return (f"GraphSelector({len(self.ladder)} buckets, capture_sizes="
-                f"{list(self.capture_sizes)}, rule={self.rule!r})")
+                f"{list(self.capture_sizes)}, rule={self.rule!r}{q})")
 
     @property
     def max_batch_size(self) -> int:
         return self.capture_sizes[-1]
 
-    def keys(self) -> list[GraphKey]:
-        """Every key, largest batch first, then ladder order (balanced keys after a batch
-        size's split keys): the capture order."""
-        return [key for bs in reversed(self.capture_sizes)
-                for key in (*self._keys[bs], *filter(None, self._balanced_keys[bs]))]
+    @property
+    def max_q_len(self) -> int:
+        return self.q_lens[-1]
 
-    def key(self, batch_size: int, bucket: int, *, balanced: bool = False) -> GraphKey:
-        """The key of a capture size and bucket index (KeyError: no such balanced key)."""
+    def keys(self) -> list[GraphKey]:
+        """Every key, largest batch first, then the largest q_len, then ladder order
+        (balanced keys after a batch size's split keys): the capture order."""
+        return [key for bs in reversed(self.capture_sizes) for q in reversed(self.q_lens)
+                for key in (*self._keys[q][bs], *filter(None, self._balanced_keys[q][bs]))]
+
+    def key(self, batch_size: int, bucket: int, *, balanced: bool = False,
+            q_len: int = 1) -> GraphKey:
+        """The key of a capture size, bucket index and q_len (KeyError: no such key)."""
         if balanced:
-            key = self._balanced_keys[batch_size][bucket]
+            key = self._balanced_keys[q_len][batch_size][bucket]
             if key is None:
                 raise KeyError(f"bucket {bucket} has no balanced graph at batch size "
-                               f"{batch_size} (balanced_imbalance is 0, or one row)")
+                               f"{batch_size}, q_len {q_len} (balanced_imbalance is 0, one "
+                               "row, or more than one query token)")
             return key
-        return self._keys[batch_size][bucket]
+        return self._keys[q_len][batch_size][bucket]
 
     def pad(self, batch_size: int) -> int | None:
         """Smallest capture size >= ``batch_size``; None when the batch needs the eager path."""
@@ -107,13 +136,15 @@ class GraphSelector:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         return self._padded[batch_size] if batch_size <= self.capture_sizes[-1] else None
 
-    def choose(self, seq_lens_cpu: Any) -> GraphKey | None:
+    def choose(self, seq_lens_cpu: Any, q_len: int = 1) -> GraphKey | None:
         """The key for one decode step from the scheduler's host lengths, or None when the
         batch is above the largest capture size (the engine's eager path).
 
         ``seq_lens_cpu``: [B] ints >= 0 (list, tuple, 1-D integer numpy array or CPU
-        tensor); zeros are padding rows. Raises ValueError for a length above the ladder
-        top and TypeError for a device tensor (reading it would synchronize).
+        tensor), the step's ``q_len`` new tokens included; zeros are padding rows.
+        Raises ValueError for a length above the ladder top, a q_len the selector was not
+        built with or a live length below q_len, and TypeError for a device tensor
+        (reading it would synchronize).
         """
         lens = host_lengths(seq_lens_cpu)
         if len(lens) == 0:
@@ -124,15 +155,23 @@ class GraphSelector:
             lo, hi = _as_length(min(lens)), _as_length(max(lens))
         if lo < 0:
             raise ValueError(f"seq_lens_cpu holds {lo}; lengths must be >= 0 (0 = padding row)")
-        return self.key_for(len(lens), lo, hi, lens)
+        if q_len != 1 and 0 < (lo if lo > 0 else _min_positive(lens)) < q_len:
+            raise short_for_q_len_error(lo if lo > 0 else _min_positive(lens), q_len)
+        return self.key_for(len(lens), lo, hi, lens, q_len)
 
     def key_for(self, batch_size: int, min_len: int, max_len: int,
-                lens: Sequence[int] | np.ndarray | None = None) -> GraphKey | None:
-        """``choose`` for lengths already checked to be ints >= 0 (``lens`` is needed by
-        the ``"min"`` rule when ``min_len`` is 0, to skip padding rows, and by buckets with
-        a balanced topology, to measure how ragged the batch is)."""
+                lens: Sequence[int] | np.ndarray | None = None,
+                q_len: int = 1) -> GraphKey | None:
+        """``choose`` for lengths already checked to be ints >= 0, live ones >= q_len
+        (``lens`` is needed by the ``"min"`` rule when ``min_len`` is 0, to skip padding
+        rows, and by buckets with a balanced topology, to measure how ragged the batch is)."""
         if max_len > self._top:
             raise above_top_error(max_len, self._top)
+        by_size = self._keys.get(q_len)
+        if by_size is None:
+            raise ValueError(f"q_len={q_len!r} has no graphs: this selector captures q_lens "
+                             f"{list(self.q_lens)}. Build it (or the runner) with "
+                             f"q_lens=(..., {q_len!r})")
         if batch_size > self.capture_sizes[-1]:
             return None
         length = max_len
@@ -141,11 +180,18 @@ class GraphSelector:
         bucket = bisect_left(self._bounds, length)
         padded = self._padded[batch_size]
         threshold = self._imbalance[bucket]
-        if threshold and padded > 1 and lens is not None and min_len < max_len:
+        if threshold and q_len == 1 and padded > 1 and lens is not None and min_len < max_len:
             live, total = _live_and_total(lens)
             if max_len * live >= threshold * total:
-                return self._balanced_keys[padded][bucket]
-        return self._keys[padded][bucket]
+                return self._balanced_keys[1][padded][bucket]
+        return by_size[padded][bucket]
+
+
+def short_for_q_len_error(length: int, q_len: int) -> ValueError:
+    """A live request shorter than the step's query tokens (its lengths count them)."""
+    return ValueError(f"a live request has seq_len {length} < q_len {q_len}; a verify step's "
+                      "lengths count its q_len new tokens (seq_len >= q_len, or 0 for a "
+                      "padding row)")
 
 
 def host_lengths(lens: Any) -> np.ndarray | Sequence[int]:

@@ -15,7 +15,12 @@ against the float64 reference.
 shape that format fixes), checked against the float64 reference over the dequantized
 cache.
 
+``--q-len N`` runs verify steps of N tokens per request (MTP / speculative decoding):
+the graphs are captured for q_len N and each step decodes N tokens per request. The two
+options combine (``--q-len 2 --kv-cache fp8-tensor``: verify steps over an fp8 cache).
+
     bash scripts/demo.sh            # runs this file
+    python3 scripts/demo.py --q-len 2
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ def rel_l2(got: torch.Tensor, ref: torch.Tensor) -> float:
     return ((got.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def cpu_runners(model: MLADecoder, ladder: BucketLadder, max_len: int):
+def cpu_runners(model: MLADecoder, ladder: BucketLadder, max_len: int, q_len: int = 1):
     # 8 SMs: a small machine, so plans stay cheap in the interpreter yet still split.
     def runner(policy: str) -> GraphBucketRunner:
         backend = get_backend("triton", num_sms=8, kv_lora_rank=model.config.kv_lora_rank,
@@ -63,27 +68,29 @@ def cpu_runners(model: MLADecoder, ladder: BucketLadder, max_len: int):
         r = GraphBucketRunner.for_model(model, policy=policy, max_model_len=max_len,
                                         batch_sizes=[1, 2], backend=backend,
                                         ladder=ladder if policy == "ladder" else None,
-                                        progress=False)
+                                        progress=False, q_lens=(q_len,))
         print(f"  {policy:<8} {r.capture().describe()}")
         return r
     return runner("fixed-1"), runner("ladder")
 
 
-def step_both(model, runners, lens, table, rng, caches):
+def step_both(model, runners, lens, table, rng, caches, q_len=1):
     """One decode step under both policies, from the same cache state; returns plans + errors."""
-    hidden = torch.from_numpy(rng.standard_normal((len(lens), model.config.hidden_size))
-                              ).to(model.dtype)
-    batch = decode_batch(model, lens, table, hidden)
+    hidden = torch.from_numpy(rng.standard_normal((len(lens) * q_len,
+                                                   model.config.hidden_size))).to(model.dtype)
+    batch = decode_batch(model, lens, table, hidden, q_len=q_len)
     snapshot = [c.clone() for c in model.kv_caches]
     outs = []
     for r in runners:  # both write the same new rows; restore so each starts equal
         for c, s in zip(model.kv_caches, snapshot, strict=True):
             c.copy_(s)
         outs.append(r.step(batch).clone())
-    ref = model.forward_reference(batch.inputs["hidden"], positions=np.asarray(lens) - 1,
+    positions = (np.asarray(lens)[:, None] - q_len + np.arange(q_len)).reshape(-1)
+    ref = model.forward_reference(batch.inputs["hidden"], positions=positions,
                                   seq_lens=lens, block_table=table,
-                                  slot_mapping=batch.inputs["slot_mapping"], caches=caches)
-    plans = [r.plan_for(r.selector.choose(lens)) for r in runners]
+                                  slot_mapping=batch.inputs["slot_mapping"], caches=caches,
+                                  q_len=q_len)
+    plans = [r.plan_for(r.selector.choose(lens, q_len)) for r in runners]
     errors = [rel_l2(o, ref) for o in outs]
     ERRORS.extend(errors)
     return plans, errors
@@ -108,7 +115,7 @@ def print_h200_reference(path: str = "bench/results/h200-tpot.json") -> None:
               f"{at[('fixed-1', top)]:.2f} ms per step, ladder {at[('ladder', top)]:.2f} ms.")
 
 
-def gpu_demo(kv_cache: str = "bf16") -> None:
+def gpu_demo(kv_cache: str = "bf16", q_len: int = 1) -> None:
     from bench.gpu_timing import copy_gbps
     from bench.tpot import TpotBench, measure_row
     from graphbucket.models import deepseek_v3_tp8
@@ -118,16 +125,19 @@ def gpu_demo(kv_cache: str = "bf16") -> None:
     print(f"capturing fixed-1 and the ladder for deepseek-v3-tp8 (4 layers, bf16, {kv_cache} "
           f"cache) on {torch.cuda.get_device_name()}; copy bandwidth {gbps:.0f} GB/s")
     bench = TpotBench.build(deepseek_v3_tp8(num_layers=4), batches=[1],
-                            policies=("fixed-1", "ladder"), kv_cache=kv_cache)
+                            policies=("fixed-1", "ladder"), kv_cache=kv_cache,
+                            q_lens=(q_len,))
+    if q_len > 1:
+        print(f"verify steps of {q_len} tokens per request: ms per token = step / {q_len}")
     print(f"{'context':>8} {'fixed-1 ms':>11} {'ladder ms':>10} {'splits':>7} {'speedup':>8}")
-    for context in contexts:
-        fix, lad = (measure_row(bench, p, context, 1, gbps) for p in ("fixed-1", "ladder"))
+    for context in (c for c in contexts if c >= q_len):
+        fix, lad = (measure_row(bench, p, context, 1, gbps, q_len) for p in ("fixed-1", "ladder"))
         print(f"{context:>8} {fix['tpot_ms']:>11.3f} {lad['tpot_ms']:>10.3f} "
               f"{lad['splits']:>7} {fix['tpot_ms'] / lad['tpot_ms']:>7.2f}x")
     bench.close()
 
 
-def cpu_demo(kv_cache: str = "bf16") -> None:
+def cpu_demo(kv_cache: str = "bf16", q_len: int = 1) -> None:
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
     max_len, page = 512, 16
@@ -143,7 +153,9 @@ def cpu_demo(kv_cache: str = "bf16") -> None:
           f"{model.config.num_heads} heads, {model.dtype}, {kv_cache} cache) through the "
           "Triton interpreter")
     print(f"ladder: {list(ladder)}; capturing:")
-    fixed1, bucketed = cpu_runners(model, ladder, max_len)
+    if q_len > 1:
+        print(f"verify steps: {q_len} tokens per request and step")
+    fixed1, bucketed = cpu_runners(model, ladder, max_len, q_len)
     table = random_block_table(2, max_len // page, model.num_pages, rng)
     prefill_random(model, table, [max_len, max_len])
     # The reference keeps its own float64 cache across steps; over an fp8 cache it starts
@@ -157,20 +169,21 @@ def cpu_demo(kv_cache: str = "bf16") -> None:
     print("\ntwo requests decode token by token across the 64-token bucket bound:")
     print(header)
     lens = [60, 31]
-    for _ in range(8):
-        bucket = bucketed.selector.choose(lens).bucket
+    for _ in range(8 if q_len == 1 else 4):
+        bucket = bucketed.selector.choose(lens, q_len).bucket
         (p_fix, p_lad), (e_fix, e_lad) = step_both(model, (fixed1, bucketed), lens, table,
-                                                   rng, caches)
+                                                   rng, caches, q_len)
         print(f"  {str(lens):<11} {bucket:<7} {splits(p_lad):<21} {splits(p_fix):<21} "
               f"{e_lad:.1e} / {e_fix:.1e}")
-        lens = [n + 1 for n in lens]
+        lens = [n + q_len for n in lens]
 
     print("\none request jumps to a long context (the frozen-topology effect):")
     print(header)
     for lens in ([300], [480]):
         (p_fix, p_lad), (e_fix, e_lad) = step_both(model, (fixed1, bucketed), lens,
-                                                   table[:1], rng, caches)
-        print(f"  {str(lens):<11} {bucketed.selector.choose(lens).bucket:<7} {splits(p_lad):<21} "
+                                                   table[:1], rng, caches, q_len)
+        bucket = bucketed.selector.choose(lens, q_len).bucket
+        print(f"  {str(lens):<11} {bucket:<7} {splits(p_lad):<21} "
               f"{splits(p_fix):<21} {e_lad:.1e} / {e_fix:.1e}")
     print("  the hint-1 graph keeps one program per head block streaming the whole context.")
     print_h200_reference()
@@ -196,13 +209,17 @@ def main() -> None:
     ap.add_argument("--cpu", action="store_true", help="run the CPU demo even with a GPU")
     ap.add_argument("--kv-cache", default="bf16", choices=fp8.KV_CACHE_FORMATS,
                     help="latent cache format (default: %(default)s)")
-    # --cpu was read before the imports above (it decides the interpreter)
-    args = ap.parse_args()
+    ap.add_argument("--q-len", type=int, default=1,
+                    help="tokens per request and step (verify steps of q_len - 1 drafts; "
+                         "default: %(default)s)")
+    args = ap.parse_args()  # --cpu was read before the imports above (it picks the interpreter)
+    if args.q_len < 1:
+        ap.error(f"--q-len must be >= 1, got {args.q_len}")
     t0 = time.perf_counter()
     if not ON_CPU:
-        gpu_demo(args.kv_cache)
+        gpu_demo(args.kv_cache, args.q_len)
     else:
-        cpu_demo(args.kv_cache)
+        cpu_demo(args.kv_cache, args.q_len)
     print(f"\ndone in {time.perf_counter() - t0:.0f} s")
 
 

@@ -18,6 +18,10 @@ longer reads, and what those bytes take at the run's copy bandwidth; the target 
 difference at least that large at 100K, batch 1. The figure shows the first format (bf16
 when present). Files without ``kv_cache`` in their rows are one format (the meta's).
 
+Verify-step runs (``bench/tpot.py --q-len 1 2 4``) are rendered one q_len at a time
+(``--q-len``, default 1; other values write ``<json stem>-q<N>.md``); a run with several
+formats and q_lens gets the per-format sections and the fp8 breakdown for that q_len.
+
 Outputs default to the JSON's name with ``.md`` / ``.png``; an existing file is only
 replaced with ``--force``:
 
@@ -309,8 +313,9 @@ def fp8_breakdown(by_format: dict[str, list[dict]], meta: dict) -> list[str]:
     lines = ["## fp8 caches against bf16 (ladder policy)", "",
              "Attention bytes saved: the KV rows one step reads (every layer, batch x context "
              "tokens) with a bf16 cache minus with the fp8 one. Predicted: those bytes at "
-             f"the run's copy bandwidth ({gbps} GB/s, as the floor). Measured / predicted "
-             "above 1: the step saved more than the bytes alone explain.", "",
+             f"the run's copy bandwidth ({gbps} GB/s, as the floor), per token for verify "
+             "steps (/ q_len, as TPOT). Measured / predicted above 1: the step saved more "
+             "than the bytes alone explain.", "",
              "| format | batch | context | bf16 ms | fp8 ms | TPOT saved ms | KV MB bf16 -> "
              "fp8 | attention MB saved | predicted ms | measured / predicted |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -327,7 +332,8 @@ def fp8_breakdown(by_format: dict[str, list[dict]], meta: dict) -> list[str]:
                     continue
                 saved = a["tpot_ms"] - b["tpot_ms"]
                 mb = (a["kv_mb"] - b["kv_mb"]) if "kv_mb" in a and "kv_mb" in b else None
-                pred = mb / gbps if mb is not None and gbps else None
+                # Per token, as tpot_ms: a verify step reads the rows once for q_len tokens.
+                pred = mb / gbps / b.get("q_len", 1) if mb is not None and gbps else None
                 lines.append(
                     f"| {fmt} | {batch} | {fmt_context(context)} | {a['tpot_ms']:.3f} | "
                     f"{b['tpot_ms']:.3f} | {saved:+.3f} | "
@@ -566,12 +572,21 @@ def main(argv: list[str] | None = None) -> int:
                     help="write only the markdown table (no matplotlib needed)")
     ap.add_argument("--force", action="store_true",
                     help="replace output files that already exist")
+    ap.add_argument("--q-len", type=int, default=1,
+                    help="render the rows of this q_len (verify steps, bench/tpot.py --q-len; "
+                         "default 1; other values name the outputs <json stem>-q<N>)")
     args = ap.parse_args(argv)
     if args.no_png and args.out_png:
         ap.error("--out-png and --no-png contradict each other; pass one of them")
     data = read_result(ap, args.json)
-    md_path = args.out_md or args.json.with_suffix(".md")
-    png_path = None if args.no_png else (args.out_png or args.json.with_suffix(".png"))
+    rows = [r for r in data["rows"] if r.get("q_len", 1) == args.q_len]
+    if not rows:
+        ap.error(f"--json {args.json} has no rows at q_len {args.q_len}")
+    data = {**data, "rows": rows}
+    stem = args.json if args.q_len == 1 else args.json.with_name(
+        f"{args.json.stem}-q{args.q_len}{args.json.suffix}")
+    md_path = args.out_md or stem.with_suffix(".md")
+    png_path = None if args.no_png else (args.out_png or stem.with_suffix(".png"))
     outputs = [p for p in (md_path, png_path) if p is not None]
     if len({p.resolve() for p in outputs}) < len(outputs):
         ap.error(f"--out-md and --out-png are the same file ({md_path})")

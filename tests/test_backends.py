@@ -73,8 +73,12 @@ def test_triton_workspace_covers_the_largest_plan():
     assert spec.nbytes == ws.partial_o.numel() * 4 + ws.partial_lse.numel() * 4
     one_split = backend.workspace_spec([backend.plan(1, HEADS, 1)])
     assert one_split.allocate("cpu") is None and one_split.nbytes == 0
-    with pytest.raises(ValueError, match="head counts"):
-        backend.workspace_spec([backend.plan(1, 16, 1), backend.plan(1, 32, 1)])
+    # Verify steps fold q_len x heads rows: one workspace covers every head count.
+    mixed = [backend.plan(2, 16, 300), backend.plan(1, 32, 300)]
+    spec = backend.workspace_spec(mixed)
+    assert (spec.max_batch, spec.num_heads) == (2, 32)
+    ws = spec.allocate("cpu")
+    assert all(ws.fits(p) for p in mixed) and not ws.fits(backend.plan(1, 64, 300))
 
 
 @pytest.mark.parametrize("name", ["triton", "dense"])

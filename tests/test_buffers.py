@@ -216,3 +216,66 @@ def test_bfloat16_inputs_are_staged_bit_for_bit():
     buf.stage(BatchValidator(spec)(batch), padded_bs=2)
     assert torch.equal(buf.inputs["h"][0], h[0]) and not buf.inputs["h"][1].any()
     assert buf.inputs["ids"].tolist() == [7, 0]
+
+
+# ---- multi-token steps: per-token rows -------------------------------------------------
+
+
+def verify_batch(lens, q_len, cols, *, seed=0, max_q_len=2):
+    rng = np.random.default_rng(seed)
+    table = rng.integers(1, 64, size=(len(lens), cols), dtype=np.int32)
+    hidden = torch.from_numpy(rng.standard_normal((len(lens) * q_len, HIDDEN)
+                                                  ).astype(np.float32))
+    batch = DecodeBatch(list(lens), table, {"hidden": hidden}, q_len=q_len)
+    return BatchValidator(toy_spec(max_pages=MAX_PAGES), max_q_len=max_q_len)(batch), batch
+
+
+def test_verify_steps_stage_one_row_per_token_and_zero_the_rest():
+    backend = get_backend("triton", num_sms=2, kv_lora_rank=64, qk_rope_dim=16)
+    plans = [backend.plan(bs, 16 * q, 320) for bs in (1, 2, 4) for q in (1, 2)]
+    buf = StaticBuffers.allocate(toy_spec(max_pages=MAX_PAGES), max_batch_size=MAX_BS,
+                                 workspace=backend.workspace_spec(plans), num_staging_slots=1,
+                                 max_q_len=2)
+    assert buf.positions.shape == (2 * MAX_BS,) and buf.seq_lens.shape == (MAX_BS,)
+    assert buf.inputs["hidden"].shape == buf.output.shape == (2 * MAX_BS, HIDDEN)
+    assert buf.workspace.partial_o.shape[1] == 32  # the q_len 2 plans' rows
+    host, batch = verify_batch([37, 5, 0, 9], 2, cols=3)
+    buf.stage(host, padded_bs=4)
+    assert buf.seq_lens.tolist() == [37, 5, 0, 9]
+    assert buf.positions.tolist() == [35, 36, 3, 4, 0, 0, 7, 8]
+    assert torch.equal(buf.inputs["hidden"], batch.inputs["hidden"])
+    # A plain step of one request afterwards: its padded batch (2) reads rows 0..1 only,
+    # and they hold its token and zeros.
+    host, batch = host_batch([20], cols=2, seed=3)
+    buf.stage(BatchValidator(toy_spec(max_pages=MAX_PAGES), max_q_len=2)(batch), padded_bs=2)
+    assert buf.seq_lens[:2].tolist() == [20, 0] and buf.positions[:2].tolist() == [19, 0]
+    assert torch.equal(buf.inputs["hidden"][0], batch.inputs["hidden"][0])
+    assert not buf.inputs["hidden"][1].any()
+    ctx = buf.context(2, plans[1], backend, 0.1, q_len=2)
+    assert ctx.q_len == 2 and ctx.positions.shape == (4,) and ctx.seq_lens.shape == (2,)
+    assert ctx.inputs["hidden"].shape == (4, HIDDEN)
+    with pytest.raises(ValueError, match="q_len 3 outside"):
+        buf.context(2, plans[1], backend, 0.1, q_len=3)
+
+
+def test_validator_checks_q_len_lengths_and_per_token_shapes():
+    host, _ = verify_batch([37, 0, 2], 2, cols=3)
+    assert host.q_len == 2 and host.batch_size == 3 and host.min_len == 0
+    with pytest.raises(ValueError, match=r"seq_lens_cpu\[2\] = 1 is below q_len 2"):
+        verify_batch([37, 0, 1], 2, cols=3)
+    with pytest.raises(ValueError, match="above the largest captured q_len 2"):
+        verify_batch([37], 4, cols=3)
+    validate = BatchValidator(toy_spec(max_pages=MAX_PAGES), max_q_len=2)
+    table = np.ones((2, 3), np.int32)
+    with pytest.raises(ValueError, match=r"expected \(4, 32\) \(batch x q_len"):
+        validate(DecodeBatch([30, 7], table, {"hidden": torch.zeros(2, HIDDEN)}, q_len=2))
+    hidden = {"hidden": torch.zeros(4, HIDDEN)}
+    with pytest.raises(ValueError, match="one per query token"):
+        validate(DecodeBatch([30, 7], table, hidden, positions_cpu=[29, 6], q_len=2))
+    with pytest.raises(ValueError, match=r"positions_cpu\[3\] = 7 is outside \[0, seq_len=7\)"):
+        validate(DecodeBatch([30, 7], table, hidden, positions_cpu=[28, 29, 6, 7], q_len=2))
+    ok = validate(DecodeBatch([30, 7], table, hidden, positions_cpu=[28, 29, 5, 6], q_len=2))
+    assert ok.positions.tolist() == [28, 29, 5, 6]
+    for bad in (0, -1, True, 2.0, "2"):
+        with pytest.raises(ValueError, match="positive int"):
+            validate(DecodeBatch([30, 7], table, hidden, q_len=bad))

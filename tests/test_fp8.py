@@ -115,6 +115,25 @@ def test_fp8_other_streams_and_query_rows(stream, heads):
             plan.describe()
 
 
+@pytest.mark.parametrize("fmt", ["tensor", "v32"])
+def test_fp8_tiles_copied_as_stored(monkeypatch, fmt):
+    # The shared-memory path (no register prefetch) stays correct for both formats.
+    from graphbucket.kernels import launch
+
+    monkeypatch.setattr(launch, "FP8_REGISTER_PREFETCH", False)
+    lens = [70, 0, 3]
+    plan = plan_mla_decode(len(lens), 16, 1, num_sms=4).with_splits(2)
+    if fmt == "tensor":
+        q, cache, table, seq_lens, scale = fp8_case(lens, 16, q_dtype=Q_DTYPES[-1], seed=3)
+        out, _ = run(plan, q, cache, table, seq_lens, scale)
+        ref = reference(q, cache, table, seq_lens, scale)[0]
+    else:
+        q, cache, table, seq_lens = v32_case(lens, 16, q_dtype=Q_DTYPES[-1], seed=3)
+        out, _ = run(plan, q, cache, table, seq_lens, None)
+        ref = v32_reference(q, cache, table, seq_lens)[0]
+    assert rel_l2(out, ref) < 1e-2
+
+
 def test_fp8_balanced_ragged_batch():
     lens = [130, 1, 0, 47]
     q, cache, table, seq_lens, scale = fp8_case(lens, 16, q_dtype=Q_DTYPES[-1], seed=2)
@@ -285,12 +304,16 @@ def check_v32(plan, q, cache, table, lens, *, balanced=False):
     ref, ref_lse = v32_reference(q, cache, table, lens)
     assert rel_l2(out, ref) < 1e-2, plan.describe()
     live = lens.cpu() > 0
-    assert (lse.cpu().double()[live] - ref_lse[live]).abs().max() < 2e-2, plan.describe()
+    # The dequantized tile is rounded to q's dtype before the dot: a bf16 q carries a
+    # relative error of a few 1e-3 into scores of magnitude ~20 at 128 heads.
+    got, want = lse.cpu().double()[live], ref_lse[live]
+    assert ((got - want).abs() <= 2e-2 + 3e-3 * want.abs()).all(), plan.describe()
     assert (out[~live.to(out.device)] == 0).all()
 
 
 @pytest.mark.host
-def test_v32_tiles_are_half_the_plans():
+def test_fp8_tile_tokens(monkeypatch):
+    from graphbucket.kernels import launch
     from graphbucket.kernels.launch import kv_tile_tokens, tile_tokens
 
     cache = torch.zeros(1, 64, 656, dtype=torch.uint8)
@@ -298,8 +321,15 @@ def test_v32_tiles_are_half_the_plans():
         for stream in (None, LONG_PAGE_AHEAD, TOKEN_STREAM):
             kw = {} if stream is None else {"stream": stream}
             plan = plan_mla_decode(1, heads, 1, num_sms=8, **kw)
+            # Head-major fp8 tiles stream through registers: 32 tokens at 16 rows, 16 above.
+            want = max(16, plan.block_n // 2) if plan.token_major else \
+                min(plan.block_n, 32 if plan.block_h <= 16 else 16)
+            assert tile_tokens(plan, 1, v32=True) == want
+            assert kv_tile_tokens(plan, cache) == want
+            monkeypatch.setattr(launch, "FP8_REGISTER_PREFETCH", False)
+            # Without: V3.2 tiles are half the plan's.
             assert tile_tokens(plan, 1, v32=True) == max(16, plan.block_n // 2)
-            assert kv_tile_tokens(plan, cache) == tile_tokens(plan, 1, v32=True)
+            monkeypatch.setattr(launch, "FP8_REGISTER_PREFETCH", True)
 
 
 @pytest.mark.parametrize("lens", [[1], [16, 17], [33, 0, 100, 5]])
@@ -462,8 +492,12 @@ def test_store_kv_writes_v32_rows_as_pack_v32(seeded):
     exact = plain.cpu().view(32, 576)[written, :512].double() / scales.repeat_interleave(128, 1)
     mag = stored_want.abs()
     carry = (mag > exact.abs()) & (mag == 2 ** torch.log2(mag).round())
-    assert torch.equal(stored_got[~carry], stored_want[~carry])
-    assert carry.float().mean() < 0.1
+    # Below e4m3's smallest normal (2^-6) the interpreter's cast truncates: one subnormal
+    # step (2^-9) toward zero (a few seeds in a hundred have such a value).
+    subnormal = (exact.abs() < 2 ** -6) & ((stored_got - stored_want).abs() <= 2 ** -9)
+    exempt = carry | subnormal
+    assert torch.equal(stored_got[~exempt], stored_want[~exempt])
+    assert exempt.float().mean() < 0.1
 
 
 @pytest.mark.gpu

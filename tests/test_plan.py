@@ -86,7 +86,10 @@ def test_wide_query_rows_from_64_heads():
     for heads, rows in ((12, 16), (16, 16), (32, 32), (48, 32), (64, 64), (128, 64)):
         plan = plan_mla_decode(8, heads, 4096)
         assert plan.block_h == rows, heads
-        assert plan.num_warps == (4 if rows == 16 else 8)
+        # 32 rows on a thin grid: 4 warps, two programs per SM (ROWS32_STREAM).
+        assert plan.num_warps == (8 if rows == 64 else 4)
+    wider = plan_mla_decode(64, 32, 4096)
+    assert wider.block_h == 32 and wider.num_warps == 8
     wide = plan_mla_decode(1, 128, 131072)
     assert (wide.block_n, wide.num_stages) == (ROWS_STREAM.block_n, ROWS_STREAM.num_stages)
     # One program per SM: the budget is the SM count over the rows (2 head blocks).

@@ -347,3 +347,52 @@ def test_random_ragged_steps_follow_the_rule(ragged_sel):
         want = bool(threshold and len(live) > 1
                     and live.max() * len(live) >= threshold * live.sum())
         assert key.balanced == want, lens
+
+
+# ---- multi-token steps (q_len query tokens per request) ---------------------------------
+
+
+def test_q_len_keys_are_captured_per_q_len_with_the_same_hints(ladder):
+    s = GraphSelector(ladder, capture_sizes=[1, 4], q_lens=[2, 1, 4, 2])
+    assert s.q_lens == (1, 2, 4) and s.max_q_len == 4
+    keys = s.keys()
+    assert len(keys) == len(set(keys)) == 2 * 3 * len(ladder)
+    # Largest batch first, then the largest q_len, then ladder order.
+    assert [(k.batch_size, k.q_len) for k in keys[::len(ladder)]] == [
+        (4, 4), (4, 2), (4, 1), (1, 4), (1, 2), (1, 1)]
+    for k in keys:
+        assert k.hint == s.key(k.batch_size, k.bucket).hint  # hints do not depend on q_len
+        assert s.key(k.batch_size, k.bucket, q_len=k.q_len) == k
+    assert GraphKey(1, 0, 64) == GraphKey(1, 0, 64, False, 1) != GraphKey(1, 0, 64, False, 2)
+
+
+def test_choose_picks_the_q_len_graph_of_the_bucket(ladder):
+    s = GraphSelector(ladder, capture_sizes=[1, 4], q_lens=(1, 2))
+    for lens in ([5], [70_000, 12], [0, 2, 4097]):
+        one, two = s.choose(lens), s.choose(lens, q_len=2)
+        assert two == one._replace(q_len=2), lens
+    assert s.choose([5] * 5, q_len=2) is None  # above the capture sizes: eager path
+
+
+def test_uncaptured_q_len_and_short_lengths_raise(ladder):
+    s = GraphSelector(ladder, capture_sizes=[1, 4], q_lens=(1, 2))
+    with pytest.raises(ValueError, match=r"q_len=3 has no graphs.*q_lens \[1, 2\]"):
+        s.choose([100], q_len=3)
+    with pytest.raises(ValueError, match="seq_len 1 < q_len 2"):
+        s.choose([0, 1, 50], q_len=2)
+    assert s.choose([0, 2, 50], q_len=2).q_len == 2
+    for bad in ([0], [1, 0], [True], [1.5], []):
+        with pytest.raises(ValueError, match="q_lens must be positive ints"):
+            GraphSelector(ladder, capture_sizes=[1], q_lens=bad)
+
+
+def test_ragged_verify_steps_replay_split_kv_graphs():
+    ladder = BucketLadder([Bucket(64, 64), Bucket(MAX, MAX, balanced_imbalance=1.5)], MAX)
+    s = GraphSelector(ladder, capture_sizes=[4], q_lens=(1, 2))
+    ragged = [100_000, 10, 20, 30]
+    assert s.choose(ragged).balanced
+    two = s.choose(ragged, q_len=2)
+    assert not two.balanced and (two.bucket, two.q_len) == (1, 2)
+    assert all(not k.balanced for k in s.keys() if k.q_len == 2)
+    with pytest.raises(KeyError, match="more than one query token"):
+        s.key(4, 1, balanced=True, q_len=2)

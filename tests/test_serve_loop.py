@@ -46,3 +46,19 @@ def test_page_pool_admits_only_what_fits_and_takes_pages_back():
     pool.retire(small)
     assert sorted(pool.free) == [0, 1, 2, 3]
 
+
+
+@pytest.mark.interpreter
+def test_verify_steps_accept_random_drafts_and_replay_q_len_graphs():
+    loop = load_script()
+    model, runner, _ = loop.build(cpu=True, layers=1, max_model_len=512, q_len=3)
+    runner.capture()
+    requests = [loop.Request(0, 61, 7), loop.Request(1, 9, 4)]
+    report = loop.serve(model, runner, requests, max_batch=2, seed=0, q_len=3)
+    stats = runner.stats()
+    runner.close()
+    assert report["finished"] == 2 and report["tokens"] == 7 + 4
+    # Some drafts were accepted (fewer steps than tokens of the longest), not all of them.
+    assert 7 / 3 <= report["steps"] < 7
+    assert {k.q_len for k in stats.replays} == {3} and report["eager_fallbacks"] == 0
+    assert sum(stats.replays.values()) == report["steps"]

@@ -232,3 +232,32 @@ def test_figure_of_a_multi_format_file_shows_bf16(report, tmp_path):
     path.write_text(json.dumps(fp8_data()))
     assert report.main(["--json", str(path)]) == 0
     assert path.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_q_len_selects_the_verify_step_rows(report, tmp_path):
+    data = result_data()
+    verify = [{**r, "q_len": 2, "tpot_ms": r["tpot_ms"] / 2 + 0.0123} for r in data["rows"]]
+    path = tmp_path / "h200-tpot-mtp.json"
+    path.write_text(json.dumps({"meta": data["meta"], "rows": data["rows"] + verify}))
+    assert report.main(["--json", str(path), "--no-png"]) == 0
+    assert report.main(["--json", str(path), "--no-png", "--q-len", "2"]) == 0
+    one, two = (tmp_path / "h200-tpot-mtp.md").read_text(), \
+        (tmp_path / "h200-tpot-mtp-q2.md").read_text()
+    halved = f"{0.6 / 2 + 0.0123:.3f}"  # the ladder at 100K, per token at q_len 2
+    assert halved in two and halved not in one
+    with pytest.raises(SystemExit):
+        report.main(["--json", str(path), "--no-png", "--q-len", "4"])
+
+
+def test_fp8_verify_step_rows_get_their_breakdown_per_token(report, tmp_path):
+    data = fp8_data()
+    # The same runs at q_len 2: half the step time per token, the same KV bytes per step.
+    verify = [{**r, "q_len": 2, "tpot_ms": r["tpot_ms"] / 2} for r in data["rows"]]
+    path = tmp_path / "h200-tpot-fp8-mtp.json"
+    path.write_text(json.dumps({"meta": data["meta"], "rows": data["rows"] + verify}))
+    assert report.main(["--json", str(path), "--no-png", "--q-len", "2"]) == 0
+    text = (tmp_path / "h200-tpot-fp8-mtp-q2.md").read_text()
+    assert "## fp8 caches against bf16 (ladder policy)" in text
+    # 230.4 MB saved per step, 0.027 ms per token at q_len 2; 0.040 ms saved per token.
+    assert ("| fp8-tensor | 1 | 100K | 0.300 | 0.260 | +0.040 | 460.8 -> 230.4 | 230.4 | "
+            "0.027 | 1.48 |") in text

@@ -314,10 +314,15 @@ class AiterBackend:
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
             seq_lens: torch.Tensor, out: torch.Tensor, workspace: dict[str, torch.Tensor], *,
-            plan: LaunchPlan, sm_scale: float, lse: torch.Tensor | None = None) -> torch.Tensor:
+            plan: LaunchPlan, sm_scale: float, lse: torch.Tensor | None = None,
+            q_len: int = 1) -> torch.Tensor:
         """One decode with ``plan``; graph-safe (device tensor ops and launches only)."""
         if lse is not None:
             raise NotImplementedError("the aiter backend does not return lse; pass lse=None")
+        if q_len != 1:
+            raise NotImplementedError(
+                f"the aiter backend decodes one token per request, got q_len={q_len}; run "
+                "verify steps on the triton backend (or capture q_lens=(1,))")
         if self.persistent:
             if not isinstance(plan, AiterPersistentPlan):
                 raise TypeError("plan must come from a persistent AiterBackend.plan, got "

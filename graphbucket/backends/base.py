@@ -35,6 +35,9 @@ class DecodeBackend(Protocol):
     Shapes (B = batch, H = heads, D = kv_lora_rank + qk_rope_dim, R = kv_lora_rank):
     q [B, H, D]; kv_cache [num_pages, page_size, D]; block_table [>= B, max_pages] int32;
     seq_lens [>= B] int32 on the device; out [B, H, R]; lse [B, H] float32 or None.
+    A verify step of ``q_len`` tokens per request runs folded: H = q_len x heads rows
+    (token-major), planned with that many heads; token j attends to the positions before
+    seq_len - q_len + j + 1.
     """
 
     name: str
@@ -51,7 +54,7 @@ class DecodeBackend(Protocol):
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
             seq_lens: torch.Tensor, out: torch.Tensor, workspace: Any, *, plan: LaunchPlan,
-            sm_scale: float, lse: torch.Tensor | None = None) -> torch.Tensor:
+            sm_scale: float, lse: torch.Tensor | None = None, q_len: int = 1) -> torch.Tensor:
         """Launch one decode with ``plan``; graph-safe (no device reads, no host sync)."""
         ...
 

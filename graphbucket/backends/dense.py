@@ -17,6 +17,8 @@ import torch
 from graphbucket import fp8
 from graphbucket.backends.base import NoWorkspace
 from graphbucket.kernels import check_mla_decode_args
+from graphbucket.kernels.launch import check_q_len
+from graphbucket.kernels.verify import flatten_verify
 from graphbucket.plan import (
     H200_NUM_SMS,
     LaunchPlan,
@@ -27,7 +29,8 @@ from graphbucket.reference import masked_mla_decode
 
 
 class DenseBackend:
-    """Torch float32 MLA decode behind the ``DecodeBackend`` protocol (slow, exact-ish)."""
+    """Torch float32 MLA decode behind the ``DecodeBackend`` protocol (slow, exact-ish);
+    verify steps (``q_len`` > 1) too."""
 
     name = "dense"
 
@@ -60,17 +63,24 @@ class DenseBackend:
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
             seq_lens: torch.Tensor, out: torch.Tensor, workspace: None = None, *,
             plan: LaunchPlan, sm_scale: float, lse: torch.Tensor | None = None,
-            kv_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """Same contract as the Triton backend; the split count does not change the math."""
+            kv_scale: torch.Tensor | None = None, q_len: int = 1) -> torch.Tensor:
+        """Same contract as the Triton backend; the split count does not change the math.
+        A verify step (q_len > 1) runs in the flat form (``kernels.verify.flatten_verify``:
+        one row per query token with its own causal limit)."""
         # Shape checks only: a one-split view of the plan needs no workspace.
-        check_mla_decode_args(q, kv_cache, block_table, seq_lens, out,
-                              dataclasses.replace(plan, num_kv_splits=1, persistent_programs=0,
-                                                  fused_merge=False), None, lse, kv_scale)
+        one_split = dataclasses.replace(plan, num_kv_splits=1, persistent_programs=0,
+                                        fused_merge=False)
+        check_mla_decode_args(q, kv_cache, block_table, seq_lens, out, one_split, None, lse,
+                              kv_scale)
+        check_q_len(one_split, q_len)
         if fp8.format_of(kv_cache) != "bf16":  # an fp8 cache, dequantized whole (static shapes)
             kv_cache = fp8.dequantize_cache(kv_cache, kv_scale, torch.float32)
+        if q_len > 1:
+            q, block_table, seq_lens = flatten_verify(q, block_table, seq_lens[:q.shape[0]],
+                                                      q_len)
         o, l_ = masked_mla_decode(q, kv_cache, block_table, seq_lens,
                                   kv_lora_rank=plan.kv_lora_rank, sm_scale=sm_scale)
-        out.copy_(o)
+        out.copy_(o.view(out.shape))
         if lse is not None:
-            lse.copy_(l_)
+            lse.copy_(l_.view(lse.shape))
         return out

@@ -107,22 +107,27 @@ class TritonBackend:
                                max_splits=self.max_splits)
 
     def workspace_spec(self, plans: Iterable[LaunchPlan]) -> SplitWorkspaceSpec:
+        """One workspace for every plan: the largest batch, head count (a verify step's
+        plans fold q_len x heads rows), split count and work items. The kernels address
+        it through its strides, so a plan with fewer heads uses part of each row."""
         plans = list(plans)
         if not plans:
             raise ValueError("workspace_spec needs at least one LaunchPlan")
-        heads = {p.num_heads for p in plans}
-        if len(heads) != 1:
-            raise ValueError(f"plans mix head counts {sorted(heads)}; one workspace serves "
-                             "one head count (build one runner per attention shape)")
-        return SplitWorkspaceSpec(max(p.batch_size for p in plans), heads.pop(),
+        return SplitWorkspaceSpec(max(p.batch_size for p in plans),
+                                  max(p.num_heads for p in plans),
                                   max(p.num_kv_splits for p in plans), self.kv_lora_rank,
                                   max(p.max_work_items for p in plans))
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
             seq_lens: torch.Tensor, out: torch.Tensor, workspace: SplitWorkspace | None, *,
             plan: LaunchPlan, sm_scale: float, lse: torch.Tensor | None = None,
-            kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+            kv_scale: torch.Tensor | None = None, q_len: int = 1) -> torch.Tensor:
         """See ``graphbucket.kernels.mla_decode``. Graph-safe: launches only."""
-        launch = mla_decode_balanced if plan.balanced else mla_decode
-        return launch(q, kv_cache, block_table, seq_lens, out, workspace, plan=plan,
-                      sm_scale=sm_scale, lse=lse, kv_scale=kv_scale)
+        if plan.balanced:
+            if q_len != 1:
+                raise ValueError(f"q_len={q_len} with a balanced plan: balanced split-KV "
+                                 "decodes one token per request; plan split-KV")
+            return mla_decode_balanced(q, kv_cache, block_table, seq_lens, out, workspace,
+                                       plan=plan, sm_scale=sm_scale, lse=lse, kv_scale=kv_scale)
+        return mla_decode(q, kv_cache, block_table, seq_lens, out, workspace, plan=plan,
+                          sm_scale=sm_scale, lse=lse, kv_scale=kv_scale, q_len=q_len)

@@ -40,7 +40,8 @@ class SplitWorkspace:
 
     partial_o:   [max_batch, num_heads, max_splits, kv_lora_rank] float32
     partial_lse: [max_batch, num_heads, max_splits] float32 (log2 units)
-    Any plan with batch <= max_batch and splits <= max_splits uses views of these.
+    Any plan with batch <= max_batch, heads <= num_heads and splits <= max_splits uses
+    views of these.
 
     merge_counters: [max_batch, num_heads] int32, zero between launches: the splits of a
     (request, head block) that have finished, for plans that merge in stage 1.
@@ -79,7 +80,8 @@ class SplitWorkspace:
 
     def fits(self, plan: LaunchPlan) -> bool:
         b, h, s, d = self.partial_o.shape
-        if plan.num_heads != h or plan.kv_lora_rank != d:
+        # Fewer heads than allocated is fine: the kernels index through the strides.
+        if plan.num_heads > h or plan.kv_lora_rank != d:
             return False
         if plan.balanced:
             return self.item_o is not None and plan.max_work_items <= self.item_o.shape[0] \
@@ -289,6 +291,18 @@ def use_pdl(plan: LaunchPlan, device: torch.device) -> bool:
     return plan.merge_kernel and plan.dependent_merge and _pdl_capable(device)
 
 
+# fp8 caches (per-tensor and "v32") stream head-major tiles through registers: the raw
+# bytes of the next tile are loaded while the current one is dequantized, once, into the
+# bf16 tile both dots read (``REG_PREFETCH`` in mla_decode.py). Off: the fp8 tile goes
+# to shared memory as is, and the value dot reads it one byte per load.
+FP8_REGISTER_PREFETCH = True
+
+
+def register_prefetch(plan: LaunchPlan, element_size: int) -> bool:
+    """Whether stage 1 streams this plan's fp8 tiles through registers."""
+    return FP8_REGISTER_PREFETCH and element_size == 1 and not plan.token_major
+
+
 def tile_tokens(plan: LaunchPlan, element_size: int, *, v32: bool = False) -> int:
     """Tokens per KV tile for this cache dtype: the plan's, or fewer for wider elements.
 
@@ -304,6 +318,11 @@ def tile_tokens(plan: LaunchPlan, element_size: int, *, v32: bool = False) -> in
     132 KB, each stream's programs per SM as planned; with the plan's tokens LONG needed
     159 KB (one program per SM, not two), WIDE 89 KB and TOKEN_STREAM spilled 1232 bytes.
     """
+    if register_prefetch(plan, element_size):
+        # The raw tile and its bf16 conversion live in registers: 32 tokens at 16 rows
+        # (sm_90 compile: 255 registers, no spills, 55 KB; 64 tokens spill 2.7 KB), 16
+        # where the accumulator is larger (32 tokens spill 1-1.3 KB at 32 rows).
+        return min(plan.block_n, 32 if plan.block_h <= 16 else 16)
     if v32:
         return max(16, plan.block_n // 2)
     if element_size == 1 and plan.block_h >= 64:
@@ -350,6 +369,7 @@ def launch_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
         MERGE_CHUNKS=plan.merge_chunks if plan.merges_in_stage1 else 1,
         SCALED=kv_scale is not None, MULTI_TOKEN=q_len > 1,
         KV_FORMAT="v32" if is_v32(kv_cache) else "dense",
+        REG_PREFETCH=register_prefetch(plan, kv_cache.element_size()),
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
 

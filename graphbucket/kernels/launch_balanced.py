@@ -20,6 +20,7 @@ from graphbucket.kernels.launch import (
     check_mla_decode_args,
     is_v32,
     kv_tile_tokens,
+    register_prefetch,
 )
 from graphbucket.plan import LaunchPlan, pow2_ceil
 
@@ -89,6 +90,7 @@ def launch_balanced_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table:
         DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
         TOKEN_MAJOR=plan.token_major, PAGE_AHEAD=plan.page_ahead, SCALED=kv_scale is not None,
         KV_FORMAT="v32" if is_v32(kv_cache) else "dense",
+        REG_PREFETCH=register_prefetch(plan, kv_cache.element_size()),
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
 

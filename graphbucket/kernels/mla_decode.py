@@ -85,6 +85,7 @@ def _attend_tokens(
     KV_FORMAT: tl.constexpr = "dense",
     row_limit=None,
     MULTI_TOKEN: tl.constexpr = False,
+    REG_PREFETCH: tl.constexpr = False,
 ):
     """Online softmax over tokens [start, end) of one request (start < end, start a
     multiple of BLOCK_N). Returns the unnormalised (acc [BLOCK_H, R], l, m) in log2 units.
@@ -107,6 +108,12 @@ def _attend_tokens(
     while tile i is loaded (a loop-carried value, not a dependent load), so the tile gets
     num_stages - 1 buffers; the lookup itself is then a synchronous load before each
     tile's copy is issued.
+
+    REG_PREFETCH (fp8 caches, head-major): the raw bytes of tile i+1 are loaded into
+    registers while tile i is dequantized and multiplied, and each tile is converted once
+    into a bf16 tile that both dots read from shared memory. Without it the fp8 tile is
+    copied to shared memory as is and the value dot reads it transposed, which for 1-byte
+    elements is one shared-memory load per byte (sm_90 has no 8-bit ldmatrix.trans).
     """
     if TOKEN_MAJOR:
         return _attend_tokens_token_major(
@@ -116,35 +123,52 @@ def _attend_tokens(
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, KV_LORA_RANK], dtype=tl.float32)
-    if PAGE_AHEAD:
+    if REG_PREFETCH:
+        next_raw, next_scale, next_rope = _load_raw_tile(
+            KV, _tile_pages(bt_row, start, end, PAGE_SIZE, BLOCK_N, TILE_IN_PAGE), start,
+            end, stride_kv_page, stride_kv_tok, PAGE_SIZE, KV_LORA_RANK, ROPE_DIM, BLOCK_N,
+            KV_FORMAT)
+    elif PAGE_AHEAD:
         next_pages = _tile_pages(bt_row, start, end, PAGE_SIZE, BLOCK_N, TILE_IN_PAGE)
 
     for tok0 in range(start, end, BLOCK_N):
-        if PAGE_AHEAD:
-            pages = next_pages
-            next_pages = _tile_pages(bt_row, tok0 + BLOCK_N, end, PAGE_SIZE, BLOCK_N,
-                                     TILE_IN_PAGE, PAST_END=True)
+        if REG_PREFETCH:
+            raw, scale, rope = next_raw, next_scale, next_rope
+            next_raw, next_scale, next_rope = _load_raw_tile(
+                KV, _tile_pages(bt_row, tok0 + BLOCK_N, end, PAGE_SIZE, BLOCK_N, TILE_IN_PAGE,
+                                PAST_END=True),
+                tok0 + BLOCK_N, end, stride_kv_page, stride_kv_tok, PAGE_SIZE, KV_LORA_RANK,
+                ROPE_DIM, BLOCK_N, KV_FORMAT)
+            mask_n = tok0 + tl.arange(0, BLOCK_N) < end
+            kv = _dequantize(raw, scale, BLOCK_N, KV_LORA_RANK, KV_FORMAT).to(q_nope.dtype)
+            k_rope = rope.to(q_nope.dtype)
+            kv_v = kv
         else:
-            pages = _tile_pages(bt_row, tok0, end, PAGE_SIZE, BLOCK_N, TILE_IN_PAGE)
-        kv, k_rope, mask_n = _load_tile_rows(KV, pages, tok0, end, stride_kv_page,
-                                             stride_kv_tok, PAGE_SIZE, KV_LORA_RANK,
-                                             ROPE_DIM, BLOCK_N, KV_FORMAT)
-        # An fp8 cache dequantizes on the way in (a per-tensor scale is applied by the
-        # caller, V3.2 group scales by the loader); for caches of q's dtype this is a no-op.
-        kv_v = kv.to(q_nope.dtype)
-        if KV.dtype.element_ty != q_nope.dtype and KV_FORMAT == "dense":
-            # A converted tile feeding two dots stays in registers (no shared-memory
-            # pipeline); reading it once per dot lets each copy be pipelined.
-            # (A different cache hint keeps the compiler from merging the two loads.)
-            # Not for "v32": its scaled tile is not a plain conversion, so each read kept
-            # a float32 tile in registers (sm_90 compile, 64-token tiles at 3 stages:
-            # 2312 bytes of spills); read once, both dots share one dequantized bf16 tile
-            # in shared memory and nothing spills.
-            offs_n = tok0 + tl.arange(0, BLOCK_N)
-            row = pages * stride_kv_page + (offs_n % PAGE_SIZE) * stride_kv_tok
-            kv_v = _load_latent(KV, row, offs_n < end, KV_LORA_RANK, BLOCK_N, KV_FORMAT,
-                                "evict_first").to(q_nope.dtype)
-        kv, k_rope = kv.to(q_nope.dtype), k_rope.to(q_nope.dtype)
+            if PAGE_AHEAD:
+                pages = next_pages
+                next_pages = _tile_pages(bt_row, tok0 + BLOCK_N, end, PAGE_SIZE, BLOCK_N,
+                                         TILE_IN_PAGE, PAST_END=True)
+            else:
+                pages = _tile_pages(bt_row, tok0, end, PAGE_SIZE, BLOCK_N, TILE_IN_PAGE)
+            kv, k_rope, mask_n = _load_tile_rows(KV, pages, tok0, end, stride_kv_page,
+                                                 stride_kv_tok, PAGE_SIZE, KV_LORA_RANK,
+                                                 ROPE_DIM, BLOCK_N, KV_FORMAT)
+            # An fp8 cache dequantizes on the way in (a per-tensor scale is applied by
+            # the caller, V3.2 group scales by the loader); a no-op for q's dtype.
+            kv_v = kv.to(q_nope.dtype)
+            if KV.dtype.element_ty != q_nope.dtype and KV_FORMAT == "dense":
+                # A converted tile feeding two dots stays in registers (no shared-memory
+                # pipeline); reading it once per dot lets each copy be pipelined.
+                # (A different cache hint keeps the compiler from merging the two loads.)
+                # Not for "v32": its scaled tile is not a plain conversion, so each read kept
+                # a float32 tile in registers (sm_90 compile, 64-token tiles at 3 stages:
+                # 2312 bytes of spills); read once, both dots share one dequantized bf16 tile
+                # in shared memory and nothing spills.
+                offs_n = tok0 + tl.arange(0, BLOCK_N)
+                row = pages * stride_kv_page + (offs_n % PAGE_SIZE) * stride_kv_tok
+                kv_v = _load_latent(KV, row, offs_n < end, KV_LORA_RANK, BLOCK_N, KV_FORMAT,
+                                    "evict_first").to(q_nope.dtype)
+            kv, k_rope = kv.to(q_nope.dtype), k_rope.to(q_nope.dtype)
         qk = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PRECISION)
         qk += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
         if MULTI_TOKEN:
@@ -216,6 +240,49 @@ def _load_latent(KV, row, mask_n, KV_LORA_RANK: tl.constexpr, BLOCK_N: tl.conste
 
 
 @triton.jit
+def _load_raw_tile(KV, pages, tok0, end, stride_kv_page, stride_kv_tok,
+                   PAGE_SIZE: tl.constexpr, KV_LORA_RANK: tl.constexpr,
+                   ROPE_DIM: tl.constexpr, BLOCK_N: tl.constexpr, KV_FORMAT: tl.constexpr):
+    """The stored bytes of tokens tok0 .. tok0 + BLOCK_N (zeros at or past ``end``):
+    (latent [BLOCK_N, R] in e4m3, group scales [BLOCK_N, R / 128] ("v32"; else a
+    placeholder), rope [BLOCK_N, ROPE_DIM] as stored)."""
+    offs_n = tok0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < end
+    row = pages * stride_kv_page + (offs_n % PAGE_SIZE) * stride_kv_tok
+    offs_c = tl.arange(0, KV_LORA_RANK)
+    if KV_FORMAT == "v32":
+        raw = tl.load(KV.to(tl.pointer_type(tl.float8e4nv)) + row[:, None] + offs_c[None, :],
+                      mask=mask_n[:, None], other=0.0)
+        scale = tl.load((KV + KV_LORA_RANK).to(tl.pointer_type(tl.float32))
+                        + tl.multiple_of(row // 4, 4)[:, None]
+                        + tl.arange(0, KV_LORA_RANK // V32_GROUP)[None, :],
+                        mask=mask_n[:, None], other=0.0)
+        rope = tl.load((KV + KV_LORA_RANK + 4 * (KV_LORA_RANK // V32_GROUP))
+                       .to(tl.pointer_type(tl.bfloat16))
+                       + tl.multiple_of(row // 2, 8)[:, None] + tl.arange(0, ROPE_DIM)[None, :],
+                       mask=mask_n[:, None], other=0.0)
+    else:
+        raw = tl.load(KV + row[:, None] + offs_c[None, :], mask=mask_n[:, None], other=0.0)
+        scale = 0.0
+        rope = tl.load(KV + row[:, None] + KV_LORA_RANK + tl.arange(0, ROPE_DIM)[None, :],
+                       mask=mask_n[:, None], other=0.0)
+    return raw, scale, rope
+
+
+@triton.jit
+def _dequantize(raw, scale, BLOCK_N: tl.constexpr, KV_LORA_RANK: tl.constexpr,
+                KV_FORMAT: tl.constexpr):
+    """``_load_raw_tile``'s latent as float32 values ("v32": times the group scales; a
+    per-tensor scale is applied by the caller)."""
+    kv = raw.to(tl.float32)
+    if KV_FORMAT == "v32":
+        GROUPS: tl.constexpr = KV_LORA_RANK // V32_GROUP
+        kv = tl.reshape(kv, [BLOCK_N, GROUPS, V32_GROUP]) * scale[:, :, None]
+        kv = tl.reshape(kv, [BLOCK_N, KV_LORA_RANK])
+    return kv
+
+
+@triton.jit
 def _load_tile_rows(KV, pages, tok0, end, stride_kv_page, stride_kv_tok,
                     PAGE_SIZE: tl.constexpr, KV_LORA_RANK: tl.constexpr,
                     ROPE_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -226,6 +293,15 @@ def _load_tile_rows(KV, pages, tok0, end, stride_kv_page, stride_kv_tok,
     offs_n = tok0 + tl.arange(0, BLOCK_N)
     mask_n = offs_n < end
     row = pages * stride_kv_page + (offs_n % PAGE_SIZE) * stride_kv_tok
+    kv, k_rope = _load_kv_rows(KV, row, mask_n, KV_LORA_RANK, ROPE_DIM, BLOCK_N, KV_FORMAT)
+    return kv, k_rope, mask_n
+
+
+@triton.jit
+def _load_kv_rows(KV, row, mask_n, KV_LORA_RANK: tl.constexpr, ROPE_DIM: tl.constexpr,
+                  BLOCK_N: tl.constexpr, KV_FORMAT: tl.constexpr = "dense"):
+    """Cache rows at element offsets ``row`` (any rows: a tile or a gather): (latent
+    [BLOCK_N, R], rope [BLOCK_N, ROPE_DIM]); masked rows load as zeros."""
     kv = _load_latent(KV, row, mask_n, KV_LORA_RANK, BLOCK_N, KV_FORMAT, "")
     if KV_FORMAT == "v32":
         # bf16 rope after the latent and the scales: row offsets in bf16 units.
@@ -237,7 +313,7 @@ def _load_tile_rows(KV, pages, tok0, end, stride_kv_page, stride_kv_tok,
     else:
         k_rope = tl.load(KV + row[:, None] + KV_LORA_RANK + tl.arange(0, ROPE_DIM)[None, :],
                          mask=mask_n[:, None], other=0.0)
-    return kv, k_rope, mask_n
+    return kv, k_rope
 
 
 @triton.jit
@@ -338,6 +414,7 @@ def _mla_decode_stage1_kernel(
     SCALED: tl.constexpr = False,
     MULTI_TOKEN: tl.constexpr = False,
     KV_FORMAT: tl.constexpr = "dense",
+    REG_PREFETCH: tl.constexpr = False,
 ):
     bid = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -370,7 +447,7 @@ def _mla_decode_stage1_kernel(
             qk_scale_log2 * kv_scale,
             stride_kv_page, stride_kv_tok, PAGE_SIZE, KV_LORA_RANK, ROPE_DIM, BLOCK_H,
             BLOCK_N, TILE_IN_PAGE, DOT_PRECISION, TOKEN_MAJOR, PAGE_AHEAD, KV_FORMAT,
-            row_limit, MULTI_TOKEN)
+            row_limit, MULTI_TOKEN, REG_PREFETCH)
         lse_log2 = m_i + tl.log2(l_i)
         if MULTI_TOKEN:  # rows that saw no token here: zeros, LSE -inf
             l_i = tl.where(l_i > 0.0, l_i, 1.0)

@@ -1,4 +1,4 @@
-"""``MLADecoder``: absorbed-MLA decode over a paged latent KV cache, one token per request.
+"""``MLADecoder``: absorbed-MLA decode over a paged latent KV cache, q_len tokens per request.
 
 Per layer (D hidden, H heads, R = kv_lora_rank, P = qk_rope_dim)::
 
@@ -14,6 +14,11 @@ then a final RMSNorm. The new token is stored before attention, so ``seq_lens`` 
 The forward reads ``ctx.inputs["hidden"]`` [B, D] (the new token's embedding) and
 ``ctx.inputs["slot_mapping"]`` [B] int64; rows with a negative slot or seq_len 0
 (padding) store nothing.
+
+A verify step (``ctx.q_len`` > 1: MTP / speculative decoding) runs B x q_len token rows
+through every projection (row b * q_len + j is request b's token j, at position
+seq_len - q_len + j); all q_len new rows are stored before attention, and token j
+attends to the positions before seq_len - q_len + j + 1 (``ctx.attend``, folded).
 
 Graph safety: ``forward(ctx)`` reads no device data on the host and launches a fixed
 sequence of kernels whose shapes depend only on the batch size; the attention launch
@@ -127,7 +132,7 @@ class MLADecoder:
     # ---- decode ---------------------------------------------------------------------
 
     def forward(self, ctx: DecodeContext) -> torch.Tensor:
-        """One decode step -> final hidden states [B, D] in the model dtype."""
+        """One decode step -> final hidden states [B x q_len, D] in the model dtype."""
         if self._kernel_error:
             raise ValueError(self._kernel_error)
         self.check_caches()
@@ -175,7 +180,8 @@ class MLADecoder:
         qkv_a = self._linear(h, layer.w_qkv_a)                      # [B, Q + R + P]
         store_kv(qkv_a[:, q_lora:], layer.kv_a_norm, self.rope, ctx.positions,
                      ctx.inputs[SLOT_INPUT], ctx.seq_lens, cache, cfg.rms_eps,
-                     kv_scale=self.kv_scale, kv_cache_format=self.kv_cache_format)
+                     kv_scale=self.kv_scale, q_len=ctx.q_len,
+                     kv_cache_format=self.kv_cache_format)
         q_b = self._linear(rms_norm(qkv_a[:, :q_lora], layer.q_a_norm, cfg.rms_eps),
                            layer.w_q_b)                             # [B, H * (nope + P)]
         q_nope = q_b.view(bs, cfg.num_heads, cfg.qk_head_dim)[..., :cfg.qk_nope_dim]
@@ -195,7 +201,7 @@ class MLADecoder:
 
     def forward_reference(self, hidden, *, positions, seq_lens, block_table, slot_mapping,
                           caches: list[torch.Tensor] | None = None,
-                          dtype: torch.dtype = torch.float64) -> torch.Tensor:
+                          dtype: torch.dtype = torch.float64, q_len: int = 1) -> torch.Tensor:
         """The same step in plain torch ``dtype`` (see ``models.step_reference``); writes its new
         rows into ``caches`` (default: fresh copies of the model's caches)."""
         caches = self.reference_caches(dtype) if caches is None else caches
@@ -203,7 +209,7 @@ class MLADecoder:
                                 positions=positions, seq_lens=seq_lens,
                                 block_table=block_table, slot_mapping=slot_mapping,
                                 caches=caches, dtype=dtype, kv_scale=self.kv_scale,
-                                kv_cache_format=self.kv_cache_format)
+                                kv_cache_format=self.kv_cache_format, q_len=q_len)
 
     # ---- accounting (for roofline floors) ---------------------------------------------
 

@@ -84,7 +84,7 @@ def _rotate(src, cs_row, offs_h, HALF: tl.constexpr, mask):
 
 @triton.jit
 def _kv_store_kernel(KV, W, ROPE, POS, SLOT, SEQ_LENS, CACHE, KV_SCALE, stride_kv, stride_rope,
-                     stride_page, stride_tok, num_slots, max_pos, eps,
+                     stride_page, stride_tok, num_slots, max_pos, eps, q_len,
                      R: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr,
                      BLOCK_H: tl.constexpr, PAGE_SIZE: tl.constexpr,
                      SCALED: tl.constexpr = False, FP8_MAX: tl.constexpr = 448.0,
@@ -92,7 +92,8 @@ def _kv_store_kernel(KV, W, ROPE, POS, SLOT, SEQ_LENS, CACHE, KV_SCALE, stride_k
                      V32_MIN_SCALE: tl.constexpr = 2.0 ** -126):
     b = tl.program_id(0)
     slot = tl.load(SLOT + b).to(tl.int64)
-    valid = (slot >= 0) & (slot < num_slots) & (tl.load(SEQ_LENS + b) > 0)
+    # Row b is a query token of request b // q_len (q_len tokens per request).
+    valid = (slot >= 0) & (slot < num_slots) & (tl.load(SEQ_LENS + b // q_len) > 0)
     slot = tl.where(valid, slot, 0)  # address arithmetic only; every store is masked
     offs_r = tl.arange(0, BLOCK_R)
     offs_h = tl.arange(0, BLOCK_H)
@@ -139,19 +140,21 @@ def _kv_store_kernel(KV, W, ROPE, POS, SLOT, SEQ_LENS, CACHE, KV_SCALE, stride_k
 
 def store_kv(kv_a: torch.Tensor, norm_weight: torch.Tensor, rope: torch.Tensor,
              positions: torch.Tensor, slot_mapping: torch.Tensor, seq_lens: torch.Tensor,
-             kv_cache: torch.Tensor, eps: float, kv_scale: torch.Tensor | None = None, *,
-             kv_cache_format: str | None = None) -> None:
+             kv_cache: torch.Tensor, eps: float, kv_scale: torch.Tensor | None = None,
+             q_len: int = 1, *, kv_cache_format: str | None = None) -> None:
     """Write each row's [RMSNorm(latent) | rotary(k_rope)] into ``kv_cache`` at its slot, in
     the cache's format (``graphbucket.fp8``): as they are ("bf16"), quantized with
     ``kv_scale`` ("fp8-tensor") or as DeepSeek-V3.2 rows with per-token group scales
     ("fp8-v32", a uint8 cache [num_pages, page_size, 656]).
 
-    kv_a [B, R + P] (rows may be strided), positions [B] int64, slot_mapping [B] int64
-    (page * page_size + offset), seq_lens [B] int32, kv_cache [num_pages, page_size,
-    width]. ``kv_cache_format`` is the format the caller declares (default: the one the
-    cache's dtype means); the cache and scale are checked against it before launch.
-    Rows whose slot is negative or past the cache, or whose seq_len is 0 (padding), write
-    nothing. Graph-safe: host metadata checks; the skip is a device-side mask.
+    kv_a [T, R + P] (rows may be strided), positions [T] int64, slot_mapping [T] int64
+    (page * page_size + offset), seq_lens [T / q_len] int32, kv_cache [num_pages,
+    page_size, width]: T = B x q_len rows, q_len new tokens per request (row b * q_len + j
+    is request b's token j, stored at its own slot in every format). ``kv_cache_format``
+    is the format the caller declares (default: the one the cache's dtype means); the
+    cache and scale are checked against it before launch. Rows whose slot is negative or
+    past the cache, or whose request's seq_len is 0 (padding), write nothing. Graph-safe:
+    host metadata checks; the skip is a device-side mask.
     """
     num_pages, page_size, _ = kv_cache.shape
     r, dim = norm_weight.numel(), kv_a.shape[1]
@@ -170,7 +173,7 @@ def store_kv(kv_a: torch.Tensor, norm_weight: torch.Tensor, rope: torch.Tensor,
         kv_a, norm_weight, rope, positions, slot_mapping, seq_lens, kv_cache,
         seq_lens if kv_scale is None else kv_scale, kv_a.stride(0),
         rope.stride(0), kv_cache.stride(0), kv_cache.stride(1), num_pages * page_size,
-        rope.shape[0], eps, R=r, HALF=half, BLOCK_R=triton.next_power_of_2(r),
+        rope.shape[0], eps, q_len, R=r, HALF=half, BLOCK_R=triton.next_power_of_2(r),
         BLOCK_H=triton.next_power_of_2(half), PAGE_SIZE=page_size,
         SCALED=kv_scale is not None, V32=v32, num_warps=4)
 

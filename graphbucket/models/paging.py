@@ -64,13 +64,15 @@ def prefill_random(model: MLADecoder, block_table: np.ndarray, seq_lens, *,
 
 
 def decode_batch(model: MLADecoder, seq_lens, block_table: np.ndarray,
-                 hidden: torch.Tensor) -> DecodeBatch:
-    """A ``DecodeBatch`` decoding the token at position seq_len - 1 of each request.
+                 hidden: torch.Tensor, *, q_len: int = 1) -> DecodeBatch:
+    """A ``DecodeBatch`` decoding the token at position seq_len - 1 of each request, or
+    with ``q_len`` > 1 a verify step of the tokens at seq_len - q_len .. seq_len - 1.
 
-    seq_lens [B] ints >= 0 (the new token included; 0 = a padding row that stores
-    nothing), block_table int [B, cols] (enough columns for every length), hidden [B, D]
-    (host or device tensor, the model dtype). The slot mapping is derived on the host;
-    the rest is checked by the runner's step.
+    seq_lens [B] ints >= 0 (the new tokens included; 0 = a padding row that stores
+    nothing), block_table int [B, cols] (enough columns for every length), hidden
+    [B * q_len, D] (host or device tensor, the model dtype; row b * q_len + j is request
+    b's token j). The slot mapping (one slot per token) is derived on the host; the rest
+    is checked by the runner's step.
     """
     lens = np.asarray(seq_lens)
     table = np.asarray(block_table)
@@ -86,7 +88,21 @@ def decode_batch(model: MLADecoder, seq_lens, block_table: np.ndarray,
         raise ValueError(f"seq_lens[{row}] = {int(lens[row])} is outside [0, {capacity}]: "
                          f"block_table has {table.shape[1]} columns of {model.page_size} "
                          "tokens. Give each request enough pages (or a shorter length)")
+    if isinstance(q_len, bool) or not isinstance(q_len, int) or q_len < 1:
+        raise ValueError(f"q_len must be a positive int, got {q_len!r}")
+    short = (lens > 0) & (lens < q_len)
+    if short.any():
+        row = int(np.argmax(short))
+        raise ValueError(f"seq_lens[{row}] = {int(lens[row])} is below q_len {q_len}: a "
+                         "verify step's lengths count its q_len new tokens")
     lens = lens.astype(np.int64)
-    slots = slot_mapping_for(table.astype(np.int32), lens - 1, model.page_size)
+    if q_len == 1:
+        slots = slot_mapping_for(table.astype(np.int32), lens - 1, model.page_size)
+    else:  # token j at seq_len - q_len + j; padding rows (length 0) store nothing
+        positions = lens[:, None] - q_len + np.arange(q_len)
+        positions = np.where(lens[:, None] > 0, positions, -1).reshape(-1)
+        slots = slot_mapping_for(np.repeat(table.astype(np.int32), q_len, axis=0), positions,
+                                 model.page_size)
     return DecodeBatch(lens.astype(np.int32), table.astype(np.int32, copy=False),
-                       {"hidden": hidden, "slot_mapping": torch.from_numpy(slots)})
+                       {"hidden": hidden, "slot_mapping": torch.from_numpy(slots)},
+                       q_len=q_len)

@@ -42,7 +42,7 @@ def decode_reference(config: MLAConfig, layers: list[MLALayerWeights],
                      slot_mapping, caches: list[torch.Tensor],
                      dtype: torch.dtype = torch.float64,
                      kv_scale: torch.Tensor | None = None,
-                     kv_cache_format: str | None = None) -> torch.Tensor:
+                     kv_cache_format: str | None = None, q_len: int = 1) -> torch.Tensor:
     """One decode step of the model with ``config``, ``layers`` and ``final_norm`` in
     ``dtype``; writes the new rows into ``caches`` (one per layer, [num_pages, page_size,
     R + P] in ``dtype``, e.g. ``MLADecoder.reference_caches()``). The new rows are stored as
@@ -50,16 +50,26 @@ def decode_reference(config: MLAConfig, layers: list[MLALayerWeights],
     quantized, then dequantized); the format defaults to "fp8-tensor" with ``kv_scale``,
     else "bf16" (rows as computed).
 
+    A verify step (``q_len`` > 1) decodes q_len tokens per request: hidden [B * q_len, D],
+    positions and slot_mapping [B * q_len] (row b * q_len + j is request b's token j),
+    seq_lens [B] counting the q_len new tokens; every new row is stored first, then token j
+    attends to the positions before seq_len - q_len + j + 1.
+
     hidden [B, D]; positions, seq_lens, slot_mapping [B]; block_table [B, cols] (tensors
-    on any device, numpy arrays or lists). Returns the final hidden states [B, D].
+    on any device, numpy arrays or lists). Returns the final hidden states [B * q_len, D].
     """
     cfg, dev = config, caches[0].device
     x = _as(hidden, dev, dtype)
     positions, seq_lens = _as(positions, dev, torch.int64), _as(seq_lens, dev, torch.int32)
     block_table, slots = _as(block_table, dev, torch.int32), _as(slot_mapping, dev, torch.int64)
     num_slots = caches[0].shape[0] * caches[0].shape[1]
-    live = [b for b, (s, n) in enumerate(zip(slots.tolist(), seq_lens.tolist(), strict=True))
-            if 0 <= s < num_slots and n > 0]
+    request_lens = seq_lens.repeat_interleave(q_len)
+    live = [t for t, (s, n) in enumerate(zip(slots.tolist(), request_lens.tolist(),
+                                             strict=True)) if 0 <= s < num_slots and n > 0]
+    # One attention row per token with its causal limit (0 stays 0: padding).
+    offsets = torch.arange(q_len, device=dev, dtype=torch.int32).repeat(seq_lens.shape[0])
+    limits = torch.where(request_lens > 0, (request_lens - q_len + 1 + offsets).clamp_min(0), 0)
+    token_table = block_table.repeat_interleave(q_len, dim=0)
     bs, heads, r = x.shape[0], cfg.num_heads, cfg.kv_lora_rank
     fmt = kv_cache_format or ("fp8-tensor" if kv_scale is not None else "bf16")
     for layer, cache in zip(layers, caches, strict=True):
@@ -76,7 +86,7 @@ def decode_reference(config: MLAConfig, layers: list[MLALayerWeights],
         q_nope, q_rope = q.split([cfg.qk_nope_dim, cfg.qk_rope_dim], dim=-1)
         q_mla = torch.cat([torch.einsum("bhn,hnr->bhr", q_nope, w.w_uk),
                            rotary_ref(q_rope, positions, cfg.rope_theta)], dim=-1)
-        attn, _ = mla_decode_reference(q_mla, cache, block_table, seq_lens, kv_lora_rank=r,
+        attn, _ = mla_decode_reference(q_mla, cache, token_table, limits, kv_lora_rank=r,
                                        sm_scale=cfg.sm_scale, dtype=dtype)
         o = torch.einsum("bhr,hrv->bhv", attn, w.w_uv).reshape(bs, -1) @ w.w_o.T
         x = x + o

@@ -1,0 +1,159 @@
+"""Sparse MLA attention over top-k token positions: split stage 1 + the dense decode's merge.
+
+Row r (one query token, flat spec-as-decode form) attends to the positions
+``indices[r, :sparse_lens[r]]`` of its request (written by the top-k: all < its causal
+limit), gathering each latent row from the paged cache through the block table
+(position -> page ``block_table[r, p // page_size]``, slot ``p % page_size``)::
+
+    out[r, h] = softmax_j(q[r, h] . kv[idx_j] * sm_scale) . kv[idx_j, :kv_lora_rank]
+
+Work partition, on the device: split s of row r takes the slots of [0, sparse_lens[r])
+that ``graphbucket.kernels.mla_decode._split_range`` gives it (the grid is fixed by the
+plan: rows x head blocks x splits; splits past a row's tiles exit at once), so the
+partition follows the live sparse lengths min(len, topk) with no host read. With one
+split stage 1 writes the output; otherwise it writes float32 partials and log2 LSEs to a
+``SplitWorkspace`` and ``_mla_decode_merge_kernel`` (given the sparse lengths and this
+kernel's tile) merges them. Rows with no position (length 0) give zeros.
+
+Cache formats as in the dense decode (``KV_FORMAT``): bf16 / fp16 / fp32 rows, or
+DeepSeek-V3.2's 656-byte fp8 rows (uint8 cache, ``graphbucket.fp8.pack_v32``), read by
+``_load_kv_rows`` (the dense kernels' loader, here with gathered row offsets).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from graphbucket.kernels.launch import LOG2E, SplitWorkspace, is_v32
+from graphbucket.kernels.mla_decode import (
+    _load_kv_rows,
+    _load_q,
+    _mla_decode_merge_kernel,
+    _split_range,
+    _store_final,
+    _store_padding,
+)
+from graphbucket.plan import pow2_ceil
+from graphbucket.sparse.plan import SparsePlan
+
+
+@triton.jit
+def _sparse_attention_kernel(
+    Q, KV, BLOCK_TABLE, INDICES, SPARSE_LENS, OUT, LSE, PART_O, PART_LSE,
+    num_splits, num_heads, qk_scale_log2,
+    stride_q_r, stride_q_h,
+    stride_kv_page, stride_kv_tok,
+    stride_bt_r, stride_i_r,
+    stride_o_r, stride_o_h, stride_lse_r,
+    stride_po_r, stride_po_h, stride_po_s,
+    stride_pl_r, stride_pl_h,
+    PAGE_SIZE: tl.constexpr,
+    KV_LORA_RANK: tl.constexpr,
+    ROPE_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ONE_SPLIT: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    KV_FORMAT: tl.constexpr,
+):
+    row = tl.program_id(0)
+    head_block = tl.program_id(1)
+    split = tl.program_id(2)
+    offs_h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < num_heads
+    offs_c = tl.arange(0, KV_LORA_RANK)
+    o_ptr = OUT + row * stride_o_r + offs_h[:, None] * stride_o_h + offs_c[None, :]
+    lse_ptr = LSE + row * stride_lse_r + offs_h
+
+    n = tl.load(SPARSE_LENS + row)
+    start, end = _split_range(n, split, num_splits, BLOCK_N)
+    if start < end:
+        q_nope, q_rope = _load_q(Q, row, offs_h, mask_h, stride_q_r, stride_q_h,
+                                 KV_LORA_RANK, ROPE_DIM)
+        bt_row = BLOCK_TABLE + row * stride_bt_r
+        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, KV_LORA_RANK], dtype=tl.float32)
+        for slot0 in range(start, end, BLOCK_N):
+            offs_n = slot0 + tl.arange(0, BLOCK_N)
+            pos = tl.load(INDICES + row * stride_i_r + offs_n, mask=offs_n < end, other=-1)
+            live = pos >= 0  # the top-k pads with -1; slots below the length never are
+            pos = tl.maximum(pos, 0)
+            page = tl.load(bt_row + pos // PAGE_SIZE, mask=live, other=0).to(tl.int64)
+            kv_row = page * stride_kv_page + (pos % PAGE_SIZE) * stride_kv_tok
+            kv, k_rope = _load_kv_rows(KV, kv_row, live, KV_LORA_RANK, ROPE_DIM, BLOCK_N,
+                                       KV_FORMAT)
+            kv, k_rope = kv.to(q_nope.dtype), k_rope.to(q_nope.dtype)
+            qk = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PRECISION)
+            qk += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
+            qk = tl.where(live[None, :], qk * qk_scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile of padding only
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(qk - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv,
+                                                input_precision=DOT_PRECISION)
+            m_i = m_new
+        lse_log2 = m_i + tl.log2(l_i)
+        out = acc / l_i[:, None]
+        if ONE_SPLIT:
+            _store_final(o_ptr, lse_ptr, out, lse_log2, mask_h, WRITE_LSE)
+        else:
+            tl.store(PART_O + row * stride_po_r + offs_h[:, None] * stride_po_h
+                     + split * stride_po_s + offs_c[None, :], out, mask=mask_h[:, None])
+            tl.store(PART_LSE + row * stride_pl_r + offs_h * stride_pl_h + split, lse_log2,
+                     mask=mask_h)
+    elif ONE_SPLIT:
+        _store_padding(o_ptr, lse_ptr, mask_h, BLOCK_H, KV_LORA_RANK, WRITE_LSE)
+
+
+def merge_block_s(num_splits: int) -> int:
+    return max(16, pow2_ceil(num_splits))
+
+
+def launch_sparse_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                            indices: torch.Tensor, sparse_lens: torch.Tensor, out: torch.Tensor,
+                            workspace: SplitWorkspace | None, *, plan: SparsePlan,
+                            sm_scale: float, lse: torch.Tensor | None = None) -> None:
+    """Stage 1 and (for several splits) the merge, unchecked. Graph-safe: no device
+    reads, no allocation."""
+    kv_lora_rank = out.shape[2]
+    rope_dim = q.shape[2] - kv_lora_rank
+    one_split = plan.attention_splits == 1
+    if one_split:
+        part_o, part_lse, po_strides, pl_strides = out, out, (0, 0, 0), (0, 0)
+    else:
+        part_o, part_lse = workspace.partial_o, workspace.partial_lse
+        po_strides, pl_strides = part_o.stride()[:3], part_lse.stride()[:2]
+    lse_arg = out if lse is None else lse
+    lse_stride = 0 if lse is None else lse.stride(0)
+    grid = (plan.num_rows, plan.num_head_blocks, plan.attention_splits)
+    _sparse_attention_kernel[grid](
+        q, kv_cache, block_table, indices, sparse_lens, out, lse_arg, part_o, part_lse,
+        plan.attention_splits, plan.num_heads, sm_scale * LOG2E,
+        q.stride(0), q.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1),
+        block_table.stride(0), indices.stride(0),
+        out.stride(0), out.stride(1), lse_stride,
+        *po_strides, *pl_strides,
+        PAGE_SIZE=kv_cache.shape[1], KV_LORA_RANK=kv_lora_rank, ROPE_DIM=rope_dim,
+        BLOCK_H=plan.block_h, BLOCK_N=plan.attention_block_n, ONE_SPLIT=one_split,
+        WRITE_LSE=lse is not None,
+        DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
+        KV_FORMAT="v32" if is_v32(kv_cache) else "dense",
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
+    )
+    if not one_split:
+        _mla_decode_merge_kernel[(plan.num_rows, plan.num_heads,
+                                  triton.cdiv(kv_lora_rank, plan.merge_block_dv))](
+            part_o, part_lse, sparse_lens, out, lse_arg,
+            plan.attention_splits,
+            *po_strides, *pl_strides,
+            out.stride(0), out.stride(1), lse_stride,
+            BLOCK_N=plan.attention_block_n, BLOCK_S=merge_block_s(plan.attention_splits),
+            BLOCK_DV=plan.merge_block_dv, WRITE_LSE=lse is not None, num_warps=4,
+        )

@@ -1,0 +1,90 @@
+"""Indexer logits (DeepSeek-V3.2 lightning indexer, decode): a Triton split pass.
+
+For query row r (one query token) with live length ``len_r`` and every position t < len_r::
+
+    logits[r, t] = scale_t * sum_h w[r, h] * relu(q[r, h] . k_t)
+
+q [rows, 64, 128] bf16 / fp16 (fp32 for tests), w [rows, 64] float32 (the indexer's head
+weights, softmax scale folded in), k_t the stored e4m3 key of token t and scale_t its
+float32 scale (``graphbucket/sparse/index_cache.py``). The key is converted exactly to q's
+dtype and the scale applied after the head sum (relu(s x) = s relu(x) for s > 0), so the
+dot is a plain [64, 128] x [128, BLOCK_N] product on the tensor cores. (DeepSeek quantizes
+q to fp8 too and runs an fp8 dot; a bf16 q keeps q's precision and the same key bytes.)
+
+Grid (rows, splits): split s of row r takes the tiles of [0, len_r) that
+``graphbucket.kernels.mla_decode._split_range`` gives it, so any split count is correct
+for any live length and splits past the row's tiles exit at once. Only positions below the
+row's length are written; the rest of the row is left as it was (the top-k reads the
+length). Lengths are clamped to the logits buffer's width on the device.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from graphbucket.kernels.mla_decode import _split_range, _tile_pages
+from graphbucket.sparse.plan import SparsePlan
+
+
+@triton.jit
+def _indexer_logits_kernel(
+    Q, W, K, K_SCALE, BLOCK_TABLE, SEQ_LENS, LOGITS,
+    num_splits, num_heads, max_len,
+    stride_q_r, stride_q_h, stride_w_r,
+    stride_k_page, stride_k_tok, stride_s_page,
+    stride_bt_r, stride_l_r,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TILE_IN_PAGE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    seq_len = tl.minimum(tl.load(SEQ_LENS + row), max_len)
+    start, end = _split_range(seq_len, split, num_splits, BLOCK_N)
+    if start < end:
+        offs_h = tl.arange(0, BLOCK_H)
+        mask_h = offs_h < num_heads
+        offs_d = tl.arange(0, HEAD_DIM)
+        q = tl.load(Q + row * stride_q_r + offs_h[:, None] * stride_q_h + offs_d[None, :],
+                    mask=mask_h[:, None], other=0.0)
+        w = tl.load(W + row * stride_w_r + offs_h, mask=mask_h, other=0.0)
+        bt_row = BLOCK_TABLE + row * stride_bt_r
+        out_row = LOGITS + row.to(tl.int64) * stride_l_r
+        for tok0 in range(start, end, BLOCK_N):
+            pages = _tile_pages(bt_row, tok0, end, PAGE_SIZE, BLOCK_N, TILE_IN_PAGE)
+            offs_n = tok0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < end
+            slot = offs_n % PAGE_SIZE
+            k_row = pages * stride_k_page + slot * stride_k_tok  # [BLOCK_N] either way
+            k = tl.load(K + k_row[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+            scale = tl.load(K_SCALE + pages * stride_s_page + slot, mask=mask_n, other=0.0)
+            dots = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+            logit = tl.sum(tl.maximum(dots, 0.0) * w[:, None], 0) * scale
+            tl.store(out_row + offs_n, logit, mask=mask_n)
+
+
+def launch_indexer_logits(index_q: torch.Tensor, index_weights: torch.Tensor,
+                          index_cache: torch.Tensor, index_scales: torch.Tensor,
+                          block_table: torch.Tensor, seq_lens: torch.Tensor,
+                          logits: torch.Tensor, *, plan: SparsePlan) -> None:
+    """Writes ``logits[r, :seq_lens[r]]`` for the plan's rows (unchecked: see
+    ``graphbucket.sparse.decode.check_sparse_args``). Graph-safe: no device reads."""
+    page_size = index_cache.shape[1]
+    block_n = plan.indexer_block_n
+    _indexer_logits_kernel[(plan.num_rows, plan.indexer_splits)](
+        index_q, index_weights, index_cache, index_scales, block_table, seq_lens, logits,
+        plan.indexer_splits, plan.index_heads, logits.shape[1],
+        index_q.stride(0), index_q.stride(1), index_weights.stride(0),
+        index_cache.stride(0), index_cache.stride(1), index_scales.stride(0),
+        block_table.stride(0), logits.stride(0),
+        PAGE_SIZE=page_size, HEAD_DIM=index_q.shape[2],
+        BLOCK_H=triton.next_power_of_2(plan.index_heads), BLOCK_N=block_n,
+        TILE_IN_PAGE=page_size % block_n == 0,
+        DOT_PRECISION="ieee" if index_q.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=3,
+    )
