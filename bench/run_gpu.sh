@@ -2,8 +2,12 @@
 # GPU evidence in one call: GPU tests, kernel sweep, capture/dispatch bench, ladder tune,
 # TPOT per policy, and the demo's GPU path.
 # Usage (on a CUDA machine, from the repo root): OUT=/some/dir bash bench/run_gpu.sh [steps]
-# steps: any of tests gputests sweep fisweep capture tune tpot ragged demo tp fp8 mtp sparse
-#        tpotmtp tpotsparse (tpotmtp: TPOT of verify steps at q_len 1, 2, 4 on fewer contexts)
+# steps: any of tests gputests sweep fisweep capture tune tunefp8 tpot tpotfp8 tpotmtp
+#        ragged demo tp fp8 mtp sparse tpotsparse
+#        (tunefp8: 16-head ladders over fp8-tensor and fp8-v32 caches, copied into
+#        graphbucket/ladders/ like tune's; tpotfp8: TPOT of bf16, fp8-tensor and fp8-v32
+#        caches in one table, fixed-1 and the ladder, after tunefp8)
+#        (tpotmtp: TPOT of verify steps at q_len 1, 2, 4 on fewer contexts)
 #        (fisweep: the sweep with FlashInfer rows, wheels installed from .whl/ if present)
 #        (ragged: batches whose lengths differ, against the bytes they read)
 #        (tp needs 2 GPUs: TP=2 decode, numerics vs TP=1, TPOT ladder vs fixed-1)
@@ -54,6 +58,18 @@ for step in $steps; do
             # the TPOT step below should run with the ladder just tuned
             cp "$R/h200-h$h.json" "graphbucket/ladders/h200-h$h.json" 2>/dev/null
           done ;;
+    tunefp8) for fmt in fp8-tensor fp8-v32; do
+               timeout 200 python3 scripts/tune_ladder.py --heads 16 --batches 1 8 \
+                 --max-buckets 6 --max-model-len 131072 --kv-cache "$fmt" \
+                 --out "$R/h200-h16-$fmt.json" --report "$R/h200-ladder-tune-$fmt.json" \
+                 --plot "$R/h200-ladder-tune-$fmt.png" > "$R/tune-$fmt.log" 2>&1
+               tail -3 "$R/tune-$fmt.log"
+               cp "$R/h200-h16-$fmt.json" "graphbucket/ladders/h200-h16-$fmt.json" 2>/dev/null
+             done ;;
+    tpotfp8) timeout 420 python3 bench/tpot.py --layers "${TPOT_LAYERS:-4}" --out "$R" \
+               --kv-cache bf16 fp8-tensor fp8-v32 --policies fixed-1 ladder \
+               > "$R/tpot-fp8.log" 2>&1; tail -5 "$R/tpot-fp8.log"
+             python3 scripts/tpot_report.py --json "$R/h200-tpot-fp8.json" --force ;;
     tpot) timeout 240 python3 bench/tpot.py --layers "${TPOT_LAYERS:-4}" --out "$R" \
             > "$R/tpot.log" 2>&1; tail -5 "$R/tpot.log"
           python3 scripts/tpot_report.py --json "$R/h200-tpot.json" --force ;;

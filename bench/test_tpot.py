@@ -31,7 +31,7 @@ from bench.tpot import (
     sync,
     time_tpot,
 )
-from graphbucket.models import deepseek_v3_tp8, tiny
+from graphbucket.models import deepseek_v3_tp8, tiny, tiny_v32
 from graphbucket.policies import POLICIES
 
 ON_GPU = torch.cuda.is_available()
@@ -119,13 +119,19 @@ def bench_copy_gbps() -> float:
 
 
 @pytest.mark.skipif(ON_GPU, reason="CPU check of the fp8 plumbing; the GPU numbers come from "
-                    "bench/tpot.py --kv-cache fp8-tensor")
-def test_fp8_cache_bench_matches_its_reference():
-    b = TpotBench.build(tiny(), max_model_len=128, batches=[1], page_size=16,
+                    "bench/tpot.py --kv-cache fp8-tensor fp8-v32")
+@pytest.mark.parametrize("kv_cache", ["fp8-tensor", "fp8-v32"])
+def test_fp8_cache_bench_matches_its_reference(kv_cache):
+    config = tiny() if kv_cache == "fp8-tensor" else tiny_v32()
+    b = TpotBench.build(config, max_model_len=128, batches=[1], page_size=16,
                         dtype=torch.float16, device="cpu", backend_kwargs={"num_sms": 2},
-                        policies=("ladder",), kv_cache="fp8-tensor")
+                        policies=("ladder",), kv_cache=kv_cache)
     try:
-        assert b.model.kv_caches[0].dtype == torch.float8_e4m3fn
+        assert b.model.kv_caches[0].dtype == (torch.float8_e4m3fn if kv_cache == "fp8-tensor"
+                                              else torch.uint8)
+        # The breakdown's bytes: 576 (fp8-tensor) or 656 (fp8-v32) bytes per token and layer.
+        row = config.kv_dim if kv_cache == "fp8-tensor" else 656
+        assert b.kv_bytes(100, 1) == 100 * config.num_layers * row
         decode = b.batch(100, 1)
         lens = np.asarray(decode.seq_lens_cpu)
         want = b.model.forward_reference(
@@ -164,3 +170,20 @@ def test_verify_step_bench_matches_its_reference_and_rows_count_per_token():
     assert (row["step_ms"], row["tpot_ms"], row["floor_ms"], row["q_len"]) == (3.0, 1.5, 0.5, 2)
     one = tpot_row("ladder", 100, 1, step_ms=3.0, floor_ms=1.0, splits=4)
     assert one["tpot_ms"] == one["step_ms"] == 3.0  # q_len 1: the keys read as before
+
+
+def test_rows_name_their_format_and_files_both_options():
+    from bench.tpot import output_name, tpot_row
+
+    row = tpot_row("ladder", 100, 1, step_ms=3.0, floor_ms=1.0, splits=4, q_len=2,
+                   kv_cache="fp8-v32", kv_mb=1.23456)
+    assert (row["kv_cache"], row["kv_mb"], row["q_len"], row["tpot_ms"]) == \
+        ("fp8-v32", 1.2346, 2, 1.5)
+    assert tpot_row("ladder", 100, 1, step_ms=3.0, floor_ms=1.0, splits=4)["kv_cache"] == "bf16"
+    preset = "deepseek-v3-tp8"
+    assert output_name(preset, ["bf16"], [1]) == "h200-tpot.json"
+    assert output_name(preset, ["fp8-tensor"], [1]) == "h200-tpot-fp8-tensor.json"
+    assert output_name(preset, ["bf16", "fp8-tensor", "fp8-v32"], [1]) == "h200-tpot-fp8.json"
+    assert output_name(preset, ["bf16"], [1, 2, 4]) == "h200-tpot-mtp.json"
+    assert output_name(preset, ["bf16", "fp8-v32"], [1, 2]) == "h200-tpot-fp8-mtp.json"
+    assert output_name("tiny", ["bf16", "bf16"], [1, 1]) == "h200-tpot-tiny.json"

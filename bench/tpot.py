@@ -13,12 +13,24 @@ model's weights (~172 MB per layer) are several times the 60 MB L2, so each step
 them, and the context's KV, cold. ``floor_ms`` = bytes one step must read (weights, the
 context's KV rows, activations) / the device-to-device copy bandwidth of the same run.
 
+Cache formats (``--kv-cache``, ``graphbucket.fp8``): bf16, fp8-tensor (e4m3, one scale) and
+fp8-v32 (DeepSeek-V3.2's 656-byte rows); several in one run build one model per format
+in turn, and every row names its format (``kv_cache``) and the KV bytes its step reads
+(``kv_mb``), from which ``scripts/tpot_report.py`` breaks the fp8 rows down against bf16.
+
 Verify steps (``--q-len 1 2 4``: MTP / speculative decoding, q_len tokens per request;
 the runners capture every q_len): each row then has ``q_len``, ``step_ms`` (the step) and
 ``tpot_ms`` = step_ms / q_len (time per token, every draft accepted); at q_len 1 both are
 the step time. Contexts below q_len are skipped.
 
+The output is h200-tpot{-preset}{-formats}{-mtp}.json (``output_name``): ``-formats`` is
+absent for bf16 alone, the format's name for one fp8 format and ``-fp8`` for several;
+``-mtp`` follows when any q_len other than 1 runs. Both options together combine the
+suffixes (``--kv-cache bf16 fp8-tensor --q-len 1 2`` writes h200-tpot-fp8-mtp.json).
+
     python3 bench/tpot.py --layers 4 --out bench/results      # writes h200-tpot.json
+    python3 bench/tpot.py --kv-cache bf16 fp8-tensor fp8-v32 --policies fixed-1 ladder
+                                                              # writes h200-tpot-fp8.json
     python3 bench/tpot.py --layers 4 --q-len 1 2 4            # writes h200-tpot-mtp.json
 """
 
@@ -37,6 +49,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from graphbucket import fp8  # noqa: E402
 from graphbucket.backends import get_backend  # noqa: E402
 from graphbucket.batch import DecodeBatch  # noqa: E402
 from graphbucket.ladder import BucketLadder, default_ladder  # noqa: E402
@@ -60,6 +73,7 @@ PAGE_SIZE = 64
 LAYERS_ENV = "GRAPHBUCKET_TPOT_LAYERS"
 DEFAULT_LAYERS = 4
 BENCH_POLICIES = (*POLICIES, "default-ladder")
+FP8_TENSOR_AMAX = 8.0
 
 
 def default_layers() -> int:
@@ -85,11 +99,10 @@ class TpotBench:
               kv_cache: str = "bf16", q_lens: tuple[int, ...] = (1,)) -> TpotBench:
         pages = -(-max_model_len // page_size)
         # fp8-tensor: the prefill's N(0, 1) rows and the new rows fit amax 8 (graphbucket.fp8).
-        fp8_cache = {"kv_cache_dtype": torch.float8_e4m3fn, "kv_scale": 8.0 / 448} \
-            if kv_cache == "fp8-tensor" else {}
+        scale = {"kv_scale": FP8_TENSOR_AMAX / fp8.FP8_MAX} if kv_cache == "fp8-tensor" else {}
         model = MLADecoder(config, num_pages=max(batches) * pages, page_size=page_size,
                            dtype=dtype, device=device, seed=seed, projections=projections,
-                           **fp8_cache)
+                           kv_cache_format=fp8.check_format(kv_cache), **scale)
         rng = np.random.default_rng(seed)
         table = random_block_table(max(batches), pages, model.num_pages, rng)
         prefill_random(model, table, [max_model_len] * max(batches), seed=seed)
@@ -128,11 +141,16 @@ class TpotBench:
         Activations per layer and query token: the hidden state in and out, the MLA query
         and the attention output; split-KV partials are not counted (an algorithm's choice).
         """
-        cfg, elt = self.model.config, self.model.kv_caches[0].element_size()
+        cfg, elt = self.model.config, self.model.dtype.itemsize
         act = cfg.num_layers * (2 * cfg.hidden_size + cfg.num_heads * (cfg.kv_dim
                                                                        + cfg.kv_lora_rank))
-        return (self.model.weight_bytes() + batch * context * self.model.kv_row_bytes()
+        return (self.model.weight_bytes() + self.kv_bytes(context, batch)
                 + batch * q_len * act * elt)
+
+    def kv_bytes(self, context: int, batch: int) -> int:
+        """The context's cache rows over every layer, in the cache's format (a verify step
+        reads them once per request, whatever its q_len)."""
+        return batch * context * self.model.kv_row_bytes()
 
     def close(self) -> None:
         for runner in self.runners.values():
@@ -169,12 +187,30 @@ def time_tpot(step: Callable[[], object], *, reps: int = 5, min_ms: float = 30.0
 
 
 def tpot_row(policy: str, context: int, batch: int, *, step_ms: float, floor_ms: float,
-             splits: int, q_len: int = 1) -> dict:
+             splits: int, q_len: int = 1, kv_cache: str = "bf16",
+             kv_mb: float | None = None) -> dict:
     """One result row: ``tpot_ms`` is the time per token (step_ms / q_len); ``floor_ms``
-    the step's floor (per token likewise)."""
-    return {"policy": policy, "context": context, "batch": batch, "q_len": q_len,
-            "tpot_ms": round(step_ms / q_len, 4), "step_ms": round(step_ms, 4),
-            "floor_ms": round(floor_ms / q_len, 4), "splits": splits}
+    the step's floor (per token likewise); ``kv_cache`` the cache format and ``kv_mb`` the
+    context's KV megabytes the step reads (per step, not per token)."""
+    row = {"policy": policy, "context": context, "batch": batch, "q_len": q_len,
+           "tpot_ms": round(step_ms / q_len, 4), "step_ms": round(step_ms, 4),
+           "floor_ms": round(floor_ms / q_len, 4), "splits": splits, "kv_cache": kv_cache}
+    if kv_mb is not None:
+        row["kv_mb"] = round(kv_mb, 4)
+    return row
+
+
+def output_name(preset: str, formats: list[str], q_lens: list[int]) -> str:
+    """The result file: h200-tpot.json for bf16 at q_len 1 on the default preset;
+    ``-{preset}`` for another preset, then ``-{format}`` for one fp8 format or ``-fp8``
+    for several, then ``-mtp`` when a q_len other than 1 runs (both: h200-tpot-fp8-mtp.json).
+    """
+    formats, q_lens = list(dict.fromkeys(formats)), list(dict.fromkeys(q_lens))
+    suffix = "" if preset == "deepseek-v3-tp8" else f"-{preset}"
+    if formats != ["bf16"]:
+        suffix += f"-{formats[0]}" if len(formats) == 1 else "-fp8"
+    suffix += "" if q_lens == [1] else "-mtp"
+    return f"h200-tpot{suffix}.json"
 
 
 def measure_row(bench: TpotBench, policy: str, context: int, batch: int,
@@ -184,7 +220,9 @@ def measure_row(bench: TpotBench, policy: str, context: int, batch: int,
     step_ms = time_tpot(lambda: runner.step(decode))
     floor_ms = bench.floor_bytes(context, batch, q_len) / (copy_gbps * 1e6)
     return tpot_row(policy, context, batch, step_ms=step_ms, floor_ms=floor_ms,
-                    splits=plan.num_kv_splits, q_len=q_len)
+                    splits=plan.num_kv_splits, q_len=q_len,
+                    kv_cache=bench.model.kv_cache_format,
+                    kv_mb=bench.kv_bytes(context, batch) / 1e6)
 
 
 def run(bench: TpotBench, *, policies, contexts, batches, copy_gbps: float,
@@ -195,10 +233,20 @@ def run(bench: TpotBench, *, policies, contexts, batches, copy_gbps: float,
         for policy in policies:
             rows.append(measure_row(bench, policy, context, batch, copy_gbps, q_len))
             r = rows[-1]
-            print(f"[{len(rows)}/{total}] q_len={q_len} bs={batch} ctx={context} "
-                  f"{policy:<9} {r['step_ms']:.3f} ms/step {r['tpot_ms']:.3f} ms/token "
-                  f"(floor {r['floor_ms']:.3f}, splits {r['splits']})", flush=True)
+            print(f"[{len(rows)}/{total}] {r['kv_cache']} q_len={q_len} bs={batch} "
+                  f"ctx={context} {policy:<9} {r['step_ms']:.3f} ms/step "
+                  f"{r['tpot_ms']:.3f} ms/token (floor {r['floor_ms']:.3f}, splits "
+                  f"{r['splits']})", flush=True)
     return rows
+
+
+def ladder_source(ladder: BucketLadder) -> str:
+    """Which ladder the ladder policy captured: tuned for which cache format, or default."""
+    if "kv_cache_fallback" in ladder.meta:
+        return f"tuned for bf16 (no {ladder.meta['kv_cache_fallback']} ladder ships)"
+    if ladder.meta.get("source") == "graphbucket.tuning":
+        return f"tuned for {ladder.meta.get('kv_cache', 'bf16')}"
+    return "default"
 
 
 def meta_for(bench: TpotBench, args, copy_gbps: float) -> dict:
@@ -208,11 +256,13 @@ def meta_for(bench: TpotBench, args, copy_gbps: float) -> dict:
     captures = {p: r.capture().describe() for p, r in bench.runners.items() if not r.is_eager}
     return {**run_meta(), "model": cfg.name, "layers": cfg.num_layers,
             "copy_gbps": round(copy_gbps, 1), "dtype": "bfloat16", "page_size": PAGE_SIZE,
-            "kv_cache": str(bench.model.kv_cache_dtype).replace("torch.", ""),
+            "kv_cache": bench.model.kv_cache_format,
+            "kv_row_bytes": bench.model.kv_row_bytes(),
             "max_model_len": bench.max_model_len,
             "weights_mb": round(bench.model.weight_bytes() / 1e6, 1),
             "projections": bench.model.projections,
             "ladder": ladder.ladder.to_dict()["buckets"] if ladder else None,
+            "ladder_source": ladder_source(ladder.ladder) if ladder else None,
             "captures": captures,
             "q_lens": list(next(iter(bench.runners.values())).q_lens),
             "timing": "CUDA events over back-to-back runner.step calls, median of 5 runs; "
@@ -228,13 +278,15 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=BATCHES)
     ap.add_argument("--policies", nargs="+", default=list(BENCH_POLICIES),
                     choices=BENCH_POLICIES)
-    ap.add_argument("--kv-cache", default="bf16", choices=("bf16", "fp8-tensor"),
-                    help="latent cache format (fp8-tensor: e4m3 with one scale)")
+    ap.add_argument("--kv-cache", nargs="+", default=["bf16"], choices=fp8.KV_CACHE_FORMATS,
+                    help="latent cache formats, one model each (fp8-tensor: e4m3 with one "
+                         "scale; fp8-v32: DeepSeek-V3.2's 656-byte rows)")
     ap.add_argument("--projections", default="auto", choices=PROJECTIONS,
                     help="skinny Triton products (auto on CUDA) or torch's GEMM/BMM")
     ap.add_argument("--q-len", type=int, nargs="+", default=[1], dest="q_lens",
                     help="query tokens per request (verify steps), e.g. 1 2 4; other than "
-                         "1 alone writes h200-tpot-mtp.json")
+                         "1 alone writes h200-tpot-mtp.json (h200-tpot-fp8-mtp.json with "
+                         "several cache formats)")
     args = ap.parse_args()
     if any(q < 1 for q in args.q_lens):
         ap.error(f"--q-len takes positive ints, got {args.q_lens}")
@@ -245,21 +297,29 @@ def main() -> None:
 
     gbps = copy_gbps()
     print(f"copy bandwidth {gbps:.0f} GB/s", flush=True)
-    bench = TpotBench.build(PRESETS[args.preset](num_layers=args.layers),
-                            batches=args.batches, policies=tuple(args.policies),
-                            projections=args.projections, kv_cache=args.kv_cache,
-                            q_lens=tuple(args.q_lens))
-    rows = run(bench, policies=args.policies, contexts=args.contexts, batches=args.batches,
-               copy_gbps=gbps, q_lens=args.q_lens)
+    formats = list(dict.fromkeys(args.kv_cache))
+    q_lens = list(dict.fromkeys(args.q_lens))
+    rows, metas = [], []
+    for kv_cache in formats:  # one model at a time: each holds max batch x 128K tokens
+        bench = TpotBench.build(PRESETS[args.preset](num_layers=args.layers),
+                                batches=args.batches, policies=tuple(args.policies),
+                                projections=args.projections, kv_cache=kv_cache,
+                                q_lens=tuple(q_lens))
+        rows += run(bench, policies=args.policies, contexts=args.contexts,
+                    batches=args.batches, copy_gbps=gbps, q_lens=q_lens)
+        metas.append(meta_for(bench, args, gbps))
+        bench.close()
+        del bench
+        torch.cuda.empty_cache()
+    meta = {**metas[0], "kv_caches": formats,
+            "per_format": {m["kv_cache"]: {k: m[k] for k in ("ladder", "ladder_source",
+                                                            "captures", "kv_row_bytes")}
+                           for m in metas}}
     os.makedirs(args.out, exist_ok=True)
-    suffix = "" if args.preset == "deepseek-v3-tp8" else f"-{args.preset}"
-    suffix += "" if args.kv_cache == "bf16" else f"-{args.kv_cache}"
-    suffix += "" if args.q_lens == [1] else "-mtp"
-    path = os.path.join(args.out, f"h200-tpot{suffix}.json")
+    path = os.path.join(args.out, output_name(args.preset, formats, q_lens))
     with open(path, "w") as f:
-        json.dump({"meta": meta_for(bench, args, gbps), "rows": rows}, f, indent=1)
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
     print(f"wrote {path}")
-    bench.close()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,11 @@
 """fp8 latent caches: the scale rules, quantize / dequantize and pack / unpack (torch ops).
 
 Two formats. Per-tensor (``quantize`` / ``dequantize``) and DeepSeek-V3.2's per-token
-groups (``pack_v32`` / ``unpack_v32``).
+groups (``pack_v32`` / ``unpack_v32``). By name (``KV_CACHE_FORMATS``, what the model, the
+buffer spec, the benchmarks and the tuner take): "bf16" (unquantized, the model's dtype),
+"fp8-tensor" and "fp8-v32"; ``cache_row`` / ``row_bytes`` give a format's row,
+``check_cache`` checks a cache and scale against it, ``as_stored`` / ``dequantize_cache``
+are what the float reference stores and reads.
 
 Per-tensor format ("fp8-tensor"): every 576-wide cache row (latent then rope) in ``float8_e4m3fn``,
 576 bytes per token, and one float32 scale for the whole cache, on the device:
@@ -103,3 +107,105 @@ def unpack_v32(packed: torch.Tensor) -> torch.Tensor:
     rope = packed[..., V32_ROPE_OFFSET:].contiguous().view(torch.bfloat16)
     latent = stored.double().reshape(*lead, V32_GROUPS, V32_GROUP) * scales.double()[..., None]
     return torch.cat([latent.reshape(*lead, V32_LATENT), rope.double()], -1)
+
+
+# ---- cache formats by name ------------------------------------------------------------------
+
+# "bf16": unquantized rows in the model's dtype (bf16 in every benchmark; the CPU tests'
+# fp16 / fp32 models keep theirs); "fp8-tensor" and "fp8-v32": the module docstring.
+KV_CACHE_FORMATS = ("bf16", "fp8-tensor", "fp8-v32")
+
+
+def check_format(kv_cache_format: str) -> str:
+    """``kv_cache_format`` if it names a format (``KV_CACHE_FORMATS``), else ValueError."""
+    if kv_cache_format not in KV_CACHE_FORMATS:
+        raise ValueError(f"kv_cache_format must be one of {KV_CACHE_FORMATS}, got "
+                         f"{kv_cache_format!r}")
+    return kv_cache_format
+
+
+def cache_row(kv_cache_format: str, kv_dim: int, dtype: torch.dtype
+              ) -> tuple[int, torch.dtype]:
+    """(row width, element dtype) of a cache of this format for ``kv_dim``-wide rows of a
+    ``dtype`` model: (kv_dim, dtype), (kv_dim, e4m3) or (656, uint8)."""
+    check_format(kv_cache_format)
+    if kv_cache_format == "bf16":
+        return kv_dim, dtype
+    if kv_cache_format == "fp8-tensor":
+        return kv_dim, FP8_DTYPE
+    if kv_dim != V32_LATENT + V32_ROPE:
+        raise ValueError(f"the fp8-v32 format holds {V32_LATENT} latent and {V32_ROPE} rope "
+                         f"values per token (kv_dim {V32_LATENT + V32_ROPE}), got kv_dim "
+                         f"{kv_dim}; use fp8-tensor for other shapes")
+    return V32_BYTES, torch.uint8
+
+
+def row_bytes(kv_cache_format: str, kv_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one token's row in one layer's cache (bf16 576-wide: 1152, 576, 656)."""
+    width, elt = cache_row(kv_cache_format, kv_dim, dtype)
+    return width * elt.itemsize
+
+
+def format_of(kv_cache: torch.Tensor) -> str:
+    """The format a cache's dtype means to the kernels: uint8 -> fp8-v32, e4m3 ->
+    fp8-tensor, anything else unquantized ("bf16")."""
+    if kv_cache.dtype == torch.uint8:
+        return "fp8-v32"
+    return "fp8-tensor" if kv_cache.dtype == FP8_DTYPE else "bf16"
+
+
+UNQUANTIZED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def check_cache(kv_cache: torch.Tensor, kv_cache_format: str, kv_scale: torch.Tensor | None,
+                *, kv_dim: int) -> None:
+    """A cache [num_pages, page_size, width] and scale that hold ``kv_cache_format`` rows
+    ``kv_dim`` values wide (host metadata only, no sync), else ValueError naming the
+    received and expected values. "bf16" is any unquantized float cache (bf16, fp16,
+    fp32); fp8-tensor takes a float32 [1] ``kv_scale`` on the cache's device; the other
+    formats take none."""
+    width, elt = cache_row(kv_cache_format, kv_dim, kv_cache.dtype)
+    if kv_cache_format == "bf16" and elt not in UNQUANTIZED_DTYPES:
+        elt = torch.bfloat16  # an fp8 / uint8 cache declared unquantized: name the usual one
+    if kv_cache.dim() != 3 or kv_cache.dtype != elt or kv_cache.shape[2] != width:
+        raise ValueError(f"the {kv_cache_format} format needs a {elt} cache [num_pages, "
+                         f"page_size, {width}], got {kv_cache.dtype} {tuple(kv_cache.shape)}. "
+                         "Allocate it for the "
+                         f"declared format (graphbucket.fp8.cache_row) or declare the format "
+                         f"it holds ({format_of(kv_cache)})")
+    if kv_cache_format != "fp8-tensor":
+        if kv_scale is not None:
+            raise ValueError(f"kv_scale: got a tensor, expected None for a {kv_cache_format} "
+                             "cache (only fp8-tensor takes a per-tensor scale)")
+        return
+    if not isinstance(kv_scale, torch.Tensor) or kv_scale.dtype != torch.float32 \
+            or tuple(kv_scale.shape) != (1,) or kv_scale.device != kv_cache.device:
+        got = None if not isinstance(kv_scale, torch.Tensor) else \
+            f"{kv_scale.dtype} {tuple(kv_scale.shape)} on {kv_scale.device}"
+        raise ValueError(f"kv_scale: got {got}, expected float32 [1] on {kv_cache.device}. "
+                         "An fp8-tensor cache needs its scale (value = stored x kv_scale, "
+                         "e.g. graphbucket.fp8.scale_for(amax))")
+
+
+def as_stored(rows: torch.Tensor, kv_cache_format: str, kv_scale: torch.Tensor | None = None,
+              dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Rows [..., kv_dim] as a cache of this format gives them back: quantized and
+    dequantized (fp8), else unchanged; in ``dtype`` (the float reference's store)."""
+    check_format(kv_cache_format)
+    if kv_cache_format == "fp8-tensor":
+        return dequantize(quantize(rows, kv_scale.to(rows.device)), kv_scale, dtype)
+    if kv_cache_format == "fp8-v32":
+        return unpack_v32(pack_v32(rows.float())).to(dtype)
+    return rows.to(dtype)
+
+
+def dequantize_cache(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None = None,
+                     dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """A whole cache of any format as values [num_pages, page_size, kv_dim] in ``dtype``
+    (a copy; the format from the cache's dtype, ``format_of``)."""
+    kind = format_of(kv_cache)
+    if kind == "fp8-v32":
+        return unpack_v32(kv_cache).to(dtype)
+    if kind == "fp8-tensor":
+        return dequantize(kv_cache, kv_scale, dtype)
+    return kv_cache.to(dtype, copy=True)

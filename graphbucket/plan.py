@@ -40,6 +40,15 @@ Where the constants come from (H200 measurements, bench/NOTES.md):
   one plan, so ladders alias more graphs.
 The ladder tuner measures these choices on the GPU at hand and may replace them.
 
+fp8 caches (``graphbucket.fp8``) run the same plans. Plans count tokens; the launcher picks
+the tile for the cache format (``kernels.launch.tile_tokens``: fp8-v32 rows stream half the
+plan's tokens per tile, fp8-tensor the plan's, or half with 64 query rows), and the split
+formula uses that tile, so a split still covers the planned tokens. Each stream keeps its
+programs per SM in those tiles (sm_90 compile, bench/NOTES.md 2026-11-30 21:00), so the
+split budget holds. What the smaller rows (0.50x / 0.57x of bf16's bytes) move is the best
+split count per context, which is a hint choice: ``scripts/tune_ladder.py --kv-cache``
+tunes a ladder per format and the ``ladder`` policy looks it up by the format.
+
 ``plan_balanced_mla_decode`` plans the other topology, balanced split-KV: a fixed grid of
 persistent programs takes equal chunks of the batch's total tiles, partitioned on the
 device from the live lengths (``graphbucket/kernels/balanced.py``). ``plan_mla_decode``

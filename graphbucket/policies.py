@@ -24,10 +24,12 @@ POLICIES: tuple[str, ...] = get_args(Policy)
 
 
 def device_ladder(spec: BufferSpec, max_model_len: int) -> BucketLadder:
-    """The ladder tuned for this GPU and head count when one ships, else the default."""
+    """The ladder tuned for this GPU, head count and cache format when one ships (an fp8
+    format without one: the bf16 ladder, ``find_tuned_ladder``), else the default."""
     if spec.device.type == "cuda" and torch.cuda.is_available():
         name = torch.cuda.get_device_name(spec.device)
-        tuned = find_tuned_ladder(name, spec.num_heads, max_model_len)
+        tuned = find_tuned_ladder(name, spec.num_heads, max_model_len,
+                                  kv_cache_format=spec.kv_cache_format)
         if tuned is not None:
             return tuned
     return default_ladder(max_model_len)

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from graphbucket.fp8 import check_format
+
 
 @dataclass(frozen=True, slots=True)
 class InputSpec:
@@ -27,6 +29,8 @@ class BufferSpec:
 
     ``num_pages`` is the KV cache's page count (block-table entries must lie in
     [0, num_pages)); ``output_shape``/``output_dtype`` describe one request's output row.
+    ``kv_cache_format`` names the latent cache's format (``graphbucket.fp8``: "bf16",
+    "fp8-tensor" or "fp8-v32"); the ``ladder`` policy looks its tuned ladder up by it.
     """
 
     max_pages_per_seq: int
@@ -37,8 +41,10 @@ class BufferSpec:
     output_dtype: torch.dtype
     inputs: tuple[InputSpec, ...] = ()
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    kv_cache_format: str = "bf16"
 
     def __post_init__(self) -> None:
+        check_format(self.kv_cache_format)
         object.__setattr__(self, "device", _concrete(torch.device(self.device)))
         object.__setattr__(self, "output_shape", tuple(self.output_shape))
         object.__setattr__(self, "inputs", tuple(self.inputs))

@@ -11,6 +11,17 @@ scales), each policy's TPOT over the ladder's (linear, the ladder is the 1.0 lin
 ladder's speedup over ``fixed-1``. The table needs only the standard library; the figure
 needs matplotlib (``python3 -m pip install matplotlib``).
 
+A run over several cache formats (``bench/tpot.py --kv-cache bf16 fp8-tensor fp8-v32``)
+gets the tables and targets once per format, then the fp8 breakdown: per batch and context,
+the ladder's TPOT with each fp8 cache against bf16, the attention (KV) bytes one step no
+longer reads, and what those bytes take at the run's copy bandwidth; the target is a TPOT
+difference at least that large at 100K, batch 1. The figure shows the first format (bf16
+when present). Files without ``kv_cache`` in their rows are one format (the meta's).
+
+Verify-step runs (``bench/tpot.py --q-len 1 2 4``) are rendered one q_len at a time
+(``--q-len``, default 1; other values write ``<json stem>-q<N>.md``); a run with several
+formats and q_lens gets the per-format sections and the fp8 breakdown for that q_len.
+
 Outputs default to the JSON's name with ``.md`` / ``.png``; an existing file is only
 replaced with ``--force``:
 
@@ -46,6 +57,12 @@ POLICY_TEXT = {
     "ladder": "one graph per batch size and bucket of the ladder tuned for this GPU "
               "(the runner's default; the default ladder where none is shipped)",
 }
+
+# Older files name the cache by its dtype in meta["kv_cache"].
+FORMAT_OF_DTYPE = {"bfloat16": "bf16", "float16": "bf16", "float32": "bf16",
+                   "float8_e4m3fn": "fp8-tensor", "uint8": "fp8-v32"}
+# The fp8 rows' targets: the ladder at least this many times faster than fixed-1 at 100K.
+FP8_LADDER_SPEEDUP = 30.0
 
 # Two runs of the same captured plan differ by up to ~1 % (same-plan rows of the H200 runs).
 NOISE = 0.01
@@ -89,6 +106,33 @@ def bucket_label(ladder: list[dict] | None, context: int, splits: int | None,
                     f"(hint {fmt_context(bucket.hint_for(batch))}{tail})")
         lower = b["max_len"]
     return "above the ladder"
+
+
+def row_format(row: dict, meta: dict) -> str:
+    """The cache format of a row: its ``kv_cache``, else the file's (older files: bf16 or
+    the meta's dtype)."""
+    if "kv_cache" in row:
+        return row["kv_cache"]
+    fmt = meta.get("kv_cache") or "bf16"
+    return FORMAT_OF_DTYPE.get(fmt, fmt)
+
+
+def rows_by_format(data: dict) -> dict[str, list[dict]]:
+    """format -> its rows, in the order bf16, fp8-tensor, fp8-v32 (others after them)."""
+    out: dict[str, list[dict]] = {}
+    for r in data["rows"]:
+        out.setdefault(row_format(r, data["meta"]), []).append(r)
+    order = ("bf16", "fp8-tensor", "fp8-v32")
+    return dict(sorted(out.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order
+                       else len(order)))
+
+
+def ladder_of(meta: dict, fmt: str) -> list[dict] | None:
+    """The ladder buckets the format's ladder policy captured (None: no bucket column)."""
+    ladder = meta.get("per_format", {}).get(fmt, {}).get("ladder", meta.get("ladder"))
+    if not (isinstance(ladder, list) and all(isinstance(b, dict) for b in ladder)):
+        return None  # another script's layout
+    return ladder
 
 
 def table(rows: list[dict]) -> dict[int, dict[int, dict[str, dict]]]:
@@ -247,29 +291,9 @@ def check_tuned(by_batch: dict[int, dict[int, dict[str, dict]]]) -> list[str]:
     return [f"- {line}" for line in out]
 
 
-def render_markdown(data: dict, png_link: str | None = None) -> str:
-    """The report; ``png_link`` (a path relative to the markdown) adds the figure."""
-    meta, by_batch = data["meta"], table(data["rows"])
-    policies = [p for p in POLICIES if any(r["policy"] == p for r in data["rows"])]
-    has_floor = any("floor_ms" in r for r in data["rows"])
-    lines = [f"# TPOT per policy: {meta.get('model')}, {meta.get('layers')} layers "
-             f"({meta.get('gpu')})", "",
-             f"{meta.get('date')}, torch {meta.get('torch')}, triton {meta.get('triton')}, "
-             f"copy bandwidth {meta.get('copy_gbps')} GB/s (read + write). "
-             f"Command: `{meta.get('command')}`", "",
-             "TPOT: one full decode step (graph replay, or the eager forward), milliseconds. "
-             "Context counts the decoded token.", "",
-             *(f"- {p}: {POLICY_TEXT[p]}" for p in policies),
-             *([f"- {floor_text(meta)}"] if has_floor else []), ""]
-    if png_link:
-        lines += [f"![TPOT per policy, ratios to the ladder, speedup over fixed-1]({png_link})",
-                  "", "Figure: top, TPOT per policy (log scales); middle, each policy's TPOT "
-                  "over the ladder's (the ladder is the 1.0 line; the grey band, "
-                  f"{100 * NOISE:.0f} % either side, is the spread between two runs of one "
-                  "plan); bottom, the ladder's speedup over fixed-1.", ""]
-    ladder = meta.get("ladder")
-    if not (isinstance(ladder, list) and all(isinstance(b, dict) for b in ladder)):
-        ladder = None  # another script's layout: no bucket column
+def format_sections(rows: list[dict], ladder: list[dict] | None) -> list[str]:
+    """One format's tables per batch, its batch-1 targets and the tuned-ladder check."""
+    by_batch, lines = table(rows), []
     for batch in sorted(by_batch):
         lines += markdown_batch(batch, by_batch[batch], ladder)
     if 1 in by_batch:
@@ -278,6 +302,94 @@ def render_markdown(data: dict, png_link: str | None = None) -> str:
     if tuned:
         lines += ["### tuned ladder against the default ladder (every batch size)", "",
                   *tuned, ""]
+    return lines
+
+
+def fp8_breakdown(by_format: dict[str, list[dict]], meta: dict) -> list[str]:
+    """Each fp8 format's ladder TPOT against bf16's, with the attention bytes saved."""
+    if "bf16" not in by_format or len(by_format) < 2:
+        return []
+    gbps, base = meta.get("copy_gbps"), table(by_format["bf16"])
+    lines = ["## fp8 caches against bf16 (ladder policy)", "",
+             "Attention bytes saved: the KV rows one step reads (every layer, batch x context "
+             "tokens) with a bf16 cache minus with the fp8 one. Predicted: those bytes at "
+             f"the run's copy bandwidth ({gbps} GB/s, as the floor), per token for verify "
+             "steps (/ q_len, as TPOT). Measured / predicted above 1: the step saved more "
+             "than the bytes alone explain.", "",
+             "| format | batch | context | bf16 ms | fp8 ms | TPOT saved ms | KV MB bf16 -> "
+             "fp8 | attention MB saved | predicted ms | measured / predicted |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    targets = []
+    for fmt, rows in by_format.items():
+        if fmt == "bf16":
+            continue
+        by_batch = table(rows)
+        for batch in sorted(by_batch):
+            for context in sorted(by_batch[batch]):
+                a = base.get(batch, {}).get(context, {}).get("ladder")
+                b = by_batch[batch][context].get("ladder")
+                if not (a and b):
+                    continue
+                saved = a["tpot_ms"] - b["tpot_ms"]
+                mb = (a["kv_mb"] - b["kv_mb"]) if "kv_mb" in a and "kv_mb" in b else None
+                # Per token, as tpot_ms: a verify step reads the rows once for q_len tokens.
+                pred = mb / gbps / b.get("q_len", 1) if mb is not None and gbps else None
+                lines.append(
+                    f"| {fmt} | {batch} | {fmt_context(context)} | {a['tpot_ms']:.3f} | "
+                    f"{b['tpot_ms']:.3f} | {saved:+.3f} | "
+                    + (f"{a['kv_mb']:.1f} -> {b['kv_mb']:.1f} | {mb:.1f}" if mb is not None
+                       else "- | -")
+                    + (f" | {pred:.3f} | {saved / pred:.2f}" if pred else " | - | -") + " |")
+                if batch == 1 and context == 100_000 and pred:
+                    targets.append(
+                        f"{'PASS' if saved >= pred else 'FAIL'}: {fmt} ladder {saved:.3f} ms "
+                        f"below bf16 at 100K ({b['tpot_ms']:.3f} against {a['tpot_ms']:.3f} "
+                        f"ms); the {mb:.1f} MB of attention bytes saved take {pred:.3f} ms "
+                        "(target: at least that)")
+        fixed = by_batch.get(1, {}).get(100_000, {}).get("fixed-1")
+        lad = by_batch.get(1, {}).get(100_000, {}).get("ladder")
+        if fixed and lad:
+            x = fixed["tpot_ms"] / lad["tpot_ms"]
+            targets.append(f"{'PASS' if x >= FP8_LADDER_SPEEDUP else 'FAIL'}: {fmt} ladder "
+                           f"{x:.2f}x faster than fixed-1 at 100K (target >= "
+                           f"{FP8_LADDER_SPEEDUP:g}x)")
+    lines.append("")
+    if targets:
+        lines += ["### fp8 targets (batch 1)", "", *(f"- {t}" for t in targets), ""]
+    return lines
+
+
+def render_markdown(data: dict, png_link: str | None = None) -> str:
+    """The report; ``png_link`` (a path relative to the markdown) adds the figure."""
+    meta, by_format = data["meta"], rows_by_format(data)
+    policies = [p for p in POLICIES if any(r["policy"] == p for r in data["rows"])]
+    has_floor = any("floor_ms" in r for r in data["rows"])
+    lines = [f"# TPOT per policy: {meta.get('model')}, {meta.get('layers')} layers "
+             f"({meta.get('gpu')})", "",
+             f"{meta.get('date')}, torch {meta.get('torch')}, triton {meta.get('triton')}, "
+             f"copy bandwidth {meta.get('copy_gbps')} GB/s (read + write). "
+             f"Command: `{meta.get('command')}`", "",
+             "TPOT: one full decode step (graph replay, or the eager forward), milliseconds. "
+             "Context counts the decoded token."
+             + ("" if list(by_format) == ["bf16"] else
+                f" Latent cache formats: {', '.join(by_format)} (graphbucket.fp8)."), "",
+             *(f"- {p}: {POLICY_TEXT[p]}" for p in policies),
+             *([f"- {floor_text(meta)}"] if has_floor else []), ""]
+    if png_link:
+        lines += [f"![TPOT per policy, ratios to the ladder, speedup over fixed-1]({png_link})",
+                  "", "Figure: top, TPOT per policy (log scales); middle, each policy's TPOT "
+                  "over the ladder's (the ladder is the 1.0 line; the grey band, "
+                  f"{100 * NOISE:.0f} % either side, is the spread between two runs of one "
+                  "plan); bottom, the ladder's speedup over fixed-1.", ""]
+    if len(by_format) == 1:
+        fmt, rows = next(iter(by_format.items()))
+        lines += format_sections(rows, ladder_of(meta, fmt))
+        return "\n".join(lines)
+    for fmt, rows in by_format.items():
+        source = meta.get("per_format", {}).get(fmt, {}).get("ladder_source")
+        lines += [f"## {fmt} cache" + (f" (ladder: {source})" if source else ""), "",
+                  *format_sections(rows, ladder_of(meta, fmt))]
+    lines += fp8_breakdown(by_format, meta)
     return "\n".join(lines)
 
 
@@ -313,7 +425,9 @@ def _plot_kw(policy: str, **extra) -> dict:
 def render_png(data: dict, path: Path, plt) -> None:
     from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
-    meta, by_batch = data["meta"], table(data["rows"])
+    meta = data["meta"]
+    fmt, rows = next(iter(rows_by_format(data).items()))  # bf16 when present
+    by_batch = table(rows)
     batches = sorted(by_batch)
     fig, axes = plt.subplots(3, len(batches), figsize=(6.8 * len(batches) + 0.6, 13.5),
                              squeeze=False, sharex="col",
@@ -409,7 +523,7 @@ def render_png(data: dict, path: Path, plt) -> None:
             labels.setdefault(lab, lab)
     order = [p for p in POLICIES if p in handles] + [k for k in handles if k not in POLICIES]
     fig.suptitle(f"TPOT per policy: {meta.get('model')}, {meta.get('layers')} layers, "
-                 f"{meta.get('gpu')} ({meta.get('date')})", fontsize=14, y=0.995)
+                 f"{fmt} cache, {meta.get('gpu')} ({meta.get('date')})", fontsize=14, y=0.995)
     fig.legend([handles[k] for k in order], order, loc="upper center", ncol=4,
                bbox_to_anchor=(0.5, 0.975), frameon=False, fontsize=10)
     policies = [p for p in POLICIES if p in handles]

@@ -10,6 +10,9 @@ ladder (BucketLadder.load reads it), a report with the raw timing table, and a p
         --report bench/results/h200-ladder-tune.json --plot bench/results/h200-ladder-tune.png
 
 ``--from-times REPORT`` re-chooses from a saved report's timing table, without a GPU.
+``--kv-cache fp8-tensor|fp8-v32`` times the kernel over a cache in that format (fewer bytes
+per token move the best split count per context); the shipped name of such a ladder is
+``graphbucket/ladders/h200-h16-fp8-v32.json`` (``graphbucket.tuning.shipped``).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from graphbucket.tuning.choose import (  # noqa: E402
     times_from_rows,
     times_to_rows,
 )
+from graphbucket.tuning.shipped import KV_CACHE_FORMATS  # noqa: E402
 
 CONTEXTS = [1, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 102400, 131072]
 
@@ -80,6 +84,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="ragged batches (longest x live / total tokens at least this) in "
                          f"buckets above {BALANCED_ABOVE} tokens replay a balanced graph; 0: "
                          "never (default: %(default)s, from bench/results/h200-ragged.md)")
+    ap.add_argument("--kv-cache", choices=KV_CACHE_FORMATS, default=None,
+                    help="latent cache format to time (default: bf16; with --from-times, "
+                         "the report's)")
     ap.add_argument("--quiet", action="store_true", help="no progress line per measurement")
     args = ap.parse_args(argv)
     report = "a report JSON this script wrote with --report (e.g. " \
@@ -118,14 +125,18 @@ def measure(args: argparse.Namespace) -> tuple[dict, dict]:
         sys.exit("measuring needs a CUDA GPU; without one pass --from-times REPORT")
     heads, batches = args.heads or 16, sorted(args.batches or [1, 8])
     contexts = sorted(args.contexts or [c for c in CONTEXTS if c <= args.max_model_len])
-    meta = {**run_meta(), "num_heads": heads, "batches": batches, "contexts": contexts}
+    kv_cache = args.kv_cache or "bf16"
+    meta = {**run_meta(), "num_heads": heads, "batches": batches, "contexts": contexts,
+            "kv_cache": kv_cache}
     splits_for = plan_splits(heads, num_sms=meta["num_sms"])
     hints = hints_to_measure(contexts, args.max_model_len,
                              ladders=[default_ladder(args.max_model_len)])
     per_batch = splits_to_measure(batches, splits_for, hints)
-    print(f"{meta['gpu']} ({meta['num_sms']} SMs), {heads} heads: {len(contexts)} contexts, "
+    print(f"{meta['gpu']} ({meta['num_sms']} SMs), {heads} heads, {kv_cache} cache: "
+          f"{len(contexts)} contexts, "
           + ", ".join(f"batch {b}: splits {s}" for b, s in per_batch.items()), flush=True)
-    times = measure_split_times(contexts, batches, per_batch, heads, progress=not args.quiet)
+    times = measure_split_times(contexts, batches, per_batch, heads, progress=not args.quiet,
+                                kv_cache=kv_cache)
     return times, meta
 
 
@@ -138,6 +149,10 @@ def load_times(args: argparse.Namespace) -> tuple[dict, dict]:
     if args.heads is not None and args.heads != meta["num_heads"]:
         sys.exit(f"{args.from_times} was measured with {meta['num_heads']} heads, not "
                  f"--heads {args.heads}; re-measure on the GPU for another head count")
+    measured = meta.setdefault("kv_cache", "bf16")  # reports before fp8 ladders: bf16
+    if args.kv_cache is not None and args.kv_cache != measured:
+        sys.exit(f"{args.from_times} was measured over a {measured} cache, not --kv-cache "
+                 f"{args.kv_cache}; re-measure on the GPU for another cache format")
     keep_b, keep_c = set(args.batches or meta["batches"]), set(args.contexts or meta["contexts"])
     missing = (keep_b - set(meta["batches"])) | (keep_c - set(meta["contexts"]))
     if missing:
@@ -173,7 +188,9 @@ def report_markdown(report: dict) -> str:
     """The report as a short markdown table (written beside the report JSON)."""
     meta, summary = report["meta"], report["summary"]
     bounds = ", ".join(bucket_text(b) for b in report["ladder"]["buckets"])
-    lines = [f"# Tuned ladder, {meta['num_heads']} heads ({meta['gpu']})", "",
+    fmt = meta.get("kv_cache", "bf16")
+    lines = [f"# Tuned ladder, {meta['num_heads']} heads"
+             + ("" if fmt == "bf16" else f", {fmt} cache") + f" ({meta['gpu']})", "",
              f"{meta['date']}, torch {meta['torch']}, triton {meta['triton']}. "
              f"Command: `{meta['command']}`", "", f"Tuned buckets: {bounds}", "",
              f"Time over the best measured split count (mean / worst): tuned "
@@ -254,6 +271,8 @@ def main(argv: list[str] | None = None) -> None:
     ladder_meta = {"device": meta["gpu"], "num_sms": meta["num_sms"],
                    "num_heads": meta["num_heads"],
                    "date": meta.get("measured_date", meta["date"])}
+    if meta["kv_cache"] != "bf16":  # bf16 ladders keep their meta as before
+        ladder_meta["kv_cache"] = meta["kv_cache"]
     result = choose_ladder(times, splits_for, max_model_len=args.max_model_len,
                            max_buckets=args.max_buckets, meta=ladder_meta,
                            per_batch_hints=not args.shared_hints)

@@ -170,6 +170,70 @@ def test_context_labels(report):
         ["1", "512", "1K", "100K", "128K"]
 
 
+# ---- several cache formats in one file --------------------------------------------------
+
+FP8_TIMES = {"bf16": {1: (0.40, 0.401), 100_000: (40.0, 0.60)},
+             "fp8-tensor": {1: (0.41, 0.41), 100_000: (20.0, 0.52)},
+             "fp8-v32": {1: (0.42, 0.42), 100_000: (15.0, 0.58)}}
+ROW_BYTES = {"bf16": 1152, "fp8-tensor": 576, "fp8-v32": 656}
+
+
+def fp8_data() -> dict:
+    rows = [{"policy": p, "context": c, "batch": 1, "tpot_ms": t, "floor_ms": 0.3, "splits": 1,
+             "kv_cache": fmt, "kv_mb": c * 4 * ROW_BYTES[fmt] / 1e6}
+            for fmt, by in FP8_TIMES.items() for c, ts in by.items()
+            for p, t in zip(("fixed-1", "ladder"), ts, strict=True)]
+    meta = {**result_data()["meta"], "kv_cache": "bf16", "kv_caches": list(FP8_TIMES),
+            "per_format": {f: {"ladder": [{"max_len": 131072, "hint": 16384}],
+                               "ladder_source": "tuned for bf16 (no fp8-v32 ladder ships)"
+                               if f == "fp8-v32" else f"tuned for {f}"} for f in FP8_TIMES}}
+    return {"meta": meta, "rows": rows}
+
+
+def test_fp8_rows_get_their_sections_and_the_breakdown(report):
+    data = fp8_data()
+    data["rows"] = data["rows"][::-1]  # the file's order does not matter: bf16 comes first
+    text = report.render_markdown(data)
+    heads = [line for line in text.splitlines() if line.startswith("## ")]
+    assert heads == ["## bf16 cache (ladder: tuned for bf16)",
+                     "## fp8-tensor cache (ladder: tuned for fp8-tensor)",
+                     "## fp8-v32 cache (ladder: tuned for bf16 (no fp8-v32 ladder ships))",
+                     "## fp8 caches against bf16 (ladder policy)"]
+    assert "Latent cache formats: bf16, fp8-tensor, fp8-v32" in text
+    # Each format's own table: fp8-tensor's ladder row at 100K.
+    assert "| 100K | 1-128K (hint 16K, 1 split) | 20.000 | 0.520 | 0.300 | 38.46x |" in text
+    # Breakdown: 460.8 MB of bf16 rows against 230.4 (fp8-tensor), 262.4 (fp8-v32).
+    assert ("| fp8-tensor | 1 | 100K | 0.600 | 0.520 | +0.080 | 460.8 -> 230.4 | 230.4 | "
+            "0.054 | 1.48 |") in text
+    assert ("| fp8-v32 | 1 | 100K | 0.600 | 0.580 | +0.020 | 460.8 -> 262.4 | 198.4 | "
+            "0.046 | 0.43 |") in text
+    assert "- PASS: fp8-tensor ladder 0.080 ms below bf16 at 100K" in text
+    assert "- FAIL: fp8-v32 ladder 0.020 ms below bf16 at 100K" in text
+    assert "- PASS: fp8-tensor ladder 38.46x faster than fixed-1 at 100K (target >= 30x)" in text
+    assert "- FAIL: fp8-v32 ladder 25.86x faster than fixed-1 at 100K" in text
+    # The bf16 targets are still checked, once per format.
+    assert text.count("### targets (batch 1)") == 3
+
+
+def test_files_before_fp8_rows_read_as_one_format(report):
+    data = result_data()
+    assert list(report.rows_by_format(data)) == ["bf16"]
+    text = report.render_markdown(data)
+    assert "\n## " not in text and "Latent cache formats" not in text
+    data["meta"]["kv_cache"] = "float8_e4m3fn"  # bench/tpot.py --kv-cache fp8-tensor, before
+    assert list(report.rows_by_format(data)) == ["fp8-tensor"]
+    assert "Latent cache formats: fp8-tensor" in report.render_markdown(data)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
+                    reason="matplotlib not installed")
+def test_figure_of_a_multi_format_file_shows_bf16(report, tmp_path):
+    path = tmp_path / "h200-tpot-fp8.json"
+    path.write_text(json.dumps(fp8_data()))
+    assert report.main(["--json", str(path)]) == 0
+    assert path.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_q_len_selects_the_verify_step_rows(report, tmp_path):
     data = result_data()
     verify = [{**r, "q_len": 2, "tpot_ms": r["tpot_ms"] / 2 + 0.0123} for r in data["rows"]]
@@ -183,3 +247,17 @@ def test_q_len_selects_the_verify_step_rows(report, tmp_path):
     assert halved in two and halved not in one
     with pytest.raises(SystemExit):
         report.main(["--json", str(path), "--no-png", "--q-len", "4"])
+
+
+def test_fp8_verify_step_rows_get_their_breakdown_per_token(report, tmp_path):
+    data = fp8_data()
+    # The same runs at q_len 2: half the step time per token, the same KV bytes per step.
+    verify = [{**r, "q_len": 2, "tpot_ms": r["tpot_ms"] / 2} for r in data["rows"]]
+    path = tmp_path / "h200-tpot-fp8-mtp.json"
+    path.write_text(json.dumps({"meta": data["meta"], "rows": data["rows"] + verify}))
+    assert report.main(["--json", str(path), "--no-png", "--q-len", "2"]) == 0
+    text = (tmp_path / "h200-tpot-fp8-mtp-q2.md").read_text()
+    assert "## fp8 caches against bf16 (ladder policy)" in text
+    # 230.4 MB saved per step, 0.027 ms per token at q_len 2; 0.040 ms saved per token.
+    assert ("| fp8-tensor | 1 | 100K | 0.300 | 0.260 | +0.040 | 460.8 -> 230.4 | 230.4 | "
+            "0.027 | 1.48 |") in text

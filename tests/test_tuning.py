@@ -21,7 +21,14 @@ from graphbucket.tuning.choose import (
     times_from_rows,
     times_to_rows,
 )
-from graphbucket.tuning.shipped import LADDER_DIR, clip_ladder, device_slugs, find_tuned_ladder
+from graphbucket.tuning.shipped import (
+    LADDER_DIR,
+    clip_ladder,
+    device_slugs,
+    find_tuned_ladder,
+    ladder_file_name,
+    parse_ladder_file_name,
+)
 
 pytestmark = pytest.mark.host
 
@@ -251,9 +258,10 @@ def test_toy_cost_model_tuned_within_three_percent_of_oracle():
 # ---- shipped ladders ----------------------------------------------------------------------
 
 
-def _write(directory: Path, name: str, max_model_len: int, heads: int, tag: str) -> None:
+def _write(directory: Path, name: str, max_model_len: int, heads: int, tag: str,
+           **meta) -> None:
     ladder = BucketLadder([Bucket(64, 1), Bucket(4096, 2048), Bucket(max_model_len, 16384)],
-                          max_model_len, meta={"num_heads": heads, "tag": tag})
+                          max_model_len, meta={"num_heads": heads, "tag": tag, **meta})
     ladder.save(directory / name)
 
 
@@ -305,9 +313,82 @@ def test_find_tuned_ladder_rejects_a_mislabelled_file(tmp_path: Path):
 
 def test_shipped_ladders_load_and_match_their_names():
     shipped = sorted(LADDER_DIR.glob("*-h*.json"))
+    assert shipped
     for path in shipped:
         ladder = BucketLadder.load(path)
-        heads = int(path.stem.rsplit("-h", 1)[1])
+        slug, heads, fmt = parse_ladder_file_name(path.name)
         assert ladder.meta["num_heads"] == heads
-        slug = path.stem.rsplit("-h", 1)[0]
-        assert find_tuned_ladder(slug, heads, ladder.max_model_len) == ladder
+        assert ladder.meta.get("kv_cache", "bf16") == fmt
+        found = find_tuned_ladder(slug, heads, ladder.max_model_len, kv_cache_format=fmt)
+        assert found == ladder and "kv_cache_fallback" not in found.meta
+
+
+def test_ladder_file_names_per_cache_format():
+    assert ladder_file_name("h200", 16) == "h200-h16.json"
+    assert ladder_file_name("h200", 16, "fp8-tensor") == "h200-h16-fp8-tensor.json"
+    assert ladder_file_name("h100-80gb", 12, "fp8-v32") == "h100-80gb-h12-fp8-v32.json"
+    for args in (("h200", 16, "bf16"), ("h100-80gb", 12, "fp8-v32"), ("mi355x", 128,
+                                                                       "fp8-tensor")):
+        assert parse_ladder_file_name(ladder_file_name(*args)) == args
+    with pytest.raises(ValueError, match="kv_cache_format"):
+        ladder_file_name("h200", 16, "fp8")
+
+
+def test_fp8_ladders_are_found_by_format_and_fall_back_to_bf16(tmp_path: Path, caplog):
+    _write(tmp_path, "h200-h16.json", 131072, 16, "bf16")
+    _write(tmp_path, "h200-h16-fp8-v32.json", 131072, 16, "v32", kv_cache="fp8-v32")
+
+    def find(fmt, heads=16, name="NVIDIA H200"):
+        return find_tuned_ladder(name, heads, 131072, kv_cache_format=fmt, directory=tmp_path)
+
+    assert find("bf16").meta["tag"] == "bf16"
+    assert find("fp8-v32").meta["tag"] == "v32"
+    assert "kv_cache_fallback" not in find("fp8-v32").meta
+    with caplog.at_level("WARNING", logger="graphbucket.tuning.shipped"):
+        fallback = find("fp8-tensor", name="NVIDIA H200 NVL")
+        again = find("fp8-tensor", name="NVIDIA H200 NVL")
+    assert fallback.meta["tag"] == "bf16" and fallback.meta["kv_cache_fallback"] == "fp8-tensor"
+    assert again == fallback
+    notes = [r.getMessage() for r in caplog.records]
+    assert len(notes) == 1 and "fp8-tensor" in notes[0] and "--kv-cache fp8-tensor" in notes[0]
+    assert find("fp8-tensor", heads=12) is None  # no bf16 ladder to fall back to either
+
+
+def test_find_tuned_ladder_rejects_a_file_of_another_cache_format(tmp_path: Path):
+    _write(tmp_path, "h200-h16-fp8-tensor.json", 131072, 16, "x", kv_cache="fp8-v32")
+    with pytest.raises(ValueError, match="kv_cache='fp8-v32'"):
+        find_tuned_ladder("NVIDIA H200", 16, 131072, kv_cache_format="fp8-tensor",
+                          directory=tmp_path)
+    _write(tmp_path, "h200-h16.json", 131072, 16, "x", kv_cache="fp8-v32")
+    with pytest.raises(ValueError, match="named for bf16"):
+        find_tuned_ladder("NVIDIA H200", 16, 131072, directory=tmp_path)
+
+
+def test_tune_ladder_from_times_keeps_the_cache_format(tmp_path: Path, capsys):
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "tune_ladder.py"
+    spec = importlib.util.spec_from_file_location("tune_ladder", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    contexts = [64, 1024, 4096]
+    splits_for = plan_splits(16, num_sms=132)
+    hints = hints_to_measure(contexts, 4096, ladders=[default_ladder(4096)])
+    per_batch = splits_to_measure([1], splits_for, hints)
+    times = {(c, 1, s): toy_us(c, 1, s) for c in contexts for s in per_batch[1]}
+    meta = {"gpu": "NVIDIA H200", "num_sms": 132, "num_heads": 16, "batches": [1],
+            "contexts": contexts, "command": "x", "date": "d", "torch": "t", "triton": "t",
+            "kv_cache": "fp8-v32"}
+    report = tmp_path / "r.json"
+    report.write_text(json.dumps({"meta": meta, "times": times_to_rows(times)}))
+    out = tmp_path / "h200-h16-fp8-v32.json"
+    script.main(["--from-times", str(report), "--max-model-len", "4096", "--out", str(out),
+                 "--report", str(tmp_path / "again.json"), "--quiet"])
+    ladder = BucketLadder.load(out)
+    assert ladder.meta["kv_cache"] == "fp8-v32"
+    assert find_tuned_ladder("NVIDIA H200", 16, 4096, kv_cache_format="fp8-v32",
+                             directory=tmp_path) == ladder
+    assert "fp8-v32 cache" in (tmp_path / "again.md").read_text()
+    with pytest.raises(SystemExit, match="fp8-v32 cache, not --kv-cache fp8-tensor"):
+        script.main(["--from-times", str(report), "--max-model-len", "4096",
+                     "--kv-cache", "fp8-tensor"])

@@ -5,7 +5,14 @@ tensor-parallel shard (``TPMLADecoder``: heads and MLP columns split, all-reduce
 
 from __future__ import annotations
 
-from graphbucket.models.config import PRESETS, MLAConfig, deepseek_v3_tp8, kimi_tp8, tiny
+from graphbucket.models.config import (
+    PRESETS,
+    MLAConfig,
+    deepseek_v3_tp8,
+    kimi_tp8,
+    tiny,
+    tiny_v32,
+)
 from graphbucket.models.mla import MLADecoder
 from graphbucket.models.paging import (
     decode_batch,
@@ -19,4 +26,4 @@ from graphbucket.models.tp import TPMLADecoder, shard_config, shard_weights, tp_
 __all__ = ["PRESETS", "MLAConfig", "MLADecoder", "TPMLADecoder", "decode_batch",
            "decode_reference", "deepseek_v3_tp8", "kimi_tp8", "prefill_random",
            "random_block_table", "shard_config", "shard_weights", "slot_mapping_for", "tiny",
-           "tp_full_config"]
+           "tiny_v32", "tp_full_config"]

@@ -107,5 +107,12 @@ def tiny(num_layers: int = 2) -> MLAConfig:
                      num_layers=num_layers, max_position=4096)
 
 
+def tiny_v32(num_layers: int = 2) -> MLAConfig:
+    """``tiny`` with DeepSeek's 512 latent + 64 rope values per token: the shape the fp8-v32
+    cache format fixes (``graphbucket.fp8``); 4 heads keep the interpreter quick."""
+    return dataclasses.replace(tiny(num_layers), name="tiny-v32", num_heads=4,
+                               kv_lora_rank=512, qk_rope_dim=64)
+
+
 PRESETS = {"deepseek-v3-tp8": deepseek_v3_tp8, "deepseek-v3-dp": deepseek_v3_dp,
            "kimi-like-tp8": kimi_tp8, "tiny": tiny}

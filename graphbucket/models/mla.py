@@ -56,9 +56,12 @@ SLOT_INPUT = "slot_mapping"
 class MLADecoder:
     """Seeded random MLA decoder with one paged latent cache per layer.
 
-    kv_caches[l]: [num_pages, page_size, R + P] in ``dtype`` (or ``kv_cache_dtype``:
-    ``torch.float8_e4m3fn`` with the per-tensor ``kv_scale``, ``graphbucket.fp8``) on
-    ``device`` (default: CUDA
+    kv_caches[l]: [num_pages, page_size, width] in the ``kv_cache_format``
+    (``graphbucket.fp8``): "bf16", [.., R + P] in ``dtype`` (default); "fp8-tensor", [..,
+    R + P] e4m3 with the per-tensor ``kv_scale`` (value = stored x kv_scale); "fp8-v32",
+    uint8 [.., 656], DeepSeek-V3.2's rows (R = 512, P = 64). Both fp8 formats need a bf16 or
+    fp16 model; ``kv_cache_dtype=torch.float8_e4m3fn`` is the older spelling of
+    "fp8-tensor". On ``device`` (default: CUDA
     when available, else the CPU, where the kernels need ``TRITON_INTERPRET=1``). Call the model
     as ``model(ctx)``; it is the ``forward`` a ``GraphBucketRunner`` captures. ``weights``
     (per-layer weights, final norm [D]) replaces the seeded draw, e.g. a tensor-parallel shard.
@@ -69,7 +72,7 @@ class MLADecoder:
                  seed: int = 0,
                  weights: tuple[list[MLALayerWeights], torch.Tensor] | None = None,
                  projections: str = "auto", kv_cache_dtype: torch.dtype | None = None,
-                 kv_scale: float | None = None) -> None:
+                 kv_scale: float | None = None, kv_cache_format: str | None = None) -> None:
         if projections not in PROJECTIONS:
             raise ValueError(f"projections must be one of {PROJECTIONS}, got {projections!r}")
         if device is None:
@@ -87,17 +90,18 @@ class MLADecoder:
         if weights is None:
             weights = random_weights(config, seed=seed, device=self.device, dtype=dtype)
         self.layers, self.final_norm = weights
-        self.kv_cache_dtype = kv_cache_dtype or dtype
-        fp8_cache = self.kv_cache_dtype == fp8.FP8_DTYPE
-        if fp8_cache != (kv_scale is not None):
-            raise ValueError("an fp8 cache (kv_cache_dtype=torch.float8_e4m3fn) takes a "
-                             "kv_scale (graphbucket.fp8: value = stored x kv_scale, e.g. "
-                             "amax / 448); other caches take none")
-        if fp8_cache and dtype not in (torch.bfloat16, torch.float16):
+        self.kv_cache_format = _cache_format(kv_cache_format, kv_cache_dtype, dtype)
+        if (self.kv_cache_format == "fp8-tensor") != (kv_scale is not None):
+            raise ValueError("an fp8-tensor cache takes a kv_scale (graphbucket.fp8: value = "
+                             "stored x kv_scale, e.g. amax / 448); other caches take none, "
+                             f"got kv_cache_format {self.kv_cache_format!r} and kv_scale "
+                             f"{kv_scale!r}")
+        if self.kv_cache_format != "bf16" and dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"an fp8 cache needs a bf16 or fp16 model, got {dtype}")
         self.kv_scale = None if kv_scale is None else torch.tensor(
             [float(kv_scale)], dtype=torch.float32, device=self.device)
-        self.kv_caches = [torch.zeros(num_pages, page_size, config.kv_dim,
+        width, self.kv_cache_dtype = fp8.cache_row(self.kv_cache_format, config.kv_dim, dtype)
+        self.kv_caches = [torch.zeros(num_pages, page_size, width,
                                       dtype=self.kv_cache_dtype, device=self.device)
                           for _ in range(config.num_layers)]
         self.rope = rope_cache(config.qk_rope_dim, config.max_position, config.rope_theta,
@@ -122,7 +126,8 @@ class MLADecoder:
                           num_pages=self.num_pages, page_size=self.page_size,
                           num_heads=self.config.num_heads,
                           output_shape=(self.config.hidden_size,), output_dtype=self.dtype,
-                          inputs=self.input_specs(), device=self.device)
+                          inputs=self.input_specs(), device=self.device,
+                          kv_cache_format=self.kv_cache_format)
 
     # ---- decode ---------------------------------------------------------------------
 
@@ -130,6 +135,7 @@ class MLADecoder:
         """One decode step -> final hidden states [B x q_len, D] in the model dtype."""
         if self._kernel_error:
             raise ValueError(self._kernel_error)
+        self.check_caches()
         cfg = self.config
         x = ctx.inputs[HIDDEN_INPUT]
         h = rms_norm(x, self.layers[0].attn_norm, cfg.rms_eps)
@@ -142,6 +148,17 @@ class MLADecoder:
                          else self.final_norm)
             x, h = add_rms_norm(x, d, next_norm, cfg.rms_eps)
         return h
+
+    def check_caches(self) -> None:
+        """Every layer's cache and the scale hold ``kv_cache_format`` rows, else ValueError
+        (host metadata only; runs before the forward launches anything, so a bad cache
+        leaves every cache as it was)."""
+        for i, cache in enumerate(self.kv_caches):
+            try:
+                fp8.check_cache(cache, self.kv_cache_format, self.kv_scale,
+                                kv_dim=self.config.kv_dim)
+            except ValueError as e:
+                raise ValueError(f"kv_caches[{i}]: {e}") from None
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return F.linear(x, w)
@@ -163,7 +180,8 @@ class MLADecoder:
         qkv_a = self._linear(h, layer.w_qkv_a)                      # [B, Q + R + P]
         store_kv(qkv_a[:, q_lora:], layer.kv_a_norm, self.rope, ctx.positions,
                      ctx.inputs[SLOT_INPUT], ctx.seq_lens, cache, cfg.rms_eps,
-                     kv_scale=self.kv_scale, q_len=ctx.q_len)
+                     kv_scale=self.kv_scale, q_len=ctx.q_len,
+                     kv_cache_format=self.kv_cache_format)
         q_b = self._linear(rms_norm(qkv_a[:, :q_lora], layer.q_a_norm, cfg.rms_eps),
                            layer.w_q_b)                             # [B, H * (nope + P)]
         q_nope = q_b.view(bs, cfg.num_heads, cfg.qk_head_dim)[..., :cfg.qk_nope_dim]
@@ -177,11 +195,9 @@ class MLADecoder:
     # ---- float reference (tests) -----------------------------------------------------
 
     def reference_caches(self, dtype: torch.dtype = torch.float64) -> list[torch.Tensor]:
-        """Copies of every layer's cache in ``dtype`` (an fp8 cache dequantized), for
-        ``forward_reference`` to update."""
-        if self.kv_scale is not None:
-            return [fp8.dequantize(cache, self.kv_scale, dtype) for cache in self.kv_caches]
-        return [cache.to(dtype, copy=True) for cache in self.kv_caches]
+        """Copies of every layer's cache as values [num_pages, page_size, R + P] in ``dtype``
+        (an fp8 cache dequantized), for ``forward_reference`` to update."""
+        return [fp8.dequantize_cache(cache, self.kv_scale, dtype) for cache in self.kv_caches]
 
     def forward_reference(self, hidden, *, positions, seq_lens, block_table, slot_mapping,
                           caches: list[torch.Tensor] | None = None,
@@ -193,7 +209,7 @@ class MLADecoder:
                                 positions=positions, seq_lens=seq_lens,
                                 block_table=block_table, slot_mapping=slot_mapping,
                                 caches=caches, dtype=dtype, kv_scale=self.kv_scale,
-                                q_len=q_len)
+                                kv_cache_format=self.kv_cache_format, q_len=q_len)
 
     # ---- accounting (for roofline floors) ---------------------------------------------
 
@@ -202,6 +218,27 @@ class MLADecoder:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def kv_row_bytes(self) -> int:
-        """Bytes of one token's cache rows over all layers."""
-        elt = torch.empty((), dtype=self.kv_cache_dtype).element_size()
-        return self.config.num_layers * self.config.kv_dim * elt
+        """Bytes of one token's cache rows over all layers (per layer: 1152 for bf16 576-wide
+        rows, 576 for fp8-tensor, 656 for fp8-v32)."""
+        return self.config.num_layers * fp8.row_bytes(self.kv_cache_format, self.config.kv_dim,
+                                                      self.dtype)
+
+
+def _cache_format(kv_cache_format: str | None, kv_cache_dtype: torch.dtype | None,
+                  dtype: torch.dtype) -> str:
+    """The format named by ``kv_cache_format``, or by the older ``kv_cache_dtype``."""
+    by_dtype = None
+    if kv_cache_dtype is not None:
+        by_dtype = {fp8.FP8_DTYPE: "fp8-tensor", torch.uint8: "fp8-v32", dtype: "bf16"}.get(
+            kv_cache_dtype)
+        if by_dtype is None:
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype} is not a cache of a {dtype} "
+                             f"model; name the format instead: kv_cache_format one of "
+                             f"{fp8.KV_CACHE_FORMATS}")
+    if kv_cache_format is None:
+        return by_dtype or "bf16"
+    fp8.check_format(kv_cache_format)
+    if by_dtype is not None and by_dtype != kv_cache_format:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype} means {by_dtype!r}, but "
+                         f"kv_cache_format={kv_cache_format!r}; pass only kv_cache_format")
+    return kv_cache_format

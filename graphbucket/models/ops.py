@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from graphbucket.fp8 import FP8_DTYPE
+from graphbucket import fp8
 
 
 def rope_cache(rope_dim: int, max_position: int, theta: float, *,
@@ -87,7 +87,9 @@ def _kv_store_kernel(KV, W, ROPE, POS, SLOT, SEQ_LENS, CACHE, KV_SCALE, stride_k
                      stride_page, stride_tok, num_slots, max_pos, eps, q_len,
                      R: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr,
                      BLOCK_H: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                     SCALED: tl.constexpr = False, FP8_MAX: tl.constexpr = 448.0):
+                     SCALED: tl.constexpr = False, FP8_MAX: tl.constexpr = 448.0,
+                     V32: tl.constexpr = False, V32_GROUP: tl.constexpr = 128,
+                     V32_MIN_SCALE: tl.constexpr = 2.0 ** -126):
     b = tl.program_id(0)
     slot = tl.load(SLOT + b).to(tl.int64)
     # Row b is a query token of request b // q_len (q_len tokens per request).
@@ -103,47 +105,77 @@ def _kv_store_kernel(KV, W, ROPE, POS, SLOT, SEQ_LENS, CACHE, KV_SCALE, stride_k
     pos = tl.minimum(tl.maximum(tl.load(POS + b), 0), max_pos - 1)
     k1, k2 = _rotate(KV + b * stride_kv + R, ROPE + pos * stride_rope, offs_h, HALF, mask_h)
     row = CACHE + (slot // PAGE_SIZE) * stride_page + (slot % PAGE_SIZE) * stride_tok
-    ty = CACHE.dtype.element_ty
-    if SCALED:  # fp8 cache: value / scale, saturated (graphbucket.fp8's rule)
-        inv_scale = 1.0 / tl.load(KV_SCALE)
-        lat = tl.minimum(tl.maximum(lat * inv_scale, -FP8_MAX), FP8_MAX)
-        k1 = tl.minimum(tl.maximum(k1 * inv_scale, -FP8_MAX), FP8_MAX)
-        k2 = tl.minimum(tl.maximum(k2 * inv_scale, -FP8_MAX), FP8_MAX)
-    # tl.where, not `mask & valid`: the interpreter makes a block & scalar bool int32, which
-    # its store rejects from Triton 3.9 on.
-    tl.store(row + offs_r, lat.to(ty), mask=tl.where(valid, mask_r, False))
-    tl.store(row + R + offs_h, k1.to(ty), mask=tl.where(valid, mask_h, False))
-    tl.store(row + R + HALF + offs_h, k2.to(ty), mask=tl.where(valid, mask_h, False))
+    if V32:
+        # DeepSeek-V3.2 row in a uint8 cache (graphbucket.fp8: R = 512 is a power of two,
+        # strides in bytes): per group of 128, scale = max(amax / 448, 2^-126); e4m3 latent
+        # at byte 0, float32 scales at byte R, bf16 rope after them. Round-to-nearest
+        # divisions, as torch divides in pack_v32.
+        GROUPS: tl.constexpr = R // V32_GROUP
+        groups = tl.reshape(lat, [GROUPS, V32_GROUP])
+        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(groups), axis=1), FP8_MAX),
+                           V32_MIN_SCALE)
+        stored = tl.math.div_rn(groups, tl.broadcast_to(scale[:, None], [GROUPS, V32_GROUP]))
+        stored = tl.reshape(tl.minimum(tl.maximum(stored, -FP8_MAX), FP8_MAX), [R])
+        offs_g = tl.arange(0, GROUPS)
+        tl.store(row.to(tl.pointer_type(tl.float8e4nv)) + offs_r, stored.to(tl.float8e4nv),
+                 mask=tl.where(valid, mask_r, False))
+        tl.store((row + R).to(tl.pointer_type(tl.float32)) + offs_g, scale,
+                 mask=tl.where(valid, offs_g < GROUPS, False))
+        rope = (row + R + 4 * GROUPS).to(tl.pointer_type(tl.bfloat16))
+        tl.store(rope + offs_h, k1.to(tl.bfloat16), mask=tl.where(valid, mask_h, False))
+        tl.store(rope + HALF + offs_h, k2.to(tl.bfloat16), mask=tl.where(valid, mask_h, False))
+    else:
+        ty = CACHE.dtype.element_ty
+        if SCALED:  # fp8 cache: value / scale, saturated (graphbucket.fp8's rule)
+            inv_scale = 1.0 / tl.load(KV_SCALE)
+            lat = tl.minimum(tl.maximum(lat * inv_scale, -FP8_MAX), FP8_MAX)
+            k1 = tl.minimum(tl.maximum(k1 * inv_scale, -FP8_MAX), FP8_MAX)
+            k2 = tl.minimum(tl.maximum(k2 * inv_scale, -FP8_MAX), FP8_MAX)
+        # tl.where, not `mask & valid`: the interpreter makes a block & scalar bool int32,
+        # which its store rejects from Triton 3.9 on.
+        tl.store(row + offs_r, lat.to(ty), mask=tl.where(valid, mask_r, False))
+        tl.store(row + R + offs_h, k1.to(ty), mask=tl.where(valid, mask_h, False))
+        tl.store(row + R + HALF + offs_h, k2.to(ty), mask=tl.where(valid, mask_h, False))
 
 
 def store_kv(kv_a: torch.Tensor, norm_weight: torch.Tensor, rope: torch.Tensor,
              positions: torch.Tensor, slot_mapping: torch.Tensor, seq_lens: torch.Tensor,
              kv_cache: torch.Tensor, eps: float, kv_scale: torch.Tensor | None = None,
-             q_len: int = 1) -> None:
-    """Write each row's [RMSNorm(latent) | rotary(k_rope)] into ``kv_cache`` at its slot;
-    an fp8 cache stores them quantized with ``kv_scale`` (``graphbucket.fp8``).
+             q_len: int = 1, *, kv_cache_format: str | None = None) -> None:
+    """Write each row's [RMSNorm(latent) | rotary(k_rope)] into ``kv_cache`` at its slot, in
+    the cache's format (``graphbucket.fp8``): as they are ("bf16"), quantized with
+    ``kv_scale`` ("fp8-tensor") or as DeepSeek-V3.2 rows with per-token group scales
+    ("fp8-v32", a uint8 cache [num_pages, page_size, 656]).
 
     kv_a [T, R + P] (rows may be strided), positions [T] int64, slot_mapping [T] int64
     (page * page_size + offset), seq_lens [T / q_len] int32, kv_cache [num_pages,
-    page_size, R + P]: T = B x q_len rows, q_len new tokens per request (row b * q_len + j
-    is request b's token j). Rows whose slot is negative or past the cache, or whose
-    request's seq_len is 0 (padding), write nothing. Graph-safe: the skip is a device-side
-    mask.
+    page_size, width]: T = B x q_len rows, q_len new tokens per request (row b * q_len + j
+    is request b's token j, stored at its own slot in every format). ``kv_cache_format``
+    is the format the caller declares (default: the one the cache's dtype means); the
+    cache and scale are checked against it before launch. Rows whose slot is negative or
+    past the cache, or whose request's seq_len is 0 (padding), write nothing. Graph-safe:
+    host metadata checks; the skip is a device-side mask.
     """
-    num_pages, page_size, dim = kv_cache.shape
-    r = norm_weight.numel()
+    num_pages, page_size, _ = kv_cache.shape
+    r, dim = norm_weight.numel(), kv_a.shape[1]
     half = (dim - r) // 2
-    assert kv_a.shape[1] == dim and kv_a.stride(1) == 1 and kv_cache.stride(2) == 1
-    if (kv_cache.dtype == FP8_DTYPE) != (kv_scale is not None):
-        raise ValueError(f"a {kv_cache.dtype} cache takes "
-                         f"{'a float32 kv_scale' if kv_scale is None else 'no kv_scale'}")
+    fmt = fp8.check_format(kv_cache_format or fp8.format_of(kv_cache))
+    fp8.check_cache(kv_cache, fmt, kv_scale, kv_dim=dim)
+    assert kv_a.stride(1) == 1 and kv_cache.stride(2) == 1, "rows must be dense"
+    v32 = fmt == "fp8-v32"
+    if v32 and (r, dim - r) != (fp8.V32_LATENT, fp8.V32_ROPE):
+        raise ValueError(f"an fp8-v32 cache stores {fp8.V32_LATENT} latent and {fp8.V32_ROPE} "
+                         f"rope values, got {r} and {dim - r}")
+    if v32 and (kv_cache.stride(0) % 16 or kv_cache.stride(1) % 16 or kv_cache.data_ptr() % 16):
+        raise ValueError(f"an fp8-v32 cache needs 16-byte aligned rows (float32 scales), got "
+                         f"strides {kv_cache.stride()[:2]}; pass a contiguous cache")
     _kv_store_kernel[(kv_a.shape[0],)](
         kv_a, norm_weight, rope, positions, slot_mapping, seq_lens, kv_cache,
         seq_lens if kv_scale is None else kv_scale, kv_a.stride(0),
         rope.stride(0), kv_cache.stride(0), kv_cache.stride(1), num_pages * page_size,
         rope.shape[0], eps, q_len, R=r, HALF=half, BLOCK_R=triton.next_power_of_2(r),
         BLOCK_H=triton.next_power_of_2(half), PAGE_SIZE=page_size,
-        SCALED=kv_scale is not None, num_warps=4)
+        SCALED=kv_scale is not None, V32=v32, num_warps=4)
 
 
 @triton.jit

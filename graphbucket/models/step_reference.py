@@ -41,11 +41,14 @@ def decode_reference(config: MLAConfig, layers: list[MLALayerWeights],
                      final_norm: torch.Tensor, hidden, *, positions, seq_lens, block_table,
                      slot_mapping, caches: list[torch.Tensor],
                      dtype: torch.dtype = torch.float64,
-                     kv_scale: torch.Tensor | None = None, q_len: int = 1) -> torch.Tensor:
+                     kv_scale: torch.Tensor | None = None,
+                     kv_cache_format: str | None = None, q_len: int = 1) -> torch.Tensor:
     """One decode step of the model with ``config``, ``layers`` and ``final_norm`` in
     ``dtype``; writes the new rows into ``caches`` (one per layer, [num_pages, page_size,
-    R + P] in ``dtype``, e.g. ``MLADecoder.reference_caches()``). With ``kv_scale`` (an fp8
-    cache) the new rows are stored as the fp8 cache holds them: quantized, dequantized.
+    R + P] in ``dtype``, e.g. ``MLADecoder.reference_caches()``). The new rows are stored as
+    a cache of ``kv_cache_format`` holds them (``graphbucket.fp8.as_stored``: fp8 formats
+    quantized, then dequantized); the format defaults to "fp8-tensor" with ``kv_scale``,
+    else "bf16" (rows as computed).
 
     A verify step (``q_len`` > 1) decodes q_len tokens per request: hidden [B * q_len, D],
     positions and slot_mapping [B * q_len] (row b * q_len + j is request b's token j),
@@ -68,6 +71,7 @@ def decode_reference(config: MLAConfig, layers: list[MLALayerWeights],
     limits = torch.where(request_lens > 0, (request_lens - q_len + 1 + offsets).clamp_min(0), 0)
     token_table = block_table.repeat_interleave(q_len, dim=0)
     bs, heads, r = x.shape[0], cfg.num_heads, cfg.kv_lora_rank
+    fmt = kv_cache_format or ("fp8-tensor" if kv_scale is not None else "bf16")
     for layer, cache in zip(layers, caches, strict=True):
         w = layer.to(dtype)
         w = type(w)(*(t.to(dev) for t in w.tensors()))
@@ -75,8 +79,8 @@ def decode_reference(config: MLAConfig, layers: list[MLALayerWeights],
         q_a, kv = (h @ w.w_qkv_a.T).split([cfg.q_lora_rank, cfg.kv_dim], dim=-1)
         row = torch.cat([rms_norm_ref(kv[:, :r], w.kv_a_norm, cfg.rms_eps),
                          rotary_ref(kv[:, r:], positions, cfg.rope_theta)], dim=-1)
-        if kv_scale is not None:
-            row = fp8.dequantize(fp8.quantize(row, kv_scale.to(row.device)), kv_scale, dtype)
+        if fmt != "bf16":
+            row = fp8.as_stored(row, fmt, kv_scale, dtype)
         cache.view(-1, cfg.kv_dim)[slots[live]] = row[live]
         q = (rms_norm_ref(q_a, w.q_a_norm, cfg.rms_eps) @ w.w_q_b.T).view(bs, heads, -1)
         q_nope, q_rope = q.split([cfg.qk_nope_dim, cfg.qk_rope_dim], dim=-1)

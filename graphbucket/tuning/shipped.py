@@ -1,15 +1,21 @@
-"""Shipped tuned ladders: ``graphbucket/ladders/{device slug}-h{heads}.json``.
+"""Shipped tuned ladders: ``graphbucket/ladders/{device slug}-h{heads}[-{format}].json``.
 
 ``scripts/tune_ladder.py`` writes them on the GPU they were measured on. The slug is the
 device name, lower case, vendor words dropped, other characters folded to '-':
 'NVIDIA H200' -> 'h200', 'NVIDIA H100 80GB HBM3' -> 'h100-80gb-hbm3', 'AMD Instinct
 MI355X' -> 'mi355x'. Lookup tries the full slug, then shorter prefixes ('h100-80gb',
 'h100'), so one 'h200' file serves every H200 variant unless a more specific one ships.
-Pure host code; no torch.
+
+fp8 caches get their own ladders (``h200-h16-fp8-tensor.json``, ``h200-h16-fp8-v32.json``:
+fewer bytes per token move the best split count per context); a bf16 cache's file has
+no suffix. Where no ladder was tuned for the cache format, the lookup falls back to the
+bf16 ladder of the device, logs that once and records it in the ladder's
+``meta['kv_cache_fallback']``. Pure host code; no torch.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 
@@ -17,6 +23,10 @@ from graphbucket.ladder import Bucket, BucketLadder
 
 LADDER_DIR = Path(__file__).resolve().parent.parent / "ladders"
 _VENDOR_WORDS = frozenset({"nvidia", "amd", "instinct", "tesla"})
+# The cache formats of graphbucket.fp8 (not imported: this module needs no torch).
+KV_CACHE_FORMATS = ("bf16", "fp8-tensor", "fp8-v32")
+logger = logging.getLogger(__name__)
+_noted: set[tuple[str, int, str]] = set()
 
 
 def device_slugs(device_name: str) -> list[str]:
@@ -29,9 +39,32 @@ def device_slugs(device_name: str) -> list[str]:
     return ["-".join(words[:n]) for n in range(len(words), 0, -1)]
 
 
+def ladder_file_name(slug: str, num_heads: int, kv_cache_format: str = "bf16") -> str:
+    """'h200-h16.json' for a bf16 cache, 'h200-h16-fp8-v32.json' for an fp8-v32 one."""
+    if kv_cache_format not in KV_CACHE_FORMATS:
+        raise ValueError(f"kv_cache_format must be one of {KV_CACHE_FORMATS}, got "
+                         f"{kv_cache_format!r}")
+    suffix = "" if kv_cache_format == "bf16" else f"-{kv_cache_format}"
+    return f"{slug}-h{num_heads}{suffix}.json"
+
+
+def parse_ladder_file_name(name: str) -> tuple[str, int, str]:
+    """(slug, heads, format) of a shipped ladder's file name (``ladder_file_name``'s inverse)."""
+    stem = name.removesuffix(".json")
+    fmt = next((f for f in KV_CACHE_FORMATS[1:] if stem.endswith(f"-{f}")), "bf16")
+    if fmt != "bf16":
+        stem = stem[: -len(fmt) - 1]
+    slug, heads = stem.rsplit("-h", 1)
+    return slug, int(heads), fmt
+
+
 def find_tuned_ladder(device_name: str, num_heads: int, max_model_len: int, *,
+                      kv_cache_format: str = "bf16",
                       directory: str | Path | None = None) -> BucketLadder | None:
-    """The shipped tuned ladder for this device and head count, or None.
+    """The shipped tuned ladder for this device, head count and cache format, or None.
+
+    An fp8 format without a tuned file gets the device's bf16 ladder instead (logged once,
+    ``meta['kv_cache_fallback']`` names the format asked for), or None without either.
 
     ``directory`` defaults to the package's ``ladders/``. A ladder tuned for a larger
     ``max_model_len`` is clipped (``clip_ladder``): its buckets below the new top were
@@ -42,16 +75,33 @@ def find_tuned_ladder(device_name: str, num_heads: int, max_model_len: int, *,
     (in its meta) it was tuned for another head count.
     """
     for slug in device_slugs(device_name):
-        path = Path(directory or LADDER_DIR) / f"{slug}-h{num_heads}.json"
+        path = Path(directory or LADDER_DIR) / ladder_file_name(slug, num_heads,
+                                                                kv_cache_format)
         if path.is_file():
             break
     else:
-        return None
+        if kv_cache_format == "bf16":
+            return None
+        ladder = find_tuned_ladder(device_name, num_heads, max_model_len, directory=directory)
+        if ladder is None:
+            return None
+        key = (device_name, num_heads, kv_cache_format)
+        if key not in _noted:
+            _noted.add(key)
+            logger.warning("no ladder tuned for %s caches on %s with %d heads ships; using "
+                           "the bf16 ladder (tune one: scripts/tune_ladder.py --kv-cache %s)",
+                           kv_cache_format, device_name, num_heads, kv_cache_format)
+        return BucketLadder(ladder.buckets, ladder.max_model_len,
+                            meta={**ladder.meta, "kv_cache_fallback": kv_cache_format})
     ladder = BucketLadder.load(path)
     heads = ladder.meta.get("num_heads")
     if heads is not None and heads != num_heads:
         raise ValueError(f"{path} is named for {num_heads} heads but its meta says num_heads="
                          f"{heads}; re-run scripts/tune_ladder.py or rename the file")
+    fmt = ladder.meta.get("kv_cache", "bf16")
+    if fmt != kv_cache_format:
+        raise ValueError(f"{path} is named for {kv_cache_format} caches but its meta says "
+                         f"kv_cache={fmt!r}; re-run scripts/tune_ladder.py or rename the file")
     if ladder.max_model_len == max_model_len:
         return ladder
     if ladder.max_model_len > max_model_len:
