@@ -83,7 +83,8 @@ def sparse_decode_reference(config, layers: list[MLALayerWeights], indexers, fin
                            rotary_ref(q_rope, positions, theta)], dim=-1)
         attn, _ = sparse_attention_reference(q_mla, cache, token_table, chosen,
                                              kv_lora_rank=r, sm_scale=cfg.sm_scale)
-        o = torch.einsum("bhr,hrv->bhv", attn.to(dtype), w.w_uv).reshape(tokens, -1) @ w.w_o.T
+        o = torch.einsum("bhr,hrv->bhv", attn.to(device=dev, dtype=dtype),
+                         w.w_uv).reshape(tokens, -1) @ w.w_o.T
         x = x + o
         g, u = (rms_norm_ref(x, w.mlp_norm, cfg.rms_eps) @ w.w_gate_up.T).chunk(2, dim=-1)
         x = x + (torch.nn.functional.silu(g) * u) @ w.w_down.T
