@@ -518,10 +518,13 @@ def test_gpu_store_kv_v32_bytes_equal_pack_v32_over_many_rows(seeded):
     cache = torch.zeros(n // 64, 64, 656, dtype=torch.uint8, device="cuda")
     store_kv(kv_a, weight, rope, pos, slots, lens, cache, 1e-6, kv_cache_format="fp8-v32")
     want = fp8.pack_v32(plain)
-    # Scales and rope bytes are equal; a latent value may round to the neighbouring e4m3
-    # value where the kernel's normalized row differs from the stored float32 one in its
-    # last bit (the H200 run: a handful of 2M values), never further.
-    assert torch.equal(cache[..., 512:], want[..., 512:])
+    # Rope bytes are equal; group scales (amax / 448) agree to a float32 ulp (the H200:
+    # a third of them differ in the last bit between the kernel's and torch's division),
+    # and a latent value may round to the neighbouring e4m3 value (2 of 2M), never further.
+    assert torch.equal(cache[..., 528:], want[..., 528:])
+    got_s = cache[..., 512:528].contiguous().view(torch.float32)
+    want_s = want[..., 512:528].contiguous().view(torch.float32)
+    assert ((got_s - want_s).abs() <= 2.4e-7 * want_s).all()
     differ = cache[..., :512] != want[..., :512]
     assert differ.float().mean() < 1e-4
     # One e4m3 step: at most 1/8 of the value (normals), 2^-9 (subnormals).
