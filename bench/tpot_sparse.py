@@ -28,8 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.tpot import TpotBench, time_tpot  # noqa: E402
-from graphbucket.batch import DecodeBatch  # noqa: E402
-from graphbucket.models import decode_batch, deepseek_v3_tp8, random_block_table  # noqa: E402
+from graphbucket.models import deepseek_v3_tp8, random_block_table  # noqa: E402
 from graphbucket.models.sparse_mla import (  # noqa: E402
     SparseMLAConfig,
     SparseMLADecoder,
@@ -62,14 +61,11 @@ class SeedSplitBackend(SparseBackend):
 
 
 @dataclass(eq=False)
-class SparseTpotBench:
-    """One sparse model, one scattered block table, one captured runner per policy."""
+class SparseTpotBench(TpotBench):
+    """One sparse model, one scattered block table, one captured runner per policy
+    (``batch`` and ``plan`` as ``TpotBench``'s: the sparse backend plans SparsePlans)."""
 
     model: SparseMLADecoder
-    runners: dict[str, GraphBucketRunner]
-    block_table: np.ndarray
-    hidden: dict[int, torch.Tensor]
-    max_model_len: int
 
     @classmethod
     def build(cls, config: SparseMLAConfig, *, max_model_len: int = MAX_MODEL_LEN,
@@ -101,22 +97,6 @@ class SparseTpotBench:
             runners[policy].capture()
         return cls(model, runners, table, hidden, max_model_len)
 
-    def batch(self, context: int, batch: int, q_len: int = 1) -> DecodeBatch:
-        cols = -(-context // self.model.page_size)
-        return decode_batch(self.model, [context] * batch, self.block_table[:batch, :cols],
-                            self.hidden[batch * q_len], q_len=q_len)
-
-    def plan(self, policy: str, context: int, batch: int, q_len: int = 1) -> SparsePlan:
-        runner = self.runners[policy]
-        if runner.is_eager:
-            return runner.backend.plan(batch, self.model.config.num_heads * q_len, context)
-        return runner.plan_for(runner.selector.choose([context] * batch, q_len))
-
-    def close(self) -> None:
-        for runner in self.runners.values():
-            runner.close()
-        self.runners.clear()
-
 
 def row(model: str, policy: str, context: int, batch: int, q_len: int, step_ms: float,
         plan=None) -> dict:
@@ -130,7 +110,8 @@ def row(model: str, policy: str, context: int, batch: int, q_len: int, step_ms: 
     return out
 
 
-def run_sparse(bench: SparseTpotBench, *, policies, contexts, batches, q_lens) -> list[dict]:
+def run_rows(bench: TpotBench, *, policies, contexts, batches, q_lens) -> list[dict]:
+    """Time every (q_len, batch, context, policy) of ``bench``: the sparse or dense model."""
     rows, name = [], bench.model.config.name
     for q_len in q_lens:
         for batch in batches:
@@ -141,19 +122,6 @@ def run_sparse(bench: SparseTpotBench, *, policies, contexts, batches, q_lens) -
                     rows.append(row(name, policy, context, batch, q_len, ms,
                                     bench.plan(policy, context, batch, q_len)))
                     print(_line(rows[-1]), flush=True)
-    return rows
-
-
-def run_dense(bench: TpotBench, *, policies, context, batches, q_lens) -> list[dict]:
-    rows, name = [], bench.model.config.name
-    for q_len in q_lens:
-        for batch in batches:
-            for policy in policies:
-                runner, decode = bench.runners[policy], bench.batch(context, batch, q_len)
-                ms = time_tpot(lambda: runner.step(decode))  # noqa: B023
-                rows.append(row(name, policy, context, batch, q_len, ms,
-                                bench.plan(policy, context, batch, q_len)))
-                print(_line(rows[-1]), flush=True)
     return rows
 
 
@@ -230,8 +198,8 @@ def main() -> None:
                                   max_model_len=max(top, MAX_MODEL_LEN), batches=args.batches,
                                   policies=tuple(args.policies), q_lens=args.q_lens)
     captures = {p: r.capture().describe() for p, r in bench.runners.items() if not r.is_eager}
-    rows = run_sparse(bench, policies=args.policies, contexts=args.contexts,
-                      batches=args.batches, q_lens=args.q_lens)
+    rows = run_rows(bench, policies=args.policies, contexts=args.contexts,
+                    batches=args.batches, q_lens=args.q_lens)
     bench.close()
     del bench
     torch.cuda.empty_cache()
@@ -241,8 +209,8 @@ def main() -> None:
         dense = TpotBench.build(deepseek_v3_tp8(num_layers=args.layers),
                                 max_model_len=MAX_MODEL_LEN, batches=args.batches,
                                 policies=tuple(dense_policies), q_lens=tuple(args.q_lens))
-        dense_rows = run_dense(dense, policies=dense_policies, context=MAX_MODEL_LEN,
-                               batches=args.batches, q_lens=args.q_lens)
+        dense_rows = run_rows(dense, policies=dense_policies, contexts=[MAX_MODEL_LEN],
+                              batches=args.batches, q_lens=args.q_lens)
         dense.close()
     result = {"meta": {**run_meta(), "model": "deepseek-v32-tp8", "layers": args.layers,
                        "dense_model": "deepseek-v3-tp8", "page_size": PAGE_SIZE,
