@@ -136,11 +136,16 @@ class MLADecoder:
         if self._kernel_error:
             raise ValueError(self._kernel_error)
         self.check_caches()
+        return self._layers(ctx, lambda i, h: self._attention(self.layers[i],
+                                                              self.kv_caches[i], h, ctx))
+
+    def _layers(self, ctx: DecodeContext, attention) -> torch.Tensor:
+        """The decoder stack with ``attention(layer index, normed hidden)`` per layer."""
         cfg = self.config
         x = ctx.inputs[HIDDEN_INPUT]
         h = rms_norm(x, self.layers[0].attn_norm, cfg.rms_eps)
-        for i, (layer, cache) in enumerate(zip(self.layers, self.kv_caches, strict=True)):
-            o = self._all_reduce(self._attention(layer, cache, h, ctx))
+        for i, layer in enumerate(self.layers):
+            o = self._all_reduce(attention(i, h))
             x, h = add_rms_norm(x, o, layer.mlp_norm, cfg.rms_eps)
             d = self._all_reduce(self._linear(silu_mul(self._linear(h, layer.w_gate_up)),
                                               layer.w_down))

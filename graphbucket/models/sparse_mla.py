@@ -34,8 +34,8 @@ import torch
 
 from graphbucket.context import DecodeContext
 from graphbucket.models.config import MLAConfig
-from graphbucket.models.mla import HIDDEN_INPUT, SLOT_INPUT, MLADecoder
-from graphbucket.models.ops import add_rms_norm, assemble_q, rms_norm, silu_mul, store_kv
+from graphbucket.models.mla import SLOT_INPUT, MLADecoder
+from graphbucket.models.ops import assemble_q, rms_norm, store_kv
 from graphbucket.models.paging import prefill_random
 from graphbucket.models.weights import _Draw
 from graphbucket.sparse.backend import SparseBackend, sparse_ladder
@@ -175,17 +175,8 @@ class SparseMLADecoder(MLADecoder):
         positions = ctx.positions.clamp(0, cfg.max_position - 1)
         cos_sin = self.rope[positions]                                   # [T, 64]
         index_slots = self._index_slots(ctx)
-        x = ctx.inputs[HIDDEN_INPUT]
-        h = rms_norm(x, self.layers[0].attn_norm, cfg.rms_eps)
-        for i, layer in enumerate(self.layers):
-            o = self._all_reduce(self._sparse_attention(i, h, ctx, cos_sin, index_slots))
-            x, h = add_rms_norm(x, o, layer.mlp_norm, cfg.rms_eps)
-            d = self._all_reduce(self._linear(silu_mul(self._linear(h, layer.w_gate_up)),
-                                              layer.w_down))
-            next_norm = (self.layers[i + 1].attn_norm if i + 1 < len(self.layers)
-                         else self.final_norm)
-            x, h = add_rms_norm(x, d, next_norm, cfg.rms_eps)
-        return h
+        return self._layers(ctx, lambda i, h: self._sparse_attention(i, h, ctx, cos_sin,
+                                                                     index_slots))
 
     def _index_slots(self, ctx: DecodeContext) -> torch.Tensor:
         """Each token's index-cache row; padding tokens -> the scratch row past the cache."""

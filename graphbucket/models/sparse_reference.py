@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from graphbucket.models.step_reference import _as, rms_norm_ref, rotary_ref
+from graphbucket.models.step_reference import rms_norm_ref, rotary_ref, step_tokens
 from graphbucket.models.weights import MLALayerWeights
 from graphbucket.reference import gather_request_kv
 from graphbucket.sparse.index_cache import dequantize_index_keys, quantize_index_keys
@@ -46,16 +46,8 @@ def sparse_decode_reference(config, layers: list[MLALayerWeights], indexers, fin
     dequantized keys). Arguments as ``models.step_reference.decode_reference``. Returns
     the final hidden states [B * q_len, D]."""
     cfg, dev = config, caches[0].device
-    x = _as(hidden, dev, dtype)
-    positions, seq_lens = _as(positions, dev, torch.int64), _as(seq_lens, dev, torch.int32)
-    block_table, slots = _as(block_table, dev, torch.int32), _as(slot_mapping, dev, torch.int64)
-    num_slots = caches[0].shape[0] * caches[0].shape[1]
-    request_lens = seq_lens.repeat_interleave(q_len)
-    live = [t for t, (s, n) in enumerate(zip(slots.tolist(), request_lens.tolist(),
-                                             strict=True)) if 0 <= s < num_slots and n > 0]
-    offsets = torch.arange(q_len, dtype=torch.int32).repeat(seq_lens.shape[0]).to(dev)
-    limits = torch.where(request_lens > 0, (request_lens - q_len + 1 + offsets).clamp_min(0), 0)
-    token_table = block_table.repeat_interleave(q_len, dim=0)
+    x, positions, slots, live, limits, token_table = step_tokens(
+        hidden, positions, seq_lens, block_table, slot_mapping, caches[0], dtype, q_len)
     tokens, heads, r = x.shape[0], cfg.num_heads, cfg.kv_lora_rank
     p, theta = cfg.qk_rope_dim, cfg.rope_theta
     for layer, ix, cache, keys in zip(layers, indexers, caches, index_caches, strict=True):

@@ -37,6 +37,25 @@ def _as(t, device, dtype=None) -> torch.Tensor:
     return t.to(device=device, dtype=dtype or t.dtype)
 
 
+def step_tokens(hidden, positions, seq_lens, block_table, slot_mapping, cache: torch.Tensor,
+                dtype: torch.dtype, q_len: int):
+    """A step's per-token view on ``cache``'s device: (hidden in ``dtype``, positions,
+    slots, the indices of tokens that store a row (live request, slot inside the cache),
+    each token's causal limit (seq_len - q_len + j + 1; 0 for padding) and its request's
+    block-table row)."""
+    dev = cache.device
+    x = _as(hidden, dev, dtype)
+    positions, seq_lens = _as(positions, dev, torch.int64), _as(seq_lens, dev, torch.int32)
+    block_table, slots = _as(block_table, dev, torch.int32), _as(slot_mapping, dev, torch.int64)
+    num_slots = cache.shape[0] * cache.shape[1]
+    request_lens = seq_lens.repeat_interleave(q_len)
+    live = [t for t, (s, n) in enumerate(zip(slots.tolist(), request_lens.tolist(),
+                                             strict=True)) if 0 <= s < num_slots and n > 0]
+    offsets = torch.arange(q_len, device=dev, dtype=torch.int32).repeat(seq_lens.shape[0])
+    limits = torch.where(request_lens > 0, (request_lens - q_len + 1 + offsets).clamp_min(0), 0)
+    return x, positions, slots, live, limits, block_table.repeat_interleave(q_len, dim=0)
+
+
 def decode_reference(config: MLAConfig, layers: list[MLALayerWeights],
                      final_norm: torch.Tensor, hidden, *, positions, seq_lens, block_table,
                      slot_mapping, caches: list[torch.Tensor],
@@ -59,17 +78,8 @@ def decode_reference(config: MLAConfig, layers: list[MLALayerWeights],
     on any device, numpy arrays or lists). Returns the final hidden states [B * q_len, D].
     """
     cfg, dev = config, caches[0].device
-    x = _as(hidden, dev, dtype)
-    positions, seq_lens = _as(positions, dev, torch.int64), _as(seq_lens, dev, torch.int32)
-    block_table, slots = _as(block_table, dev, torch.int32), _as(slot_mapping, dev, torch.int64)
-    num_slots = caches[0].shape[0] * caches[0].shape[1]
-    request_lens = seq_lens.repeat_interleave(q_len)
-    live = [t for t, (s, n) in enumerate(zip(slots.tolist(), request_lens.tolist(),
-                                             strict=True)) if 0 <= s < num_slots and n > 0]
-    # One attention row per token with its causal limit (0 stays 0: padding).
-    offsets = torch.arange(q_len, device=dev, dtype=torch.int32).repeat(seq_lens.shape[0])
-    limits = torch.where(request_lens > 0, (request_lens - q_len + 1 + offsets).clamp_min(0), 0)
-    token_table = block_table.repeat_interleave(q_len, dim=0)
+    x, positions, slots, live, limits, token_table = step_tokens(
+        hidden, positions, seq_lens, block_table, slot_mapping, caches[0], dtype, q_len)
     bs, heads, r = x.shape[0], cfg.num_heads, cfg.kv_lora_rank
     fmt = kv_cache_format or ("fp8-tensor" if kv_scale is not None else "bf16")
     for layer, cache in zip(layers, caches, strict=True):
