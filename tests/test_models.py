@@ -26,13 +26,9 @@ from graphbucket.models import (
 )
 from graphbucket.models.step_reference import rotary_ref
 from graphbucket.runner import GraphBucketRunner
+from tests._toy import rel_l2
 
 PAGE, PAGES = 16, 32
-
-
-def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.double().cpu(), want.double().cpu()
-    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
 
 
 def tiny_model(dtype=torch.float32, **kw) -> MLADecoder:

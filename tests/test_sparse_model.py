@@ -25,14 +25,10 @@ from graphbucket.runner import GraphBucketRunner
 from graphbucket.select import GraphSelector
 from graphbucket.sparse.backend import SparseBackend, sparse_ladder
 from graphbucket.sparse.plan import plan_sparse_decode
+from tests._toy import rel_l2
 
 MML = 128  # tiny model: max_model_len
 PAGE = 16
-
-
-def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.double().cpu(), want.double().cpu()
-    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
 
 
 # ---- host: plans, aliasing, ladder, workspace ------------------------------------------------

@@ -25,13 +25,9 @@ from graphbucket.models import (
     tiny_v32,
 )
 from graphbucket.models.ops import rope_cache, store_kv
+from tests._toy import rel_l2
 
 PAGE, PAGES = 16, 32
-
-
-def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.double().cpu(), want.double().cpu()
-    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
 
 
 def tiny_model(**kw) -> MLADecoder:
