@@ -115,6 +115,31 @@ def kernel_page_table(block_table: torch.Tensor, page_size: int,
     return (table[:, :, None] * r + offsets).reshape(table.shape[0], -1)
 
 
+def compact_rows(values: torch.Tensor, counts: torch.Tensor, *, kv_indptr: torch.Tensor,
+                 kv_indices: torch.Tensor) -> None:
+    """Pack the first ``counts[b]`` entries of each row of ``values`` [B, W] into
+    ``kv_indices`` [B * W] (row b at kv_indptr[b]), zeros after the total; ``kv_indptr``
+    [B + 1] = exclusive prefix sum of ``counts`` [B] (each in 0..W).
+
+    Graph-safe: one scatter whose destinations are a permutation (live entries to their
+    compact slot, the rest in order after the total), so no slot keeps a stale value.
+    """
+    bsz, width = values.shape
+    counts = counts.to(torch.int64)
+    end = torch.cumsum(counts, 0)
+    start = end - counts
+    cols = torch.arange(width, dtype=torch.int64, device=values.device)
+    live = cols < counts[:, None]
+    # Dead entries of row b go to total + b * width + col - end[b]: after the total, in order.
+    rows = torch.arange(bsz, dtype=torch.int64, device=values.device)[:, None]
+    dead_slot = end[-1:] + rows * width + cols - end[:, None]
+    dest = torch.where(live, start[:, None] + cols, dead_slot)
+    src = torch.where(live, values, 0).to(kv_indices.dtype)
+    kv_indices.scatter_(0, dest.reshape(-1), src.reshape(-1))
+    kv_indptr[:1].zero_()
+    kv_indptr[1:].copy_(end)
+
+
 def fill_kv_indices(seq_lens: torch.Tensor, block_table: torch.Tensor, *, page_size: int,
                     kernel_page_size: int, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                     kv_last_page_lens: torch.Tensor) -> None:
@@ -127,9 +152,7 @@ def fill_kv_indices(seq_lens: torch.Tensor, block_table: torch.Tensor, *, page_s
     zeros; ``kv_last_page_lens`` [B] = seq_lens - (n_b - 1) * g, in [1, g] for live rows
     and g for padding rows. Requires seq_lens[b] <= C * page_size.
 
-    Graph-safe: fixed shapes only. Every slot of ``kv_indices`` is written by one scatter
-    whose destinations are a permutation (live pages to their compact slot, the rest in
-    order after the total), so no slot keeps a stale value and nothing is read on the host.
+    Graph-safe: fixed shapes only, nothing read on the host (``compact_rows``).
     """
     bsz = seq_lens.shape[0]
     pages = kernel_page_table(block_table, page_size, kernel_page_size)
@@ -144,18 +167,7 @@ def fill_kv_indices(seq_lens: torch.Tensor, block_table: torch.Tensor, *, page_s
             f"{tuple(kv_last_page_lens.shape)}")
     lens = seq_lens.to(torch.int64).clamp(min=0)
     n = ((lens + kernel_page_size - 1) // kernel_page_size).clamp(max=width)
-    end = torch.cumsum(n, 0)
-    start = end - n
-    cols = torch.arange(width, dtype=torch.int64, device=pages.device)
-    live = cols < n[:, None]
-    # Dead entries of row b go to total + b * width + col - end[b]: after the total, in order.
-    rows = torch.arange(bsz, dtype=torch.int64, device=pages.device)[:, None]
-    dead_slot = end[-1:] + rows * width + cols - end[:, None]
-    dest = torch.where(live, start[:, None] + cols, dead_slot)
-    src = torch.where(live, pages, 0).to(kv_indices.dtype)
-    kv_indices.scatter_(0, dest.reshape(-1), src.reshape(-1))
-    kv_indptr[:1].zero_()
-    kv_indptr[1:].copy_(end)
+    compact_rows(pages, n, kv_indptr=kv_indptr, kv_indices=kv_indices)
     kv_last_page_lens.copy_(lens - (n - 1) * kernel_page_size)
 
 

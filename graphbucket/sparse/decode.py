@@ -157,6 +157,19 @@ def _check_indexer_args(index_q, index_weights, index_cache, index_scales, kv_ca
               f"float32 {tuple(index_cache.shape[:2])}", "One float32 scale per cached token.")
 
 
+def select_tokens(index_q: torch.Tensor, index_weights: torch.Tensor,
+                  index_cache: torch.Tensor, index_scales: torch.Tensor,
+                  block_table: torch.Tensor, seq_lens: torch.Tensor,
+                  workspace: SparseWorkspace, *, plan: SparsePlan) -> None:
+    """The indexer's logits, then the top-k: ``workspace.indices`` [R, topk] positions
+    (-1 padding) and ``workspace.sparse_lens`` [R] = min(seq_lens, topk). Unchecked
+    (``check_sparse_args``). Graph-safe: fixed grids, no host reads."""
+    launch_indexer_logits(index_q, index_weights, index_cache, index_scales, block_table,
+                          seq_lens, workspace.logits, plan=plan)
+    launch_topk(workspace.logits, seq_lens, workspace.indices, workspace.sparse_lens,
+                workspace.topk, num_rows=plan.num_rows, block=plan.topk_block)
+
+
 def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, index_q: torch.Tensor,
                       index_weights: torch.Tensor, index_cache: torch.Tensor,
                       index_scales: torch.Tensor, block_table: torch.Tensor,
@@ -178,10 +191,8 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, index_q: torch.Te
     if check:
         check_sparse_args(q, kv_cache, index_q, index_weights, index_cache, index_scales,
                           block_table, seq_lens, out, workspace, plan, lse)
-    launch_indexer_logits(index_q, index_weights, index_cache, index_scales, block_table,
-                          seq_lens, workspace.logits, plan=plan)
-    launch_topk(workspace.logits, seq_lens, workspace.indices, workspace.sparse_lens,
-                workspace.topk, num_rows=plan.num_rows, block=plan.topk_block)
+    select_tokens(index_q, index_weights, index_cache, index_scales, block_table, seq_lens,
+                  workspace, plan=plan)
     launch_sparse_attention(q, kv_cache, block_table, workspace.indices, workspace.sparse_lens,
                             out, workspace.split, plan=plan, sm_scale=sm_scale, lse=lse)
     return out
