@@ -15,4 +15,5 @@ install_package
 # Fast lane first: host logic only, no kernel launches (seconds). Then everything else,
 # the Triton kernels included (through the interpreter where there is no GPU).
 "$PY" -m pytest -q -m host tests "$@"
-"$PY" -m pytest -q -m "not host" tests bench/test_tpot.py --benchmark-disable "$@"
+"$PY" -m pytest -q -m "not host" tests bench/test_tpot.py bench/test_tpot_sparse.py \
+    --benchmark-disable "$@"
