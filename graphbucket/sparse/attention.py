@@ -35,7 +35,7 @@ from graphbucket.kernels.mla_decode import (
     _store_final,
     _store_padding,
 )
-from graphbucket.plan import pow2_ceil
+from graphbucket.plan import merge_block_s
 from graphbucket.sparse.plan import SparsePlan
 
 
@@ -109,10 +109,6 @@ def _sparse_attention_kernel(
                      mask=mask_h)
     elif ONE_SPLIT:
         _store_padding(o_ptr, lse_ptr, mask_h, BLOCK_H, KV_LORA_RANK, WRITE_LSE)
-
-
-def merge_block_s(num_splits: int) -> int:
-    return max(16, pow2_ceil(num_splits))
 
 
 def launch_sparse_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
