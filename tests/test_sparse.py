@@ -32,7 +32,7 @@ from graphbucket.sparse.reference import (
     sparse_attention_reference,
     topk_reference,
 )
-from graphbucket.sparse.topk import TopkScratch, launch_topk, topk_torch
+from graphbucket.sparse.topk import SAMPLES, TopkScratch, launch_topk, topk_torch
 from tests.kernel_cases import KV_LORA_RANK, SM_SCALE, make_case, rel_l2
 
 ON_GPU = torch.cuda.is_available()
@@ -255,7 +255,7 @@ def test_sparse_decode_without_lse_and_with_a_wider_logits_buffer(seeded):
                                                 ([2500, 1024], 1000, 4)])
 def test_topk_kernel_selects_exactly_with_negatives_and_ties(lens, topk, chunks, seeded):
     rows, width = len(lens), max(max(lens), topk)
-    scratch = TopkScratch.allocate(rows, DEVICE)
+    scratch = TopkScratch.allocate(rows, width, DEVICE)
     # Twice on one scratch: each call leaves its histogram cleared for the next.
     for _ in range(2):
         check_topk_kernel(lens, topk, chunks, width, scratch)
@@ -274,7 +274,7 @@ def check_topk_kernel(lens, topk, chunks, width, scratch):
                 out_s := sparse_lens.to(DEVICE), scratch, num_rows=rows, num_chunks=chunks,
                 block=64)
     out_i, out_s = out_i.cpu(), out_s.cpu()
-    assert (scratch.hist == 0).all()
+    assert (scratch.hist == 0).all() and (scratch.tickets == 0).all()
     for r, n in enumerate(lens):
         taken = min(n, topk)
         assert out_s[r] == taken and (out_i[r, taken:] == -1).all()
@@ -301,6 +301,28 @@ def check_topk_kernel(lens, topk, chunks, width, scratch):
             assert got == want
 
 
+def test_topk_kernel_is_exact_when_the_sample_misleads_the_floor(seeded):
+    # The sampled positions hold the row's largest logits, so fewer than k keys clear the
+    # floor: every pass falls back to the raw logits. A second row keeps the fast path.
+    n, topk = 4096, 1000
+    logits = torch.randn(2, n, dtype=torch.float64).float()
+    sampled = torch.arange(SAMPLES) * n // SAMPLES
+    logits[0, sampled] += 100.0
+    seq_lens = torch.tensor([n, n], dtype=torch.int32, device=DEVICE)
+    indices = torch.empty(2, topk, dtype=torch.int32, device=DEVICE)
+    sparse_lens = torch.empty(2, dtype=torch.int32, device=DEVICE)
+    scratch = TopkScratch.allocate(2, n, DEVICE)
+    launch_topk(logits.to(DEVICE), seq_lens, indices, sparse_lens, scratch, num_rows=2,
+                num_chunks=3, block=256)
+    candidates = scratch.candidates.cpu()
+    assert candidates[0] < topk <= candidates[1] < n  # raw fallback, then compacted
+    for r in range(2):
+        want = set(torch.topk(logits[r], topk).indices.tolist())
+        got = indices[r].cpu().tolist()
+        assert set(got) == want and got == sorted(got)
+    assert (scratch.hist == 0).all() and (scratch.tickets == 0).all()
+
+
 def test_topk_kernel_threshold_on_signed_zeros_takes_the_first_zeros(seeded):
     # 30 positives, 40 zeros of both signs, 30 negatives: the 50th largest is a zero.
     values = torch.cat([torch.rand(30) + 1, torch.zeros(40), -torch.rand(30) - 1])
@@ -310,7 +332,7 @@ def test_topk_kernel_threshold_on_signed_zeros_takes_the_first_zeros(seeded):
     indices = torch.empty(1, 50, dtype=torch.int32, device=DEVICE)
     sparse_lens = torch.empty(1, dtype=torch.int32, device=DEVICE)
     launch_topk(logits.to(DEVICE), torch.tensor([100], dtype=torch.int32, device=DEVICE),
-                indices, sparse_lens, TopkScratch.allocate(1, DEVICE), num_rows=1,
+                indices, sparse_lens, TopkScratch.allocate(1, 100, DEVICE), num_rows=1,
                 num_chunks=2, block=32)
     zero_positions = (logits[0] == 0).nonzero().flatten().tolist()
     expected = set((logits[0] > 0).nonzero().flatten().tolist()) | set(zero_positions[:20])

@@ -8,6 +8,8 @@ replayed random steps without a sync, capture memory against one bucket.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -82,7 +84,7 @@ def test_workspace_spec_counts_what_it_allocates():
     assert spec.max_rows == 6 and spec.max_splits == max(p.attention_splits for p in plans)
     ws = spec.allocate("cpu")
     tensors = [ws.logits, ws.indices, ws.sparse_lens, ws.split.partial_o, ws.split.partial_lse,
-               ws.topk.hist, ws.topk.state, ws.topk.counts]
+               *(getattr(ws.topk, f.name) for f in dataclasses.fields(ws.topk))]
     assert spec.nbytes == sum(t.numel() * t.element_size() for t in tensors)
     assert all(ws.fits(p) for p in plans)
 

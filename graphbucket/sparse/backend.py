@@ -26,7 +26,7 @@ from graphbucket.kernels.verify import flatten_verify
 from graphbucket.ladder import Bucket, BucketLadder
 from graphbucket.sparse.decode import SparseWorkspace, sparse_mla_decode
 from graphbucket.sparse.plan import DEFAULT_TOPK, SparsePlan, plan_sparse_decode
-from graphbucket.sparse.topk import HIST_BINS, MAX_CHUNKS
+from graphbucket.sparse.topk import TopkScratch
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,8 +44,8 @@ class SparseWorkspaceSpec:
     def nbytes(self) -> int:
         rows = self.max_rows
         split = rows * self.num_heads * self.max_splits * (self.kv_lora_rank + 1)
-        scratch = rows * (HIST_BINS + 2 + 2 * MAX_CHUNKS)
-        return 4 * (rows * self.max_len + rows * self.topk + rows + split + scratch)
+        return (4 * (rows * self.max_len + rows * self.topk + rows + split)
+                + TopkScratch.nbytes(rows, self.max_len))
 
     def allocate(self, device: torch.device | str) -> SparseWorkspace:
         return SparseWorkspace.allocate(self.max_rows, self.num_heads, self.max_len,

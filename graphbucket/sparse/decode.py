@@ -55,7 +55,7 @@ class SparseWorkspace:
                    torch.zeros(max_rows, dtype=torch.int32, device=device),
                    SplitWorkspace.allocate(max_rows, num_heads, max_splits, kv_lora_rank,
                                            device),
-                   TopkScratch.allocate(max_rows, device))
+                   TopkScratch.allocate(max_rows, max_len, device))
 
     @property
     def max_len(self) -> int:

@@ -6,19 +6,33 @@ Per row r with live length n = len_r, writing ``indices[r, :k]`` (int32 position
 - n <= k: every position 0 .. n-1 in order, then -1 padding.
 - n > k: the k largest logits, in position order. Each float32 logit maps to a uint32 key
   with the same order (``_order_key``: sign bit set for positives, all bits flipped for
-  negatives, -0.0 read as +0.0). The k-th largest key T is found by a most-significant-
-  digit radix select in three passes of 11, 11 and 10 bits: ``num_chunks`` programs per
-  row histogram the next digit of their chunk's keys that match the digits chosen so
-  far (shared-memory histogram, then one atomic add per non-empty bin into the row's
-  histogram), and one program per row picks the digit whose suffix count first reaches
-  the number still needed (and clears the histogram for the next pass). Then every chunk
-  counts its keys above T and equal to T, and each chunk writes its positions at the
-  offset of the chunks before it: keys above T, and the first ``need`` keys equal to T
-  in position order. Exact and deterministic (ties at T go to the lowest positions).
+  negatives, -0.0 read as +0.0). Ties at the k-th largest key go to the lowest positions:
+  exact and deterministic.
 
-Eight launches with fixed grids, no host reads: graph-safe. The row is read 5 times (4
-bytes a token; from L2 after the first). Scratch (``TopkScratch``): a [rows, 2048]
-histogram kept zero between calls, the threshold state and per-chunk counts.
+Six launches on fixed grids, ``num_chunks`` programs per row, no host reads (graph-safe):
+
+1. compact: every program draws the same strided sample of SAMPLES logits of its row and
+   takes as floor F the sample key whose rank, scaled to the row, clears k with a margin
+   of five standard deviations (``_sample_floor``). It copies its chunk's keys >= F (and
+   their positions) to its own segment of the candidate buffers, in position order; the
+   row's last program to finish (a ticket counter, CUTLASS-style: barrier, then one
+   acq_rel atomic) lays the segments end to end into one list of m candidates.
+   When m >= k the k largest are all candidates and the passes below share the m
+   candidates evenly among the row's programs (a few thousand of 128K keys). When fewer
+   clear F (a sample that missed: about once in 1e5 rows of random logits, or an
+   adversarial order), they share the whole row's logits instead: slower, never wrong.
+2-4. digits: a most-significant-digit radix select of the k-th largest key T in passes of
+   11, 11 and 10 bits. Each program histograms the next digit of its candidates that
+   match the digits chosen so far and adds it into the row's histogram; the row's last
+   program picks the digit whose suffix count first reaches the number still needed and
+   reads-and-clears the histogram for the next pass.
+5. count: each program counts its candidates above T and equal to T.
+6. write: each program writes its keys above T, and its share of the first ``need`` keys
+   equal to T, at the offset the programs before it fill: in position order.
+
+Scratch (``TopkScratch``): candidate keys and positions as wide as the logits, a
+[rows, 2048] histogram and a ticket per row (both zero between calls), the threshold
+state, and per-program counts and offsets.
 
 ``topk_torch``: the same contract with ``torch.topk`` on masked logits (graph-safe too,
 allocates temporaries, sorted by logit); a reference and a timing baseline.
@@ -35,32 +49,61 @@ import triton.language as tl
 # Digits per pass, most significant first (32 bits in all).
 PASS_BITS = (11, 11, 10)
 HIST_BINS = 1 << max(PASS_BITS)
-MAX_CHUNKS = 64  # programs per row at most (the per-chunk counts' width)
+CHUNK_BITS = 6
+MAX_CHUNKS = 1 << CHUNK_BITS  # programs per row at most (the per-program counts' width)
+SAMPLES = 512        # strided logits per row that place the candidate floor
+FLOOR_SIGMAS = 5.0   # margin of the floor's rank over its expected value, in std devs
+SHARE_BLOCK = 128    # candidates per step of the passes after the compaction
 
 
 @dataclass(frozen=True)
 class TopkScratch:
-    """Device scratch of ``launch_topk`` for up to ``rows`` rows, allocated once.
+    """Device scratch of ``launch_topk`` for up to ``rows`` rows of ``max_len`` logits.
 
-    hist:   [rows, HIST_BINS] int32, zero between calls (each pass clears it)
-    state:  [rows, 2] int32, the threshold's digits so far (uint32 bits) and the number
-            of keys equal to it still to take
-    counts: [rows, MAX_CHUNKS, 2] int32, keys above / equal to the threshold per chunk
+    keys, positions: [rows, max_len] int32, the candidates (chunk c's segment starts at
+                     the chunk's first position)
+    hist:    [rows, HIST_BINS] int32, zero between calls (the last program clears it)
+    tickets: [rows] int32, programs done with the current launch; zero between calls
+    state:   [rows, 3] int32: the threshold's digits so far (uint32 bits), the number of
+             keys equal to it still to take, the candidates m
+    chunks:  [rows, 2, MAX_CHUNKS] int32: candidates per chunk, then each segment's
+             offset in the buffers minus its first index in the list of candidates
+    tallies: [rows, 2, MAX_CHUNKS] int32: per program, candidates above / equal to T
     """
 
+    keys: torch.Tensor
+    positions: torch.Tensor
     hist: torch.Tensor
+    tickets: torch.Tensor
     state: torch.Tensor
-    counts: torch.Tensor
+    chunks: torch.Tensor
+    tallies: torch.Tensor
 
     @classmethod
-    def allocate(cls, rows: int, device: torch.device | str) -> TopkScratch:
-        return cls(torch.zeros(rows, HIST_BINS, dtype=torch.int32, device=device),
-                   torch.zeros(rows, 2, dtype=torch.int32, device=device),
-                   torch.zeros(rows, MAX_CHUNKS, 2, dtype=torch.int32, device=device))
+    def allocate(cls, rows: int, max_len: int, device: torch.device | str) -> TopkScratch:
+        def zeros(*shape):
+            return torch.zeros(*shape, dtype=torch.int32, device=device)
+        return cls(zeros(rows, max_len), zeros(rows, max_len), zeros(rows, HIST_BINS),
+                   zeros(rows), zeros(rows, 3), zeros(rows, 2, MAX_CHUNKS),
+                   zeros(rows, 2, MAX_CHUNKS))
+
+    @staticmethod
+    def nbytes(rows: int, max_len: int) -> int:
+        """Bytes ``allocate(rows, max_len, ...)`` takes."""
+        return 4 * rows * (2 * max_len + HIST_BINS + 1 + 3 + 4 * MAX_CHUNKS)
 
     @property
     def rows(self) -> int:
         return self.hist.shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def candidates(self) -> torch.Tensor:
+        """[rows] the last call's candidate count per row (rows longer than k)."""
+        return self.state[:, 2]
 
 
 def topk_chunks(max_len: int, block: int = 1024) -> int:
@@ -89,115 +132,225 @@ def _row_length(SEQ_LENS, row, max_len):
 
 
 @triton.jit
-def _topk_hist_kernel(LOGITS, SEQ_LENS, HIST, STATE, k, max_len, num_chunks,
-                      stride_l_r, stride_h_r, stride_s_r,
-                      SHIFT: tl.constexpr, BITS: tl.constexpr, FIRST: tl.constexpr,
-                      BLOCK: tl.constexpr):
+def _last_to_finish(TICKETS, row, num_chunks):
+    """Whether this program is the row's last to get here. Every thread's earlier
+    global writes are ordered before the ticket (barrier, then the ticket's release);
+    the last program resets the ticket for the next launch."""
+    tl.debug_barrier()
+    last = tl.atomic_add(TICKETS + row, 1, sem="acq_rel") == num_chunks - 1
+    if last:
+        tl.atomic_xchg(TICKETS + row, 0, sem="relaxed")
+    return last
+
+
+@triton.jit
+def _sample_floor(row_ptr, n, k, SAMPLES: tl.constexpr, FLOOR_SIGMAS: tl.constexpr):
+    """A key F such that, most likely, at least k of the row's n keys are >= F, and not
+    many more: the sample key of rank r = e + FLOOR_SIGMAS sqrt(e) + 1 (e = k SAMPLES / n,
+    the expected rank of the k-th largest), from SAMPLES strided positions."""
+    i = tl.arange(0, SAMPLES)
+    pos = (i.to(tl.int64) * n // SAMPLES).to(tl.int32)
+    keys = tl.sort(_order_key(tl.load(row_ptr + pos)), descending=True)
+    expected = (k * SAMPLES) / n
+    rank = tl.minimum((expected + FLOOR_SIGMAS * tl.sqrt(expected)).to(tl.int32) + 1,
+                      SAMPLES)
+    return tl.max(tl.where(i == rank - 1, keys, 0), 0)
+
+
+@triton.jit
+def _topk_compact_kernel(LOGITS, SEQ_LENS, KEYS, POSITIONS, TICKETS, STATE, CHUNKS,
+                         k, max_len, num_chunks, stride_l_r, stride_k_r, stride_s_r,
+                         stride_c_r, stride_c_i,
+                         SAMPLES: tl.constexpr, FLOOR_SIGMAS: tl.constexpr,
+                         BLOCK: tl.constexpr, MAX_CHUNKS: tl.constexpr):
     row = tl.program_id(0)
+    chunk = tl.program_id(1)
     n = _row_length(SEQ_LENS, row, max_len)
     if n > k:
-        start, end = _chunk_range(n, tl.program_id(1), num_chunks, BLOCK)
-        BINS: tl.constexpr = 1 << BITS
         row_ptr = LOGITS + row.to(tl.int64) * stride_l_r
-        prefix = tl.load(STATE + row * stride_s_r).to(tl.uint32, bitcast=True)
-        hist = tl.zeros([BINS], dtype=tl.int32)
+        floor = _sample_floor(row_ptr, n, k, SAMPLES, FLOOR_SIGMAS)
+        start, end = _chunk_range(n, chunk, num_chunks, BLOCK)
+        keys_row = KEYS + row.to(tl.int64) * stride_k_r
+        pos_row = POSITIONS + row.to(tl.int64) * stride_k_r
+        written = start
         for c0 in range(start, end, BLOCK):
             offs = c0 + tl.arange(0, BLOCK)
             live = offs < end
             key = _order_key(tl.load(row_ptr + offs, mask=live, other=0.0))
-            if not FIRST:  # keys whose higher digits are the ones chosen so far
-                live = live & ((key >> (SHIFT + BITS)) == (prefix >> (SHIFT + BITS)))
-            digit = ((key >> SHIFT) & (BINS - 1)).to(tl.int32)
-            hist += tl.histogram(digit, BINS, mask=live)
-        bins = tl.arange(0, BINS)
-        tl.atomic_add(HIST + row * stride_h_r + bins, hist, mask=hist > 0, sem="relaxed")
+            take = live & (key >= floor)
+            slot = written + tl.cumsum(take.to(tl.int32), 0) - 1
+            tl.store(keys_row + slot, key.to(tl.int32, bitcast=True), mask=take)
+            tl.store(pos_row + slot, offs, mask=take)
+            written += tl.sum(take.to(tl.int32), 0)
+        counts_row = CHUNKS + row * stride_c_r
+        tl.atomic_xchg(counts_row + chunk, written - start, sem="relaxed")
+        if _last_to_finish(TICKETS, row, num_chunks):
+            # Segments end to end: candidate i of chunk c sits at buffer index i + shift_c,
+            # for first_c <= i < first_c + count_c (first: past every i beyond the chunks).
+            chunks = tl.arange(0, MAX_CHUNKS)
+            mine = chunks < num_chunks
+            counts = tl.atomic_add(counts_row + chunks, 0, mask=mine, sem="relaxed")
+            counts = tl.where(mine, counts, 0)
+            first = tl.cumsum(counts, 0) - counts
+            seg_start, _ = _chunk_range(n, chunks, num_chunks, BLOCK)
+            tl.store(counts_row + chunks, tl.where(mine, first, 2147483647))
+            tl.store(counts_row + stride_c_i + chunks, seg_start - first)
+            tl.store(STATE + row * stride_s_r + 2, tl.sum(counts, 0))
 
 
 @triton.jit
-def _topk_select_kernel(SEQ_LENS, HIST, STATE, k, max_len, stride_h_r, stride_s_r,
-                        SHIFT: tl.constexpr, BITS: tl.constexpr, FIRST: tl.constexpr):
+def _share(STATE, row, program, num_chunks, k, n, stride_s_r):
+    """This program's even share [lo, hi) of the row's candidates, and whether they are
+    the raw logits (fewer than k cleared the floor)."""
+    m = tl.load(STATE + row * stride_s_r + 2)
+    raw = m < k
+    total = tl.where(raw, n, m)
+    lo = (program.to(tl.int64) * total // num_chunks).to(tl.int32)
+    hi = ((program + 1).to(tl.int64) * total // num_chunks).to(tl.int32)
+    return lo, hi, raw
+
+
+@triton.jit
+def _candidates(LOGITS_ROW, KEYS_ROW, POS_ROW, CHUNKS_ROW, stride_c_i, idx, live, raw,
+                CHUNK_BITS: tl.constexpr):
+    """Keys and positions of candidates ``idx`` of the list (raw: the logits)."""
+    MAX_CHUNKS: tl.constexpr = 1 << CHUNK_BITS
+    if raw:
+        key = _order_key(tl.load(LOGITS_ROW + idx, mask=live, other=0.0))
+        pos = idx
+    else:
+        # The segment holding idx: the last chunk c with first_c <= idx (binary search
+        # over the row's MAX_CHUNKS firsts, an L1-resident 256 bytes).
+        c = tl.zeros_like(idx)
+        for bit in tl.static_range(1, CHUNK_BITS + 1):
+            probe = c + (MAX_CHUNKS >> bit)
+            c = tl.where(tl.load(CHUNKS_ROW + probe) <= idx, probe, c)
+        at = idx + tl.load(CHUNKS_ROW + stride_c_i + c)
+        key = tl.load(KEYS_ROW + at, mask=live, other=0).to(tl.uint32, bitcast=True)
+        pos = tl.load(POS_ROW + at, mask=live, other=0)
+    return key, pos
+
+
+@triton.jit
+def _topk_digit_kernel(LOGITS, SEQ_LENS, KEYS, POSITIONS, HIST, TICKETS, STATE, CHUNKS,
+                       k, max_len, num_chunks,
+                       stride_l_r, stride_k_r, stride_h_r, stride_s_r, stride_c_r,
+                       stride_c_i,
+                       SHIFT: tl.constexpr, BITS: tl.constexpr, FIRST: tl.constexpr,
+                       SHARE_BLOCK: tl.constexpr, CHUNK_BITS: tl.constexpr):
     row = tl.program_id(0)
+    program = tl.program_id(1)
     n = _row_length(SEQ_LENS, row, max_len)
     if n > k:
+        lo, hi, raw = _share(STATE, row, program, num_chunks, k, n, stride_s_r)
+        chunks_row = CHUNKS + row * stride_c_r
         BINS: tl.constexpr = 1 << BITS
-        bins = tl.arange(0, BINS)
-        hist_ptr = HIST + row * stride_h_r + bins
-        hist = tl.load(hist_ptr)
+        logits_row = LOGITS + row.to(tl.int64) * stride_l_r
+        keys_row = KEYS + row.to(tl.int64) * stride_k_r
+        pos_row = POSITIONS + row.to(tl.int64) * stride_k_r
         if FIRST:
             prefix = tl.zeros([], dtype=tl.uint32)
             need = k
         else:
             prefix = tl.load(STATE + row * stride_s_r).to(tl.uint32, bitcast=True)
             need = tl.load(STATE + row * stride_s_r + 1)
-        # at_least[b]: matching keys whose digit is >= b; at_least[0] >= need always.
-        at_least = tl.cumsum(hist, 0, reverse=True)
-        d = tl.max(tl.where(at_least >= need, bins, 0), 0)
-        need -= tl.sum(tl.where(bins > d, hist, 0), 0)
-        prefix = prefix | (d.to(tl.uint32) << SHIFT)
-        tl.store(STATE + row * stride_s_r, prefix.to(tl.int32, bitcast=True))
-        tl.store(STATE + row * stride_s_r + 1, need)
-        tl.store(hist_ptr, tl.zeros([BINS], dtype=tl.int32))  # ready for the next pass
+        hist = tl.zeros([BINS], dtype=tl.int32)
+        for i0 in range(lo, hi, SHARE_BLOCK):
+            idx = i0 + tl.arange(0, SHARE_BLOCK)
+            live = idx < hi
+            key, _ = _candidates(logits_row, keys_row, pos_row, chunks_row, stride_c_i, idx,
+                                 live, raw, CHUNK_BITS)
+            if not FIRST:  # keys whose higher digits are the ones chosen so far
+                live = live & ((key >> (SHIFT + BITS)) == (prefix >> (SHIFT + BITS)))
+            digit = ((key >> SHIFT) & (BINS - 1)).to(tl.int32)
+            hist += tl.histogram(digit, BINS, mask=live)
+        bins = tl.arange(0, BINS)
+        hist_ptr = HIST + row * stride_h_r + bins
+        tl.atomic_add(hist_ptr, hist, mask=hist > 0, sem="relaxed")
+        if _last_to_finish(TICKETS, row, num_chunks):
+            hist = tl.atomic_xchg(hist_ptr, tl.zeros([BINS], dtype=tl.int32), sem="relaxed")
+            # at_least[b]: matching keys whose digit is >= b; at_least[0] >= need always.
+            at_least = tl.cumsum(hist, 0, reverse=True)
+            d = tl.max(tl.where(at_least >= need, bins, 0), 0)
+            need -= tl.sum(tl.where(bins > d, hist, 0), 0)
+            prefix = prefix | (d.to(tl.uint32) << SHIFT)
+            tl.store(STATE + row * stride_s_r, prefix.to(tl.int32, bitcast=True))
+            tl.store(STATE + row * stride_s_r + 1, need)
 
 
 @triton.jit
-def _topk_count_kernel(LOGITS, SEQ_LENS, STATE, COUNTS, k, max_len, num_chunks,
-                       stride_l_r, stride_s_r, stride_c_r, BLOCK: tl.constexpr):
+def _topk_count_kernel(LOGITS, SEQ_LENS, KEYS, POSITIONS, STATE, CHUNKS, TALLIES,
+                       k, max_len, num_chunks,
+                       stride_l_r, stride_k_r, stride_s_r, stride_c_r, stride_c_i,
+                       stride_t_r, stride_t_i,
+                       SHARE_BLOCK: tl.constexpr, CHUNK_BITS: tl.constexpr):
     row = tl.program_id(0)
-    chunk = tl.program_id(1)
+    program = tl.program_id(1)
     n = _row_length(SEQ_LENS, row, max_len)
     if n > k:
-        start, end = _chunk_range(n, chunk, num_chunks, BLOCK)
-        row_ptr = LOGITS + row.to(tl.int64) * stride_l_r
+        lo, hi, raw = _share(STATE, row, program, num_chunks, k, n, stride_s_r)
+        chunks_row = CHUNKS + row * stride_c_r
+        logits_row = LOGITS + row.to(tl.int64) * stride_l_r
+        keys_row = KEYS + row.to(tl.int64) * stride_k_r
+        pos_row = POSITIONS + row.to(tl.int64) * stride_k_r
         threshold = tl.load(STATE + row * stride_s_r).to(tl.uint32, bitcast=True)
         above = 0
         equal = 0
-        for c0 in range(start, end, BLOCK):
-            offs = c0 + tl.arange(0, BLOCK)
-            live = offs < end
-            key = _order_key(tl.load(row_ptr + offs, mask=live, other=0.0))
+        for i0 in range(lo, hi, SHARE_BLOCK):
+            idx = i0 + tl.arange(0, SHARE_BLOCK)
+            live = idx < hi
+            key, _ = _candidates(logits_row, keys_row, pos_row, chunks_row, stride_c_i, idx,
+                                 live, raw, CHUNK_BITS)
             above += tl.sum((live & (key > threshold)).to(tl.int32), 0)
             equal += tl.sum((live & (key == threshold)).to(tl.int32), 0)
-        tl.store(COUNTS + row * stride_c_r + chunk * 2, above)
-        tl.store(COUNTS + row * stride_c_r + chunk * 2 + 1, equal)
+        tl.store(TALLIES + row * stride_t_r + program, above)
+        tl.store(TALLIES + row * stride_t_r + stride_t_i + program, equal)
 
 
 @triton.jit
-def _topk_write_kernel(LOGITS, SEQ_LENS, STATE, COUNTS, INDICES, SPARSE_LENS, k, max_len,
-                       num_chunks, stride_l_r, stride_s_r, stride_c_r, stride_i_r,
-                       BLOCK: tl.constexpr, MAX_CHUNKS: tl.constexpr):
+def _topk_write_kernel(LOGITS, SEQ_LENS, KEYS, POSITIONS, STATE, CHUNKS, TALLIES, INDICES,
+                       SPARSE_LENS, k, max_len, num_chunks,
+                       stride_l_r, stride_k_r, stride_s_r, stride_c_r, stride_c_i,
+                       stride_t_r, stride_t_i, stride_i_r,
+                       BLOCK: tl.constexpr, SHARE_BLOCK: tl.constexpr,
+                       CHUNK_BITS: tl.constexpr):
     row = tl.program_id(0)
-    chunk = tl.program_id(1)
+    program = tl.program_id(1)
     n = _row_length(SEQ_LENS, row, max_len)
     out_ptr = INDICES + row.to(tl.int64) * stride_i_r
-    if chunk == 0:
+    if program == 0:
         tl.store(SPARSE_LENS + row, tl.minimum(n, k))
     if n <= k:
-        # Every position, then -1: this chunk's share of the k slots.
-        start, end = _chunk_range(k, chunk, num_chunks, BLOCK)
+        # Every position, then -1: this program's share of the k slots.
+        start, end = _chunk_range(k, program, num_chunks, BLOCK)
         for c0 in range(start, end, BLOCK):
             offs = c0 + tl.arange(0, BLOCK)
             tl.store(out_ptr + offs, tl.where(offs < n, offs, -1), mask=offs < end)
     else:
-        start, end = _chunk_range(n, chunk, num_chunks, BLOCK)
-        row_ptr = LOGITS + row.to(tl.int64) * stride_l_r
+        lo, hi, raw = _share(STATE, row, program, num_chunks, k, n, stride_s_r)
+        chunks_row = CHUNKS + row * stride_c_r
+        logits_row = LOGITS + row.to(tl.int64) * stride_l_r
+        keys_row = KEYS + row.to(tl.int64) * stride_k_r
+        pos_row = POSITIONS + row.to(tl.int64) * stride_k_r
         threshold = tl.load(STATE + row * stride_s_r).to(tl.uint32, bitcast=True)
         need = tl.load(STATE + row * stride_s_r + 1)
-        chunks = tl.arange(0, MAX_CHUNKS)
-        before = chunks < chunk
-        counts = COUNTS + row * stride_c_r + chunks * 2
-        equal_seen = tl.sum(tl.load(counts + 1, mask=before, other=0), 0)
-        # Slots of the earlier chunks: their keys above T and their share of the ties.
-        written = tl.sum(tl.load(counts, mask=before, other=0), 0) + \
+        programs = tl.arange(0, 1 << CHUNK_BITS)
+        before = programs < program
+        tallies = TALLIES + row * stride_t_r + programs
+        equal_seen = tl.sum(tl.load(tallies + stride_t_i, mask=before, other=0), 0)
+        # Slots of the earlier programs: their keys above T and their share of the ties.
+        written = tl.sum(tl.load(tallies, mask=before, other=0), 0) + \
             tl.minimum(equal_seen, need)
-        for c0 in range(start, end, BLOCK):
-            offs = c0 + tl.arange(0, BLOCK)
-            live = offs < end
-            key = _order_key(tl.load(row_ptr + offs, mask=live, other=0.0))
+        for i0 in range(lo, hi, SHARE_BLOCK):
+            idx = i0 + tl.arange(0, SHARE_BLOCK)
+            live = idx < hi
+            key, pos = _candidates(logits_row, keys_row, pos_row, chunks_row, stride_c_i,
+                                   idx, live, raw, CHUNK_BITS)
             equal = live & (key == threshold)
             equal_rank = equal_seen + tl.cumsum(equal.to(tl.int32), 0) - 1
             take = (live & (key > threshold)) | (equal & (equal_rank < need))
             slot = written + tl.cumsum(take.to(tl.int32), 0) - 1
-            tl.store(out_ptr + slot, offs, mask=take)
+            tl.store(out_ptr + slot, pos, mask=take)
             written += tl.sum(take.to(tl.int32), 0)
             equal_seen += tl.sum(equal.to(tl.int32), 0)
 
@@ -206,28 +359,42 @@ def launch_topk(logits: torch.Tensor, seq_lens: torch.Tensor, indices: torch.Ten
                 sparse_lens: torch.Tensor, scratch: TopkScratch, *, num_rows: int,
                 num_chunks: int | None = None, block: int = 1024) -> None:
     """indices[:num_rows, :k] and sparse_lens[:num_rows] from logits[:num_rows, :len]
-    (k = indices.shape[1]; unchecked). Graph-safe: fixed grids, no host reads.
-    ``num_chunks`` programs per row (default ``topk_chunks(logits.shape[1], block)``)."""
+    (k = indices.shape[1]; unchecked, but for the scratch's size). Graph-safe: fixed
+    grids, no host reads. ``num_chunks`` programs per row (default
+    ``topk_chunks(logits.shape[1], block)``)."""
     k, max_len = indices.shape[1], logits.shape[1]
+    if scratch.max_len < max_len or scratch.rows < num_rows:
+        raise ValueError(f"top-k scratch for {scratch.rows} x {scratch.max_len} logits is "
+                         f"smaller than {num_rows} x {max_len}")
     chunks = num_chunks or topk_chunks(max_len, block)
-    hist, state, counts = scratch.hist, scratch.state, scratch.counts
+    if not 1 <= chunks <= MAX_CHUNKS:
+        raise ValueError(f"num_chunks must be in 1..{MAX_CHUNKS}, got {chunks}")
+    grid = (num_rows, chunks)
+    s = scratch
+    common = (k, max_len, chunks, logits.stride(0), s.keys.stride(0))
+    state_strides = (s.state.stride(0), s.chunks.stride(0), s.chunks.stride(1))
+    _topk_compact_kernel[grid](
+        logits, seq_lens, s.keys, s.positions, s.tickets, s.state, s.chunks,
+        *common, *state_strides,
+        SAMPLES=SAMPLES, FLOOR_SIGMAS=FLOOR_SIGMAS, BLOCK=block, MAX_CHUNKS=MAX_CHUNKS,
+        num_warps=4)
     shift = 32
     for i, bits in enumerate(PASS_BITS):
         shift -= bits
-        _topk_hist_kernel[(num_rows, chunks)](
-            logits, seq_lens, hist, state, k, max_len, chunks,
-            logits.stride(0), hist.stride(0), state.stride(0),
-            SHIFT=shift, BITS=bits, FIRST=i == 0, BLOCK=block, num_warps=4)
-        _topk_select_kernel[(num_rows,)](
-            seq_lens, hist, state, k, max_len, hist.stride(0), state.stride(0),
-            SHIFT=shift, BITS=bits, FIRST=i == 0, num_warps=4)
-    _topk_count_kernel[(num_rows, chunks)](
-        logits, seq_lens, state, counts, k, max_len, chunks,
-        logits.stride(0), state.stride(0), counts.stride(0), BLOCK=block, num_warps=4)
-    _topk_write_kernel[(num_rows, chunks)](
-        logits, seq_lens, state, counts, indices, sparse_lens, k, max_len, chunks,
-        logits.stride(0), state.stride(0), counts.stride(0), indices.stride(0),
-        BLOCK=block, MAX_CHUNKS=MAX_CHUNKS, num_warps=4)
+        _topk_digit_kernel[grid](
+            logits, seq_lens, s.keys, s.positions, s.hist, s.tickets, s.state, s.chunks,
+            *common, s.hist.stride(0), *state_strides,
+            SHIFT=shift, BITS=bits, FIRST=i == 0, SHARE_BLOCK=SHARE_BLOCK,
+            CHUNK_BITS=CHUNK_BITS, num_warps=4)
+    tally_strides = (s.tallies.stride(0), s.tallies.stride(1))
+    _topk_count_kernel[grid](
+        logits, seq_lens, s.keys, s.positions, s.state, s.chunks, s.tallies,
+        *common, *state_strides, *tally_strides,
+        SHARE_BLOCK=SHARE_BLOCK, CHUNK_BITS=CHUNK_BITS, num_warps=4)
+    _topk_write_kernel[grid](
+        logits, seq_lens, s.keys, s.positions, s.state, s.chunks, s.tallies, indices,
+        sparse_lens, *common, *state_strides, *tally_strides, indices.stride(0),
+        BLOCK=block, SHARE_BLOCK=SHARE_BLOCK, CHUNK_BITS=CHUNK_BITS, num_warps=4)
 
 
 def topk_torch(logits: torch.Tensor, seq_lens: torch.Tensor, indices: torch.Tensor,
