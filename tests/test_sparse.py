@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from graphbucket import fp8
+from graphbucket.kernels import SplitWorkspace
 from graphbucket.kernels.verify import flatten_verify
 from graphbucket.plan import cdiv
 from graphbucket.sparse import (
@@ -26,7 +27,13 @@ from graphbucket.sparse import (
     sparse_mla_decode,
     store_index_keys,
 )
-from graphbucket.sparse.plan import ATTENTION_BLOCK_N
+from graphbucket.sparse.attention import launch_sparse_attention
+from graphbucket.sparse.plan import (
+    ATTENTION_BLOCK_N,
+    GATHER_AHEAD_64_STREAM,
+    GATHER_AHEAD_STREAM,
+    GATHER_STREAM,
+)
 from graphbucket.sparse.reference import (
     indexer_logits_reference,
     sparse_attention_reference,
@@ -57,6 +64,24 @@ def test_attention_plan_saturates_at_topk_and_indexer_plan_grows_with_context():
     # more rows leave fewer slots per row
     assert plan_sparse_decode(64, 16, 131072).attention_splits < plans[-1].attention_splits
     assert plan_sparse_decode(64, 16, 131072).indexer_splits < plans[-1].indexer_splits
+
+
+@pytest.mark.host
+def test_attention_looks_ahead_where_splits_hold_several_tiles():
+    for rows in (8, 64, 128):
+        plan = plan_sparse_decode(rows, 16, 131072)
+        assert plan.gather_ahead and plan.num_stages == GATHER_AHEAD_STREAM.num_stages
+        assert cdiv(2048, plan.attention_block_n * plan.attention_splits) >= 2
+    one_tile = plan_sparse_decode(1, 16, 131072)  # 64 splits of one tile
+    assert not one_tile.gather_ahead and one_tile.attention_splits == 64
+    assert (one_tile.attention_block_n, one_tile.num_warps, one_tile.num_stages) == (
+        GATHER_STREAM.block_n, GATHER_STREAM.num_warps, GATHER_STREAM.num_stages)
+    # The stream is part of the plan (the graph key); the split count follows its tile
+    # and its programs per SM.
+    wide = plan_sparse_decode(64, 16, 131072, stream=GATHER_AHEAD_64_STREAM)
+    assert wide != plan_sparse_decode(64, 16, 131072)
+    assert (wide.attention_block_n, wide.num_warps, wide.attention_splits) == (64, 8, 2)
+    assert plan_sparse_decode(64, 16, 131072, stream=GATHER_STREAM).attention_splits == 4
 
 
 @pytest.mark.host
@@ -126,10 +151,11 @@ def sparse_case(lens, *, page_size=16, v32=False, gen=None, table_rows=None):
 
 
 def run_sparse(inputs, *, topk, attention_splits=None, indexer_splits=None, max_len=None,
-               lse=True):
+               lse=True, stream=None):
     rows = inputs["q"].shape[0]
     hint = max(1, int(inputs["seq_lens"].max()))
-    plan = plan_sparse_decode(rows, HEADS, hint, topk=topk, num_sms=8).with_splits(
+    plan = plan_sparse_decode(rows, HEADS, hint, topk=topk, num_sms=8,
+                              stream=stream).with_splits(
         indexer=indexer_splits, attention=attention_splits)
     if not ON_GPU:  # fewer merge programs for the interpreter (the GPU runs the default)
         plan = replace(plan, merge_block_dv=256)
@@ -218,13 +244,62 @@ def test_sparse_decode_matches_float64(lens, topk, splits, seeded):
     check_decode(inputs, out, lse, ws, topk)
 
 
-@pytest.mark.parametrize("lens, topk, attention_splits", [([70, 5, 0], 32, 2),
-                                                          ([17, 40], 64, 1)])
-def test_sparse_decode_v32_cache_matches_float64(lens, topk, attention_splits, seeded):
+@pytest.mark.parametrize("lens, topk, attention_splits, stream", [
+    ([70, 5, 0], 32, 2, None), ([17, 40], 64, 1, None),
+    ([150, 33, 0], 128, 1, GATHER_AHEAD_STREAM), ([200, 90], 128, 2, GATHER_AHEAD_64_STREAM)])
+def test_sparse_decode_v32_cache_matches_float64(lens, topk, attention_splits, stream, seeded):
     gen = torch.Generator().manual_seed(seeded)
     inputs = sparse_case(lens, gen=gen, v32=True)
-    out, lse, ws, _ = run_sparse(inputs, topk=topk, attention_splits=attention_splits)
+    out, lse, ws, _ = run_sparse(inputs, topk=topk, attention_splits=attention_splits,
+                                 stream=stream)
     check_decode(inputs, out, lse, ws, topk, v32=True)
+
+
+STREAMS = {"gather": GATHER_STREAM, "ahead": GATHER_AHEAD_STREAM,
+           "ahead64": GATHER_AHEAD_64_STREAM}
+
+
+@pytest.mark.parametrize("stream", list(STREAMS))
+@pytest.mark.parametrize("sparse_lens, splits, dead", [
+    # around tile edges (32 and 64), one split: the look-ahead runs past the last tile
+    ([31, 32, 33, 0, 64, 65, 97, 1], 1, []),
+    # several tiles per split, a split's look-ahead reaching into the next split's slots;
+    # -1 slots below the length are skipped (row 2's second split has only -1)
+    ([130, 96, 65, 160], 2, [(0, 5), (0, 129), (2, 64), (3, 31), (3, 32)]),
+    ([160, 129, 3], 3, [(1, 0)]),
+    # more splits than tiles: splits past a row's tiles write nothing; row 1 is all -1
+    ([33, 1, 64, 0], 8, [(1, 0)]),
+])
+def test_sparse_attention_streams_match_float64(stream, sparse_lens, splits, dead, seeded):
+    gen = torch.Generator().manual_seed(seeded)
+    rows, context, width = len(sparse_lens), 400, 192
+    case = sparse_case([context] * rows, gen=gen)
+    indices = torch.full((rows, width), -1, dtype=torch.int32)  # the top-k's padding
+    for r, n in enumerate(sparse_lens):
+        indices[r, :n] = torch.randperm(context, generator=gen)[:n]
+    for r, slot in dead:
+        indices[r, slot] = -1
+    positions = [[p for p in indices[r, :n].tolist() if p >= 0]
+                 for r, n in enumerate(sparse_lens)]
+    plan = plan_sparse_decode(rows, HEADS, context, topk=width, num_sms=8,
+                              stream=STREAMS[stream]).with_splits(attention=splits)
+    if not ON_GPU:
+        plan = replace(plan, merge_block_dv=256)
+    out = torch.full((rows, HEADS, KV_LORA_RANK), float("nan"), dtype=DTYPE, device=DEVICE)
+    lse = torch.full((rows, HEADS), float("nan"), device=DEVICE)
+    ws = SplitWorkspace.allocate(rows, HEADS, splits, KV_LORA_RANK, DEVICE)
+    launch_sparse_attention(case["q"], case["kv_cache"], case["block_table"],
+                            indices.to(DEVICE), torch.tensor(sparse_lens, dtype=torch.int32,
+                                                             device=DEVICE),
+                            out, ws, plan=plan, sm_scale=SM_SCALE, lse=lse)
+    ref, ref_lse = sparse_attention_reference(case["q"], case["kv_cache"], case["block_table"],
+                                              positions, kv_lora_rank=KV_LORA_RANK,
+                                              sm_scale=SM_SCALE)
+    assert rel_l2(out, ref) < 1e-2
+    live = torch.tensor([len(p) > 0 for p in positions])
+    assert (out.cpu()[~live] == 0).all()
+    assert (lse.cpu().double()[live] - ref_lse[live]).abs().max() < 2e-2
+    assert (lse.cpu()[~live] == float("-inf")).all()
 
 
 def test_flat_verify_rows_have_their_own_causal_limits(seeded):

@@ -13,7 +13,19 @@ plan: rows x head blocks x splits; splits past a row's tiles exit at once), so t
 partition follows the live sparse lengths min(len, topk) with no host read. With one
 split stage 1 writes the output; otherwise it writes float32 partials and log2 LSEs to a
 ``SplitWorkspace`` and ``_mla_decode_merge_kernel`` (given the sparse lengths and this
-kernel's tile) merges them. Rows with no position (length 0) give zeros.
+kernel's tile) merges them. A -1 below a row's length is skipped like the padding after
+it; rows with no position (length 0, or -1 in every slot) give zeros.
+
+Each tile's rows hang off a chain of dependent loads: positions, then their block-table
+entries, then the rows. Loaded where they are used, all three wait on one another, and
+Triton's pipeliner copies the rows with one buffer, issued only after the previous tile's
+math. ``GATHER_AHEAD`` (``SparsePlan.gather_ahead``) carries the chain across iterations:
+while tile i is processed, the pages of tile i+1 are looked up from positions loaded one
+iteration earlier, and the positions of tile i+2 are loaded. The row copy then depends
+on no load of its own iteration, so it gets num_stages - 1 buffers (sm_90 compile at 3
+stages: tile i+1 in flight during tile i's math) behind a single synchronous table load.
+Carrying the rows two tiles ahead instead stops the pipeliner from copying them
+asynchronously at all.
 
 Cache formats as in the dense decode (``KV_FORMAT``): bf16 / fp16 / fp32 rows, or
 DeepSeek-V3.2's 656-byte fp8 rows (uint8 cache, ``graphbucket.fp8.pack_v32``), read by
@@ -40,6 +52,24 @@ from graphbucket.sparse.plan import SparsePlan
 
 
 @triton.jit
+def _load_positions(idx_row, slot0, end, BLOCK_N: tl.constexpr):
+    """Positions in slots slot0 .. slot0 + BLOCK_N; -1 at or past ``end`` (slot0 may be
+    past it: the look-ahead beyond a split's last tiles loads nothing)."""
+    offs_n = slot0 + tl.arange(0, BLOCK_N)
+    return tl.load(idx_row + offs_n, mask=offs_n < end, other=-1)
+
+
+@triton.jit
+def _slot_rows(bt_row, pos, stride_kv_page, stride_kv_tok, PAGE_SIZE: tl.constexpr):
+    """Cache row offsets of positions ``pos`` and which are live: -1 (the top-k's padding,
+    or past the split) addresses row 0 and loads nothing."""
+    live = pos >= 0
+    pos = tl.maximum(pos, 0)
+    page = tl.load(bt_row + pos // PAGE_SIZE, mask=live, other=0).to(tl.int64)
+    return page * stride_kv_page + (pos % PAGE_SIZE) * stride_kv_tok, live
+
+
+@triton.jit
 def _sparse_attention_kernel(
     Q, KV, BLOCK_TABLE, INDICES, SPARSE_LENS, OUT, LSE, PART_O, PART_LSE,
     num_splits, num_heads, qk_scale_log2,
@@ -58,6 +88,7 @@ def _sparse_attention_kernel(
     WRITE_LSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_FORMAT: tl.constexpr,
+    GATHER_AHEAD: tl.constexpr,
 ):
     row = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -77,13 +108,21 @@ def _sparse_attention_kernel(
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, KV_LORA_RANK], dtype=tl.float32)
+        idx_row = INDICES + row * stride_i_r
+        if GATHER_AHEAD:
+            next_row, next_live = _slot_rows(bt_row, _load_positions(idx_row, start, end,
+                                                                     BLOCK_N),
+                                             stride_kv_page, stride_kv_tok, PAGE_SIZE)
+            next_pos = _load_positions(idx_row, start + BLOCK_N, end, BLOCK_N)
         for slot0 in range(start, end, BLOCK_N):
-            offs_n = slot0 + tl.arange(0, BLOCK_N)
-            pos = tl.load(INDICES + row * stride_i_r + offs_n, mask=offs_n < end, other=-1)
-            live = pos >= 0  # the top-k pads with -1; slots below the length never are
-            pos = tl.maximum(pos, 0)
-            page = tl.load(bt_row + pos // PAGE_SIZE, mask=live, other=0).to(tl.int64)
-            kv_row = page * stride_kv_page + (pos % PAGE_SIZE) * stride_kv_tok
+            if GATHER_AHEAD:
+                kv_row, live = next_row, next_live
+                next_row, next_live = _slot_rows(bt_row, next_pos, stride_kv_page,
+                                                 stride_kv_tok, PAGE_SIZE)
+                next_pos = _load_positions(idx_row, slot0 + 2 * BLOCK_N, end, BLOCK_N)
+            else:
+                kv_row, live = _slot_rows(bt_row, _load_positions(idx_row, slot0, end, BLOCK_N),
+                                          stride_kv_page, stride_kv_tok, PAGE_SIZE)
             kv, k_rope = _load_kv_rows(KV, kv_row, live, KV_LORA_RANK, ROPE_DIM, BLOCK_N,
                                        KV_FORMAT)
             kv, k_rope = kv.to(q_nope.dtype), k_rope.to(q_nope.dtype)
@@ -98,8 +137,9 @@ def _sparse_attention_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv,
                                                 input_precision=DOT_PRECISION)
             m_i = m_new
+        # A split whose slots are all -1 gives zeros and LSE -inf: the merge weighs it 0.
         lse_log2 = m_i + tl.log2(l_i)
-        out = acc / l_i[:, None]
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         if ONE_SPLIT:
             _store_final(o_ptr, lse_ptr, out, lse_log2, mask_h, WRITE_LSE)
         else:
@@ -140,7 +180,7 @@ def launch_sparse_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
         BLOCK_H=plan.block_h, BLOCK_N=plan.attention_block_n, ONE_SPLIT=one_split,
         WRITE_LSE=lse is not None,
         DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
-        KV_FORMAT="v32" if is_v32(kv_cache) else "dense",
+        KV_FORMAT="v32" if is_v32(kv_cache) else "dense", GATHER_AHEAD=plan.gather_ahead,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     if not one_split:

@@ -15,9 +15,14 @@ Formula (integer arithmetic, like ``graphbucket.plan.plan_mla_decode``)::
     indexer:   tiles  = cdiv(hint, INDEXER_BLOCK_N)
                budget = pow2_floor(INDEXER_CTAS_PER_SM * num_sms // rows)
                splits = clamp(pow2_ceil(cdiv(tiles, INDEXER_MIN_TILES)), 1, budget)
-    attention: tiles  = cdiv(min(hint, topk), ATTENTION_BLOCK_N)
-               budget = pow2_floor(ATTENTION_CTAS_PER_SM * num_sms // (rows * head_blocks))
+    attention: tiles  = cdiv(min(hint, topk), stream.block_n)
+               budget = pow2_floor(stream.ctas_per_sm * num_sms // (rows * head_blocks))
                splits = clamp(pow2_ceil(cdiv(tiles, ATTENTION_MIN_TILES)), 1, budget)
+
+The attention's stream (``AttentionStream``: tile, warps, stages, gather ahead) is
+GATHER_AHEAD_STREAM where a split holds two tiles or more and GATHER_STREAM where it holds
+one (batch 1: nothing to look ahead to); both have the same tile and programs per SM, so
+the split count is the same and only the stage-1 kernel differs.
 
 The constants are first guesses, not yet measured on a GPU (bench/sparse_sweep.py sweeps
 the attention split count and reports the best one beside this plan and beside
@@ -38,10 +43,39 @@ INDEXER_MIN_TILES = 4   # 256 tokens (33 KB of keys) per indexer program at leas
 MAX_INDEXER_SPLITS = 1024
 ATTENTION_BLOCK_N = 32  # gathered latent rows per attention tile
 ATTENTION_BLOCK_H = 16
-ATTENTION_CTAS_PER_SM = 2
 ATTENTION_MIN_TILES = 1
 MAX_ATTENTION_SPLITS = 64
 TOPK_BLOCK = 1024       # logits per step of the top-k scans
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionStream:
+    """Stage-1 shape of the sparse attention and how many such programs one SM holds."""
+
+    block_n: int        # gathered latent rows per tile
+    num_warps: int
+    num_stages: int
+    # Look up tile i+1's cache rows (block-table loads) and tile i+2's positions while
+    # tile i is processed (``_sparse_attention_kernel``): the row gather then depends on
+    # no load of its own iteration, so Triton copies it asynchronously num_stages - 1
+    # tiles ahead.
+    gather_ahead: bool
+    ctas_per_sm: int
+
+
+# First version: the positions, then the pages, then the rows, each load waiting for the
+# one before; Triton gives the rows one buffer, copied after the previous tile's math.
+# sm_90 compile (16 heads, bf16): 221 registers, 56 KB, two programs per SM.
+GATHER_STREAM = AttentionStream(block_n=ATTENTION_BLOCK_N, num_warps=4, num_stages=2,
+                                gather_ahead=False, ctas_per_sm=2)
+# Two row buffers (tile i+1 in flight during tile i), one synchronous block-table load
+# before each copy. sm_90 compile: 210 registers, 93 KB, no spills: still two per SM.
+GATHER_AHEAD_STREAM = AttentionStream(block_n=ATTENTION_BLOCK_N, num_warps=4, num_stages=3,
+                                      gather_ahead=True, ctas_per_sm=2)
+# 64-row tiles, two buffers, 8 warps: 175 registers, 168 KB, one program per SM
+# (opt-in, for the A/B).
+GATHER_AHEAD_64_STREAM = AttentionStream(block_n=64, num_warps=8, num_stages=3,
+                                         gather_ahead=True, ctas_per_sm=1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,8 +93,9 @@ class SparsePlan:
     block_h: int = ATTENTION_BLOCK_H
     topk_block: int = TOPK_BLOCK
     merge_block_dv: int = MERGE_BLOCK_DV  # latent columns per merge program
-    num_warps: int = 4
-    num_stages: int = 2
+    num_warps: int = GATHER_STREAM.num_warps
+    num_stages: int = GATHER_STREAM.num_stages
+    gather_ahead: bool = GATHER_STREAM.gather_ahead
 
     @property
     def num_head_blocks(self) -> int:
@@ -80,7 +115,9 @@ class SparsePlan:
     def describe(self) -> str:
         return (f"sparse rows={self.num_rows} heads={self.num_heads} topk={self.topk} "
                 f"indexer_splits={self.indexer_splits} "
-                f"attention_splits={self.attention_splits}")
+                f"attention_splits={self.attention_splits} "
+                f"attention={self.attention_block_n}/{self.num_warps}/{self.num_stages}"
+                f"{' ahead' if self.gather_ahead else ''}")
 
 
 def indexer_splits(num_rows: int, hint: int, num_sms: int = H200_NUM_SMS) -> int:
@@ -91,11 +128,21 @@ def indexer_splits(num_rows: int, hint: int, num_sms: int = H200_NUM_SMS) -> int
 
 
 def attention_splits(num_rows: int, num_heads: int, hint: int, topk: int,
-                     num_sms: int = H200_NUM_SMS) -> int:
-    tiles = cdiv(max(1, min(hint, topk)), ATTENTION_BLOCK_N)
+                     num_sms: int = H200_NUM_SMS, stream: AttentionStream = GATHER_STREAM
+                     ) -> int:
+    tiles = cdiv(max(1, min(hint, topk)), stream.block_n)
     rows = max(1, num_rows) * cdiv(num_heads, ATTENTION_BLOCK_H)
-    budget = min(pow2_floor(ATTENTION_CTAS_PER_SM * num_sms // rows), MAX_ATTENTION_SPLITS)
+    budget = min(pow2_floor(stream.ctas_per_sm * num_sms // rows), MAX_ATTENTION_SPLITS)
     return max(1, min(pow2_ceil(cdiv(tiles, ATTENTION_MIN_TILES)), budget))
+
+
+def attention_stream(num_rows: int, num_heads: int, hint: int, topk: int,
+                     num_sms: int = H200_NUM_SMS) -> AttentionStream:
+    """GATHER_AHEAD_STREAM where a split holds two tiles or more, else GATHER_STREAM
+    (same tile and programs per SM: the split count does not change)."""
+    tiles = cdiv(max(1, min(hint, topk)), GATHER_STREAM.block_n)
+    splits = attention_splits(num_rows, num_heads, hint, topk, num_sms, GATHER_STREAM)
+    return GATHER_AHEAD_STREAM if cdiv(tiles, splits) >= 2 else GATHER_STREAM
 
 
 def seed_max_splits(max_seq_len: int, topk: int, num_compute_units: int = H200_NUM_SMS) -> int:
@@ -105,17 +152,23 @@ def seed_max_splits(max_seq_len: int, topk: int, num_compute_units: int = H200_N
 
 
 def plan_sparse_decode(num_rows: int, num_heads: int, hint: int, *, topk: int = DEFAULT_TOPK,
-                       num_sms: int = H200_NUM_SMS) -> SparsePlan:
+                       num_sms: int = H200_NUM_SMS, stream: AttentionStream | None = None
+                       ) -> SparsePlan:
     """Plan one sparse decode of ``num_rows`` query tokens planned for context ``hint``.
 
     Pure host arithmetic; any plan is correct for any live length (the kernels derive
-    every split's range from the live lengths), the hint only changes speed.
+    every split's range from the live lengths), the hint only changes speed. ``stream``
+    replaces the planned attention stream (A/B runs); the split count follows it.
     """
     for name, value in (("num_rows", num_rows), ("num_heads", num_heads), ("hint", hint),
                         ("topk", topk), ("num_sms", num_sms)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if stream is None:
+        stream = attention_stream(num_rows, num_heads, hint, topk, num_sms)
     return SparsePlan(num_rows, num_heads, topk,
                       indexer_splits=indexer_splits(num_rows, hint, num_sms),
                       attention_splits=attention_splits(num_rows, num_heads, hint, topk,
-                                                        num_sms))
+                                                        num_sms, stream),
+                      attention_block_n=stream.block_n, num_warps=stream.num_warps,
+                      num_stages=stream.num_stages, gather_ahead=stream.gather_ahead)
