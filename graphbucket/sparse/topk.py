@@ -18,21 +18,24 @@ Six launches on fixed grids, ``num_chunks`` programs per row, no host reads (gra
    row's last program to finish (a ticket counter, CUTLASS-style: barrier, then one
    acq_rel atomic) lays the segments end to end into one list of m candidates.
    When m >= k the k largest are all candidates and the passes below share the m
-   candidates evenly among the row's programs (a few thousand of 128K keys). When fewer
+   candidates evenly among the row's programs (about 8K of 128K keys). When fewer
    clear F (a sample that missed: about once in 1e5 rows of random logits, or an
    adversarial order), they share the whole row's logits instead: slower, never wrong.
-2-4. digits: a most-significant-digit radix select of the k-th largest key T in passes of
-   11, 11 and 10 bits. Each program histograms the next digit of its candidates that
-   match the digits chosen so far and adds it into the row's histogram; the row's last
-   program picks the digit whose suffix count first reaches the number still needed and
-   reads-and-clears the histogram for the next pass.
-5. count: each program counts its candidates above T and equal to T.
+2-5. digits: a most-significant-digit radix select of the k-th largest key T, 8 bits a
+   pass (a 256-bin histogram costs an eighth of a 2048-bin one: ``tl.histogram`` is a
+   ballot per bin bit and a popcount per owned bin). Each program histograms the next
+   digit of its share of candidates that match the digits chosen so far and adds it into
+   the row's histogram; the row's last program picks the digit whose suffix count first
+   reaches the number still needed and reads-and-clears the histogram for the next
+   pass. The first pass also copies the candidates into one contiguous list; the last
+   keeps each program's tallies (keys above the prefix, suffix sums of its last digit).
 6. write: each program writes its keys above T, and its share of the first ``need`` keys
-   equal to T, at the offset the programs before it fill: in position order.
+   equal to T, at the offset the programs before it fill (from their tallies): in
+   position order.
 
-Scratch (``TopkScratch``): candidate keys and positions as wide as the logits, a
-[rows, 2048] histogram and a ticket per row (both zero between calls), the threshold
-state, and per-program counts and offsets.
+Scratch (``TopkScratch``): candidate keys and positions as wide as the logits (the
+segments and the list: 16 bytes a logit), a histogram and a ticket per row (both zero
+between calls), the threshold state, per-chunk offsets and per-program tallies.
 
 ``topk_torch``: the same contract with ``torch.topk`` on masked logits (graph-safe too,
 allocates temporaries, sorted by logit); a reference and a timing baseline.
@@ -47,32 +50,36 @@ import triton
 import triton.language as tl
 
 # Digits per pass, most significant first (32 bits in all).
-PASS_BITS = (11, 11, 10)
+PASS_BITS = (8, 8, 8, 8)
 HIST_BINS = 1 << max(PASS_BITS)
 CHUNK_BITS = 6
 MAX_CHUNKS = 1 << CHUNK_BITS  # programs per row at most (the per-program counts' width)
-SAMPLES = 512        # strided logits per row that place the candidate floor
+SAMPLES = 256        # strided logits per row that place the candidate floor
 FLOOR_SIGMAS = 5.0   # margin of the floor's rank over its expected value, in std devs
-SHARE_BLOCK = 128    # candidates per step of the passes after the compaction
+SHARE_BLOCK = 256    # candidates per step of the passes after the compaction
 
 
 @dataclass(frozen=True)
 class TopkScratch:
     """Device scratch of ``launch_topk`` for up to ``rows`` rows of ``max_len`` logits.
 
-    keys, positions: [rows, max_len] int32, the candidates (chunk c's segment starts at
-                     the chunk's first position)
+    keys, positions: [rows, max_len] int32, the compacted candidates (chunk c's segment
+                     starts at the chunk's first position)
+    list_keys, list_positions: [rows, max_len] int32, the candidates end to end
     hist:    [rows, HIST_BINS] int32, zero between calls (the last program clears it)
     tickets: [rows] int32, programs done with the current launch; zero between calls
     state:   [rows, 3] int32: the threshold's digits so far (uint32 bits), the number of
              keys equal to it still to take, the candidates m
-    chunks:  [rows, 2, MAX_CHUNKS] int32: candidates per chunk, then each segment's
-             offset in the buffers minus its first index in the list of candidates
-    tallies: [rows, 2, MAX_CHUNKS] int32: per program, candidates above / equal to T
+    chunks:  [rows, 2, MAX_CHUNKS] int32: each segment's first index in the list, then
+             its offset in the buffers minus that index
+    tallies: [rows, MAX_CHUNKS, HIST_BINS + 2] int32, per program of the last digit pass:
+             its keys above the prefix, then the suffix sums of its last-digit histogram
     """
 
     keys: torch.Tensor
     positions: torch.Tensor
+    list_keys: torch.Tensor
+    list_positions: torch.Tensor
     hist: torch.Tensor
     tickets: torch.Tensor
     state: torch.Tensor
@@ -83,14 +90,16 @@ class TopkScratch:
     def allocate(cls, rows: int, max_len: int, device: torch.device | str) -> TopkScratch:
         def zeros(*shape):
             return torch.zeros(*shape, dtype=torch.int32, device=device)
-        return cls(zeros(rows, max_len), zeros(rows, max_len), zeros(rows, HIST_BINS),
-                   zeros(rows), zeros(rows, 3), zeros(rows, 2, MAX_CHUNKS),
-                   zeros(rows, 2, MAX_CHUNKS))
+        return cls(zeros(rows, max_len), zeros(rows, max_len), zeros(rows, max_len),
+                   zeros(rows, max_len), zeros(rows, HIST_BINS), zeros(rows),
+                   zeros(rows, 3), zeros(rows, 2, MAX_CHUNKS),
+                   zeros(rows, MAX_CHUNKS, HIST_BINS + 2))
 
     @staticmethod
     def nbytes(rows: int, max_len: int) -> int:
         """Bytes ``allocate(rows, max_len, ...)`` takes."""
-        return 4 * rows * (2 * max_len + HIST_BINS + 1 + 3 + 4 * MAX_CHUNKS)
+        return 4 * rows * (4 * max_len + HIST_BINS + 1 + 3 + 2 * MAX_CHUNKS
+                           + MAX_CHUNKS * (HIST_BINS + 2))
 
     @property
     def rows(self) -> int:
@@ -211,9 +220,10 @@ def _share(STATE, row, program, num_chunks, k, n, stride_s_r):
 
 
 @triton.jit
-def _candidates(LOGITS_ROW, KEYS_ROW, POS_ROW, CHUNKS_ROW, stride_c_i, idx, live, raw,
-                CHUNK_BITS: tl.constexpr):
-    """Keys and positions of candidates ``idx`` of the list (raw: the logits)."""
+def _segment_candidates(LOGITS_ROW, KEYS_ROW, POS_ROW, CHUNKS_ROW, stride_c_i, idx, live,
+                        raw, CHUNK_BITS: tl.constexpr):
+    """Keys and positions of candidates ``idx`` of the list, read where the compaction
+    left them (raw: the logits themselves)."""
     MAX_CHUNKS: tl.constexpr = 1 << CHUNK_BITS
     if raw:
         key = _order_key(tl.load(LOGITS_ROW + idx, mask=live, other=0.0))
@@ -232,22 +242,21 @@ def _candidates(LOGITS_ROW, KEYS_ROW, POS_ROW, CHUNKS_ROW, stride_c_i, idx, live
 
 
 @triton.jit
-def _topk_digit_kernel(LOGITS, SEQ_LENS, KEYS, POSITIONS, HIST, TICKETS, STATE, CHUNKS,
-                       k, max_len, num_chunks,
+def _topk_digit_kernel(LOGITS, SEQ_LENS, KEYS, POSITIONS, LIST_KEYS, LIST_POS, HIST, TICKETS,
+                       STATE, CHUNKS, TALLIES, k, max_len, num_chunks,
                        stride_l_r, stride_k_r, stride_h_r, stride_s_r, stride_c_r,
-                       stride_c_i,
+                       stride_c_i, stride_t_r, stride_t_p,
                        SHIFT: tl.constexpr, BITS: tl.constexpr, FIRST: tl.constexpr,
-                       SHARE_BLOCK: tl.constexpr, CHUNK_BITS: tl.constexpr):
+                       LAST: tl.constexpr, SHARE_BLOCK: tl.constexpr,
+                       CHUNK_BITS: tl.constexpr):
     row = tl.program_id(0)
     program = tl.program_id(1)
     n = _row_length(SEQ_LENS, row, max_len)
     if n > k:
         lo, hi, raw = _share(STATE, row, program, num_chunks, k, n, stride_s_r)
-        chunks_row = CHUNKS + row * stride_c_r
         BINS: tl.constexpr = 1 << BITS
-        logits_row = LOGITS + row.to(tl.int64) * stride_l_r
-        keys_row = KEYS + row.to(tl.int64) * stride_k_r
-        pos_row = POSITIONS + row.to(tl.int64) * stride_k_r
+        list_keys = LIST_KEYS + row.to(tl.int64) * stride_k_r
+        list_pos = LIST_POS + row.to(tl.int64) * stride_k_r
         if FIRST:
             prefix = tl.zeros([], dtype=tl.uint32)
             need = k
@@ -255,16 +264,34 @@ def _topk_digit_kernel(LOGITS, SEQ_LENS, KEYS, POSITIONS, HIST, TICKETS, STATE, 
             prefix = tl.load(STATE + row * stride_s_r).to(tl.uint32, bitcast=True)
             need = tl.load(STATE + row * stride_s_r + 1)
         hist = tl.zeros([BINS], dtype=tl.int32)
+        higher = 0  # keys above the prefix in the digits chosen so far
         for i0 in range(lo, hi, SHARE_BLOCK):
             idx = i0 + tl.arange(0, SHARE_BLOCK)
             live = idx < hi
-            key, _ = _candidates(logits_row, keys_row, pos_row, chunks_row, stride_c_i, idx,
-                                 live, raw, CHUNK_BITS)
-            if not FIRST:  # keys whose higher digits are the ones chosen so far
-                live = live & ((key >> (SHIFT + BITS)) == (prefix >> (SHIFT + BITS)))
+            if FIRST:  # gather from the segments once; the later passes read the list
+                key, pos = _segment_candidates(
+                    LOGITS + row.to(tl.int64) * stride_l_r,
+                    KEYS + row.to(tl.int64) * stride_k_r,
+                    POSITIONS + row.to(tl.int64) * stride_k_r,
+                    CHUNKS + row * stride_c_r, stride_c_i, idx, live, raw, CHUNK_BITS)
+                tl.store(list_keys + idx, key.to(tl.int32, bitcast=True), mask=live)
+                tl.store(list_pos + idx, pos, mask=live)
+            else:
+                key = tl.load(list_keys + idx, mask=live, other=0).to(tl.uint32, bitcast=True)
+                high_key = key >> (SHIFT + BITS)
+                high_prefix = prefix >> (SHIFT + BITS)
+                higher += tl.sum((live & (high_key > high_prefix)).to(tl.int32), 0)
+                live = live & (high_key == high_prefix)
             digit = ((key >> SHIFT) & (BINS - 1)).to(tl.int32)
             hist += tl.histogram(digit, BINS, mask=live)
         bins = tl.arange(0, BINS)
+        if LAST:
+            # What the write pass needs of this program once the last digit d is known:
+            # keys above T = higher + suffix[d + 1], keys equal to T = suffix[d] - that.
+            tallies = TALLIES + row * stride_t_r + program * stride_t_p
+            tl.store(tallies, higher)
+            tl.store(tallies + 1 + bins, tl.cumsum(hist, 0, reverse=True))
+            tl.store(tallies + 1 + BINS, 0)
         hist_ptr = HIST + row * stride_h_r + bins
         tl.atomic_add(hist_ptr, hist, mask=hist > 0, sem="relaxed")
         if _last_to_finish(TICKETS, row, num_chunks):
@@ -279,41 +306,11 @@ def _topk_digit_kernel(LOGITS, SEQ_LENS, KEYS, POSITIONS, HIST, TICKETS, STATE, 
 
 
 @triton.jit
-def _topk_count_kernel(LOGITS, SEQ_LENS, KEYS, POSITIONS, STATE, CHUNKS, TALLIES,
+def _topk_write_kernel(SEQ_LENS, LIST_KEYS, LIST_POS, STATE, TALLIES, INDICES, SPARSE_LENS,
                        k, max_len, num_chunks,
-                       stride_l_r, stride_k_r, stride_s_r, stride_c_r, stride_c_i,
-                       stride_t_r, stride_t_i,
+                       stride_k_r, stride_s_r, stride_t_r, stride_t_p, stride_i_r,
+                       LAST_BITS: tl.constexpr, BLOCK: tl.constexpr,
                        SHARE_BLOCK: tl.constexpr, CHUNK_BITS: tl.constexpr):
-    row = tl.program_id(0)
-    program = tl.program_id(1)
-    n = _row_length(SEQ_LENS, row, max_len)
-    if n > k:
-        lo, hi, raw = _share(STATE, row, program, num_chunks, k, n, stride_s_r)
-        chunks_row = CHUNKS + row * stride_c_r
-        logits_row = LOGITS + row.to(tl.int64) * stride_l_r
-        keys_row = KEYS + row.to(tl.int64) * stride_k_r
-        pos_row = POSITIONS + row.to(tl.int64) * stride_k_r
-        threshold = tl.load(STATE + row * stride_s_r).to(tl.uint32, bitcast=True)
-        above = 0
-        equal = 0
-        for i0 in range(lo, hi, SHARE_BLOCK):
-            idx = i0 + tl.arange(0, SHARE_BLOCK)
-            live = idx < hi
-            key, _ = _candidates(logits_row, keys_row, pos_row, chunks_row, stride_c_i, idx,
-                                 live, raw, CHUNK_BITS)
-            above += tl.sum((live & (key > threshold)).to(tl.int32), 0)
-            equal += tl.sum((live & (key == threshold)).to(tl.int32), 0)
-        tl.store(TALLIES + row * stride_t_r + program, above)
-        tl.store(TALLIES + row * stride_t_r + stride_t_i + program, equal)
-
-
-@triton.jit
-def _topk_write_kernel(LOGITS, SEQ_LENS, KEYS, POSITIONS, STATE, CHUNKS, TALLIES, INDICES,
-                       SPARSE_LENS, k, max_len, num_chunks,
-                       stride_l_r, stride_k_r, stride_s_r, stride_c_r, stride_c_i,
-                       stride_t_r, stride_t_i, stride_i_r,
-                       BLOCK: tl.constexpr, SHARE_BLOCK: tl.constexpr,
-                       CHUNK_BITS: tl.constexpr):
     row = tl.program_id(0)
     program = tl.program_id(1)
     n = _row_length(SEQ_LENS, row, max_len)
@@ -327,25 +324,26 @@ def _topk_write_kernel(LOGITS, SEQ_LENS, KEYS, POSITIONS, STATE, CHUNKS, TALLIES
             offs = c0 + tl.arange(0, BLOCK)
             tl.store(out_ptr + offs, tl.where(offs < n, offs, -1), mask=offs < end)
     else:
-        lo, hi, raw = _share(STATE, row, program, num_chunks, k, n, stride_s_r)
-        chunks_row = CHUNKS + row * stride_c_r
-        logits_row = LOGITS + row.to(tl.int64) * stride_l_r
-        keys_row = KEYS + row.to(tl.int64) * stride_k_r
-        pos_row = POSITIONS + row.to(tl.int64) * stride_k_r
+        lo, hi, _ = _share(STATE, row, program, num_chunks, k, n, stride_s_r)
+        list_keys = LIST_KEYS + row.to(tl.int64) * stride_k_r
+        list_pos = LIST_POS + row.to(tl.int64) * stride_k_r
         threshold = tl.load(STATE + row * stride_s_r).to(tl.uint32, bitcast=True)
         need = tl.load(STATE + row * stride_s_r + 1)
+        d = (threshold & ((1 << LAST_BITS) - 1)).to(tl.int32)
         programs = tl.arange(0, 1 << CHUNK_BITS)
         before = programs < program
-        tallies = TALLIES + row * stride_t_r + programs
-        equal_seen = tl.sum(tl.load(tallies + stride_t_i, mask=before, other=0), 0)
+        tallies = TALLIES + row * stride_t_r + programs * stride_t_p
+        suffix_above = tl.load(tallies + 2 + d, mask=before, other=0)
+        above_before = tl.load(tallies, mask=before, other=0) + suffix_above
+        equal_before = tl.load(tallies + 1 + d, mask=before, other=0) - suffix_above
+        equal_seen = tl.sum(equal_before, 0)
         # Slots of the earlier programs: their keys above T and their share of the ties.
-        written = tl.sum(tl.load(tallies, mask=before, other=0), 0) + \
-            tl.minimum(equal_seen, need)
+        written = tl.sum(above_before, 0) + tl.minimum(equal_seen, need)
         for i0 in range(lo, hi, SHARE_BLOCK):
             idx = i0 + tl.arange(0, SHARE_BLOCK)
             live = idx < hi
-            key, pos = _candidates(logits_row, keys_row, pos_row, chunks_row, stride_c_i,
-                                   idx, live, raw, CHUNK_BITS)
+            key = tl.load(list_keys + idx, mask=live, other=0).to(tl.uint32, bitcast=True)
+            pos = tl.load(list_pos + idx, mask=live, other=0)
             equal = live & (key == threshold)
             equal_rank = equal_seen + tl.cumsum(equal.to(tl.int32), 0) - 1
             take = (live & (key > threshold)) | (equal & (equal_rank < need))
@@ -372,29 +370,27 @@ def launch_topk(logits: torch.Tensor, seq_lens: torch.Tensor, indices: torch.Ten
     grid = (num_rows, chunks)
     s = scratch
     common = (k, max_len, chunks, logits.stride(0), s.keys.stride(0))
-    state_strides = (s.state.stride(0), s.chunks.stride(0), s.chunks.stride(1))
     _topk_compact_kernel[grid](
-        logits, seq_lens, s.keys, s.positions, s.tickets, s.state, s.chunks,
-        *common, *state_strides,
+        logits, seq_lens, s.keys, s.positions, s.tickets, s.state, s.chunks, *common,
+        s.state.stride(0), s.chunks.stride(0), s.chunks.stride(1),
         SAMPLES=SAMPLES, FLOOR_SIGMAS=FLOOR_SIGMAS, BLOCK=block, MAX_CHUNKS=MAX_CHUNKS,
         num_warps=4)
     shift = 32
     for i, bits in enumerate(PASS_BITS):
         shift -= bits
         _topk_digit_kernel[grid](
-            logits, seq_lens, s.keys, s.positions, s.hist, s.tickets, s.state, s.chunks,
-            *common, s.hist.stride(0), *state_strides,
-            SHIFT=shift, BITS=bits, FIRST=i == 0, SHARE_BLOCK=SHARE_BLOCK,
-            CHUNK_BITS=CHUNK_BITS, num_warps=4)
-    tally_strides = (s.tallies.stride(0), s.tallies.stride(1))
-    _topk_count_kernel[grid](
-        logits, seq_lens, s.keys, s.positions, s.state, s.chunks, s.tallies,
-        *common, *state_strides, *tally_strides,
-        SHARE_BLOCK=SHARE_BLOCK, CHUNK_BITS=CHUNK_BITS, num_warps=4)
+            logits, seq_lens, s.keys, s.positions, s.list_keys, s.list_positions, s.hist,
+            s.tickets, s.state, s.chunks, s.tallies, *common, s.hist.stride(0),
+            s.state.stride(0), s.chunks.stride(0), s.chunks.stride(1),
+            s.tallies.stride(0), s.tallies.stride(1),
+            SHIFT=shift, BITS=bits, FIRST=i == 0, LAST=i == len(PASS_BITS) - 1,
+            SHARE_BLOCK=SHARE_BLOCK, CHUNK_BITS=CHUNK_BITS, num_warps=4)
     _topk_write_kernel[grid](
-        logits, seq_lens, s.keys, s.positions, s.state, s.chunks, s.tallies, indices,
-        sparse_lens, *common, *state_strides, *tally_strides, indices.stride(0),
-        BLOCK=block, SHARE_BLOCK=SHARE_BLOCK, CHUNK_BITS=CHUNK_BITS, num_warps=4)
+        seq_lens, s.list_keys, s.list_positions, s.state, s.tallies, indices, sparse_lens,
+        k, max_len, chunks, s.keys.stride(0), s.state.stride(0), s.tallies.stride(0),
+        s.tallies.stride(1), indices.stride(0),
+        LAST_BITS=PASS_BITS[-1], BLOCK=block, SHARE_BLOCK=SHARE_BLOCK,
+        CHUNK_BITS=CHUNK_BITS, num_warps=4)
 
 
 def topk_torch(logits: torch.Tensor, seq_lens: torch.Tensor, indices: torch.Tensor,
