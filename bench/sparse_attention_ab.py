@@ -33,6 +33,7 @@ from graphbucket.kernels import SplitWorkspace, default_sm_scale  # noqa: E402
 from graphbucket.sparse import plan_sparse_decode  # noqa: E402
 from graphbucket.sparse.attention import launch_sparse_attention  # noqa: E402
 from graphbucket.sparse.plan import (  # noqa: E402
+    GATHER_AHEAD_8W_STREAM,
     GATHER_AHEAD_64_STREAM,
     GATHER_AHEAD_STREAM,
     GATHER_STREAM,
@@ -44,7 +45,7 @@ STREAMS = {
     "gather 32/4/2": GATHER_STREAM,                      # first version
     "gather 64/8/2": AttentionStream(64, 8, 2, False, 1),  # the tile alone
     "ahead 32/4/3": GATHER_AHEAD_STREAM,
-    "ahead 32/8/3": AttentionStream(32, 8, 3, True, 2),
+    "ahead 32/8/3": GATHER_AHEAD_8W_STREAM,
     "ahead 32/4/4": AttentionStream(32, 4, 4, True, 1),  # three buffers, 130 KB
     "ahead 64/8/3": GATHER_AHEAD_64_STREAM,
 }

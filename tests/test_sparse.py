@@ -30,6 +30,7 @@ from graphbucket.sparse import (
 from graphbucket.sparse.attention import launch_sparse_attention
 from graphbucket.sparse.plan import (
     ATTENTION_BLOCK_N,
+    GATHER_AHEAD_8W_STREAM,
     GATHER_AHEAD_64_STREAM,
     GATHER_AHEAD_STREAM,
     GATHER_STREAM,
@@ -72,10 +73,11 @@ def test_attention_looks_ahead_where_splits_hold_several_tiles():
         plan = plan_sparse_decode(rows, 16, 131072)
         assert plan.gather_ahead and plan.num_stages == GATHER_AHEAD_STREAM.num_stages
         assert cdiv(2048, plan.attention_block_n * plan.attention_splits) >= 2
-    one_tile = plan_sparse_decode(1, 16, 131072)  # 64 splits of one tile
-    assert not one_tile.gather_ahead and one_tile.attention_splits == 64
+    one_tile = plan_sparse_decode(1, 16, 131072)  # 64 splits of one tile: 8 warps
+    assert one_tile.gather_ahead and one_tile.attention_splits == 64
     assert (one_tile.attention_block_n, one_tile.num_warps, one_tile.num_stages) == (
-        GATHER_STREAM.block_n, GATHER_STREAM.num_warps, GATHER_STREAM.num_stages)
+        GATHER_AHEAD_8W_STREAM.block_n, GATHER_AHEAD_8W_STREAM.num_warps,
+        GATHER_AHEAD_8W_STREAM.num_stages)
     # The stream is part of the plan (the graph key); the split count follows its tile
     # and its programs per SM.
     wide = plan_sparse_decode(64, 16, 131072, stream=GATHER_AHEAD_64_STREAM)
@@ -256,7 +258,7 @@ def test_sparse_decode_v32_cache_matches_float64(lens, topk, attention_splits, s
 
 
 STREAMS = {"gather": GATHER_STREAM, "ahead": GATHER_AHEAD_STREAM,
-           "ahead64": GATHER_AHEAD_64_STREAM}
+           "ahead8w": GATHER_AHEAD_8W_STREAM, "ahead64": GATHER_AHEAD_64_STREAM}
 
 
 @pytest.mark.parametrize("stream", list(STREAMS))

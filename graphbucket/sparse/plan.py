@@ -20,9 +20,10 @@ Formula (integer arithmetic, like ``graphbucket.plan.plan_mla_decode``)::
                splits = clamp(pow2_ceil(cdiv(tiles, ATTENTION_MIN_TILES)), 1, budget)
 
 The attention's stream (``AttentionStream``: tile, warps, stages, gather ahead) is
-GATHER_AHEAD_STREAM where a split holds two tiles or more and GATHER_STREAM where it holds
-one (batch 1: nothing to look ahead to); both have the same tile and programs per SM, so
-the split count is the same and only the stage-1 kernel differs.
+GATHER_AHEAD_STREAM where a split holds two tiles or more and GATHER_AHEAD_8W_STREAM
+where it holds one (batch 1); both have the same tile and programs per SM, so the split
+count is the same and only the stage-1 kernel differs (measured: ``bench/NOTES.md``,
+"sparse attention: gather ahead").
 
 The constants are first guesses, not yet measured on a GPU (bench/sparse_sweep.py sweeps
 the attention split count and reports the best one beside this plan and beside
@@ -72,6 +73,11 @@ GATHER_STREAM = AttentionStream(block_n=ATTENTION_BLOCK_N, num_warps=4, num_stag
 # before each copy. sm_90 compile: 210 registers, 93 KB, no spills: still two per SM.
 GATHER_AHEAD_STREAM = AttentionStream(block_n=ATTENTION_BLOCK_N, num_warps=4, num_stages=3,
                                       gather_ahead=True, ctas_per_sm=2)
+# The same with 8 warps (110 registers): where a split holds one tile (batch 1) the
+# gather's latency is all there is, and twice the warps issue it sooner (H200: 10.4 us
+# against 11.1 for 4 warps and 11.9 for GATHER_STREAM at batch 1, 64 splits).
+GATHER_AHEAD_8W_STREAM = AttentionStream(block_n=ATTENTION_BLOCK_N, num_warps=8, num_stages=3,
+                                         gather_ahead=True, ctas_per_sm=2)
 # 64-row tiles, two buffers, 8 warps: 175 registers, 168 KB, one program per SM
 # (opt-in, for the A/B).
 GATHER_AHEAD_64_STREAM = AttentionStream(block_n=64, num_warps=8, num_stages=3,
@@ -138,11 +144,12 @@ def attention_splits(num_rows: int, num_heads: int, hint: int, topk: int,
 
 def attention_stream(num_rows: int, num_heads: int, hint: int, topk: int,
                      num_sms: int = H200_NUM_SMS) -> AttentionStream:
-    """GATHER_AHEAD_STREAM where a split holds two tiles or more, else GATHER_STREAM
-    (same tile and programs per SM: the split count does not change)."""
-    tiles = cdiv(max(1, min(hint, topk)), GATHER_STREAM.block_n)
-    splits = attention_splits(num_rows, num_heads, hint, topk, num_sms, GATHER_STREAM)
-    return GATHER_AHEAD_STREAM if cdiv(tiles, splits) >= 2 else GATHER_STREAM
+    """GATHER_AHEAD_STREAM where a split holds two tiles or more, else
+    GATHER_AHEAD_8W_STREAM (same tile and programs per SM: the split count does not
+    change)."""
+    tiles = cdiv(max(1, min(hint, topk)), GATHER_AHEAD_STREAM.block_n)
+    splits = attention_splits(num_rows, num_heads, hint, topk, num_sms, GATHER_AHEAD_STREAM)
+    return GATHER_AHEAD_STREAM if cdiv(tiles, splits) >= 2 else GATHER_AHEAD_8W_STREAM
 
 
 def seed_max_splits(max_seq_len: int, topk: int, num_compute_units: int = H200_NUM_SMS) -> int:
