@@ -13,8 +13,8 @@ W_ik and W_iw are one fused [128 + 64, D] projection. ``rotary64`` rotates the f
 rope table), as DeepSeek-V3.2's indexer ropes its first 64 dims. Simplifications, stated:
 the key's LayerNorm is an RMSNorm, and the Hadamard rotation DeepSeek applies to q_idx
 and k_idx before fp8 is left out (it is orthogonal: the logits are the same in exact
-arithmetic, only the fp8 rounding of the keys differs); q_idx stays in the model dtype
-(the kernels' indexer keeps q's precision, ``graphbucket.sparse.indexer``).
+arithmetic, only the fp8 rounding of the keys differs); q_idx is projected in the model
+dtype and the indexer kernel rounds it to e4m3 per head (``graphbucket.sparse.indexer``).
 
 The new tokens' latent rows and index keys are stored before attention (``seq_lens``
 counts them). Padding rows (seq_len 0 or a negative slot) store nothing: their index

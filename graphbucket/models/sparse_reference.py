@@ -16,7 +16,7 @@ from graphbucket.models.step_reference import rms_norm_ref, rotary_ref, step_tok
 from graphbucket.models.weights import MLALayerWeights
 from graphbucket.reference import gather_request_kv
 from graphbucket.sparse.index_cache import dequantize_index_keys, quantize_index_keys
-from graphbucket.sparse.reference import sparse_attention_reference
+from graphbucket.sparse.reference import indexer_q_values, sparse_attention_reference
 
 
 def _rope_first_ref(x: torch.Tensor, positions: torch.Tensor, rope_dim: int, theta: float
@@ -27,11 +27,13 @@ def _rope_first_ref(x: torch.Tensor, positions: torch.Tensor, rope_dim: int, the
 def top_positions(index_q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                   block_table: torch.Tensor, limits: list[int], topk: int) -> list[list[int]]:
     """Per token row: the positions of its ``topk`` largest logits sum_h w_h relu(q_h . k_t)
-    over t < limit (all of them when the limit is at most topk)."""
+    over t < limit (all of them when the limit is at most topk), q rounded to e4m3 per
+    head as the indexer kernel does (``sparse.reference.indexer_q_values``)."""
+    q_rows = indexer_q_values(index_q, fp8_q=True).to(index_q.dtype)
     chosen = []
     for r, n in enumerate(limits):
         k = gather_request_kv(keys, block_table[r], n)                   # [n, K]
-        logits = ((index_q[r] @ k.T).clamp_min(0) * weights[r][:, None]).sum(0)
+        logits = ((q_rows[r] @ k.T).clamp_min(0) * weights[r][:, None]).sum(0)
         chosen.append(sorted(torch.topk(logits, min(topk, n)).indices.tolist()))
     return chosen
 

@@ -6,11 +6,25 @@ For query row r (one query token) with live length ``len_r`` and every position 
 
 q [rows, 64, 128] bf16 / fp16 (fp32 for tests), w [rows, 64] float32 (the indexer's head
 weights, softmax scale folded in), k_t the stored e4m3 key of token t and scale_t its
-float32 scale (``graphbucket/sparse/index_cache.py``). The key is converted exactly to q's
-dtype and the scale applied after the head sum (relu(s x) = s relu(x) for s > 0), so the
-dot is a plain [BLOCK_N, 128] x [128, 64] product on the tensor cores (tokens as rows).
-(DeepSeek quantizes q to fp8 too and runs an fp8 dot; a bf16 q keeps q's precision and the
-same key bytes.)
+float32 scale (``graphbucket/sparse/index_cache.py``). The scale is applied after the head
+sum (relu(s x) = s relu(x) for s > 0), so the dot is a plain [BLOCK_N, 128] x [128, 64]
+product on the tensor cores with tokens as rows (the head sum stays within a row).
+
+q precision (``SparsePlan.indexer_fp8_q``):
+
+- fp8 (the default, as DeepSeek-V3.2's own indexer): each program quantizes its row's q
+  to e4m3 once, one scale per head (amax / 448, the keys' rule; host model:
+  ``graphbucket.sparse.reference.quantize_index_q``), folds the scale into w and runs an
+  fp8 x fp8 dot (sm_90: warpgroup MMA, q from shared memory).
+- bf16: q as given, the key tile converted exactly to q's dtype before the dot: the more
+  exact path (q not rounded), at the cost of a conversion per key element and twice the
+  tensor-core work.
+
+Latency, not bytes, bounded the first version: one key tile in flight per program (the
+block-table lookup took one of the pipeliner's stages) and a synchronous load of each
+tile's scales. Here the pages of tile i + 1 are looked up while tile i is in flight, and
+the scales are copied ahead with their key tile (see the loop), so ``num_stages - 1``
+tiles of keys and scales are in flight per program.
 
 Grid (rows, splits): split s of row r takes the tiles of [0, len_r) that
 ``graphbucket.kernels.mla_decode._split_range`` gives it, so any split count is correct
@@ -25,8 +39,32 @@ import torch
 import triton
 import triton.language as tl
 
+from graphbucket.fp8 import FP8_MAX, V32_MIN_SCALE
 from graphbucket.kernels.mla_decode import _split_range, _tile_pages
 from graphbucket.sparse.plan import SparsePlan
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """float32 x (|x| <= 448) rounded to the nearest e4m3 number, ties to even, still
+    float32. The cast of the result is exact; Triton's interpreter rounds a float32 to
+    e4m3 wrongly when the mantissa carries into the exponent, so the kernel rounds first."""
+    bits = x.to(tl.int32, bitcast=True)
+    # normal range: keep 3 mantissa bits (round half to even on bit 20)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+    # below 2^-6 (subnormal e4m3): multiples of 2^-9, the float32 spacing at 1.5 * 2^14
+    subnormal = (x + 24576.0) - 24576.0
+    return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+
+
+@triton.jit
+def _quantize_rows_e4m3(x, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+    """float32 x [H, D] -> (e4m3 [H, D], float32 scale [H]): ``scale = max(amax / 448,
+    2**-126)``, ``x * (1 / scale)`` rounded to the nearest e4m3 (one multiply per element;
+    ``graphbucket.sparse.reference.quantize_index_q`` is the host model)."""
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 1), FP8_MAX), MIN_SCALE)
+    inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+    return _round_to_e4m3(x * inv[:, None]).to(tl.float8e4nv), scale
 
 
 @triton.jit
@@ -41,32 +79,49 @@ def _indexer_logits_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     TILE_IN_PAGE: tl.constexpr,
+    FP8_Q: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
     seq_len = tl.minimum(tl.load(SEQ_LENS + row), max_len)
     start, end = _split_range(seq_len, split, num_splits, BLOCK_N)
     if start < end:
+        bt_row = BLOCK_TABLE + row * stride_bt_r
+        # the first lookup before q's load and quantization: their latencies overlap
+        next_pages = _tile_pages(bt_row, start, end, PAGE_SIZE, BLOCK_N, TILE_IN_PAGE)
         offs_h = tl.arange(0, BLOCK_H)
         mask_h = offs_h < num_heads
         offs_d = tl.arange(0, HEAD_DIM)
         q = tl.load(Q + row * stride_q_r + offs_h[:, None] * stride_q_h + offs_d[None, :],
                     mask=mask_h[:, None], other=0.0)
         w = tl.load(W + row * stride_w_r + offs_h, mask=mask_h, other=0.0)
-        bt_row = BLOCK_TABLE + row * stride_bt_r
+        if FP8_Q:
+            q, q_scale = _quantize_rows_e4m3(q.to(tl.float32), FP8_MAX, MIN_SCALE)
+            w = w * q_scale
         out_row = LOGITS + row.to(tl.int64) * stride_l_r
         for tok0 in range(start, end, BLOCK_N):
-            pages = _tile_pages(bt_row, tok0, end, PAGE_SIZE, BLOCK_N, TILE_IN_PAGE)
+            # The pages of tile i + 1 are looked up during tile i: the lookup is then no
+            # stage of the pipeline, and the copies get num_stages - 1 buffers.
+            pages = next_pages
+            next_pages = _tile_pages(bt_row, tok0 + BLOCK_N, end, PAGE_SIZE, BLOCK_N,
+                                     TILE_IN_PAGE, PAST_END=True)
             offs_n = tok0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
             slot = offs_n % PAGE_SIZE
+            scale = tl.load(K_SCALE + pages * stride_s_page + slot, mask=mask_n, other=0.0)
             k_row = pages * stride_k_page + slot * stride_k_tok  # [BLOCK_N] either way
             k = tl.load(K + k_row[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-            scale = tl.load(K_SCALE + pages * stride_s_page + slot, mask=mask_n, other=0.0)
-            # Tokens as the dot's rows: the sum over heads runs along each row (no
-            # cross-warp reduction), and the converted keys are the register operand.
-            dots = tl.dot(k.to(q.dtype), tl.trans(q), input_precision=DOT_PRECISION)
+            if not FP8_Q:
+                k = k.to(q.dtype)
+            # A no-op on the values (every stored scale is > 0, masked tokens read 0),
+            # but it makes the scales an operand of the dot, and Triton's pipeliner
+            # copies ahead only the loads a dot consumes: the scales now travel with
+            # their key tile instead of stalling each tile on a synchronous load.
+            k = tl.where(scale[:, None] > 0, k, tl.zeros_like(k))
+            dots = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
             logit = tl.sum(tl.maximum(dots, 0.0) * w[None, :], 1) * scale
             tl.store(out_row + offs_n, logit, mask=mask_n)
 
@@ -87,7 +142,7 @@ def launch_indexer_logits(index_q: torch.Tensor, index_weights: torch.Tensor,
         block_table.stride(0), logits.stride(0),
         PAGE_SIZE=page_size, HEAD_DIM=index_q.shape[2],
         BLOCK_H=triton.next_power_of_2(plan.index_heads), BLOCK_N=block_n,
-        TILE_IN_PAGE=page_size % block_n == 0,
+        TILE_IN_PAGE=page_size % block_n == 0, FP8_Q=plan.indexer_fp8_q,
         DOT_PRECISION="ieee" if index_q.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=3,
+        FP8_MAX=FP8_MAX, MIN_SCALE=V32_MIN_SCALE, num_warps=4, num_stages=plan.indexer_stages,
     )

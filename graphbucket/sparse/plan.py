@@ -38,9 +38,15 @@ from graphbucket.plan import H200_NUM_SMS, MERGE_BLOCK_DV, cdiv, pow2_ceil, pow2
 
 DEFAULT_TOPK = 2048
 INDEX_HEADS = 64        # DeepSeek-V3.2 indexer heads (not sharded by tensor parallelism)
-INDEXER_BLOCK_N = 64    # tokens per indexer tile: [64 heads, 128] x [128, 64 tokens]
-INDEXER_CTAS_PER_SM = 4
-INDEXER_MIN_TILES = 4   # 256 tokens (33 KB of keys) per indexer program at least
+# Indexer tile: [128 tokens, 128] x [128, 64 heads], 4 warps. At 128 tokens the tile's
+# [128] scales (one per thread) are copied ahead with the keys; Triton re-issues a load of
+# fewer elements than threads in each layout that uses it, so at 64 tokens the scales
+# would be read again, synchronously, for the logits (sm_90 compile: 156 registers, no
+# spills, 59 KB of shared memory at 4 stages: 3 programs per SM).
+INDEXER_BLOCK_N = 128
+INDEXER_STAGES = 4      # key (and scale) copies in flight + 1
+INDEXER_CTAS_PER_SM = 3
+INDEXER_MIN_TILES = 4   # 512 tokens (66 KB of keys) per indexer program at least
 MAX_INDEXER_SPLITS = 1024
 ATTENTION_BLOCK_N = 32  # gathered latent rows per attention tile
 ATTENTION_BLOCK_H = 16
@@ -95,6 +101,8 @@ class SparsePlan:
     attention_splits: int
     index_heads: int = INDEX_HEADS
     indexer_block_n: int = INDEXER_BLOCK_N
+    indexer_stages: int = INDEXER_STAGES
+    indexer_fp8_q: bool = True  # q quantized to e4m3 per head (False: q as given)
     attention_block_n: int = ATTENTION_BLOCK_N
     block_h: int = ATTENTION_BLOCK_H
     topk_block: int = TOPK_BLOCK

@@ -7,21 +7,43 @@ from __future__ import annotations
 
 import torch
 
+from graphbucket.fp8 import FP8_DTYPE, FP8_MAX, V32_MIN_SCALE
 from graphbucket.reference import gather_request_kv
 from graphbucket.sparse.index_cache import dequantize_index_keys
 
 
+def quantize_index_q(index_q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The indexer's fp8 q, as its kernel computes it: q [..., 128] -> (e4m3 [..., 128],
+    float32 scale per head [...]), ``scale = max(amax / 448, 2**-126)`` and
+    ``q * (1 / scale)`` rounded to the nearest e4m3 (float32 arithmetic throughout)."""
+    q = index_q.float()
+    scale = (q.abs().amax(-1) / FP8_MAX).clamp_min(V32_MIN_SCALE)
+    return (q * (1.0 / scale)[..., None]).to(FP8_DTYPE), scale
+
+
+def indexer_q_values(index_q: torch.Tensor, *, fp8_q: bool) -> torch.Tensor:
+    """float64 q [..., 128] the indexer multiplies: q as given, or with ``fp8_q`` its
+    e4m3 rounding times the head's scale (the kernel folds the scale into w; the same
+    number in float64)."""
+    if not fp8_q:
+        return index_q.double()
+    stored, scale = quantize_index_q(index_q)
+    return stored.double() * scale.double()[..., None]
+
+
 def indexer_logits_reference(index_q: torch.Tensor, index_weights: torch.Tensor,
                              index_cache: torch.Tensor, index_scales: torch.Tensor,
-                             block_table: torch.Tensor, seq_lens: torch.Tensor
-                             ) -> list[torch.Tensor]:
+                             block_table: torch.Tensor, seq_lens: torch.Tensor, *,
+                             fp8_q: bool = True) -> list[torch.Tensor]:
     """Per row r, float64 logits [seq_lens[r]]: sum_h w_h relu(q_h . k_t) over the
-    dequantized keys (stored * scale)."""
+    dequantized keys (stored * scale), q as the kernel takes it (``indexer_q_values``;
+    ``fp8_q`` as ``SparsePlan.indexer_fp8_q``)."""
     keys = dequantize_index_keys(index_cache.cpu(), index_scales.cpu())
+    q_rows = indexer_q_values(index_q.cpu(), fp8_q=fp8_q)
     rows = []
     for r, n in enumerate(seq_lens.tolist()[:index_q.shape[0]]):
         k = gather_request_kv(keys, block_table[r].cpu(), n)            # [n, 128]
-        dots = index_q[r].cpu().double() @ k.T                          # [64, n]
+        dots = q_rows[r] @ k.T                                          # [64, n]
         rows.append((dots.clamp_min(0) * index_weights[r].cpu().double()[:, None]).sum(0))
     return rows
 
