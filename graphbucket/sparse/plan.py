@@ -44,7 +44,7 @@ INDEX_HEADS = 64        # DeepSeek-V3.2 indexer heads (not sharded by tensor par
 # would be read again, synchronously, for the logits (sm_90 compile: 156 registers, no
 # spills, 59 KB of shared memory at 4 stages: 3 programs per SM).
 INDEXER_BLOCK_N = 128
-INDEXER_STAGES = 4      # key (and scale) copies in flight + 1
+INDEXER_STAGES = 3      # key (and scale) copies in flight + 1
 INDEXER_CTAS_PER_SM = 3
 INDEXER_MIN_TILES = 4   # 512 tokens (66 KB of keys) per indexer program at least
 MAX_INDEXER_SPLITS = 1024
