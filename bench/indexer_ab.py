@@ -36,12 +36,14 @@ DEVICE = "cuda"
 SHAPES = ((1, 131072, (64, 128, 256, 512)), (8, 131072, (16, 32, 64, 128, 256)),
           (64, 4096, (2, 4, 8, 16, 32)))
 # name -> plan fields (None: the first kernel, below)
+GATED = {"indexer_scale_ahead": False}  # scales copied with the keys through a gate
 VARIANTS = {"old bf16 n64 s3": None,
-            "fp8 n128 s4": {"indexer_block_n": 128, "indexer_stages": 4},
-            "fp8 n128 s3": {"indexer_block_n": 128, "indexer_stages": 3},
-            "fp8 n64 s4": {"indexer_block_n": 64, "indexer_stages": 4},
-            "bf16 n128 s4": {"indexer_block_n": 128, "indexer_stages": 4,
-                             "indexer_fp8_q": False}}
+            "fp8 n128 s3 gate": {"indexer_block_n": 128, "indexer_stages": 3, **GATED},
+            "fp8 n128 s3 ahead": {"indexer_block_n": 128, "indexer_stages": 3},
+            "fp8 n128 s4 ahead": {"indexer_block_n": 128, "indexer_stages": 4},
+            "fp8 n64 s4 ahead": {"indexer_block_n": 64, "indexer_stages": 4},
+            "bf16 n128 s3 ahead": {"indexer_block_n": 128, "indexer_stages": 3,
+                                   "indexer_fp8_q": False}}
 CHECK_LENS = [1, 63, 64, 65, 129, 5000, 32768, 0]
 TOLERANCE = {True: 2e-3, False: 1e-4}  # max |err| / max |logit| per row, by fp8 q
 
