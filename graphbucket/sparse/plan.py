@@ -1,12 +1,13 @@
 """Launch plans for sparse MLA decode: indexer splits, top-k, attention splits (host only).
 
-A sparse decode step is three launches (four with the attention merge), and each has its
-own topology:
+A sparse decode step is the indexer, the top-k (six launches), the attention and its
+merge, and each has its own topology:
 
 - the indexer's logits pass streams every live token's 132-byte index key, so its cost
   grows with context like dense decode: its split count follows the hint, bucket by bucket
   (``indexer_splits``);
-- the top-k runs one program per row (``graphbucket/sparse/topk.py``): nothing to plan;
+- the top-k runs ``topk_chunks(max_len)`` programs per row on the workspace's width
+  (``graphbucket/sparse/topk.py``), whatever the hint: nothing to plan;
 - the sparse attention reads at most ``topk`` latent rows per query token, so it saturates
   at top-k: every hint >= topk plans the same attention (``attention_splits``).
 
@@ -25,9 +26,10 @@ where it holds one (batch 1); both have the same tile and programs per SM, so th
 count is the same and only the stage-1 kernel differs (measured: ``bench/NOTES.md``,
 "sparse attention: gather ahead").
 
-The constants are first guesses, not yet measured on a GPU (bench/sparse_sweep.py sweeps
-the attention split count and reports the best one beside this plan and beside
-``seed_max_splits``, the heuristic vLLM's ROCm sparse backend uses).
+The constants were checked on an H200 (``bench/indexer_ab.py``,
+``bench/sparse_attention_ab.py``: the planned split counts are the measured best at
+batch 1, 8 and 64; ``bench/sparse_sweep.py`` reports them beside ``seed_max_splits``,
+the heuristic vLLM's ROCm sparse backend uses).
 """
 
 from __future__ import annotations
@@ -38,13 +40,11 @@ from graphbucket.plan import H200_NUM_SMS, MERGE_BLOCK_DV, cdiv, pow2_ceil, pow2
 
 DEFAULT_TOPK = 2048
 INDEX_HEADS = 64        # DeepSeek-V3.2 indexer heads (not sharded by tensor parallelism)
-# Indexer tile: [128 tokens, 128] x [128, 64 heads], 4 warps. At 128 tokens the tile's
-# [128] scales (one per thread) are copied ahead with the keys; Triton re-issues a load of
-# fewer elements than threads in each layout that uses it, so at 64 tokens the scales
-# would be read again, synchronously, for the logits (sm_90 compile: 156 registers, no
-# spills, 59 KB of shared memory at 4 stages: 3 programs per SM).
+# Indexer tile: [128 tokens, 128] x [128, 64 heads], 4 warps, fp8 x fp8 warpgroup MMA;
+# the tile's [128] scales (one per thread) are loaded a tile ahead into registers (sm_90
+# compile at 3 stages: 125 registers, no spills: 3 programs per SM).
 INDEXER_BLOCK_N = 128
-INDEXER_STAGES = 3      # key (and scale) copies in flight + 1
+INDEXER_STAGES = 3      # key copies in flight + 1 (4 measured slower on the H200)
 INDEXER_CTAS_PER_SM = 3
 INDEXER_MIN_TILES = 4   # 512 tokens (66 KB of keys) per indexer program at least
 MAX_INDEXER_SPLITS = 1024
