@@ -1,8 +1,8 @@
-"""Indexer logits A/B on the GPU: the first kernel (bf16 dot, one tile in flight) against
-the fp8-q kernel at several tiles, stages and split counts (issue 16).
+"""Indexer logits A/B on the GPU: fp8 q and bf16 q at several tiles, stages and split
+counts (issue 16; the first kernel's numbers are in bench/results/h200-indexer-ab.md).
 
 First a check against the float64 reference of the same op at a few lengths (fp8 q:
-``reference.quantize_index_q``; the first kernel and the bf16 path: q as given), then
+``reference.quantize_index_q``; the bf16 path: q as given), then
 CUDA-graph replays over a cold L2 (``bench/sparse_sweep.py``'s caches and timing) at
 batch 1 and 8 x 128K and batch 64 x 4K; each cell is us and the fraction of the copy
 bandwidth over len x 132 bytes. Under 3 minutes on an H200.
@@ -19,14 +19,11 @@ import sys
 from dataclasses import replace
 
 import torch
-import triton
-import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.gpu_timing import copy_gbps, run_meta  # noqa: E402
 from bench.sparse_sweep import INDEX_BYTES, Caches, rotations, timed  # noqa: E402
-from graphbucket.kernels.mla_decode import _split_range, _tile_pages  # noqa: E402
 from graphbucket.sparse import plan_sparse_decode, quantize_index_keys  # noqa: E402
 from graphbucket.sparse.indexer import launch_indexer_logits  # noqa: E402
 from graphbucket.sparse.reference import indexer_logits_reference  # noqa: E402
@@ -35,77 +32,19 @@ HEADS, INDEX_HEADS, INDEX_DIM, PAGE = 16, 64, 128, 64
 DEVICE = "cuda"
 SHAPES = ((1, 131072, (64, 128, 256, 512)), (8, 131072, (16, 32, 64, 128, 256)),
           (64, 4096, (2, 4, 8, 16, 32)))
-# name -> plan fields (None: the first kernel, below)
-GATED = {"indexer_scale_ahead": False}  # scales copied with the keys through a gate
-VARIANTS = {"old bf16 n64 s3": None,
-            "fp8 n128 s3 gate": {"indexer_block_n": 128, "indexer_stages": 3, **GATED},
-            "fp8 n128 s3 ahead": {"indexer_block_n": 128, "indexer_stages": 3},
-            "fp8 n128 s4 ahead": {"indexer_block_n": 128, "indexer_stages": 4},
-            "fp8 n64 s4 ahead": {"indexer_block_n": 64, "indexer_stages": 4},
-            "bf16 n128 s3 ahead": {"indexer_block_n": 128, "indexer_stages": 3,
-                                   "indexer_fp8_q": False}}
+# name -> plan fields
+VARIANTS = {"fp8 n128 s3": {"indexer_block_n": 128, "indexer_stages": 3},
+            "fp8 n128 s4": {"indexer_block_n": 128, "indexer_stages": 4},
+            "fp8 n64 s4": {"indexer_block_n": 64, "indexer_stages": 4},
+            "bf16 n128 s3": {"indexer_block_n": 128, "indexer_stages": 3,
+                             "indexer_fp8_q": False}}
 CHECK_LENS = [1, 63, 64, 65, 129, 5000, 32768, 0]
 TOLERANCE = {True: 2e-3, False: 1e-4}  # max |err| / max |logit| per row, by fp8 q
 
 
-@triton.jit
-def _old_indexer_logits_kernel(
-    Q, W, K, K_SCALE, BLOCK_TABLE, SEQ_LENS, LOGITS,
-    num_splits, num_heads, max_len,
-    stride_q_r, stride_q_h, stride_w_r,
-    stride_k_page, stride_k_tok, stride_s_page,
-    stride_bt_r, stride_l_r,
-    PAGE_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    TILE_IN_PAGE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """The kernel as of 83fd09a (graphbucket/sparse/indexer.py), for the A/B."""
-    row = tl.program_id(0)
-    split = tl.program_id(1)
-    seq_len = tl.minimum(tl.load(SEQ_LENS + row), max_len)
-    start, end = _split_range(seq_len, split, num_splits, BLOCK_N)
-    if start < end:
-        offs_h = tl.arange(0, BLOCK_H)
-        mask_h = offs_h < num_heads
-        offs_d = tl.arange(0, HEAD_DIM)
-        q = tl.load(Q + row * stride_q_r + offs_h[:, None] * stride_q_h + offs_d[None, :],
-                    mask=mask_h[:, None], other=0.0)
-        w = tl.load(W + row * stride_w_r + offs_h, mask=mask_h, other=0.0)
-        bt_row = BLOCK_TABLE + row * stride_bt_r
-        out_row = LOGITS + row.to(tl.int64) * stride_l_r
-        for tok0 in range(start, end, BLOCK_N):
-            pages = _tile_pages(bt_row, tok0, end, PAGE_SIZE, BLOCK_N, TILE_IN_PAGE)
-            offs_n = tok0 + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < end
-            slot = offs_n % PAGE_SIZE
-            k_row = pages * stride_k_page + slot * stride_k_tok
-            k = tl.load(K + k_row[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-            scale = tl.load(K_SCALE + pages * stride_s_page + slot, mask=mask_n, other=0.0)
-            dots = tl.dot(k.to(q.dtype), tl.trans(q), input_precision=DOT_PRECISION)
-            logit = tl.sum(tl.maximum(dots, 0.0) * w[None, :], 1) * scale
-            tl.store(out_row + offs_n, logit, mask=mask_n)
-
-
-def launch_old(q, w, cache, scales, table, lens, logits, *, splits: int) -> None:
-    _old_indexer_logits_kernel[(q.shape[0], splits)](
-        q, w, cache, scales, table, lens, logits, splits, INDEX_HEADS, logits.shape[1],
-        q.stride(0), q.stride(1), w.stride(0), cache.stride(0), cache.stride(1),
-        scales.stride(0), table.stride(0), logits.stride(0),
-        PAGE_SIZE=cache.shape[1], HEAD_DIM=INDEX_DIM, BLOCK_H=INDEX_HEADS, BLOCK_N=64,
-        TILE_IN_PAGE=True, DOT_PRECISION="tf32", num_warps=4, num_stages=3)
-
-
 def launcher(name: str, rows: int, context: int):
     """fn(call inputs, logits, splits) for one variant."""
-    fields = VARIANTS[name]
-    if fields is None:
-        return lambda c, out, splits: launch_old(
-            c["index_q"], c["index_weights"], c["index_cache"], c["index_scales"],
-            c["block_table"], c["seq_lens"], out, splits=splits)
-    base = replace(plan_sparse_decode(rows, HEADS, context), **fields)
+    base = replace(plan_sparse_decode(rows, HEADS, context), **VARIANTS[name])
     return lambda c, out, splits: launch_indexer_logits(
         c["index_q"], c["index_weights"], c["index_cache"], c["index_scales"],
         c["block_table"], c["seq_lens"], out, plan=base.with_splits(indexer=splits))
@@ -127,7 +66,7 @@ def check(name: str) -> tuple[float, bool]:
          "seq_lens": torch.tensor(CHECK_LENS, dtype=torch.int32)}
     c = {k: v.to(DEVICE) for k, v in c.items()}
     logits = torch.full((rows, max(CHECK_LENS)), float("nan"), device=DEVICE)
-    fp8_q = VARIANTS[name] is not None and VARIANTS[name].get("indexer_fp8_q", True)
+    fp8_q = VARIANTS[name].get("indexer_fp8_q", True)
     launcher(name, rows, max(CHECK_LENS))(c, logits, 8)
     ref = indexer_logits_reference(**c, fp8_q=fp8_q)
     worst = 0.0

@@ -22,9 +22,8 @@ q precision (``SparsePlan.indexer_fp8_q``):
 
 Latency, not bytes, bounded the first version: one key tile in flight per program (the
 block-table lookup took one of the pipeliner's stages) and a synchronous load of each
-tile's scales. Here the pages of tile i + 1 are looked up while tile i is in flight, and
-the scales are copied ahead with their key tile (see the loop), so ``num_stages - 1``
-tiles of keys and scales are in flight per program.
+tile's scales. Here the pages and the scales of tile i + 1 are loaded while tile i is in
+flight, so ``num_stages - 1`` tiles of keys are copied ahead per program.
 
 Grid (rows, splits): split s of row r takes the tiles of [0, len_r) that
 ``graphbucket.kernels.mla_decode._split_range`` gives it, so any split count is correct
@@ -83,7 +82,6 @@ def _indexer_logits_kernel(
     DOT_PRECISION: tl.constexpr,
     FP8_MAX: tl.constexpr,
     MIN_SCALE: tl.constexpr,
-    SCALE_AHEAD: tl.constexpr,
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -103,10 +101,9 @@ def _indexer_logits_kernel(
             q, q_scale = _quantize_rows_e4m3(q.to(tl.float32), FP8_MAX, MIN_SCALE)
             w = w * q_scale
         out_row = LOGITS + row.to(tl.int64) * stride_l_r
-        if SCALE_AHEAD:
-            offs_first = start + tl.arange(0, BLOCK_N)
-            next_scale = tl.load(K_SCALE + next_pages * stride_s_page + offs_first % PAGE_SIZE,
-                                 mask=offs_first < end, other=0.0)
+        offs_first = start + tl.arange(0, BLOCK_N)
+        next_scale = tl.load(K_SCALE + next_pages * stride_s_page + offs_first % PAGE_SIZE,
+                             mask=offs_first < end, other=0.0)
         for tok0 in range(start, end, BLOCK_N):
             # The pages of tile i + 1 are looked up during tile i: the lookup is then no
             # stage of the pipeline, and the copies get num_stages - 1 buffers.
@@ -120,22 +117,14 @@ def _indexer_logits_kernel(
             k = tl.load(K + k_row[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
             if not FP8_Q:
                 k = k.to(q.dtype)
-            if SCALE_AHEAD:
-                # The scales of tile i + 1 are loaded into registers during tile i (one
-                # float a thread), so no tile waits on a synchronous scale load.
-                scale = next_scale
-                offs_next = offs_n + BLOCK_N
-                next_scale = tl.load(K_SCALE + next_pages * stride_s_page
-                                     + offs_next % PAGE_SIZE, mask=offs_next < end, other=0.0)
-            else:
-                scale = tl.load(K_SCALE + pages * stride_s_page + slot, mask=mask_n,
-                                other=0.0)
-                # A no-op on the values (every stored scale is > 0, masked tokens read
-                # 0), but it makes the scales an operand of the dot, and Triton's
-                # pipeliner copies ahead only the loads a dot consumes: the scales then
-                # travel with their key tile instead of stalling each tile on a
-                # synchronous load.
-                k = tl.where(scale[:, None] > 0, k, tl.zeros_like(k))
+            # The scales of tile i + 1 are loaded into registers during tile i (one float
+            # a thread): no tile waits on a synchronous scale load. (Making them an
+            # operand of the dot, so that the pipeliner copies them with the keys, cost
+            # ~350 instructions per tile: 1.5x slower at batch 8, bench/NOTES.md.)
+            scale = next_scale
+            offs_next = offs_n + BLOCK_N
+            next_scale = tl.load(K_SCALE + next_pages * stride_s_page + offs_next % PAGE_SIZE,
+                                 mask=offs_next < end, other=0.0)
             dots = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
             logit = tl.sum(tl.maximum(dots, 0.0) * w[None, :], 1) * scale
             tl.store(out_row + offs_n, logit, mask=mask_n)
@@ -159,6 +148,6 @@ def launch_indexer_logits(index_q: torch.Tensor, index_weights: torch.Tensor,
         BLOCK_H=triton.next_power_of_2(plan.index_heads), BLOCK_N=block_n,
         TILE_IN_PAGE=page_size % block_n == 0, FP8_Q=plan.indexer_fp8_q,
         DOT_PRECISION="ieee" if index_q.dtype == torch.float32 else "tf32",
-        FP8_MAX=FP8_MAX, MIN_SCALE=V32_MIN_SCALE, SCALE_AHEAD=plan.indexer_scale_ahead,
-        num_warps=4, num_stages=plan.indexer_stages,
+        FP8_MAX=FP8_MAX, MIN_SCALE=V32_MIN_SCALE, num_warps=4,
+        num_stages=plan.indexer_stages,
     )

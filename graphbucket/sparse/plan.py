@@ -103,7 +103,6 @@ class SparsePlan:
     indexer_block_n: int = INDEXER_BLOCK_N
     indexer_stages: int = INDEXER_STAGES
     indexer_fp8_q: bool = True  # q quantized to e4m3 per head (False: q as given)
-    indexer_scale_ahead: bool = True  # key scales loaded a tile ahead into registers
     attention_block_n: int = ATTENTION_BLOCK_N
     block_h: int = ATTENTION_BLOCK_H
     topk_block: int = TOPK_BLOCK
