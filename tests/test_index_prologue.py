@@ -1,13 +1,23 @@
-"""The indexer's prologue kernels (interpreter): against the torch path they replace."""
+"""The indexer's prologue kernels (interpreter): against the torch path they replace, and
+a sparse layer left with no torch kernels but its projections."""
 
 from __future__ import annotations
 
+import collections
+import os
+import sys
+
+import numpy as np
 import pytest
 import torch
+import triton
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphbucket.fp8 import FP8_DTYPE
 from graphbucket.models.ops import rms_norm, rope_cache
-from graphbucket.models.sparse_mla import rope_first
+from graphbucket.models.paging import decode_batch, random_block_table
+from graphbucket.models.sparse_mla import SparseMLADecoder, rope_first, tiny_sparse
+from graphbucket.runner import GraphBucketRunner
 from graphbucket.sparse.index_cache import INDEX_DIM, store_index_keys
 from graphbucket.sparse.index_prologue import rope_index_q_, store_index_prologue
 
@@ -105,3 +115,57 @@ def test_prologue_rejects_bad_buffers():
                              torch.ones(num_slots), eps=EPS)
     with pytest.raises(ValueError, match="q must be"):
         rope_index_q_(torch.zeros(2, 8 * INDEX_DIM), rope, positions)
+
+
+# aten ops that launch no kernel (metadata and allocation)
+NO_KERNEL = {"aten.t.default", "aten.view.default", "aten.slice.Tensor", "aten.transpose.int",
+             "aten.empty.memory_format", "aten.unsqueeze.default", "aten.detach.default",
+             "aten.view.dtype", "aten.expand.default", "aten._unsafe_view.default",
+             "aten.as_strided.default", "aten.alias.default", "aten.select.int"}
+PROJECTIONS = {"aten.mm.default", "aten.bmm.default", "aten.addmm.default"}
+
+
+class _TorchOps(TorchDispatchMode):
+    """Counts the aten ops a call issues, less those the Triton interpreter issues while
+    it runs a kernel (its argument copies)."""
+
+    triton_dir = os.path.dirname(triton.__file__)
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        frame = sys._getframe(1)
+        while frame is not None and not frame.f_code.co_filename.startswith(self.triton_dir):
+            frame = frame.f_back
+        if frame is None:
+            self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.interpreter
+def test_sparse_layer_launches_no_torch_kernels_but_its_projections(monkeypatch):
+    model = SparseMLADecoder(tiny_sparse(num_layers=1), num_pages=8, page_size=16,
+                             dtype=torch.float32, device="cpu")
+    table = random_block_table(1, 8, 8, np.random.default_rng(0))
+    model.prefill_random(table, [64])
+    layer_ops = []
+    sparse_attention = SparseMLADecoder._sparse_attention
+
+    def counted(self, *args):
+        with _TorchOps() as mode:
+            out = sparse_attention(self, *args)
+        layer_ops.append(mode.ops)
+        return out
+
+    monkeypatch.setattr(SparseMLADecoder, "_sparse_attention", counted)
+    batch = decode_batch(model, [40], table[:1], torch.randn(1, model.config.hidden_size))
+    with GraphBucketRunner.for_model(model, policy="eager", max_model_len=128,
+                                     batch_sizes=[1], progress=False,
+                                     backend=model.decode_backend(128, num_sms=8)) as runner:
+        runner.step(batch)
+    (ops,) = layer_ops
+    # the torch path ran 24 elementwise, cat, amax and index_copy_ kernels here (fp32)
+    assert set(ops) - NO_KERNEL <= PROJECTIONS, ops
+    assert sum(ops[name] for name in PROJECTIONS) == 7, ops  # 5 linears, 2 bmms
