@@ -11,11 +11,17 @@ each of the 64 index heads of ``q_a @ W_iq`` [T, 64 x 128], in place.
 
 Both keep the rounding points of the torch path they replace (``models.sparse_mla``'s
 ``rope_first`` over ``models.ops.rms_norm``, then ``index_cache.quantize_index_keys``):
-the norm's output and the rotary (float32) are rounded to the model dtype, then the key
+the norm's output and the rotary (float32, no fused multiply-adds: torch's separate
+multiplies and adds) are rounded to the model dtype, then the key
 is quantized in float32 with correctly rounded divisions (torch's), ``scale = max(amax /
 448, 2**-126)``, ``clamp(key / scale, +-448)`` rounded to the nearest e4m3. They replace
 ~35 small torch kernels a layer: inside a CUDA graph each costs a few microseconds of
 dependency latency, more than the bytes they move.
+
+On the GPU the compiled ``ops.rms_norm`` folds one step of its sum of squares into a fused
+multiply-add, which this kernel (compiled without them, for the rotary's sake) does not:
+a key can then differ from the torch path by one rounding of the model dtype, rarely,
+and so by one e4m3 step. In the interpreter both paths agree bit for bit (tested).
 
 Rotary: half-split pairs over the first 64 dims, the model's rope table (cos halves, then
 sin halves), positions clamped to the table on the device. Graph safety: host metadata
@@ -129,7 +135,7 @@ def store_index_prologue(kw: torch.Tensor, k_norm: torch.Tensor, rope: torch.Ten
         weights, kw.stride(0), rope.stride(0), weights.stride(0), index_rows.shape[0] - 1,
         rope.shape[0], q_len, eps, (num_weights * INDEX_DIM) ** -0.5,
         DIM=INDEX_DIM, HALF=ROPE_DIM // 2, NUM_WEIGHTS=num_weights, FP8_MAX=FP8_MAX,
-        MIN_SCALE=V32_MIN_SCALE, num_warps=4)
+        MIN_SCALE=V32_MIN_SCALE, num_warps=4, enable_fp_fusion=False)
     return weights
 
 
@@ -163,5 +169,6 @@ def rope_index_q_(q: torch.Tensor, rope: torch.Tensor, positions: torch.Tensor
     assert q.stride(1) == 1 and rope.stride(1) == 1, "rows must be dense"
     _rope_q_kernel[(tokens, heads // Q_HEADS_BLOCK)](
         q, rope, positions, q.stride(0), rope.stride(0), rope.shape[0],
-        DIM=INDEX_DIM, HALF=ROPE_DIM // 2, HEADS=Q_HEADS_BLOCK, num_warps=4)
+        DIM=INDEX_DIM, HALF=ROPE_DIM // 2, HEADS=Q_HEADS_BLOCK, num_warps=4,
+        enable_fp_fusion=False)
     return q.view(tokens, heads, INDEX_DIM)
