@@ -16,10 +16,13 @@ and k_idx before fp8 is left out (it is orthogonal: the logits are the same in e
 arithmetic, only the fp8 rounding of the keys differs); q_idx is projected in the model
 dtype and the indexer kernel rounds it to e4m3 per head (``graphbucket.sparse.indexer``).
 
-The new tokens' latent rows and index keys are stored before attention (``seq_lens``
-counts them). Padding rows (seq_len 0 or a negative slot) store nothing: their index
-keys go to one scratch row past the cache (the index cache is a view of the first
-num_pages x page_size rows of a buffer one row longer).
+The indexer's prologue (key norm, rotary, fp8 store, head weights; q_idx's rotary) runs
+in two kernels (``graphbucket.sparse.index_prologue``); ``rope_first`` over
+``ops.rms_norm`` and ``store_index_keys`` is the torch path they reproduce. The new
+tokens' latent rows and index keys are stored before attention (``seq_lens`` counts
+them). Padding rows (seq_len 0 or a negative slot) store nothing: their index keys go to
+one scratch row past the cache (the index cache is a view of the first num_pages x
+page_size rows of a buffer one row longer).
 
 Graph safety: as ``MLADecoder``; the attention launches through
 ``ctx.backend.run_sparse`` (a ``SparseBackend``) with ``ctx.plan`` and ``ctx.workspace``.
@@ -44,6 +47,7 @@ from graphbucket.sparse.index_cache import (
     dequantize_index_keys,
     store_index_keys,
 )
+from graphbucket.sparse.index_prologue import rope_index_q_, store_index_prologue
 from graphbucket.sparse.plan import DEFAULT_TOPK, INDEX_HEADS
 
 
@@ -105,7 +109,8 @@ def random_indexers(cfg: SparseMLAConfig, *, seed: int, device: torch.device | s
 
 def rope_first(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
     """x [T, ..., K] with its first P dims rotated (half-split pairs); cos_sin [T, P]
-    (cos halves, then sin halves, ``ops.rope_cache`` rows). Computed in float32."""
+    (cos halves, then sin halves, ``ops.rope_cache`` rows). Computed in float32; the
+    torch model of ``index_prologue``'s rotary."""
     p = cos_sin.shape[1]
     half = p // 2
     shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (half,)
@@ -171,35 +176,21 @@ class SparseMLADecoder(MLADecoder):
         if not isinstance(ctx.backend, SparseBackend):
             raise TypeError(f"SparseMLADecoder runs on a SparseBackend, got {ctx.backend!r}; "
                             "build the runner with GraphBucketRunner.for_model(model, ...)")
-        cfg = self.config
-        positions = ctx.positions.clamp(0, cfg.max_position - 1)
-        cos_sin = self.rope[positions]                                   # [T, 64]
-        index_slots = self._index_slots(ctx)
-        return self._layers(ctx, lambda i, h: self._sparse_attention(i, h, ctx, cos_sin,
-                                                                     index_slots))
+        return self._layers(ctx, lambda i, h: self._sparse_attention(i, h, ctx))
 
-    def _index_slots(self, ctx: DecodeContext) -> torch.Tensor:
-        """Each token's index-cache row; padding tokens -> the scratch row past the cache."""
-        slots, scratch = ctx.inputs[SLOT_INPUT], self._index_rows[0].shape[0] - 1
-        lens = ctx.seq_lens[:, None].expand(ctx.batch_size, ctx.q_len).reshape(-1)
-        live = (slots >= 0) & (slots < scratch) & (lens > 0)
-        return torch.where(live, slots, scratch)
-
-    def _sparse_attention(self, i: int, h: torch.Tensor, ctx: DecodeContext,
-                          cos_sin: torch.Tensor, index_slots: torch.Tensor) -> torch.Tensor:
+    def _sparse_attention(self, i: int, h: torch.Tensor, ctx: DecodeContext) -> torch.Tensor:
         cfg, layer, ix, cache = self.config, self.layers[i], self.indexers[i], self.kv_caches[i]
         tokens, q_lora = h.shape[0], cfg.q_lora_rank
         qkv_a = self._linear(h, layer.w_qkv_a)                       # [T, Q + R + P]
         store_kv(qkv_a[:, q_lora:], layer.kv_a_norm, self.rope, ctx.positions,
                  ctx.inputs[SLOT_INPUT], ctx.seq_lens, cache, cfg.rms_eps, q_len=ctx.q_len)
         kw = self._linear(h, ix.w_ikw)                               # [T, K + I]
-        keys = rope_first(rms_norm(kw[:, :cfg.index_dim], ix.k_norm, cfg.rms_eps), cos_sin)
-        store_index_keys(keys, index_slots, self._index_rows[i].view(-1, 1, INDEX_DIM),
-                         self._index_row_scales[i].view(-1, 1))
-        weights = kw[:, cfg.index_dim:].float() * (cfg.index_heads * cfg.index_dim) ** -0.5
+        weights = store_index_prologue(kw, ix.k_norm, self.rope, ctx.positions,
+                                       ctx.inputs[SLOT_INPUT], ctx.seq_lens,
+                                       self._index_rows[i], self._index_row_scales[i],
+                                       eps=cfg.rms_eps, q_len=ctx.q_len)  # [T, I] float32
         q_a = rms_norm(qkv_a[:, :q_lora], layer.q_a_norm, cfg.rms_eps)
-        index_q = rope_first(self._linear(q_a, ix.w_iq).view(tokens, cfg.index_heads,
-                                                            cfg.index_dim), cos_sin)
+        index_q = rope_index_q_(self._linear(q_a, ix.w_iq), self.rope, ctx.positions)
         q_b = self._linear(q_a, layer.w_q_b)                         # [T, H * (nope + P)]
         q_nope = q_b.view(tokens, cfg.num_heads, cfg.qk_head_dim)[..., :cfg.qk_nope_dim]
         q_latent = self._bmm(q_nope.transpose(0, 1), layer.w_uk)     # [H, T, R]

@@ -1,6 +1,8 @@
 """Sparse MLA decode (DeepSeek-V3.2): indexer logits, top-k and sparse attention kernels.
 
-Modules: ``index_cache`` (the fp8 index-key cache), ``indexer`` (logits kernel),
+Modules: ``index_cache`` (the fp8 index-key cache), ``index_prologue`` (the per-token
+key store, head weights and q rotary kernels), ``rounding`` (RNE casts that the
+interpreter gets right), ``indexer`` (logits kernel),
 ``topk`` (radix-select kernel), ``attention`` (sparse attention + merge), ``plan``
 (host decisions), ``decode`` (workspace, checks, the three steps), ``reference``
 (float64 references).

@@ -41,19 +41,7 @@ import triton.language as tl
 from graphbucket.fp8 import FP8_MAX, V32_MIN_SCALE
 from graphbucket.kernels.mla_decode import _split_range, _tile_pages
 from graphbucket.sparse.plan import SparsePlan
-
-
-@triton.jit
-def _round_to_e4m3(x):
-    """float32 x (|x| <= 448) rounded to the nearest e4m3 number, ties to even, still
-    float32. The cast of the result is exact; Triton's interpreter rounds a float32 to
-    e4m3 wrongly when the mantissa carries into the exponent, so the kernel rounds first."""
-    bits = x.to(tl.int32, bitcast=True)
-    # normal range: keep 3 mantissa bits (round half to even on bit 20)
-    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
-    # below 2^-6 (subnormal e4m3): multiples of 2^-9, the float32 spacing at 1.5 * 2^14
-    subnormal = (x + 24576.0) - 24576.0
-    return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+from graphbucket.sparse.rounding import round_to_e4m3
 
 
 @triton.jit
@@ -63,7 +51,7 @@ def _quantize_rows_e4m3(x, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
     ``graphbucket.sparse.reference.quantize_index_q`` is the host model)."""
     scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 1), FP8_MAX), MIN_SCALE)
     inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
-    return _round_to_e4m3(x * inv[:, None]).to(tl.float8e4nv), scale
+    return round_to_e4m3(x * inv[:, None]).to(tl.float8e4nv), scale
 
 
 @triton.jit
