@@ -3,12 +3,13 @@
 # TPOT per policy, and the demo's GPU path.
 # Usage (on a CUDA machine, from the repo root): OUT=/some/dir bash bench/run_gpu.sh [steps]
 # steps: any of tests gputests sweep fisweep capture tune tunefp8 tpot tpotfp8 tpotmtp
-#        ragged demo tp fp8 mtp sparse tpotsparse
+#        ragged demo tp fp8 mtp sparse sparseab tpotsparse
 #        (tunefp8: 16-head ladders over fp8-tensor and fp8-v32 caches, copied into
 #        graphbucket/ladders/ like tune's; tpotfp8: TPOT of bf16, fp8-tensor and fp8-v32
 #        caches in one table, fixed-1 and the ladder, after tunefp8)
 #        (tpotmtp: TPOT of verify steps at q_len 1, 2, 4 on fewer contexts)
 #        (fisweep: the sweep with FlashInfer rows, wheels installed from .whl/ if present)
+#        (sparseab: the indexer and sparse-attention A/Bs, each checked against float64)
 #        (ragged: batches whose lengths differ, against the bytes they read)
 #        (tp needs 2 GPUs: TP=2 decode, numerics vs TP=1, TPOT ladder vs fixed-1)
 #        (default: tests sweep capture tune tpot).
@@ -41,11 +42,17 @@ for step in $steps; do
          tail -40 "$R/fp8.log" ;;
     mtp) timeout 200 python3 bench/mtp_sweep.py --out "$R" > "$R/mtp.log" 2>&1
          tail -40 "$R/mtp.log" ;;
-    sparse) timeout 120 python3 -m pytest -q tests/test_sparse.py -p no:cacheprovider \
+    sparse) timeout 180 python3 -m pytest -q tests/test_sparse.py tests/test_sparse_model.py \
+              tests/test_index_prologue.py -p no:cacheprovider \
               > "$R/sparse-tests.log" 2>&1; tail -5 "$R/sparse-tests.log"
             timeout 300 python3 bench/sparse_sweep.py --out "$R" > "$R/sparse.log" 2>&1
             tail -30 "$R/sparse.log" ;;
-    tpotsparse) timeout 300 python3 bench/tpot_sparse.py --layers 2 --out "$R" \
+    sparseab) timeout 200 python3 bench/indexer_ab.py --out "$R" > "$R/indexer-ab.log" 2>&1
+              tail -25 "$R/indexer-ab.log"
+              timeout 240 python3 bench/sparse_attention_ab.py --out "$R" > "$R/attn-ab.log" 2>&1
+              tail -25 "$R/attn-ab.log" ;;
+    tpotsparse) timeout 300 python3 bench/tpot_sparse.py --layers 2 --contexts 1024 16384 \
+                  100000 131072 --policies fixed-1 fixed-max ladder seed-ladder --out "$R" \
                   > "$R/tpot-sparse.log" 2>&1; tail -30 "$R/tpot-sparse.log" ;;
     capture) timeout 120 python3 bench/capture_dispatch.py --out "$R" > "$R/capture.log" 2>&1
              tail -20 "$R/capture.log" ;;
