@@ -70,6 +70,28 @@ def _load_q(Q, bid, offs_h, mask_h, stride_q_b, stride_q_h,
 
 
 @triton.jit
+def _softmax_tile(q_nope, q_rope, kv, k_rope, kv_v, live, acc, l_i, m_i, qk_scale_log2,
+                  DOT_PRECISION: tl.constexpr, MAY_BE_EMPTY: tl.constexpr):
+    """One tile of the online softmax, head-major, in log2 units: the scores of the
+    ``live`` (row, token) pairs (a mask that broadcasts to [rows, BLOCK_N]), then (acc, l,
+    m) carried over. MAY_BE_EMPTY: a row may have no live token yet; its max stays -inf
+    and is kept out of the exponents (its acc and l stay 0)."""
+    qk = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PRECISION)
+    qk += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
+    qk = tl.where(live, qk * qk_scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    if MAY_BE_EMPTY:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_ref = m_new
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(qk - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(kv_v.dtype), kv_v, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _attend_tokens(
     q_nope, q_rope, KV, bt_row, start, end, qk_scale_log2,
     stride_kv_page, stride_kv_tok,
@@ -169,27 +191,14 @@ def _attend_tokens(
                 kv_v = _load_latent(KV, row, offs_n < end, KV_LORA_RANK, BLOCK_N, KV_FORMAT,
                                     "evict_first").to(q_nope.dtype)
             kv, k_rope = kv.to(q_nope.dtype), k_rope.to(q_nope.dtype)
-        qk = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PRECISION)
-        qk += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
         if MULTI_TOKEN:
             live = mask_n[None, :] & ((tok0 + tl.arange(0, BLOCK_N))[None, :]
                                       < row_limit[:, None])
-            qk = tl.where(live, qk * qk_scale_log2, float("-inf"))
-            # A row may have no live token yet: keep -inf - -inf out of the exponents.
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(qk - m_safe[:, None])
         else:
-            qk = tl.where(mask_n[None, :], qk * qk_scale_log2, float("-inf"))
-            # Every tile holds at least one live token, so m_new is finite after tile one.
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(kv_v.dtype), kv_v,
-                                            input_precision=DOT_PRECISION)
-        m_i = m_new
+            live = mask_n[None, :]
+        # Every tile holds a live token for every row unless rows have their own limits.
+        acc, l_i, m_i = _softmax_tile(q_nope, q_rope, kv, k_rope, kv_v, live, acc, l_i, m_i,
+                                      qk_scale_log2, DOT_PRECISION, MAY_BE_EMPTY=MULTI_TOKEN)
     return acc, l_i, m_i
 
 

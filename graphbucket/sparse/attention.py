@@ -43,6 +43,7 @@ from graphbucket.kernels.mla_decode import (
     _load_kv_rows,
     _load_q,
     _mla_decode_merge_kernel,
+    _softmax_tile,
     _split_range,
     _store_final,
     _store_padding,
@@ -126,17 +127,10 @@ def _sparse_attention_kernel(
             kv, k_rope = _load_kv_rows(KV, kv_row, live, KV_LORA_RANK, ROPE_DIM, BLOCK_N,
                                        KV_FORMAT)
             kv, k_rope = kv.to(q_nope.dtype), k_rope.to(q_nope.dtype)
-            qk = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PRECISION)
-            qk += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
-            qk = tl.where(live[None, :], qk * qk_scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile of padding only
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(qk - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv,
-                                                input_precision=DOT_PRECISION)
-            m_i = m_new
+            # A tile may hold only -1 slots (padding): its rows may have no live token.
+            acc, l_i, m_i = _softmax_tile(q_nope, q_rope, kv, k_rope, kv, live[None, :], acc,
+                                          l_i, m_i, qk_scale_log2, DOT_PRECISION,
+                                          MAY_BE_EMPTY=True)
         # A split whose slots are all -1 gives zeros and LSE -inf: the merge weighs it 0.
         lse_log2 = m_i + tl.log2(l_i)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
