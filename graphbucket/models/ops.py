@@ -74,6 +74,23 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
 
 
 @triton.jit
+def token_slot(SLOT, SEQ_LENS, t, q_len, num_slots):
+    """Cache slot (int64) of token row t, query token t % q_len of request t // q_len, and
+    whether the token stores there: padding (a slot below 0 or at / past ``num_slots``,
+    or a request of seq_len 0) does not. One rule for every per-token cache store."""
+    slot = tl.load(SLOT + t).to(tl.int64)
+    valid = (slot >= 0) & (slot < num_slots) & (tl.load(SEQ_LENS + t // q_len) > 0)
+    return slot, valid
+
+
+@triton.jit
+def rope_row(ROPE, POS, t, stride_rope, max_pos):
+    """Token t's row of the rope table (cos halves, then sin halves), its position
+    clamped to the table."""
+    return ROPE + tl.minimum(tl.maximum(tl.load(POS + t), 0), max_pos - 1) * stride_rope
+
+
+@triton.jit
 def _rotate(src, cs_row, offs_h, HALF: tl.constexpr, mask):
     x1 = tl.load(src + offs_h, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF + offs_h, mask=mask, other=0.0).to(tl.float32)
@@ -91,9 +108,7 @@ def _kv_store_kernel(KV, W, ROPE, POS, SLOT, SEQ_LENS, CACHE, KV_SCALE, stride_k
                      V32: tl.constexpr = False, V32_GROUP: tl.constexpr = 128,
                      V32_MIN_SCALE: tl.constexpr = 2.0 ** -126):
     b = tl.program_id(0)
-    slot = tl.load(SLOT + b).to(tl.int64)
-    # Row b is a query token of request b // q_len (q_len tokens per request).
-    valid = (slot >= 0) & (slot < num_slots) & (tl.load(SEQ_LENS + b // q_len) > 0)
+    slot, valid = token_slot(SLOT, SEQ_LENS, b, q_len, num_slots)
     slot = tl.where(valid, slot, 0)  # address arithmetic only; every store is masked
     offs_r = tl.arange(0, BLOCK_R)
     offs_h = tl.arange(0, BLOCK_H)
@@ -102,8 +117,8 @@ def _kv_store_kernel(KV, W, ROPE, POS, SLOT, SEQ_LENS, CACHE, KV_SCALE, stride_k
     lat = tl.load(KV + b * stride_kv + offs_r, mask=mask_r, other=0.0).to(tl.float32)
     inv = tl.rsqrt(tl.sum(lat * lat, axis=0) / R + eps)
     lat = lat * inv * tl.load(W + offs_r, mask=mask_r, other=0.0).to(tl.float32)
-    pos = tl.minimum(tl.maximum(tl.load(POS + b), 0), max_pos - 1)
-    k1, k2 = _rotate(KV + b * stride_kv + R, ROPE + pos * stride_rope, offs_h, HALF, mask_h)
+    k1, k2 = _rotate(KV + b * stride_kv + R, rope_row(ROPE, POS, b, stride_rope, max_pos),
+                     offs_h, HALF, mask_h)
     row = CACHE + (slot // PAGE_SIZE) * stride_page + (slot % PAGE_SIZE) * stride_tok
     if V32:
         # DeepSeek-V3.2 row in a uint8 cache (graphbucket.fp8: R = 512 is a power of two,
@@ -192,9 +207,8 @@ def _q_assemble_kernel(QL, QB, ROPE, POS, Q, stride_ql_h, stride_ql_b, stride_qb
     q = Q + b * stride_q_b + h * stride_q_h
     lat = tl.load(QL + h * stride_ql_h + b * stride_ql_b + offs_r, mask=mask_r, other=0.0)
     tl.store(q + offs_r, lat.to(Q.dtype.element_ty), mask=mask_r)
-    pos = tl.minimum(tl.maximum(tl.load(POS + b), 0), max_pos - 1)
     src = QB + b * stride_qb + h * HEAD_DIM + NOPE
-    q1, q2 = _rotate(src, ROPE + pos * stride_rope, offs_h, HALF, mask_h)
+    q1, q2 = _rotate(src, rope_row(ROPE, POS, b, stride_rope, max_pos), offs_h, HALF, mask_h)
     tl.store(q + R + offs_h, q1.to(Q.dtype.element_ty), mask=mask_h)
     tl.store(q + R + HALF + offs_h, q2.to(Q.dtype.element_ty), mask=mask_h)
 

@@ -24,7 +24,8 @@ a key can then differ from the torch path by one rounding of the model dtype, ra
 and so by one e4m3 step. In the interpreter both paths agree bit for bit (tested).
 
 Rotary: half-split pairs over the first 64 dims, the model's rope table (cos halves, then
-sin halves), positions clamped to the table on the device. Graph safety: host metadata
+sin halves), positions clamped to the table on the device (``models.ops.rope_row``); the
+padding rule is ``models.ops.token_slot``, the latent store's. Graph safety: host metadata
 checks only; slots, lengths and positions are read on the device; nothing allocates but
 the returned weights.
 """
@@ -36,6 +37,7 @@ import triton
 import triton.language as tl
 
 from graphbucket.fp8 import FP8_DTYPE, FP8_MAX, V32_MIN_SCALE
+from graphbucket.models.ops import rope_row, token_slot
 from graphbucket.sparse.index_cache import INDEX_DIM
 from graphbucket.sparse.rounding import round_to, round_to_e4m3
 
@@ -74,18 +76,17 @@ def _index_prologue_kernel(KW, NORM_W, ROPE, POS, SLOT, SEQ_LENS, ROWS, ROW_SCAL
                            FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
     t = tl.program_id(0)
     row = KW + t * stride_kw
-    # Row t is a query token of request t // q_len; padding tokens store at the scratch row.
-    slot = tl.load(SLOT + t).to(tl.int64)
-    valid = (slot >= 0) & (slot < num_slots) & (tl.load(SEQ_LENS + t // q_len) > 0)
+    # Padding tokens store at the scratch row past the cache.
+    slot, valid = token_slot(SLOT, SEQ_LENS, t, q_len, num_slots)
     slot = tl.where(valid, slot, num_slots)
     # the row's rms over the whole key, reduced as ops.rms_norm reduces it
     x = tl.load(row + tl.arange(0, DIM)).to(tl.float32)
     inv = tl.rsqrt(tl.sum(x * x, axis=0) / DIM + eps)
     offs_h = tl.arange(0, HALF)
     offs_p = 2 * HALF + tl.arange(0, DIM - 2 * HALF)
-    pos = tl.minimum(tl.maximum(tl.load(POS + t), 0), max_pos - 1)
     k1, k2 = _rotary(_normed(row, NORM_W, offs_h, inv), _normed(row, NORM_W, HALF + offs_h, inv),
-                     ROPE + pos * stride_rope, offs_h, HALF, KW.dtype.element_ty)
+                     rope_row(ROPE, POS, t, stride_rope, max_pos), offs_h, HALF,
+                     KW.dtype.element_ty)
     kp = _normed(row, NORM_W, offs_p, inv)
     amax = tl.maximum(tl.maximum(tl.max(tl.abs(k1), 0), tl.max(tl.abs(k2), 0)),
                       tl.max(tl.abs(kp), 0))
@@ -148,7 +149,7 @@ def _rope_q_kernel(Q, ROPE, POS, stride_q, stride_rope, max_pos,
     src = Q + t * stride_q + heads[:, None] * DIM + offs_h[None, :]
     x1 = tl.load(src).to(tl.float32)
     x2 = tl.load(src + HALF).to(tl.float32)
-    cs_row = ROPE + tl.minimum(tl.maximum(tl.load(POS + t), 0), max_pos - 1) * stride_rope
+    cs_row = rope_row(ROPE, POS, t, stride_rope, max_pos)
     c = tl.load(cs_row + offs_h)[None, :]
     s = tl.load(cs_row + HALF + offs_h)[None, :]
     tl.store(src, round_to(x1 * c - x2 * s, Q.dtype.element_ty))
