@@ -76,6 +76,20 @@ def fresh_batch(model, lens, q_len, rng, *, pages=8):
 # ---- the model's verify step against float64 -------------------------------------------
 
 
+def live_slots_only_changed(model, before, batch, q_len, lens) -> list[int]:
+    """The cache rows of the batch's live tokens (q_len per request of nonzero length);
+    asserts they, and no other row (padding included), changed in every layer's cache
+    (compared as bytes, so any cache format)."""
+    live = sorted(int(s) for s in batch.inputs["slot_mapping"] if s >= 0)
+    assert len(live) == q_len * sum(1 for n in lens if n)
+    for cache, old in zip(model.kv_caches, before, strict=True):
+        width = cache.shape[-1]
+        flat = cache.view(-1, width).view(torch.uint8)
+        changed = (flat != old.view(-1, width).view(torch.uint8)).any(dim=-1)
+        assert changed.nonzero().flatten().tolist() == live
+    return live
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("q_len, lens, hint", [
     (2, [33, 0, 17], 1),        # padded row, one split
@@ -94,13 +108,9 @@ def test_verify_step_matches_the_float64_reference(seeded, q_len, lens, hint):
     want = reference(model, batch, ref_caches)
     assert rel_l2(out, want) < 1e-5, ctx.plan.describe()
     # Every live token's row landed at its slot, as the reference stored it; nothing else.
-    slots = batch.inputs["slot_mapping"]
-    live = sorted(int(s) for s in slots if s >= 0)
-    assert len(live) == q_len * sum(1 for n in lens if n)
-    for cache, old, ref_cache in zip(model.kv_caches, before, ref_caches, strict=True):
+    live = live_slots_only_changed(model, before, batch, q_len, lens)
+    for cache, ref_cache in zip(model.kv_caches, ref_caches, strict=True):
         flat, ref_flat = cache.view(-1, cache.shape[-1]), ref_cache.view(-1, cache.shape[-1])
-        changed = (flat != old.view(-1, cache.shape[-1])).any(dim=-1).nonzero().flatten()
-        assert changed.tolist() == live
         assert rel_l2(flat[live], ref_flat[live]) < 1e-5
 
 
@@ -186,14 +196,8 @@ def test_fp8_cache_verify_step_matches_the_float64_reference(seeded, fmt, backen
     # cast and the fp16 row put a few values a step apart (as at q_len 1: up to ~0.15 for
     # the per-tensor scale, ~0.06 for the per-token group scales). Padding tokens and every
     # other row stayed as they were.
-    slots = batch.inputs["slot_mapping"]
-    live = sorted(int(s) for s in slots if s >= 0)
-    assert len(live) == q_len * sum(1 for n in lens if n)
-    for cache, old, ref_cache in zip(model.kv_caches, before, ref_caches, strict=True):
-        width = cache.shape[-1]
-        flat = cache.view(-1, width).view(torch.uint8)
-        changed = (flat != old.view(-1, width).view(torch.uint8)).any(dim=-1)
-        assert changed.nonzero().flatten().tolist() == live
+    live = live_slots_only_changed(model, before, batch, q_len, lens)
+    for cache, ref_cache in zip(model.kv_caches, ref_caches, strict=True):
         got = fp8.dequantize_cache(cache, model.kv_scale).view(-1, cfg.kv_dim)[live]
         tol = 0.25 if fmt == "fp8-tensor" else 0.1
         assert rel_l2(got, ref_cache.view(-1, cfg.kv_dim)[live]) < tol
