@@ -8,12 +8,17 @@ against the bf16-cache output on the same inputs (the fp8 kernels against float6
 the dequantized cache are in tests/test_fp8.py).
 
     python3 bench/fp8_sweep.py --out DIR        # DIR/h200-fp8.{json,md}
-    python3 bench/fp8_sweep.py --ab --out DIR   # fp8 rows without register prefetch too
+    python3 bench/fp8_sweep.py --ab cvt-64x8 bits-64x8 noprefetch --out DIR
+
+``--ab`` adds fp8 rows for other stage-1 variants of the same plan (``VARIANTS``):
+"<dequant>-<tokens>x<warps>" sets ``launch.FP8_DEQUANT`` and ``FP8_PREFETCH_TILE``;
+"noprefetch" copies the fp8 tile to shared memory as stored.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -41,39 +46,60 @@ def floor_us(gbps: float, lens: list[int], row_bytes: int) -> float:
     return nbytes / (gbps * 1e3)
 
 
+@contextlib.contextmanager
+def stage1_variant(name: str | None):
+    """Stage 1's fp8 knobs set for one variant ("<dequant>-<tokens>x<warps>", "noprefetch";
+    None: as shipped), restored after."""
+    saved = (kernel_launch.FP8_DEQUANT, kernel_launch.FP8_PREFETCH_TILE,
+             kernel_launch.FP8_REGISTER_PREFETCH)
+    if name == "noprefetch":
+        kernel_launch.FP8_REGISTER_PREFETCH = False
+    elif name is not None:
+        dequant, tile = name.split("-")
+        tokens, warps = (int(v) for v in tile.split("x"))
+        kernel_launch.FP8_DEQUANT, kernel_launch.FP8_PREFETCH_TILE = dequant, (tokens, warps)
+    try:
+        yield
+    finally:
+        (kernel_launch.FP8_DEQUANT, kernel_launch.FP8_PREFETCH_TILE,
+         kernel_launch.FP8_REGISTER_PREFETCH) = saved
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--ab", action="store_true",
-                    help="also time the fp8 formats with the tile copied to shared memory as "
-                         "stored (no register prefetch)")
+    ap.add_argument("--ab", nargs="*", default=[], metavar="VARIANT",
+                    help="also time the fp8 formats with these stage-1 variants "
+                         "(<float|bits|cvt>-<tokens>x<warps>, or noprefetch)")
+    ap.add_argument("--shapes", nargs="*", default=None, metavar="BxCONTEXT",
+                    help="only these shapes, e.g. 8x131072 (default: all of SHAPES)")
     args = ap.parse_args()
+    shapes = SHAPES if not args.shapes else \
+        [tuple(int(v) for v in s.split("x")) for s in args.shapes]
     if not torch.cuda.is_available():
         sys.exit("fp8_sweep.py times CUDA-graph replays and needs a CUDA GPU")
     gbps = copy_gbps()
-    pages = max(b * -(-c // PAGE) for b, c in SHAPES)
+    pages = max(b * -(-c // PAGE) for b, c in shapes)
     bf16 = random_cache(pages)
     scale = fp8.scale_for(bf16.abs().amax().float().cpu()).cuda()
     packed = fp8.quantize(bf16, scale)
     v32 = torch.cat([fp8.pack_v32(bf16[i:i + 4096]) for i in range(0, bf16.shape[0], 4096)])
     sm_scale, rows = default_sm_scale(), []
-    for batch, context in SHAPES:
+    for batch, context in shapes:
         lens = [context] * batch
         tables, q, out, seq_lens = inputs(lens, bf16)
         plan = plan_mla_decode(batch, HEADS, context)
         ws = SplitWorkspace.allocate(batch, HEADS, plan.num_kv_splits, RANK, "cuda")
         outs = {}
-        todo = [("bf16", bf16, mla_decode, 2 * DIM, True),
+        todo = [("bf16", bf16, mla_decode, 2 * DIM, None),
                 ("fp8-tensor", packed, functools.partial(mla_decode, kv_scale=scale), DIM,
-                 True),
-                ("fp8-v32", v32, mla_decode, fp8.V32_BYTES, True)]
-        if args.ab:
-            todo += [(fmt, cache, launch, nbytes, False)
-                     for fmt, cache, launch, nbytes, _ in todo[1:]]
-        for fmt, cache, launch, nbytes, prefetch in todo:
-            kernel_launch.FP8_REGISTER_PREFETCH = prefetch
-            us = time_calls(launch, plan, cache, tables, q, out, seq_lens, ws, sm_scale)
-            kernel_launch.FP8_REGISTER_PREFETCH = True
+                 None),
+                ("fp8-v32", v32, mla_decode, fp8.V32_BYTES, None)]
+        todo += [(fmt, cache, launch, nbytes, variant) for variant in args.ab
+                 for fmt, cache, launch, nbytes, _ in todo[1:]]
+        for fmt, cache, launch, nbytes, variant in todo:
+            with stage1_variant(variant):
+                us = time_calls(launch, plan, cache, tables, q, out, seq_lens, ws, sm_scale)
             got = out[0].float().clone()
             outs.setdefault(fmt, got)
             f_us = floor_us(gbps, lens, nbytes)
@@ -82,8 +108,8 @@ def main() -> None:
                          "us": round(us, 3), "floor_us": round(f_us, 3),
                          "frac_of_copy": round(f_us / us, 4), "rel_l2": round(err, 5),
                          "topology": plan.describe(),
-                         **({} if prefetch else {"variant": "no register prefetch"})})
-            print(f"b={batch:3d} ctx={context:6d} {fmt:10s} {'' if prefetch else '(no pf)':7s}"
+                         **({} if variant is None else {"variant": variant})})
+            print(f"b={batch:3d} ctx={context:6d} {fmt:10s} {variant or '':10s}"
                   f" {us:8.1f} us {100 * f_us / us:4.0f} % of copy  rel_l2 vs bf16 {err:.1e}",
                   flush=True)
         del tables, q, out, ws

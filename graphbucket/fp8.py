@@ -12,8 +12,9 @@ Per-tensor format ("fp8-tensor"): every 576-wide cache row (latent then rope) in
 ``value = stored * kv_scale``. Storing rounds ``value / kv_scale`` to the nearest e4m3
 number (torch's cast) after saturating at +-448, e4m3's largest finite value (the format
 has no infinity). A calibrated scale is ``amax / 448`` over the values the cache will
-hold (``scale_for``); the decode kernels read fp8 tiles, convert them to q's dtype and
-apply the scale once to the scores and once to the output.
+hold (``scale_for``); the decode kernels read fp8 tiles as float16 (exact: every e4m3
+number is one), multiply in float16 with q converted once, and apply the scale once to
+the scores and once to the output.
 
 V3.2 format ("fp8-v32", FlashMLA's layout): a uint8 cache [num_pages, page_size, 656],
 656 bytes per token::
@@ -29,8 +30,9 @@ a group of zeros (or of values below ~2**-135) gets scale 2**-126 and stores zer
 zeros round-trip to 0 and no scale is 0, subnormal, inf or nan for finite inputs. Values
 are ``value / scale`` saturated at +-448 and rounded to the nearest e4m3 number (torch's
 cast). Multi-byte fields are little-endian (the host's and the GPU's byte order). The
-decode kernels read a V3.2 cache directly: the latent tile as e4m3, times its group's
-scale, in q's dtype; the rope in bf16.
+decode kernels read a V3.2 cache directly: the latent tile as e4m3 times its group's
+scale in float16 (so latent magnitudes must stay within float16's 65504, and a scale's
+float16 rounding adds at most 2**-11 relative error), the rope in bf16.
 """
 
 from __future__ import annotations

@@ -321,9 +321,10 @@ def test_fp8_tile_tokens(monkeypatch):
         for stream in (None, LONG_PAGE_AHEAD, TOKEN_STREAM):
             kw = {} if stream is None else {"stream": stream}
             plan = plan_mla_decode(1, heads, 1, num_sms=8, **kw)
-            # Head-major fp8 tiles stream through registers: 32 tokens at 16 rows, 16 above.
+            # Head-major fp8 tiles stream through registers: FP8_PREFETCH_TILE's tokens
+            # at 16 rows, 16 above.
             want = max(16, plan.block_n // 2) if plan.token_major else \
-                min(plan.block_n, 32 if plan.block_h <= 16 else 16)
+                launch.FP8_PREFETCH_TILE[0] if plan.block_h <= 16 else 16
             assert tile_tokens(plan, 1, v32=True) == want
             assert kv_tile_tokens(plan, cache) == want
             monkeypatch.setattr(launch, "FP8_REGISTER_PREFETCH", False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -298,9 +299,39 @@ def use_pdl(plan: LaunchPlan, device: torch.device) -> bool:
 FP8_REGISTER_PREFETCH = True
 
 
+# How register-prefetched fp8 tiles are dequantized on a CUDA GPU (mla_decode.py,
+# ``_dequantize``): "bits" reads e4m3 as float16 with integer instructions and runs both
+# dots in float16; "cvt" does the same with sm_89's e4m3x2 -> f16x2 conversion (measured
+# within 2 % of "bits"); "float" converts through float32 into q's dtype (1.0-1.3x slower).
+# The interpreter has no inline assembly, so it always takes "float".
+FP8_DEQUANT = "bits"
+
+
+def fp8_dequant(device: torch.device) -> str:
+    """``FP8_DEQUANT`` where it can run (a CUDA device, not the interpreter), else "float"."""
+    interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return FP8_DEQUANT if device.type == "cuda" and not interpreted else "float"
+
+
 def register_prefetch(plan: LaunchPlan, element_size: int) -> bool:
     """Whether stage 1 streams this plan's fp8 tiles through registers."""
     return FP8_REGISTER_PREFETCH and element_size == 1 and not plan.token_major
+
+
+# Register-prefetched fp8 tiles at <= 16 query rows: (tokens per tile, warps per program),
+# whatever the plan's bf16 stream says. The loop carries the dequantized tile, so its
+# registers grow with tokens / warps (sm_90 compile, "bits"): 32 / 4 take 240 registers
+# (two programs per SM), 64 / 8 take 190 (one), 32 / 8 take 128; 64 / 4 spill. Measured
+# (H200, same run, bench/NOTES.md 2026-12-01 04:00): 32 / 4 fastest at every shape from
+# 16K on, 64 / 8 by 15-20 % slower, 32 / 8 by 30 %.
+FP8_PREFETCH_TILE = (32, 4)
+
+
+def stage1_warps(plan: LaunchPlan, element_size: int) -> int:
+    """Warps per stage-1 program for this cache's element size."""
+    if register_prefetch(plan, element_size) and plan.block_h <= 16:
+        return FP8_PREFETCH_TILE[1]
+    return plan.num_warps
 
 
 def tile_tokens(plan: LaunchPlan, element_size: int, *, v32: bool = False) -> int:
@@ -319,10 +350,9 @@ def tile_tokens(plan: LaunchPlan, element_size: int, *, v32: bool = False) -> in
     159 KB (one program per SM, not two), WIDE 89 KB and TOKEN_STREAM spilled 1232 bytes.
     """
     if register_prefetch(plan, element_size):
-        # The raw tile and its bf16 conversion live in registers: 32 tokens at 16 rows
-        # (sm_90 compile: 255 registers, no spills, 55 KB; 64 tokens spill 2.7 KB), 16
-        # where the accumulator is larger (32 tokens spill 1-1.3 KB at 32 rows).
-        return min(plan.block_n, 32 if plan.block_h <= 16 else 16)
+        # The next tile lives in registers: FP8_PREFETCH_TILE at 16 rows, 16 tokens where
+        # the accumulator is larger (32 tokens spill 1-1.3 KB at 32 rows).
+        return FP8_PREFETCH_TILE[0] if plan.block_h <= 16 else 16
     if v32:
         return max(16, plan.block_n // 2)
     if element_size == 1 and plan.block_h >= 64:
@@ -370,7 +400,8 @@ def launch_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
         SCALED=kv_scale is not None, MULTI_TOKEN=q_len > 1,
         KV_FORMAT="v32" if is_v32(kv_cache) else "dense",
         REG_PREFETCH=register_prefetch(plan, kv_cache.element_size()),
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
+        DEQUANT=fp8_dequant(kv_cache.device),
+        num_warps=stage1_warps(plan, kv_cache.element_size()), num_stages=plan.num_stages,
     )
 
 

@@ -18,9 +18,11 @@ from graphbucket.kernels.launch import (
     LOG2E,
     SplitWorkspace,
     check_mla_decode_args,
+    fp8_dequant,
     is_v32,
     kv_tile_tokens,
     register_prefetch,
+    stage1_warps,
 )
 from graphbucket.plan import LaunchPlan, pow2_ceil
 
@@ -91,7 +93,8 @@ def launch_balanced_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table:
         TOKEN_MAJOR=plan.token_major, PAGE_AHEAD=plan.page_ahead, SCALED=kv_scale is not None,
         KV_FORMAT="v32" if is_v32(kv_cache) else "dense",
         REG_PREFETCH=register_prefetch(plan, kv_cache.element_size()),
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
+        DEQUANT=fp8_dequant(kv_cache.device),
+        num_warps=stage1_warps(plan, kv_cache.element_size()), num_stages=plan.num_stages,
     )
 
 

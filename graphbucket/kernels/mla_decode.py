@@ -108,6 +108,7 @@ def _attend_tokens(
     row_limit=None,
     MULTI_TOKEN: tl.constexpr = False,
     REG_PREFETCH: tl.constexpr = False,
+    DEQUANT: tl.constexpr = "float",
 ):
     """Online softmax over tokens [start, end) of one request (start < end, start a
     multiple of BLOCK_N). Returns the unnormalised (acc [BLOCK_H, R], l, m) in log2 units.
@@ -132,10 +133,13 @@ def _attend_tokens(
     tile's copy is issued.
 
     REG_PREFETCH (fp8 caches, head-major): the raw bytes of tile i+1 are loaded into
-    registers while tile i is dequantized and multiplied, and each tile is converted once
-    into a bf16 tile that both dots read from shared memory. Without it the fp8 tile is
+    registers while tile i is multiplied, then dequantized once into the 16-bit tile that
+    both dots read from shared memory and that the loop carries to the next iteration. Without it the fp8 tile is
     copied to shared memory as is and the value dot reads it transposed, which for 1-byte
     elements is one shared-memory load per byte (sm_90 has no 8-bit ldmatrix.trans).
+    DEQUANT (with REG_PREFETCH): "float" converts through float32 into q's dtype; "bits" /
+    "cvt" read the tile as float16 (``_dequantize``), q is converted to float16 once and
+    both dots run in float16 (exact for every e4m3 value; p in [0, 1] keeps 11 bits).
     """
     if TOKEN_MAJOR:
         return _attend_tokens_token_major(
@@ -145,26 +149,35 @@ def _attend_tokens(
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, KV_LORA_RANK], dtype=tl.float32)
+    F16_TILES: tl.constexpr = REG_PREFETCH and DEQUANT != "float"
+    if F16_TILES:
+        q_nope = q_nope.to(tl.float16)
+        if KV_FORMAT == "dense":  # the rope is e4m3 too ("v32" keeps it in bf16)
+            q_rope = q_rope.to(tl.float16)
+            if DEQUANT == "bits":  # tiles read as value * 2^-8: scores 2^8 x too small
+                qk_scale_log2 = qk_scale_log2 * (1.0 / E4M3_UNIT_BITS)
     if REG_PREFETCH:
-        next_raw, next_scale, next_rope = _load_raw_tile(
-            KV, _tile_pages(bt_row, start, end, PAGE_SIZE, BLOCK_N, TILE_IN_PAGE), start,
-            end, stride_kv_page, stride_kv_tok, PAGE_SIZE, KV_LORA_RANK, ROPE_DIM, BLOCK_N,
-            KV_FORMAT)
+        next_kv, next_rope = _dequantize_tile(
+            _load_raw_tile(KV, _tile_pages(bt_row, start, end, PAGE_SIZE, BLOCK_N, TILE_IN_PAGE),
+                           start, end, stride_kv_page, stride_kv_tok, PAGE_SIZE, KV_LORA_RANK,
+                           ROPE_DIM, BLOCK_N, KV_FORMAT),
+            q_nope.dtype, q_rope.dtype, BLOCK_N, KV_LORA_RANK, KV_FORMAT, DEQUANT)
     elif PAGE_AHEAD:
         next_pages = _tile_pages(bt_row, start, end, PAGE_SIZE, BLOCK_N, TILE_IN_PAGE)
 
     for tok0 in range(start, end, BLOCK_N):
         if REG_PREFETCH:
-            raw, scale, rope = next_raw, next_scale, next_rope
-            next_raw, next_scale, next_rope = _load_raw_tile(
+            # The next tile's bytes are loaded now and dequantized after this tile's dots,
+            # so the load overlaps them and the loop carries the converted tile (packed
+            # 16-bit values; carrying the raw bytes kept one register per byte).
+            kv, k_rope = next_kv, next_rope
+            kv_v = kv
+            mask_n = tok0 + tl.arange(0, BLOCK_N) < end
+            next_raw = _load_raw_tile(
                 KV, _tile_pages(bt_row, tok0 + BLOCK_N, end, PAGE_SIZE, BLOCK_N, TILE_IN_PAGE,
                                 PAST_END=True),
                 tok0 + BLOCK_N, end, stride_kv_page, stride_kv_tok, PAGE_SIZE, KV_LORA_RANK,
                 ROPE_DIM, BLOCK_N, KV_FORMAT)
-            mask_n = tok0 + tl.arange(0, BLOCK_N) < end
-            kv = _dequantize(raw, scale, BLOCK_N, KV_LORA_RANK, KV_FORMAT).to(q_nope.dtype)
-            k_rope = rope.to(q_nope.dtype)
-            kv_v = kv
         else:
             if PAGE_AHEAD:
                 pages = next_pages
@@ -199,6 +212,11 @@ def _attend_tokens(
         # Every tile holds a live token for every row unless rows have their own limits.
         acc, l_i, m_i = _softmax_tile(q_nope, q_rope, kv, k_rope, kv_v, live, acc, l_i, m_i,
                                       qk_scale_log2, DOT_PRECISION, MAY_BE_EMPTY=MULTI_TOKEN)
+        if REG_PREFETCH:
+            next_kv, next_rope = _dequantize_tile(next_raw, q_nope.dtype, q_rope.dtype, BLOCK_N,
+                                                  KV_LORA_RANK, KV_FORMAT, DEQUANT)
+    if F16_TILES and KV_FORMAT == "dense" and DEQUANT == "bits":
+        acc = acc * (1.0 / E4M3_UNIT_BITS)  # the values' 2^-8 out of the output
     return acc, l_i, m_i
 
 
@@ -278,17 +296,107 @@ def _load_raw_tile(KV, pages, tok0, end, stride_kv_page, stride_kv_tok,
     return raw, scale, rope
 
 
+# e4m3 -> fp16 on the integer pipe (DEQUANT "bits"): four bytes of a 32-bit register
+# become two f16x2 registers. Each byte b is placed at bits 14..7 of its half (prmt moves it
+# to bits 15..8, the shift to 14..7), then the sign is carried from bit 14 to bit 15 by
+# adding the half's bit 14 to itself. The half is then sign | 0 eeee | mmm 0000000: the
+# e4m3 value times 2^-8 exactly, subnormals included (both formats put the subnormal
+# binade at their exponent field 0); e4m3's NaN code (never written by graphbucket's
+# saturating quantizer) reads as 480. Eight integer instructions a word, against the
+# e4m3 -> f32 -> bf16 conversions' two conversion-pipe instructions per value.
+_BITS = """
+prmt.b32 a, $2, 0, 0x1404;
+prmt.b32 b, $2, 0, 0x3424;
+shr.b32 a, a, 1;
+shr.b32 b, b, 1;
+and.b32 $0, a, 0x40004000;
+and.b32 $1, b, 0x40004000;
+add.u32 $0, a, $0;
+add.u32 $1, b, $1;"""
+# The same on the conversion pipe (DEQUANT "cvt", sm_89+): exact e4m3 values, one
+# instruction per two values.
+_CVT = """
+mov.b32 {lo, hi}, $2;
+cvt.rn.f16x2.e4m3x2 $0, lo;
+cvt.rn.f16x2.e4m3x2 $1, hi;"""
+# Then times a per-value f16 scale (the "v32" group scales, broadcast).
+_SCALE = """
+mul.rn.f16x2 $0, $0, $3;
+mul.rn.f16x2 $1, $1, $4;"""
+_BITS_REGS, _CVT_REGS = "{\n.reg .b32 a, b;", "{\n.reg .b16 lo, hi;"
+E4M3_BITS_TO_F16 = tl.constexpr(_BITS_REGS + _BITS + "\n}")
+E4M3_BITS_TO_F16_SCALED = tl.constexpr(_BITS_REGS + _BITS + _SCALE + "\n}")
+E4M3_CVT_TO_F16 = tl.constexpr(_CVT_REGS + _CVT + "\n}")
+E4M3_CVT_TO_F16_SCALED = tl.constexpr(_CVT_REGS + _CVT + _SCALE + "\n}")
+# What one stored e4m3 unit reads as in f16 in the "bits" mode.
+E4M3_UNIT_BITS = tl.constexpr(1.0 / 256.0)
+
+
+@triton.jit
+def _e4m3_to_f16(raw, DEQUANT: tl.constexpr, scale=None):
+    """e4m3 values (any tensor of float8e4nv / uint8) as float16: the stored value times
+    the mode's unit ("bits": 2^-8, "cvt": 1), times ``scale`` (float16, raw's shape) if
+    given."""
+    bits = raw.to(tl.uint8, bitcast=True)
+    if scale is None:
+        if DEQUANT == "bits":
+            out = tl.inline_asm_elementwise(E4M3_BITS_TO_F16, "=r,=r,r", [bits],
+                                            dtype=tl.float16, is_pure=True, pack=4)
+        else:
+            out = tl.inline_asm_elementwise(E4M3_CVT_TO_F16, "=r,=r,r", [bits],
+                                            dtype=tl.float16, is_pure=True, pack=4)
+    else:
+        if DEQUANT == "bits":
+            out = tl.inline_asm_elementwise(E4M3_BITS_TO_F16_SCALED, "=r,=r,r,r,r",
+                                            [bits, scale], dtype=tl.float16, is_pure=True,
+                                            pack=4)
+        else:
+            out = tl.inline_asm_elementwise(E4M3_CVT_TO_F16_SCALED, "=r,=r,r,r,r",
+                                            [bits, scale], dtype=tl.float16, is_pure=True,
+                                            pack=4)
+    return out
+
+
 @triton.jit
 def _dequantize(raw, scale, BLOCK_N: tl.constexpr, KV_LORA_RANK: tl.constexpr,
-                KV_FORMAT: tl.constexpr):
-    """``_load_raw_tile``'s latent as float32 values ("v32": times the group scales; a
-    per-tensor scale is applied by the caller)."""
-    kv = raw.to(tl.float32)
-    if KV_FORMAT == "v32":
+                KV_FORMAT: tl.constexpr, DEQUANT: tl.constexpr = "float"):
+    """``_load_raw_tile``'s latent as values ("v32": times the group scales; a per-tensor
+    scale is applied by the caller). DEQUANT "float": float32 through the conversion
+    instructions (the interpreter's path). "bits" / "cvt": float16 from ``_e4m3_to_f16``
+    (per-tensor: in that mode's unit; "v32": the values themselves, the unit folded into
+    the scales; latent values must then lie within float16's range, |v| <= 65504)."""
+    if DEQUANT == "float":
+        kv = raw.to(tl.float32)
+        if KV_FORMAT == "v32":
+            GROUPS: tl.constexpr = KV_LORA_RANK // V32_GROUP
+            kv = tl.reshape(kv, [BLOCK_N, GROUPS, V32_GROUP]) * scale[:, :, None]
+            kv = tl.reshape(kv, [BLOCK_N, KV_LORA_RANK])
+    elif KV_FORMAT == "v32":
         GROUPS: tl.constexpr = KV_LORA_RANK // V32_GROUP
-        kv = tl.reshape(kv, [BLOCK_N, GROUPS, V32_GROUP]) * scale[:, :, None]
+        unit: tl.constexpr = E4M3_UNIT_BITS if DEQUANT == "bits" else 1.0
+        scale16 = (scale * (1.0 / unit)).to(tl.float16)
+        raw3 = tl.reshape(raw, [BLOCK_N, GROUPS, V32_GROUP])
+        kv = _e4m3_to_f16(raw3, DEQUANT,
+                          tl.broadcast_to(scale16[:, :, None], [BLOCK_N, GROUPS, V32_GROUP]))
         kv = tl.reshape(kv, [BLOCK_N, KV_LORA_RANK])
+    else:
+        kv = _e4m3_to_f16(raw, DEQUANT)
     return kv
+
+
+@triton.jit
+def _dequantize_tile(raw_tile, dtype, rope_dtype, BLOCK_N: tl.constexpr,
+                     KV_LORA_RANK: tl.constexpr, KV_FORMAT: tl.constexpr,
+                     DEQUANT: tl.constexpr):
+    """``_load_raw_tile``'s (latent, scales, rope) as the dots' operands: (latent in
+    ``dtype``, rope in ``rope_dtype``), per ``_dequantize``."""
+    raw, scale, rope = raw_tile
+    kv = _dequantize(raw, scale, BLOCK_N, KV_LORA_RANK, KV_FORMAT, DEQUANT).to(dtype)
+    if DEQUANT != "float" and KV_FORMAT == "dense":
+        k_rope = _e4m3_to_f16(rope, DEQUANT)
+    else:
+        k_rope = rope.to(rope_dtype)
+    return kv, k_rope
 
 
 @triton.jit
@@ -424,6 +532,7 @@ def _mla_decode_stage1_kernel(
     MULTI_TOKEN: tl.constexpr = False,
     KV_FORMAT: tl.constexpr = "dense",
     REG_PREFETCH: tl.constexpr = False,
+    DEQUANT: tl.constexpr = "float",
 ):
     bid = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -456,7 +565,7 @@ def _mla_decode_stage1_kernel(
             qk_scale_log2 * kv_scale,
             stride_kv_page, stride_kv_tok, PAGE_SIZE, KV_LORA_RANK, ROPE_DIM, BLOCK_H,
             BLOCK_N, TILE_IN_PAGE, DOT_PRECISION, TOKEN_MAJOR, PAGE_AHEAD, KV_FORMAT,
-            row_limit, MULTI_TOKEN, REG_PREFETCH)
+            row_limit, MULTI_TOKEN, REG_PREFETCH, DEQUANT)
         lse_log2 = m_i + tl.log2(l_i)
         if MULTI_TOKEN:  # rows that saw no token here: zeros, LSE -inf
             l_i = tl.where(l_i > 0.0, l_i, 1.0)
