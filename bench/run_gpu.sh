@@ -8,6 +8,7 @@
 #        graphbucket/ladders/ like tune's; tpotfp8: TPOT of bf16, fp8-tensor and fp8-v32
 #        caches in one table, fixed-1 and the ladder, after tunefp8)
 #        (tpotmtp: TPOT of verify steps at q_len 1, 2, 4 on fewer contexts)
+#        (fp8: FP8_AB="float-32x4 ..." adds stage-1 variants, bench/fp8_sweep.py --ab)
 #        (fisweep: the sweep with FlashInfer rows, wheels installed from .whl/ if present)
 #        (sparseab: the indexer and sparse-attention A/Bs, each checked against float64)
 #        (ragged: batches whose lengths differ, against the bytes they read)
@@ -38,7 +39,7 @@ for step in $steps; do
                --no-cache-dir --upgrade --target /tmp/site .whl/*.whl > /dev/null 2>&1
              PYTHONPATH=/tmp/site timeout 300 python3 bench/kernel_sweep.py --splits --out "$R" \
                > "$R/sweep.log" 2>&1; tail -60 "$R/sweep.log" ;;
-    fp8) timeout 200 python3 bench/fp8_sweep.py --out "$R" > "$R/fp8.log" 2>&1
+    fp8) timeout 300 python3 bench/fp8_sweep.py --out "$R" --ab ${FP8_AB:-} > "$R/fp8.log" 2>&1
          tail -40 "$R/fp8.log" ;;
     mtp) timeout 200 python3 bench/mtp_sweep.py --out "$R" > "$R/mtp.log" 2>&1
          tail -40 "$R/mtp.log" ;;
