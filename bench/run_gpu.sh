@@ -3,11 +3,12 @@
 # TPOT per policy, and the demo's GPU path.
 # Usage (on a CUDA machine, from the repo root): OUT=/some/dir bash bench/run_gpu.sh [steps]
 # steps: any of tests gputests sweep fisweep capture tune tunefp8 tpot tpotfp8 tpotmtp
-#        ragged demo tp fp8 mtp sparse sparseab tpotsparse
+#        ragged demo tp fp8 mtp sparse sparseab tpotsparse l2
 #        (tunefp8: 16-head ladders over fp8-tensor and fp8-v32 caches, copied into
 #        graphbucket/ladders/ like tune's; tpotfp8: TPOT of bf16, fp8-tensor and fp8-v32
 #        caches in one table, fixed-1 and the ladder, after tunefp8)
 #        (tpotmtp: TPOT of verify steps at q_len 1, 2, 4 on fewer contexts)
+#        (l2: decode time with the KV in HBM against L2-resident, 16 and 128 heads)
 #        (fp8: FP8_AB="float-32x4 ..." adds stage-1 variants, bench/fp8_sweep.py --ab)
 #        (fisweep: the sweep with FlashInfer rows, wheels installed from .whl/ if present)
 #        (sparseab: the indexer and sparse-attention A/Bs, each checked against float64)
@@ -41,6 +42,8 @@ for step in $steps; do
                > "$R/sweep.log" 2>&1; tail -60 "$R/sweep.log" ;;
     fp8) timeout 300 python3 bench/fp8_sweep.py --out "$R" --ab ${FP8_AB:-} > "$R/fp8.log" 2>&1
          tail -40 "$R/fp8.log" ;;
+    l2) timeout 200 python3 bench/l2_resident.py --out "$R" > "$R/l2.log" 2>&1
+        tail -12 "$R/l2.log" ;;
     mtp) timeout 200 python3 bench/mtp_sweep.py --out "$R" > "$R/mtp.log" 2>&1
          tail -40 "$R/mtp.log" ;;
     sparse) timeout 180 python3 -m pytest -q tests/test_sparse.py tests/test_sparse_model.py \
