@@ -134,9 +134,10 @@ def _attend_tokens(
 
     REG_PREFETCH (fp8 caches, head-major): the raw bytes of tile i+1 are loaded into
     registers while tile i is multiplied, then dequantized once into the 16-bit tile that
-    both dots read from shared memory and that the loop carries to the next iteration. Without it the fp8 tile is
-    copied to shared memory as is and the value dot reads it transposed, which for 1-byte
-    elements is one shared-memory load per byte (sm_90 has no 8-bit ldmatrix.trans).
+    both dots read from shared memory and that the loop carries to the next iteration.
+    Without it the fp8 tile is copied to shared memory as is and the value dot reads it
+    transposed, which for 1-byte elements is one shared-memory load per byte (sm_90 has
+    no 8-bit ldmatrix.trans).
     DEQUANT (with REG_PREFETCH): "float" converts through float32 into q's dtype; "bits" /
     "cvt" read the tile as float16 (``_dequantize``), q is converted to float16 once and
     both dots run in float16 (exact for every e4m3 value; p in [0, 1] keeps 11 bits).
