@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from graphbucket import fp8
 from graphbucket.kernels import SplitWorkspace, mla_decode, mla_decode_balanced
+from graphbucket.kernels.mla_decode import E4M3_UNIT_BITS, _e4m3_to_f16
 from graphbucket.plan import (
     LONG_PAGE_AHEAD,
     TOKEN_STREAM,
@@ -589,3 +592,33 @@ def test_dense_backend_dequantizes_a_v32_cache(seeded):
     out = torch.full((len(lens), 16, KV_LORA_RANK), float("nan"), dtype=q.dtype, device=DEVICE)
     backend.run(q, cache, table, seq_lens, out, None, plan=plan, sm_scale=SM_SCALE)
     assert rel_l2(out, v32_reference(q, cache, table, seq_lens)[0]) < 1e-2
+
+
+@triton.jit
+def _e4m3_probe_kernel(CODES, SCALES, OUT, MODE: tl.constexpr, SCALED: tl.constexpr):
+    offs = tl.arange(0, 256)
+    codes = tl.load(CODES + offs)
+    if SCALED:
+        out = _e4m3_to_f16(codes, MODE, tl.load(SCALES + offs))
+    else:
+        out = _e4m3_to_f16(codes, MODE)
+    tl.store(OUT + offs, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["bits", "cvt"])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_gpu_e4m3_to_f16_is_exact_for_every_code(mode, scaled, seeded):
+    # Every e4m3 code through the kernels' conversion: exactly the e4m3 value times the
+    # mode's unit (and times an f16 scale, rounded once to f16, as torch's f16 product).
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).cuda()
+    values = codes.view(torch.float8_e4m3fn).float()
+    scales = (torch.rand(256, device="cuda") * 4 + 0.25).half()
+    out = torch.empty(256, dtype=torch.float16, device="cuda")
+    _e4m3_probe_kernel[(1,)](codes, scales, out, MODE=mode, SCALED=scaled)
+    unit = E4M3_UNIT_BITS.value if mode == "bits" else 1.0
+    want = (values * unit).half()
+    if scaled:
+        want = want * scales
+    finite = ~torch.isnan(values)  # the NaN codes (never stored) read as +-480 x unit
+    assert torch.equal(out[finite], want[finite])
