@@ -11,7 +11,8 @@ the dequantized cache are in tests/test_fp8.py).
     python3 bench/fp8_sweep.py --ab cvt-64x8 bits-64x8 noprefetch --out DIR
 
 ``--ab`` adds fp8 rows for other stage-1 variants of the same plan (``VARIANTS``):
-"<dequant>-<tokens>x<warps>" sets ``launch.FP8_DEQUANT`` and ``FP8_PREFETCH_TILE``;
+"<dequant>-<tokens>x<warps>[-v<bytes>]" sets ``launch.FP8_DEQUANT``, ``FP8_PREFETCH_TILE``
+(and ``FP8_RAW_VEC``);
 "noprefetch" copies the fp8 tile to shared memory as stored.
 """
 
@@ -51,18 +52,19 @@ def stage1_variant(name: str | None):
     """Stage 1's fp8 knobs set for one variant ("<dequant>-<tokens>x<warps>", "noprefetch";
     None: as shipped), restored after."""
     saved = (kernel_launch.FP8_DEQUANT, kernel_launch.FP8_PREFETCH_TILE,
-             kernel_launch.FP8_REGISTER_PREFETCH)
+             kernel_launch.FP8_REGISTER_PREFETCH, kernel_launch.FP8_RAW_VEC)
     if name == "noprefetch":
         kernel_launch.FP8_REGISTER_PREFETCH = False
     elif name is not None:
-        dequant, tile = name.split("-")
+        dequant, tile, *vec = name.split("-")
         tokens, warps = (int(v) for v in tile.split("x"))
         kernel_launch.FP8_DEQUANT, kernel_launch.FP8_PREFETCH_TILE = dequant, (tokens, warps)
+        kernel_launch.FP8_RAW_VEC = int(vec[0].lstrip("v")) if vec else 0
     try:
         yield
     finally:
         (kernel_launch.FP8_DEQUANT, kernel_launch.FP8_PREFETCH_TILE,
-         kernel_launch.FP8_REGISTER_PREFETCH) = saved
+         kernel_launch.FP8_REGISTER_PREFETCH, kernel_launch.FP8_RAW_VEC) = saved
 
 
 def main() -> None:

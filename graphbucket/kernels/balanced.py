@@ -98,6 +98,7 @@ def _balanced_stage1_kernel(
     KV_FORMAT: tl.constexpr = "dense",
     REG_PREFETCH: tl.constexpr = False,
     DEQUANT: tl.constexpr = "float",
+    RAW_VEC: tl.constexpr = 0,
 ):
     program = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -125,7 +126,7 @@ def _balanced_stage1_kernel(
             qk_scale_log2 * kv_scale,
             stride_kv_page, stride_kv_tok, PAGE_SIZE, KV_LORA_RANK, ROPE_DIM, BLOCK_H,
             BLOCK_N, TILE_IN_PAGE, DOT_PRECISION, TOKEN_MAJOR, PAGE_AHEAD, KV_FORMAT,
-            REG_PREFETCH=REG_PREFETCH, DEQUANT=DEQUANT)
+            REG_PREFETCH=REG_PREFETCH, DEQUANT=DEQUANT, RAW_VEC=RAW_VEC)
         lse_log2 = m_i + tl.log2(l_i)
         out = acc * (kv_scale / l_i)[:, None]  # kv_scale: see the split-KV stage 1
         if request_items == 1:

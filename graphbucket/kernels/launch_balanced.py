@@ -19,6 +19,7 @@ from graphbucket.kernels.launch import (
     SplitWorkspace,
     check_mla_decode_args,
     fp8_dequant,
+    fp8_raw_vec,
     is_v32,
     kv_tile_tokens,
     register_prefetch,
@@ -93,7 +94,7 @@ def launch_balanced_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table:
         TOKEN_MAJOR=plan.token_major, PAGE_AHEAD=plan.page_ahead, SCALED=kv_scale is not None,
         KV_FORMAT="v32" if is_v32(kv_cache) else "dense",
         REG_PREFETCH=register_prefetch(plan, kv_cache.element_size()),
-        DEQUANT=fp8_dequant(kv_cache.device),
+        DEQUANT=fp8_dequant(kv_cache.device), RAW_VEC=fp8_raw_vec(),
         num_warps=stage1_warps(plan, kv_cache.element_size()), num_stages=plan.num_stages,
     )
 

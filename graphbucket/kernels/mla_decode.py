@@ -109,6 +109,7 @@ def _attend_tokens(
     MULTI_TOKEN: tl.constexpr = False,
     REG_PREFETCH: tl.constexpr = False,
     DEQUANT: tl.constexpr = "float",
+    RAW_VEC: tl.constexpr = 0,
 ):
     """Online softmax over tokens [start, end) of one request (start < end, start a
     multiple of BLOCK_N). Returns the unnormalised (acc [BLOCK_H, R], l, m) in log2 units.
@@ -161,7 +162,7 @@ def _attend_tokens(
         next_kv, next_rope = _dequantize_tile(
             _load_raw_tile(KV, _tile_pages(bt_row, start, end, PAGE_SIZE, BLOCK_N, TILE_IN_PAGE),
                            start, end, stride_kv_page, stride_kv_tok, PAGE_SIZE, KV_LORA_RANK,
-                           ROPE_DIM, BLOCK_N, KV_FORMAT),
+                           ROPE_DIM, BLOCK_N, KV_FORMAT, RAW_VEC),
             q_nope.dtype, q_rope.dtype, BLOCK_N, KV_LORA_RANK, KV_FORMAT, DEQUANT)
     elif PAGE_AHEAD:
         next_pages = _tile_pages(bt_row, start, end, PAGE_SIZE, BLOCK_N, TILE_IN_PAGE)
@@ -178,7 +179,7 @@ def _attend_tokens(
                 KV, _tile_pages(bt_row, tok0 + BLOCK_N, end, PAGE_SIZE, BLOCK_N, TILE_IN_PAGE,
                                 PAST_END=True),
                 tok0 + BLOCK_N, end, stride_kv_page, stride_kv_tok, PAGE_SIZE, KV_LORA_RANK,
-                ROPE_DIM, BLOCK_N, KV_FORMAT)
+                ROPE_DIM, BLOCK_N, KV_FORMAT, RAW_VEC)
         else:
             if PAGE_AHEAD:
                 pages = next_pages
@@ -270,7 +271,8 @@ def _load_latent(KV, row, mask_n, KV_LORA_RANK: tl.constexpr, BLOCK_N: tl.conste
 @triton.jit
 def _load_raw_tile(KV, pages, tok0, end, stride_kv_page, stride_kv_tok,
                    PAGE_SIZE: tl.constexpr, KV_LORA_RANK: tl.constexpr,
-                   ROPE_DIM: tl.constexpr, BLOCK_N: tl.constexpr, KV_FORMAT: tl.constexpr):
+                   ROPE_DIM: tl.constexpr, BLOCK_N: tl.constexpr, KV_FORMAT: tl.constexpr,
+                   RAW_VEC: tl.constexpr = 0):
     """The stored bytes of tokens tok0 .. tok0 + BLOCK_N (zeros at or past ``end``):
     (latent [BLOCK_N, R] in e4m3, group scales [BLOCK_N, R / 128] ("v32"; else a
     placeholder), rope [BLOCK_N, ROPE_DIM] as stored)."""
@@ -278,6 +280,8 @@ def _load_raw_tile(KV, pages, tok0, end, stride_kv_page, stride_kv_tok,
     mask_n = offs_n < end
     row = pages * stride_kv_page + (offs_n % PAGE_SIZE) * stride_kv_tok
     offs_c = tl.arange(0, KV_LORA_RANK)
+    if RAW_VEC > 0:
+        offs_c = tl.max_contiguous(offs_c, RAW_VEC)
     if KV_FORMAT == "v32":
         raw = tl.load(KV.to(tl.pointer_type(tl.float8e4nv)) + row[:, None] + offs_c[None, :],
                       mask=mask_n[:, None], other=0.0)
@@ -534,6 +538,7 @@ def _mla_decode_stage1_kernel(
     KV_FORMAT: tl.constexpr = "dense",
     REG_PREFETCH: tl.constexpr = False,
     DEQUANT: tl.constexpr = "float",
+    RAW_VEC: tl.constexpr = 0,
 ):
     bid = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -566,7 +571,7 @@ def _mla_decode_stage1_kernel(
             qk_scale_log2 * kv_scale,
             stride_kv_page, stride_kv_tok, PAGE_SIZE, KV_LORA_RANK, ROPE_DIM, BLOCK_H,
             BLOCK_N, TILE_IN_PAGE, DOT_PRECISION, TOKEN_MAJOR, PAGE_AHEAD, KV_FORMAT,
-            row_limit, MULTI_TOKEN, REG_PREFETCH, DEQUANT)
+            row_limit, MULTI_TOKEN, REG_PREFETCH, DEQUANT, RAW_VEC)
         lse_log2 = m_i + tl.log2(l_i)
         if MULTI_TOKEN:  # rows that saw no token here: zeros, LSE -inf
             l_i = tl.where(l_i > 0.0, l_i, 1.0)
