@@ -330,6 +330,12 @@ def test_fp8_tile_tokens(monkeypatch):
                 launch.FP8_PREFETCH_TILE[0] if plan.block_h <= 16 else 16
             assert tile_tokens(plan, 1, v32=True) == want
             assert kv_tile_tokens(plan, cache) == want
+            # Register-prefetched tiles at 16 rows run on FP8_PREFETCH_TILE's warps; other
+            # plans and 2-byte caches keep the plan's.
+            prefetched = not plan.token_major and plan.block_h <= 16
+            assert launch.stage1_warps(plan, 1) == \
+                (launch.FP8_PREFETCH_TILE[1] if prefetched else plan.num_warps)
+            assert launch.stage1_warps(plan, 2) == plan.num_warps
             monkeypatch.setattr(launch, "FP8_REGISTER_PREFETCH", False)
             # Without: V3.2 tiles are half the plan's.
             assert tile_tokens(plan, 1, v32=True) == max(16, plan.block_n // 2)
@@ -622,3 +628,18 @@ def test_gpu_e4m3_to_f16_is_exact_for_every_code(mode, scaled, seeded):
         want = want * scales
     finite = ~torch.isnan(values)  # the NaN codes (never stored) read as +-480 x unit
     assert torch.equal(out[finite], want[finite])
+
+
+@pytest.mark.host
+def test_fp8_dequant_mode_falls_back_where_inline_assembly_cannot_run(monkeypatch):
+    from graphbucket.kernels import launch
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert launch.fp8_dequant(cuda) == launch.FP8_DEQUANT == "bits"
+    assert launch.fp8_dequant(cpu) == "float"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter has no inline assembly
+    assert launch.fp8_dequant(cuda) == "float"
+    monkeypatch.setattr(launch, "FP8_DEQUANT", "cvt")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert launch.fp8_dequant(cuda) == "cvt"
