@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.gpu_timing import copy_gbps, run_meta  # noqa: E402
+from bench.gpu_timing import copy_gbps, run_line, run_meta  # noqa: E402
 from bench.kernel_sweep import time_calls  # noqa: E402
 from bench.ragged import inputs, random_cache  # noqa: E402
 from graphbucket import fp8  # noqa: E402
@@ -127,8 +127,7 @@ def main() -> None:
 def markdown(result: dict) -> str:
     meta = result["meta"]
     lines = [f"# FP8 KV cache against bf16 ({meta['gpu']})", "",
-             f"{meta['date']}, torch {meta['torch']}, triton {meta['triton']}, copy "
-             f"{meta['copy_gbps']:.0f} GB/s. Command: `{meta['command']}`", "",
+             run_line(meta), "",
              "16 heads, page 64, cold L2, CUDA-graph replays, the planned kernel. Of copy: "
              "over that format's bytes. rel_l2: fp8 output against the bf16-cache output.", "",
              "| batch | context | format | us | / bf16 | of copy | rel_l2 |",

@@ -36,6 +36,17 @@ def run_meta(command: str | None = None) -> dict:
     }
 
 
+def run_line(meta: dict, extra: str = "") -> str:
+    """A results table's provenance line: date, versions, copy bandwidth when measured,
+    ``extra`` (e.g. a matmul rate), and the command."""
+    parts = [meta["date"], f"torch {meta['torch']}", f"triton {meta['triton']}"]
+    if meta.get("copy_gbps"):
+        parts.append(f"copy {meta['copy_gbps']:.0f} GB/s (read + write)")
+    if extra:
+        parts.append(extra)
+    return ", ".join(parts) + f". Command: `{meta['command']}`"
+
+
 def copy_gbps(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
     warm_gpu()

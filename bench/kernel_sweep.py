@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import flashinfer_ref  # noqa: E402
-from bench.gpu_timing import copy_gbps, matmul_tflops, run_meta, time_replays  # noqa: E402
+from bench.gpu_timing import copy_gbps, matmul_tflops, run_line, run_meta, time_replays  # noqa: E402
 from bench.ragged import bytes_read, inputs, mixes, random_cache  # noqa: E402
 from graphbucket.kernels import (  # noqa: E402
     SplitWorkspace,
@@ -260,10 +260,8 @@ def wide_heads_table(rows: list[dict]) -> list[str]:
 
 def markdown(meta: dict, rows: list[dict], split_rows: list[dict], merges: list[dict]) -> str:
     lines = [f"# MLA decode kernel sweep ({meta['gpu']})", "",
-             f"{meta['date']}, torch {meta['torch']}, triton {meta['triton']}, "
-             f"copy {meta['copy_gbps']:.0f} GB/s (read+write)"
-             + (f", bf16 matmul {meta['matmul_tflops']:.0f} TFLOP/s" if meta.get("matmul_tflops")
-                else "") + f". Command: `{meta['command']}`",
+             run_line(meta, f"bf16 matmul {meta['matmul_tflops']:.0f} TFLOP/s"
+                      if meta.get("matmul_tflops") else ""),
              "", "16 heads, bf16, page 64, cold L2, CUDA-graph replay. Of copy = the bytes "
              "actually read over the copy bandwidth, divided by the time. FlashInfer / "
              "graphbucket > 1: graphbucket is faster. (ladder): the topology the shipped "

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.gpu_timing import run_meta  # noqa: E402
+from bench.gpu_timing import run_line, run_meta  # noqa: E402
 from bench.kernel_sweep import time_calls  # noqa: E402
 from bench.ragged import inputs, random_cache  # noqa: E402
 from graphbucket import fp8  # noqa: E402
@@ -78,8 +78,7 @@ def main() -> None:
 def markdown(result: dict) -> str:
     meta = result["meta"]
     lines = [f"# Decode time with the KV in HBM and in L2 ({meta['gpu']})", "",
-             f"{meta['date']}, torch {meta['torch']}, triton {meta['triton']}. Command: "
-             f"`{meta['command']}`", "",
+             run_line(meta), "",
              "The planned kernel, page 64, CUDA-graph replays. HBM: scattered pages, cold L2. "
              f"L2-resident: every table entry points into {HOT_PAGES} pages. A ratio near 1: "
              "the kernel's loop, not the bytes, sets its time.", "",

@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.gpu_timing import copy_gbps, run_meta, time_replays  # noqa: E402
+from bench.gpu_timing import copy_gbps, run_line, run_meta, time_replays  # noqa: E402
 from graphbucket.kernels import (  # noqa: E402
     SplitWorkspace,
     default_sm_scale,
@@ -126,8 +126,7 @@ def measure(gbps: float, sweep: list[tuple[int, int]]) -> list[dict]:
 def markdown(result: dict) -> str:
     meta = result["meta"]
     lines = [f"# Ragged MLA decode ({meta['gpu']})", "",
-             f"{meta['date']}, torch {meta['torch']}, triton {meta['triton']}, copy "
-             f"{meta['copy_gbps']:.0f} GB/s. Command: `{meta['command']}`", "",
+             run_line(meta), "",
              "| mix | batch | longest | topology | us | floor us | of floor |",
              "|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
