@@ -335,16 +335,22 @@ FP8_PREFETCH_TILE = (32, 4)
 FP8_RAW_VEC = 8
 
 
-def fp8_raw_vec() -> int:
-    """``FP8_RAW_VEC`` as set now (a bench may change it between launches)."""
-    return FP8_RAW_VEC
-
-
 def stage1_warps(plan: LaunchPlan, element_size: int) -> int:
     """Warps per stage-1 program for this cache's element size."""
     if register_prefetch(plan, element_size) and plan.block_h <= 16:
         return FP8_PREFETCH_TILE[1]
     return plan.num_warps
+
+
+def cache_stream_args(plan: LaunchPlan, kv_cache: torch.Tensor) -> dict:
+    """How both stage-1 kernels (split-KV and balanced) read this cache: its format, the
+    fp8 register prefetch and dequantization, and the warps that follow from them. The
+    module knobs are read at each call, so a bench may change them between launches."""
+    size = kv_cache.element_size()
+    return {"KV_FORMAT": "v32" if is_v32(kv_cache) else "dense",
+            "REG_PREFETCH": register_prefetch(plan, size),
+            "DEQUANT": fp8_dequant(kv_cache.device), "RAW_VEC": FP8_RAW_VEC,
+            "num_warps": stage1_warps(plan, size)}
 
 
 def tile_tokens(plan: LaunchPlan, element_size: int, *, v32: bool = False) -> int:
@@ -411,10 +417,7 @@ def launch_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
         PAGE_AHEAD=plan.page_ahead,
         MERGE_CHUNKS=plan.merge_chunks if plan.merges_in_stage1 else 1,
         SCALED=kv_scale is not None, MULTI_TOKEN=q_len > 1,
-        KV_FORMAT="v32" if is_v32(kv_cache) else "dense",
-        REG_PREFETCH=register_prefetch(plan, kv_cache.element_size()),
-        DEQUANT=fp8_dequant(kv_cache.device), RAW_VEC=fp8_raw_vec(),
-        num_warps=stage1_warps(plan, kv_cache.element_size()), num_stages=plan.num_stages,
+        **cache_stream_args(plan, kv_cache), num_stages=plan.num_stages,
     )
 
 

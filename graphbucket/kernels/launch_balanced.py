@@ -17,13 +17,9 @@ from graphbucket.kernels.balanced import (
 from graphbucket.kernels.launch import (
     LOG2E,
     SplitWorkspace,
+    cache_stream_args,
     check_mla_decode_args,
-    fp8_dequant,
-    fp8_raw_vec,
-    is_v32,
     kv_tile_tokens,
-    register_prefetch,
-    stage1_warps,
 )
 from graphbucket.plan import LaunchPlan, pow2_ceil
 
@@ -92,10 +88,7 @@ def launch_balanced_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table:
         TILE_IN_PAGE=kv_cache.shape[1] % block_n == 0, WRITE_LSE=lse is not None,
         DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
         TOKEN_MAJOR=plan.token_major, PAGE_AHEAD=plan.page_ahead, SCALED=kv_scale is not None,
-        KV_FORMAT="v32" if is_v32(kv_cache) else "dense",
-        REG_PREFETCH=register_prefetch(plan, kv_cache.element_size()),
-        DEQUANT=fp8_dequant(kv_cache.device), RAW_VEC=fp8_raw_vec(),
-        num_warps=stage1_warps(plan, kv_cache.element_size()), num_stages=plan.num_stages,
+        **cache_stream_args(plan, kv_cache), num_stages=plan.num_stages,
     )
 
 

@@ -344,21 +344,13 @@ def _e4m3_to_f16(raw, DEQUANT: tl.constexpr, scale=None):
     given."""
     bits = raw.to(tl.uint8, bitcast=True)
     if scale is None:
-        if DEQUANT == "bits":
-            out = tl.inline_asm_elementwise(E4M3_BITS_TO_F16, "=r,=r,r", [bits],
-                                            dtype=tl.float16, is_pure=True, pack=4)
-        else:
-            out = tl.inline_asm_elementwise(E4M3_CVT_TO_F16, "=r,=r,r", [bits],
-                                            dtype=tl.float16, is_pure=True, pack=4)
+        out = tl.inline_asm_elementwise(
+            E4M3_BITS_TO_F16 if DEQUANT == "bits" else E4M3_CVT_TO_F16, "=r,=r,r", [bits],
+            dtype=tl.float16, is_pure=True, pack=4)
     else:
-        if DEQUANT == "bits":
-            out = tl.inline_asm_elementwise(E4M3_BITS_TO_F16_SCALED, "=r,=r,r,r,r",
-                                            [bits, scale], dtype=tl.float16, is_pure=True,
-                                            pack=4)
-        else:
-            out = tl.inline_asm_elementwise(E4M3_CVT_TO_F16_SCALED, "=r,=r,r,r,r",
-                                            [bits, scale], dtype=tl.float16, is_pure=True,
-                                            pack=4)
+        out = tl.inline_asm_elementwise(
+            E4M3_BITS_TO_F16_SCALED if DEQUANT == "bits" else E4M3_CVT_TO_F16_SCALED,
+            "=r,=r,r,r,r", [bits, scale], dtype=tl.float16, is_pure=True, pack=4)
     return out
 
 
