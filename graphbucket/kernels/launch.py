@@ -322,8 +322,8 @@ def register_prefetch(plan: LaunchPlan, element_size: int) -> bool:
 # whatever the plan's bf16 stream says. The loop carries the dequantized tile, so its
 # registers grow with tokens / warps (sm_90 compile, "bits"): 32 / 4 take 240 registers
 # (two programs per SM), 64 / 8 take 190 (one), 32 / 8 take 128; 64 / 4 spill. Measured
-# (H200, same run, bench/NOTES.md 2026-12-01 04:00): 32 / 4 fastest at every shape from
-# 16K on, 64 / 8 by 15-20 % slower, 32 / 8 by 30 %.
+# (H200, same run, bench/NOTES.md 2026-12-01 03:40): 32 / 4 fastest at every shape from
+# 16K on, 64 / 8 by 15-20 % slower, 32 / 8 by 30 %, 16 / 4 by 22-55 %.
 FP8_PREFETCH_TILE = (32, 4)
 
 
