@@ -1,0 +1,316 @@
+"""64-row MLA decode stage 1 with two warpgroups in a seesaw (Gluon, sm_90). DRAFT: compiles
+for sm_90; not yet run on a GPU.
+
+Why: the Triton 64-row kernel splits every dot's columns across its two warpgroups, so
+each KV tile they meet at CTA barriers to exchange the row max and P (Nsight Compute: 33 %
+of the cycles between instructions are such waits, bench/NOTES.md 2026-12-01 04:10).
+
+Here each warpgroup owns whole rows of S for its own tile and half of O's columns. A step
+takes two 64-token tiles, A (even) and B (odd):
+
+    WG0: S_A = Q K_A^T                   WG1: S_B = Q K_B^T              (concurrently)
+    WG0: m_A = max(m, rowmax S_A) -> smem, alpha_A = 2^(m - m_A)
+                                         WG1: m_B = max(m_A, rowmax S_B),
+                                              P_B = 2^(S_B - m_B) -> smem,
+                                              alpha_B = 2^(m_A - m_B)
+    WG0: O_L = O_L alpha_A + P_A V_A,L   WG1: O_R = O_R alpha_A alpha_B + P_B V_B,R
+    WG0: O_L = O_L alpha_B + P_B V_B,L   (P_B from smem)
+    WG0: alpha_B P_A -> smem             WG1: O_R += (alpha_B P_A) V_A,R  (from smem)
+
+so the only hand-offs are m_A (WG0 -> WG1), P_B (WG1 -> WG0) and P_A (WG0 -> WG1), through
+mbarriers, and the two warpgroups' MMAs overlap each other's softmax. A one-warp loader
+partition brings Q once and the two tiles of each step by TMA (9 boxes of 64 x 64 each);
+the tiles' slots are freed when both warpgroups are done with them.
+
+Shared memory: Q 72 KB + two tiles 144 KB + P 8 KB + row statistics: 225 KB (of 227).
+Same split formula and partials as the Triton stage 1 (``_split_range``, BLOCK_N 64), so
+the Triton merge kernel combines the splits. Requirements: bf16 q and cache, page size 64,
+heads a multiple of 64, q contiguous; the cache rows past a request's length must be
+finite (they are multiplied by P = 0).
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+ROWS = gl.constexpr(64)         # query rows (heads) per program
+TILE = gl.constexpr(64)         # tokens per tile (one page)
+BOX = gl.constexpr(64)          # columns per TMA box and shared-memory chunk (128 bytes)
+CHUNKS = gl.constexpr(9)        # 576 / BOX: latent (8) + rope (1)
+HALF_CHUNKS = gl.constexpr(4)   # value chunks per warpgroup: 256 / BOX
+TILE_BYTES = gl.constexpr(9 * 64 * 64 * 2)
+
+# Barrier slots.
+B_Q = gl.constexpr(0)
+B_READY = gl.constexpr(1)  # + slot
+B_FREE = gl.constexpr(3)   # + slot
+B_MA = gl.constexpr(5)
+B_PB = gl.constexpr(6)
+B_PA = gl.constexpr(7)
+NUM_BARRIERS = gl.constexpr(8)
+# Row-statistics slots (float32 [64] each).
+S_MA = gl.constexpr(0)
+S_ALPHA_A = gl.constexpr(1)
+S_ALPHA_B = gl.constexpr(2)
+S_MB = gl.constexpr(3)
+S_SUM_B = gl.constexpr(4)
+S_SUM_A = gl.constexpr(5)
+NUM_STATS = gl.constexpr(6)
+
+
+@gluon.jit
+def _loader(q_desc, kv_desc, bt_row, q_s, kv_s, bars, q_row, start, end, num_steps,
+            PAGE_SIZE: gl.constexpr):
+    mbarrier.expect(bars.index(B_Q), TILE_BYTES)
+    for c in gl.static_range(CHUNKS):
+        tma.async_copy_global_to_shared(q_desc, [q_row, c * BOX], bars.index(B_Q), q_s.index(c))
+    for step in range(num_steps):
+        for t in gl.static_range(2):
+            if step > 0:
+                mbarrier.wait(bars.index(B_FREE + t), (step - 1) & 1)
+            tok0 = start + (2 * step + t) * TILE
+            # A tile past the split's end (the second of an odd count) loads page 0's rows
+            # and is masked by the compute partitions.
+            page = gl.load(bt_row + tok0 // PAGE_SIZE, mask=tok0 < end, other=0)
+            row = page * PAGE_SIZE + tok0 % PAGE_SIZE
+            mbarrier.expect(bars.index(B_READY + t), TILE_BYTES)
+            for c in gl.static_range(CHUNKS):
+                tma.async_copy_global_to_shared(kv_desc, [row, c * BOX], bars.index(B_READY + t),
+                                                kv_s.index(t * CHUNKS + c))
+
+
+@gluon.jit
+def _scores(q_s, kv_s, slot, start, end, step, qk_scale_log2, PARITY: gl.constexpr,
+            layout: gl.constexpr):
+    """S of this warpgroup's tile in log2 units, tokens past ``end`` at -inf."""
+    s = gl.zeros([ROWS, TILE], gl.float32, layout)
+    for c in gl.static_range(CHUNKS):
+        s = warpgroup_mma(q_s.index(c), kv_s.index(slot * CHUNKS + c).permute((1, 0)), s,
+                          is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+    tok = start + (2 * step + PARITY) * TILE + gl.arange(0, TILE, gl.SliceLayout(0, layout))
+    return gl.where(tok[None, :] < end, s * qk_scale_log2, float("-inf"))
+
+
+@gluon.jit
+def _pv(p, kv_s, slot, o0, o1, o2, o3, FIRST_CHUNK: gl.constexpr):
+    """O (four 64-column accumulators) += P V over the tile in ``slot``; p: registers in the
+    A-operand layout, or a shared-memory P."""
+    o0 = warpgroup_mma(p, kv_s.index(slot * CHUNKS + FIRST_CHUNK + 0), o0, is_async=True)
+    o1 = warpgroup_mma(p, kv_s.index(slot * CHUNKS + FIRST_CHUNK + 1), o1, is_async=True)
+    o2 = warpgroup_mma(p, kv_s.index(slot * CHUNKS + FIRST_CHUNK + 2), o2, is_async=True)
+    o3 = warpgroup_mma(p, kv_s.index(slot * CHUNKS + FIRST_CHUNK + 3), o3, is_async=True)
+    o0, o1, o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3))
+    return o0, o1, o2, o3
+
+
+@gluon.jit
+def _compute(q_s, kv_s, p_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
+             o_ptr, lse_ptr, stride_o_h, WRITE_LSE: gl.constexpr, ONE_SPLIT: gl.constexpr,
+             PARITY: gl.constexpr):
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, 64, 16])
+    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    rows: gl.constexpr = gl.SliceLayout(1, mma)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, rows)
+    l_i = gl.zeros([ROWS], gl.float32, rows)
+    o0 = gl.zeros([ROWS, BOX], gl.float32, mma)
+    o1 = gl.zeros([ROWS, BOX], gl.float32, mma)
+    o2 = gl.zeros([ROWS, BOX], gl.float32, mma)
+    o3 = gl.zeros([ROWS, BOX], gl.float32, mma)
+    mbarrier.wait(bars.index(B_Q), 0)
+    for step in range(num_steps):
+        phase = step & 1
+        mbarrier.wait(bars.index(B_READY + PARITY), phase)
+        s = _scores(q_s, kv_s, PARITY, start, end, step, qk_scale_log2, PARITY, mma)
+        if PARITY == 0:
+            m_a = gl.maximum(m_i, gl.max(s, axis=1))  # tile A always holds a live token
+            alpha_a = gl.exp2(m_i - m_a)
+            stats_s.index(S_MA).store(m_a)
+            stats_s.index(S_ALPHA_A).store(alpha_a)
+            mbarrier.arrive(bars.index(B_MA))
+            p = gl.exp2(s - m_a[:, None])
+            sum_a = gl.sum(p, axis=1)
+            # Only the bf16 A operand stays live (the float32 P would spill).
+            p_a = gl.convert_layout(p.to(gl.bfloat16), a_op)
+            o0, o1, o2, o3 = o0 * alpha_a[:, None], o1 * alpha_a[:, None], \
+                o2 * alpha_a[:, None], o3 * alpha_a[:, None]
+            o0, o1, o2, o3 = _pv(p_a, kv_s, 0, o0, o1, o2, o3, 0)
+            mbarrier.wait(bars.index(B_PB), phase)
+            alpha_b = stats_s.index(S_ALPHA_B).load(rows)
+            m_b = stats_s.index(S_MB).load(rows)
+            sum_b = stats_s.index(S_SUM_B).load(rows)
+            o0, o1, o2, o3 = o0 * alpha_b[:, None], o1 * alpha_b[:, None], \
+                o2 * alpha_b[:, None], o3 * alpha_b[:, None]
+            o0, o1, o2, o3 = _pv(p_s, kv_s, 1, o0, o1, o2, o3, 0)
+            # P_B has been read (the wait above): the buffer now takes alpha_B P_A.
+            alpha_b_a = gl.convert_layout(alpha_b, gl.SliceLayout(1, a_op))
+            p_s.store((p_a.to(gl.float32) * alpha_b_a[:, None]).to(gl.bfloat16))
+            stats_s.index(S_SUM_A).store(sum_a)
+            fence_async_shared()
+            mbarrier.arrive(bars.index(B_PA))
+        else:
+            mbarrier.wait(bars.index(B_MA), phase)
+            m_a = stats_s.index(S_MA).load(rows)
+            alpha_a = stats_s.index(S_ALPHA_A).load(rows)
+            m_b = gl.maximum(m_a, gl.max(s, axis=1))  # tile B may be past the end: m_a
+            alpha_b = gl.exp2(m_a - m_b)
+            p = gl.exp2(s - m_b[:, None])
+            sum_b = gl.sum(p, axis=1)
+            p_s.store(p.to(gl.bfloat16))
+            stats_s.index(S_ALPHA_B).store(alpha_b)
+            stats_s.index(S_MB).store(m_b)
+            stats_s.index(S_SUM_B).store(sum_b)
+            fence_async_shared()
+            mbarrier.arrive(bars.index(B_PB))
+            scale = alpha_a * alpha_b
+            o0, o1, o2, o3 = o0 * scale[:, None], o1 * scale[:, None], \
+                o2 * scale[:, None], o3 * scale[:, None]
+            o0, o1, o2, o3 = _pv(gl.convert_layout(p.to(gl.bfloat16), a_op), kv_s, 1,
+                                 o0, o1, o2, o3, HALF_CHUNKS)
+            mbarrier.wait(bars.index(B_PA), phase)
+            sum_a = stats_s.index(S_SUM_A).load(rows)
+            o0, o1, o2, o3 = _pv(p_s, kv_s, 0, o0, o1, o2, o3, HALF_CHUNKS)
+        l_i = l_i * alpha_a * alpha_b + sum_a * alpha_b + sum_b
+        m_i = m_b
+        mbarrier.arrive(bars.index(B_FREE))
+        mbarrier.arrive(bars.index(B_FREE + 1))
+    # This warpgroup's 256 columns of O / l, and (warpgroup 0) the LSE in log2 units.
+    inv_l = 1.0 / l_i
+    offs_h = gl.arange(0, ROWS, rows)
+    offs_c = gl.arange(0, BOX, gl.SliceLayout(0, mma))
+    base = o_ptr + offs_h[:, None] * stride_o_h + PARITY * HALF_CHUNKS * BOX + offs_c[None, :]
+    gl.store(base, (o0 * inv_l[:, None]).to(o_ptr.dtype.element_ty))
+    gl.store(base + BOX, (o1 * inv_l[:, None]).to(o_ptr.dtype.element_ty))
+    gl.store(base + 2 * BOX, (o2 * inv_l[:, None]).to(o_ptr.dtype.element_ty))
+    gl.store(base + 3 * BOX, (o3 * inv_l[:, None]).to(o_ptr.dtype.element_ty))
+    if PARITY == 0 and WRITE_LSE:
+        # log2 units between the stages (the merge's); natural log as the final LSE.
+        lse = m_i + gl.log2(l_i)
+        if ONE_SPLIT:
+            lse = lse * 0.6931471805599453
+        gl.store(lse_ptr + offs_h, lse)
+
+
+@gluon.jit
+def _warpgroup_even(q_s, kv_s, p_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
+                    o_ptr, lse_ptr, stride_o_h, WRITE_LSE: gl.constexpr,
+                    ONE_SPLIT: gl.constexpr):
+    _compute(q_s, kv_s, p_s, stats_s, bars, start, end, num_steps, qk_scale_log2, o_ptr,
+             lse_ptr, stride_o_h, WRITE_LSE, ONE_SPLIT, 0)
+
+
+@gluon.jit
+def _warpgroup_odd(q_s, kv_s, p_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
+                   o_ptr, lse_ptr, stride_o_h, WRITE_LSE: gl.constexpr,
+                   ONE_SPLIT: gl.constexpr):
+    _compute(q_s, kv_s, p_s, stats_s, bars, start, end, num_steps, qk_scale_log2, o_ptr,
+             lse_ptr, stride_o_h, WRITE_LSE, ONE_SPLIT, 1)
+
+
+@gluon.jit
+def _seesaw_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, OUT, LSE, PART_O, PART_LSE,
+                          num_kv_splits, num_heads, qk_scale_log2,
+                          stride_bt_b, stride_o_b, stride_o_h, stride_lse_b,
+                          stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h,
+                          PAGE_SIZE: gl.constexpr, ONE_SPLIT: gl.constexpr,
+                          WRITE_LSE: gl.constexpr):
+    bid = gl.program_id(0)
+    head_block = gl.program_id(1)
+    split = gl.program_id(2)
+    seq_len = gl.load(SEQ_LENS + bid)
+    tiles = gl.cdiv(seq_len, TILE)
+    per = gl.cdiv(tiles, num_kv_splits)
+    start = split * per * TILE
+    end = gl.minimum(start + per * TILE, seq_len)
+    if start < end:
+        num_steps = gl.cdiv(gl.cdiv(end - start, TILE), 2)
+        q_s = gl.allocate_shared_memory(gl.bfloat16, [CHUNKS, ROWS, BOX], q_desc.layout)
+        kv_s = gl.allocate_shared_memory(gl.bfloat16, [2 * CHUNKS, TILE, BOX], kv_desc.layout)
+        p_s = gl.allocate_shared_memory(gl.bfloat16, [ROWS, TILE], kv_desc.layout)
+        stats_s = gl.allocate_shared_memory(
+            gl.float32, [NUM_STATS, ROWS],
+            gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
+        bars = gl.allocate_shared_memory(gl.int64, [NUM_BARRIERS, 1],
+                                         mbarrier.MBarrierLayout())
+        for i in gl.static_range(NUM_BARRIERS):
+            # The slots' free barriers wait for both warpgroups; the rest for one arrival.
+            mbarrier.init(bars.index(i), count=2 if i == B_FREE or i == B_FREE + 1 else 1)
+        fence_async_shared()
+        h0 = head_block * ROWS
+        if ONE_SPLIT:
+            o_ptr = OUT + bid * stride_o_b + h0 * stride_o_h
+            stride_rows = stride_o_h
+            lse_ptr = LSE + bid * stride_lse_b + h0
+        else:
+            o_ptr = PART_O + bid * stride_po_b + h0 * stride_po_h + split * stride_po_s
+            stride_rows = stride_po_h
+            lse_ptr = PART_LSE + bid * stride_pl_b + h0 * stride_pl_h + split
+        gl.warp_specialize([
+            (_warpgroup_even, (q_s, kv_s, p_s, stats_s, bars, start, end, num_steps,
+                               qk_scale_log2, o_ptr, lse_ptr, stride_rows, WRITE_LSE,
+                               ONE_SPLIT)),
+            (_warpgroup_odd, (q_s, kv_s, p_s, stats_s, bars, start, end, num_steps,
+                              qk_scale_log2, o_ptr, lse_ptr, stride_rows, WRITE_LSE,
+                              ONE_SPLIT)),
+            (_loader, (q_desc, kv_desc, BLOCK_TABLE + bid * stride_bt_b, q_s, kv_s, bars,
+                       bid * num_heads + h0, start, end, num_steps, PAGE_SIZE)),
+        ], [4, 4], [240, 24])
+    elif ONE_SPLIT:  # an empty request (seq_len 0): zeros, LSE -inf
+        pad: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        offs_h = head_block * ROWS + gl.arange(0, ROWS, gl.SliceLayout(1, pad))
+        offs_c = gl.arange(0, 8 * BOX, gl.SliceLayout(0, pad))
+        gl.store(OUT + bid * stride_o_b + offs_h[:, None] * stride_o_h + offs_c[None, :],
+                 gl.zeros([ROWS, 8 * BOX], OUT.dtype.element_ty, pad))
+        if WRITE_LSE:
+            gl.store(LSE + bid * stride_lse_b + offs_h,
+                     gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, pad)))
+
+
+def descriptors(q: torch.Tensor, kv_cache: torch.Tensor):
+    """TMA descriptors of q [B, H, 576] (as [B H, 576]) and the cache [pages, page, 576] (as
+    [pages page, 576]), 64 x 64 boxes in the 128-byte swizzle wgmma reads."""
+    rows, tile, box = ROWS.value, TILE.value, BOX.value
+    layout = gl.NVMMASharedLayout.get_default_for([rows, box], gl.bfloat16)
+    q2 = q.reshape(-1, q.shape[-1])
+    kv2 = kv_cache.reshape(-1, kv_cache.shape[-1])
+    return (TensorDescriptor(q2, list(q2.shape), list(q2.stride()), [rows, box], layout),
+            TensorDescriptor(kv2, list(kv2.shape), list(kv2.stride()), [tile, box], layout))
+
+
+def mla_decode_seesaw(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                      seq_lens: torch.Tensor, out: torch.Tensor, workspace, *, plan,
+                      sm_scale: float, lse: torch.Tensor | None = None) -> None:
+    """``mla_decode``'s contract for bf16 q [B, H, 576] (contiguous, H a multiple of 64) and a
+    bf16 cache [pages, 64, 576], with the plan's split count (more than one: partials in
+    ``workspace``, merged by the Triton merge kernel); a 64-row plan (``ROWS_STREAM``)."""
+    from graphbucket.kernels.launch import LOG2E, _workspace_args, launch_merge
+
+    batch, heads, dim = q.shape
+    if (q.dtype, kv_cache.dtype) != (torch.bfloat16, torch.bfloat16) or dim != 576 \
+            or heads % ROWS.value or kv_cache.shape[1] != TILE.value \
+            or not q.is_contiguous() or not kv_cache.is_contiguous():
+        raise ValueError("the seesaw kernel takes bf16 q [B, H, 576] (contiguous, H a multiple "
+                         "of 64) and a contiguous bf16 cache [pages, 64, 576]")
+    q_desc, kv_desc = descriptors(q, kv_cache)
+    splits = plan.num_kv_splits
+    one = splits == 1
+    part_o, part_lse, po_strides, pl_strides = _workspace_args(None if one else workspace, out)
+    _seesaw_stage1_kernel[(batch, heads // ROWS.value, splits)](
+        q_desc, kv_desc, block_table, seq_lens, out, out if lse is None else lse, part_o,
+        part_lse, splits, heads, sm_scale * LOG2E,
+        block_table.stride(0), out.stride(0), out.stride(1),
+        0 if lse is None else lse.stride(0), *po_strides, *pl_strides,
+        PAGE_SIZE=TILE.value, ONE_SPLIT=one, WRITE_LSE=lse is not None, num_warps=4)
+    if not one:
+        launch_merge(seq_lens, out, workspace, plan=plan, lse=lse, block_n=TILE.value)
