@@ -39,6 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
     warpgroup_mma,
+    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -93,8 +94,10 @@ def _loader(q_desc, kv_desc, bt_row, q_s, kv_s, bars, q_row, start, end, num_ste
 def _scores(q_s, kv_s, slot, start, end, step, qk_scale_log2, PARITY: gl.constexpr,
             layout: gl.constexpr):
     """S of this warpgroup's tile in log2 units, tokens past ``end`` at -inf."""
-    s = gl.zeros([ROWS, TILE], gl.float32, layout)
-    for c in gl.static_range(CHUNKS):
+    s = warpgroup_mma_init(gl.zeros([ROWS, TILE], gl.float32, layout))
+    # A loop, not an unrolled sequence: unrolled, the 18 shared-memory descriptors were
+    # hoisted out of the step loop and spilled.
+    for c in range(CHUNKS):
         s = warpgroup_mma(q_s.index(c), kv_s.index(slot * CHUNKS + c).permute((1, 0)), s,
                           is_async=True)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
