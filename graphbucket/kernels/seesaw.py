@@ -186,6 +186,7 @@ def _compute(q_s, kv_s, p_s, stats_s, bars, start, end, num_steps, qk_scale_log2
             o0, o1, o2, o3 = _pv(p_s, kv_s, 0, o0, o1, o2, o3, HALF_CHUNKS)
         l_i = l_i * alpha_a * alpha_b + sum_a * alpha_b + sum_b
         m_i = m_b
+        fence_async_shared()  # this step's reads before the loader's next TMA writes
         mbarrier.arrive(bars.index(B_FREE))
         mbarrier.arrive(bars.index(B_FREE + 1))
     # This warpgroup's 256 columns of O / l, and (warpgroup 0) the LSE in log2 units.
