@@ -51,14 +51,18 @@ CHUNKS = gl.constexpr(9)        # 576 / BOX: latent (8) + rope (1)
 HALF_CHUNKS = gl.constexpr(4)   # value chunks per warpgroup: 256 / BOX
 TILE_BYTES = gl.constexpr(9 * 64 * 64 * 2)
 
-# Barrier slots.
+# Barrier slots. Every 64-column box of a tile has its own ready barrier, so the QK of a
+# box starts as soon as it lands; a slot is released in two halves, each by the warpgroup
+# that reads it last, so the loader refills part of it while the step is still running.
 B_Q = gl.constexpr(0)
-B_READY = gl.constexpr(1)  # + slot
-B_FREE = gl.constexpr(3)   # + slot
-B_MA = gl.constexpr(5)
-B_PB = gl.constexpr(6)
-B_PA = gl.constexpr(7)
-NUM_BARRIERS = gl.constexpr(8)
+B_READY = gl.constexpr(1)        # + slot * CHUNKS + box
+B_FREE_OWN = gl.constexpr(19)    # + slot: its warpgroup's value half and the rope box
+B_FREE_CROSS = gl.constexpr(21)  # + slot: the other value half, read by the other warpgroup
+B_MA = gl.constexpr(23)
+B_PB = gl.constexpr(24)
+B_PA = gl.constexpr(25)
+NUM_BARRIERS = gl.constexpr(26)
+BOX_BYTES = gl.constexpr(64 * 64 * 2)
 # Row-statistics slots (float32 [64] each).
 S_MA = gl.constexpr(0)
 S_ALPHA_A = gl.constexpr(1)
@@ -70,39 +74,83 @@ NUM_STATS = gl.constexpr(6)
 
 
 @gluon.jit
+def _load_boxes(kv_desc, row, kv_s, bars, slot, FIRST: gl.constexpr, COUNT: gl.constexpr):
+    for i in gl.static_range(COUNT):
+        box = slot * CHUNKS + FIRST + i
+        mbarrier.expect(bars.index(B_READY + box), BOX_BYTES)
+        tma.async_copy_global_to_shared(kv_desc, [row, (FIRST + i) * BOX],
+                                        bars.index(B_READY + box), kv_s.index(box))
+
+
+@gluon.jit
 def _loader(q_desc, kv_desc, bt_row, q_s, kv_s, bars, q_row, start, end, num_steps,
             PAGE_SIZE: gl.constexpr):
     mbarrier.expect(bars.index(B_Q), TILE_BYTES)
     for c in gl.static_range(CHUNKS):
         tma.async_copy_global_to_shared(q_desc, [q_row, c * BOX], bars.index(B_Q), q_s.index(c))
     for step in range(num_steps):
-        for t in gl.static_range(2):
-            if step > 0:
-                mbarrier.wait(bars.index(B_FREE + t), (step - 1) & 1)
-            tok0 = start + (2 * step + t) * TILE
-            # A tile past the split's end (the second of an odd count) loads page 0's rows
-            # and is masked by the compute partitions.
-            page = gl.load(bt_row + tok0 // PAGE_SIZE, mask=tok0 < end, other=0)
-            row = page * PAGE_SIZE + tok0 % PAGE_SIZE
-            mbarrier.expect(bars.index(B_READY + t), TILE_BYTES)
-            for c in gl.static_range(CHUNKS):
-                tma.async_copy_global_to_shared(kv_desc, [row, c * BOX], bars.index(B_READY + t),
-                                                kv_s.index(t * CHUNKS + c))
+        # A tile past the split's end (the second of an odd count) loads page 0's rows; its
+        # warpgroup masks its scores and zeroes its values.
+        tok_a = start + 2 * step * TILE
+        tok_b = tok_a + TILE
+        row_a = gl.load(bt_row + tok_a // PAGE_SIZE) * PAGE_SIZE + tok_a % PAGE_SIZE
+        row_b = gl.load(bt_row + tok_b // PAGE_SIZE, mask=tok_b < end, other=0) * PAGE_SIZE \
+            + tok_b % PAGE_SIZE
+        # In the order the halves are released: each tile's own half and rope box (after its
+        # warpgroup's own PV), then B's left half (after WG0's PV on B), then A's right half
+        # (after WG1's PV on A, the step's last).
+        if step > 0:
+            mbarrier.wait(bars.index(B_FREE_OWN + 0), (step - 1) & 1)
+        _load_boxes(kv_desc, row_a, kv_s, bars, 0, 0, HALF_CHUNKS)
+        _load_boxes(kv_desc, row_a, kv_s, bars, 0, 2 * HALF_CHUNKS, 1)
+        if step > 0:
+            mbarrier.wait(bars.index(B_FREE_OWN + 1), (step - 1) & 1)
+        _load_boxes(kv_desc, row_b, kv_s, bars, 1, HALF_CHUNKS, HALF_CHUNKS + 1)
+        if step > 0:
+            mbarrier.wait(bars.index(B_FREE_CROSS + 1), (step - 1) & 1)
+        _load_boxes(kv_desc, row_b, kv_s, bars, 1, 0, HALF_CHUNKS)
+        if step > 0:
+            mbarrier.wait(bars.index(B_FREE_CROSS + 0), (step - 1) & 1)
+        _load_boxes(kv_desc, row_a, kv_s, bars, 0, HALF_CHUNKS, HALF_CHUNKS)
 
 
 @gluon.jit
-def _scores(q_s, kv_s, slot, start, end, step, qk_scale_log2, PARITY: gl.constexpr,
-            layout: gl.constexpr):
-    """S of this warpgroup's tile in log2 units, tokens past ``end`` at -inf."""
-    s = warpgroup_mma_init(gl.zeros([ROWS, TILE], gl.float32, layout))
-    # A loop, not an unrolled sequence: unrolled, the 18 shared-memory descriptors were
-    # hoisted out of the step loop and spilled.
-    for c in range(CHUNKS):
-        s = warpgroup_mma(q_s.index(c), kv_s.index(slot * CHUNKS + c).permute((1, 0)), s,
+def _qk_boxes(q_s, kv_s, bars, slot, phase, s, FIRST: gl.constexpr, COUNT: gl.constexpr):
+    # A loop, not an unrolled sequence: unrolled, the shared-memory descriptors were hoisted
+    # out of the step loop and spilled.
+    for i in range(COUNT):
+        box = FIRST + i
+        mbarrier.wait(bars.index(B_READY + slot * CHUNKS + box), phase)
+        s = warpgroup_mma(q_s.index(box), kv_s.index(slot * CHUNKS + box).permute((1, 0)), s,
                           is_async=True)
+    return s
+
+
+@gluon.jit
+def _scores(q_s, kv_s, bars, phase, start, end, step, qk_scale_log2, PARITY: gl.constexpr,
+            layout: gl.constexpr):
+    """S of this warpgroup's tile (slot PARITY) in log2 units, tokens past ``end`` at -inf.
+    Boxes in arrival order: its own value half, the rope box, the other half."""
+    s = warpgroup_mma_init(gl.zeros([ROWS, TILE], gl.float32, layout))
+    s = _qk_boxes(q_s, kv_s, bars, PARITY, phase, s, PARITY * HALF_CHUNKS, HALF_CHUNKS)
+    s = _qk_boxes(q_s, kv_s, bars, PARITY, phase, s, 2 * HALF_CHUNKS, 1)
+    s = _qk_boxes(q_s, kv_s, bars, PARITY, phase, s, (1 - PARITY) * HALF_CHUNKS, HALF_CHUNKS)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
     tok = start + (2 * step + PARITY) * TILE + gl.arange(0, TILE, gl.SliceLayout(0, layout))
     return gl.where(tok[None, :] < end, s * qk_scale_log2, float("-inf"))
+
+
+@gluon.jit
+def _zero_tail(kv_s, slot, valid):
+    """Zero the value rows at and past ``valid`` of the tile in ``slot``: P is 0 there, but
+    0 x NaN is NaN, and a cache's unwritten rows may hold anything. Whole 128-byte rows, so
+    the swizzle (within a row) does not matter."""
+    rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+    keep = gl.arange(0, TILE, gl.SliceLayout(1, rows_layout))[:, None] < valid
+    for c in gl.static_range(2 * HALF_CHUNKS):
+        box = kv_s.index(slot * CHUNKS + c)
+        box.store(gl.where(keep, box.load(rows_layout), 0.0).to(gl.bfloat16))
+    fence_async_shared()  # the stores before the wgmma reads (and the loader's next TMA)
 
 
 @gluon.jit
@@ -119,8 +167,8 @@ def _pv(p, kv_s, slot, o0, o1, o2, o3, FIRST_CHUNK: gl.constexpr):
 
 @gluon.jit
 def _compute(q_s, kv_s, p_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
-             o_ptr, lse_ptr, stride_o_h, WRITE_LSE: gl.constexpr, ONE_SPLIT: gl.constexpr,
-             PARITY: gl.constexpr):
+             o_ptr, lse_ptr, stride_o_h, stride_lse_h, WRITE_LSE: gl.constexpr,
+             ONE_SPLIT: gl.constexpr, PARITY: gl.constexpr):
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, 64, 16])
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -134,8 +182,10 @@ def _compute(q_s, kv_s, p_s, stats_s, bars, start, end, num_steps, qk_scale_log2
     mbarrier.wait(bars.index(B_Q), 0)
     for step in range(num_steps):
         phase = step & 1
-        mbarrier.wait(bars.index(B_READY + PARITY), phase)
-        s = _scores(q_s, kv_s, PARITY, start, end, step, qk_scale_log2, PARITY, mma)
+        s = _scores(q_s, kv_s, bars, phase, start, end, step, qk_scale_log2, PARITY, mma)
+        valid = end - (start + (2 * step + PARITY) * TILE)  # live rows of this tile
+        if valid < TILE:
+            _zero_tail(kv_s, PARITY, valid)
         if PARITY == 0:
             m_a = gl.maximum(m_i, gl.max(s, axis=1))  # tile A always holds a live token
             alpha_a = gl.exp2(m_i - m_a)
@@ -149,6 +199,7 @@ def _compute(q_s, kv_s, p_s, stats_s, bars, start, end, num_steps, qk_scale_log2
             o0, o1, o2, o3 = o0 * alpha_a[:, None], o1 * alpha_a[:, None], \
                 o2 * alpha_a[:, None], o3 * alpha_a[:, None]
             o0, o1, o2, o3 = _pv(p_a, kv_s, 0, o0, o1, o2, o3, 0)
+            mbarrier.arrive(bars.index(B_FREE_OWN + 0))
             mbarrier.wait(bars.index(B_PB), phase)
             alpha_b = stats_s.index(S_ALPHA_B).load(rows)
             m_b = stats_s.index(S_MB).load(rows)
@@ -156,6 +207,7 @@ def _compute(q_s, kv_s, p_s, stats_s, bars, start, end, num_steps, qk_scale_log2
             o0, o1, o2, o3 = o0 * alpha_b[:, None], o1 * alpha_b[:, None], \
                 o2 * alpha_b[:, None], o3 * alpha_b[:, None]
             o0, o1, o2, o3 = _pv(p_s, kv_s, 1, o0, o1, o2, o3, 0)
+            mbarrier.arrive(bars.index(B_FREE_CROSS + 1))
             # P_B has been read (the wait above): the buffer now takes alpha_B P_A.
             alpha_b_a = gl.convert_layout(alpha_b, gl.SliceLayout(1, a_op))
             p_s.store((p_a.to(gl.float32) * alpha_b_a[:, None]).to(gl.bfloat16))
@@ -181,14 +233,13 @@ def _compute(q_s, kv_s, p_s, stats_s, bars, start, end, num_steps, qk_scale_log2
                 o2 * scale[:, None], o3 * scale[:, None]
             o0, o1, o2, o3 = _pv(gl.convert_layout(p.to(gl.bfloat16), a_op), kv_s, 1,
                                  o0, o1, o2, o3, HALF_CHUNKS)
+            mbarrier.arrive(bars.index(B_FREE_OWN + 1))
             mbarrier.wait(bars.index(B_PA), phase)
             sum_a = stats_s.index(S_SUM_A).load(rows)
             o0, o1, o2, o3 = _pv(p_s, kv_s, 0, o0, o1, o2, o3, HALF_CHUNKS)
+            mbarrier.arrive(bars.index(B_FREE_CROSS + 0))
         l_i = l_i * alpha_a * alpha_b + sum_a * alpha_b + sum_b
         m_i = m_b
-        fence_async_shared()  # this step's reads before the loader's next TMA writes
-        mbarrier.arrive(bars.index(B_FREE))
-        mbarrier.arrive(bars.index(B_FREE + 1))
     # This warpgroup's 256 columns of O / l, and (warpgroup 0) the LSE in log2 units.
     inv_l = 1.0 / l_i
     offs_h = gl.arange(0, ROWS, rows)
@@ -198,28 +249,29 @@ def _compute(q_s, kv_s, p_s, stats_s, bars, start, end, num_steps, qk_scale_log2
     gl.store(base + BOX, (o1 * inv_l[:, None]).to(o_ptr.dtype.element_ty))
     gl.store(base + 2 * BOX, (o2 * inv_l[:, None]).to(o_ptr.dtype.element_ty))
     gl.store(base + 3 * BOX, (o3 * inv_l[:, None]).to(o_ptr.dtype.element_ty))
-    if PARITY == 0 and WRITE_LSE:
+    # A split's partial LSE always (the merge weighs by it); the final one when asked.
+    if PARITY == 0 and (WRITE_LSE or not ONE_SPLIT):
         # log2 units between the stages (the merge's); natural log as the final LSE.
         lse = m_i + gl.log2(l_i)
         if ONE_SPLIT:
             lse = lse * 0.6931471805599453
-        gl.store(lse_ptr + offs_h, lse)
+        gl.store(lse_ptr + offs_h * stride_lse_h, lse)
 
 
 @gluon.jit
 def _warpgroup_even(q_s, kv_s, p_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
-                    o_ptr, lse_ptr, stride_o_h, WRITE_LSE: gl.constexpr,
+                    o_ptr, lse_ptr, stride_o_h, stride_lse_h, WRITE_LSE: gl.constexpr,
                     ONE_SPLIT: gl.constexpr):
     _compute(q_s, kv_s, p_s, stats_s, bars, start, end, num_steps, qk_scale_log2, o_ptr,
-             lse_ptr, stride_o_h, WRITE_LSE, ONE_SPLIT, 0)
+             lse_ptr, stride_o_h, stride_lse_h, WRITE_LSE, ONE_SPLIT, 0)
 
 
 @gluon.jit
 def _warpgroup_odd(q_s, kv_s, p_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
-                   o_ptr, lse_ptr, stride_o_h, WRITE_LSE: gl.constexpr,
+                   o_ptr, lse_ptr, stride_o_h, stride_lse_h, WRITE_LSE: gl.constexpr,
                    ONE_SPLIT: gl.constexpr):
     _compute(q_s, kv_s, p_s, stats_s, bars, start, end, num_steps, qk_scale_log2, o_ptr,
-             lse_ptr, stride_o_h, WRITE_LSE, ONE_SPLIT, 1)
+             lse_ptr, stride_o_h, stride_lse_h, WRITE_LSE, ONE_SPLIT, 1)
 
 
 @gluon.jit
@@ -248,25 +300,26 @@ def _seesaw_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, OUT, LSE, PART
         bars = gl.allocate_shared_memory(gl.int64, [NUM_BARRIERS, 1],
                                          mbarrier.MBarrierLayout())
         for i in gl.static_range(NUM_BARRIERS):
-            # The slots' free barriers wait for both warpgroups; the rest for one arrival.
-            mbarrier.init(bars.index(i), count=2 if i == B_FREE or i == B_FREE + 1 else 1)
+            mbarrier.init(bars.index(i), count=1)
         fence_async_shared()
         h0 = head_block * ROWS
         if ONE_SPLIT:
             o_ptr = OUT + bid * stride_o_b + h0 * stride_o_h
             stride_rows = stride_o_h
             lse_ptr = LSE + bid * stride_lse_b + h0
+            stride_lse_rows = 1
         else:
             o_ptr = PART_O + bid * stride_po_b + h0 * stride_po_h + split * stride_po_s
             stride_rows = stride_po_h
             lse_ptr = PART_LSE + bid * stride_pl_b + h0 * stride_pl_h + split
+            stride_lse_rows = stride_pl_h
         gl.warp_specialize([
             (_warpgroup_even, (q_s, kv_s, p_s, stats_s, bars, start, end, num_steps,
-                               qk_scale_log2, o_ptr, lse_ptr, stride_rows, WRITE_LSE,
-                               ONE_SPLIT)),
+                               qk_scale_log2, o_ptr, lse_ptr, stride_rows, stride_lse_rows,
+                               WRITE_LSE, ONE_SPLIT)),
             (_warpgroup_odd, (q_s, kv_s, p_s, stats_s, bars, start, end, num_steps,
-                              qk_scale_log2, o_ptr, lse_ptr, stride_rows, WRITE_LSE,
-                              ONE_SPLIT)),
+                              qk_scale_log2, o_ptr, lse_ptr, stride_rows, stride_lse_rows,
+                              WRITE_LSE, ONE_SPLIT)),
             (_loader, (q_desc, kv_desc, BLOCK_TABLE + bid * stride_bt_b, q_s, kv_s, bars,
                        bid * num_heads + h0, start, end, num_steps, PAGE_SIZE)),
         ], [4, 4], [240, 24])
