@@ -1,5 +1,6 @@
 """The Gluon seesaw stage 1 against the Triton 64-row stage 1 at 128 heads (H200, same run,
-cold L2, CUDA-graph replays, the planned split count), each checked against the other first.
+cold L2, CUDA-graph replays): the planned seesaw plan against the same plan with
+``seesaw=False``, each checked against the other first.
 
     python3 bench/seesaw_ab.py
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -16,7 +18,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.gpu_timing import time_replays  # noqa: E402
 from bench.ragged import inputs, random_cache  # noqa: E402
 from graphbucket.kernels import SplitWorkspace, default_sm_scale, mla_decode  # noqa: E402
-from graphbucket.kernels.seesaw import mla_decode_seesaw  # noqa: E402
 from graphbucket.plan import plan_mla_decode  # noqa: E402
 
 HEADS = 128
@@ -30,17 +31,18 @@ def main() -> None:
         tables, q, out, seq_lens = inputs([context] * batch, cache, HEADS)
         plan = plan_mla_decode(batch, HEADS, context)
         ws = SplitWorkspace.allocate(batch, HEADS, plan.num_kv_splits, 512, "cuda")
+        triton_plan = replace(plan, seesaw=False)
         ref = torch.empty_like(out[0])
-        mla_decode(q[0], cache, tables[0], seq_lens, ref, ws, plan=plan, sm_scale=sm_scale)
-        mla_decode_seesaw(q[0].contiguous(), cache, tables[0], seq_lens, out[0], ws, plan=plan,
-                          sm_scale=sm_scale)
+        mla_decode(q[0], cache, tables[0], seq_lens, ref, ws, plan=triton_plan,
+                   sm_scale=sm_scale)
+        mla_decode(q[0], cache, tables[0], seq_lens, out[0], ws, plan=plan, sm_scale=sm_scale)
         err = ((out[0].float() - ref.float()).norm() / ref.float().norm()).item()
         times = {}
-        for name, fn in (("triton", mla_decode), ("seesaw", mla_decode_seesaw)):
-            def call(fn=fn):
+        for name, p in (("triton", triton_plan), ("seesaw", plan)):
+            def call(p=p):
                 for r in range(tables.shape[0]):
-                    fn(q[r], cache, tables[r], seq_lens, out[r], ws, plan=plan,
-                       sm_scale=sm_scale)
+                    mla_decode(q[r], cache, tables[r], seq_lens, out[r], ws, plan=p,
+                               sm_scale=sm_scale)
             times[name] = time_replays(call, calls_per_graph=tables.shape[0])
         print(f"{batch:3d} x {context:6d}: triton {times['triton']:8.1f} us  seesaw "
               f"{times['seesaw']:8.1f} us  ({times['triton'] / times['seesaw']:.2f}x)  "

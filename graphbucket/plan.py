@@ -118,6 +118,8 @@ class StreamConfig:
     block_h: int = 0
     # Warps per stage-1 program; 0: 4 for 16 rows, 8 for more.
     num_warps: int = 0
+    # Stage 1 by the two-warpgroup seesaw kernel where its inputs allow (LaunchPlan.seesaw).
+    seesaw: bool = False
 
 
 LONG_STREAM = StreamConfig(block_n=64, num_stages=3, ctas_per_sm=2, min_tiles_per_split=1,
@@ -162,6 +164,13 @@ SHORT_SPLIT_TOKENS = 2048
 # 290 us against 882), ahead of 32-token tiles with 3 buffers by 10-16 %.
 ROWS_STREAM = StreamConfig(block_n=64, num_stages=2, ctas_per_sm=1, min_tiles_per_split=1,
                            dependent_merge=True, block_h=64)
+# The same 64-row programs with stage 1 by the Gluon seesaw kernel (kernels/seesaw.py): each
+# warpgroup owns whole rows of S for its own tile and half of O's columns, so the two meet
+# only to hand over the row max and P. Planned from 64 heads; where the inputs do not allow
+# it (launch.runs_seesaw) the Triton kernel runs the same plan. Measured at 128 heads (H200,
+# same run, bench/NOTES.md 2026-12-01 06:50): 1.45-1.53x faster than ROWS_STREAM's Triton
+# stage 1 from 4K x 64 to 128K x 8.
+SEESAW_STREAM = replace(ROWS_STREAM, seesaw=True)
 # 32 query rows per program (17-63 heads; 16 heads x 2 query tokens) on thin grids:
 # 32-token tiles with the pages looked up ahead and 4 warps, so two programs fit per SM
 # (sm_90 compile: 255 registers, 110 KB, no spills; 8 warps take 156-169 registers, one
@@ -214,6 +223,9 @@ class LaunchPlan:
     page_ahead: bool = False
     # A fused merge sums the partials in this many column blocks (StreamConfig.merge_chunks).
     merge_chunks: int = 1
+    # Split plans: stage 1 by the Gluon seesaw kernel (64 rows, two warpgroups) where the
+    # launch's inputs allow it (``kernels.launch.runs_seesaw``), else the Triton kernel.
+    seesaw: bool = False
 
     @property
     def num_head_blocks(self) -> int:
@@ -280,7 +292,7 @@ class LaunchPlan:
             stage2 = f" +merge(last split{chunks})"
         return (
             f"splits={self.num_kv_splits} grid={self.grid} block_h={self.block_h} "
-            f"block_n={self.block_n}{self._layout}{stage2}"
+            f"block_n={self.block_n}{self._layout}{' seesaw' if self.seesaw else ''}{stage2}"
         )
 
     @property
@@ -302,11 +314,11 @@ class LaunchPlan:
 
 
 def stream_config(rows: int, num_sms: int, block_h: int = 16) -> StreamConfig:
-    """64-row programs stream ROWS_STREAM; otherwise long streams while the grid is thin
+    """64-row programs stream SEESAW_STREAM; otherwise long streams while the grid is thin
     (ROWS32_STREAM for 32-row programs), shorter tiles and more residents when it is
     wide."""
     if block_h >= ROWS_STREAM.block_h:
-        return ROWS_STREAM
+        return SEESAW_STREAM
     if rows < num_sms // 4:
         return ROWS32_STREAM if block_h == ROWS32_STREAM.block_h else LONG_STREAM
     return WIDE_STREAM
@@ -372,7 +384,8 @@ def plan_mla_decode(
         stream = refined_stream(stream, hint, num_splits, fused)
     return _plan(batch_size, num_heads, block_h, stream, kv_lora_rank, qk_rope_dim,
                  num_kv_splits=num_splits, merge_block_s=merge_block_s(num_splits),
-                 dependent_merge=stream.dependent_merge and not fused, fused_merge=fused)
+                 dependent_merge=stream.dependent_merge and not fused, fused_merge=fused,
+                 seesaw=stream.seesaw and not fused)
 
 
 def refined_stream(stream: StreamConfig, hint: int, num_splits: int,

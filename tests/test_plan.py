@@ -101,6 +101,32 @@ def test_wide_query_rows_from_64_heads():
     assert narrow.block_h == 32 and narrow.num_head_blocks == 4
 
 
+def test_seesaw_planned_for_64_row_split_plans_only():
+    from graphbucket.plan import plan_balanced_mla_decode
+
+    for heads in (64, 128):
+        for batch, context in ((1, 131072), (8, 65536), (64, 4096)):
+            plan = plan_mla_decode(batch, heads, context)
+            assert plan.seesaw and "seesaw" in plan.describe(), plan.describe()
+    assert not plan_mla_decode(8, 16, 65536).seesaw
+    assert not plan_mla_decode(8, 32, 65536).seesaw
+    assert not plan_balanced_mla_decode(8, 128).seesaw
+
+
+def test_runs_seesaw_only_where_the_kernel_applies():
+    """CPU tensors, the interpreter, fp8, q_len > 1, odd heads: the Triton kernel runs the
+    plan (decided from static properties, so capture and replay agree)."""
+    import torch
+
+    from graphbucket.kernels.launch import runs_seesaw
+
+    plan = plan_mla_decode(2, 128, 4096)
+    q = torch.zeros(2, 128, 576, dtype=torch.bfloat16)
+    cache = torch.zeros(4, 64, 576, dtype=torch.bfloat16)
+    assert plan.seesaw and not runs_seesaw(plan, q, cache)  # not on a GPU
+    assert not runs_seesaw(dataclasses.replace(plan, seesaw=False), q, cache)
+
+
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "8"])
 def test_bad_arguments_raise(bad):
     with pytest.raises(ValueError, match="positive int"):

@@ -1,4 +1,5 @@
-"""The Gluon seesaw stage 1 (64 query rows, two warpgroups) against float64 (GPU only)."""
+"""The Gluon seesaw stage 1 (64 query rows, two warpgroups) against float64 (GPU only),
+through ``mla_decode`` with the plans that select it."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from graphbucket.kernels import SplitWorkspace, default_sm_scale
-from graphbucket.plan import ROWS_STREAM, plan_mla_decode
+from graphbucket.kernels import SplitWorkspace, default_sm_scale, mla_decode
+from graphbucket.kernels.launch import runs_seesaw
+from graphbucket.plan import SEESAW_STREAM, plan_mla_decode
 from graphbucket.reference import mla_decode_reference
 from tests.kernel_cases import KV_LORA_RANK, make_case, rel_l2
 
@@ -20,24 +22,25 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("heads", [64, 128])
 @pytest.mark.parametrize("splits", [1, 3, 0])  # 0: the planned count
 def test_gpu_seesaw_matches_float64(lens, heads, splits, seeded):
-    from graphbucket.kernels.seesaw import mla_decode_seesaw
-
     gen = torch.Generator().manual_seed(seeded)
     case = make_case(lens, heads, page_size=64, dtype=torch.bfloat16, device="cuda", gen=gen)
     for b, n in enumerate(lens):  # unwritten rows past each length: NaN must not leak
         if n % 64:
             case.kv_cache[case.block_table[b, n // 64], n % 64:] = float("nan")
-    stream = ROWS_STREAM if splits == 0 else replace(ROWS_STREAM, min_tiles_per_split=1)
-    plan = plan_mla_decode(len(lens), heads, max(lens), stream=stream)
     if splits:
-        plan = replace(plan, num_kv_splits=splits)
+        plan = plan_mla_decode(len(lens), heads, max(lens), stream=SEESAW_STREAM)
+        plan = plan.with_splits(splits)
+    else:
+        plan = plan_mla_decode(len(lens), heads, max(lens))
+    q = case.q.contiguous()
+    assert plan.seesaw and runs_seesaw(plan, q, case.kv_cache), plan.describe()
     sm_scale = default_sm_scale()
     ws = SplitWorkspace.allocate(len(lens), heads, plan.num_kv_splits, KV_LORA_RANK, "cuda")
     out = torch.full((len(lens), heads, KV_LORA_RANK), float("nan"), dtype=torch.bfloat16,
                      device="cuda")
     lse = torch.full((len(lens), heads), float("nan"), device="cuda")
-    mla_decode_seesaw(case.q.contiguous(), case.kv_cache, case.block_table, case.seq_lens, out,
-                      ws, plan=plan, sm_scale=sm_scale, lse=lse)
+    mla_decode(q, case.kv_cache, case.block_table, case.seq_lens, out, ws, plan=plan,
+               sm_scale=sm_scale, lse=lse)
     want, want_lse = mla_decode_reference(case.q, case.kv_cache, case.block_table,
                                           case.seq_lens, kv_lora_rank=KV_LORA_RANK,
                                           sm_scale=sm_scale)
@@ -47,3 +50,19 @@ def test_gpu_seesaw_matches_float64(lens, heads, splits, seeded):
             continue
         assert rel_l2(out[b].double(), want[b].to(out.device)) < 1e-2, (b, n, plan.describe())
         assert torch.allclose(lse[b].double(), want_lse[b].to(lse.device), atol=2e-2)
+
+
+def test_gpu_seesaw_plan_and_triton_plan_agree(seeded):
+    """The same plan with stage 1 by either kernel: outputs within bf16 rounding."""
+    gen = torch.Generator().manual_seed(seeded)
+    lens = [5000, 1, 300, 64]
+    case = make_case(lens, 128, page_size=64, dtype=torch.bfloat16, device="cuda", gen=gen)
+    plan = plan_mla_decode(len(lens), 128, max(lens))
+    ws = SplitWorkspace.allocate(len(lens), 128, plan.num_kv_splits, KV_LORA_RANK, "cuda")
+    outs = []
+    for p in (plan, replace(plan, seesaw=False)):
+        out = torch.empty(len(lens), 128, KV_LORA_RANK, dtype=torch.bfloat16, device="cuda")
+        mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, out, ws, plan=p,
+                   sm_scale=default_sm_scale())
+        outs.append(out.float())
+    assert rel_l2(outs[0], outs[1]) < 5e-3

@@ -249,9 +249,14 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
                               kv_scale)
         check_q_len(plan, q_len)
     workspace = workspace if plan.use_stage2 else None
-    launch_stage1(q, kv_cache, block_table, seq_lens, out, workspace, plan=plan,
-                  kv_scale=kv_scale, q_len=q_len,
-                  sm_scale=sm_scale, lse=lse)
+    if runs_seesaw(plan, q, kv_cache, q_len=q_len, kv_scale=kv_scale):
+        from graphbucket.kernels.seesaw import launch_seesaw_stage1
+
+        launch_seesaw_stage1(q, kv_cache, block_table, seq_lens, out, workspace, plan=plan,
+                             sm_scale=sm_scale, lse=lse)
+    else:
+        launch_stage1(q, kv_cache, block_table, seq_lens, out, workspace, plan=plan,
+                      kv_scale=kv_scale, q_len=q_len, sm_scale=sm_scale, lse=lse)
     if plan.merge_kernel:
         launch_merge(seq_lens, out, workspace, plan=plan, lse=lse,
                      block_n=kv_tile_tokens(plan, kv_cache))
@@ -276,6 +281,28 @@ def _merge_counters(workspace: SplitWorkspace | None, plan: LaunchPlan,
     if plan.merges_in_stage1:
         return workspace.merge_counters
     return fallback
+
+
+@functools.cache
+def _warpgroup_mma_capable(device: torch.device) -> bool:
+    """sm_90 (Hopper): warpgroup MMA, TMA and register reallocation, which the seesaw uses."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def runs_seesaw(plan: LaunchPlan, q: torch.Tensor, kv_cache: torch.Tensor, *, q_len: int = 1,
+                kv_scale: torch.Tensor | None = None) -> bool:
+    """Whether a ``plan.seesaw`` launch runs the Gluon seesaw stage 1: on sm_90 (compiled,
+    not interpreted), one query token per request, bf16 q and cache, a contiguous cache of
+    64-token pages 576 wide, contiguous q with heads a multiple of 64. Otherwise the
+    Triton 64-row kernel runs the same plan. Static properties only: capture and replay
+    take the same path."""
+    return (plan.seesaw and q_len == 1 and kv_scale is None
+            and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+            and _warpgroup_mma_capable(q.device)
+            and q.dtype == kv_cache.dtype == torch.bfloat16
+            and plan.kv_lora_rank + plan.qk_rope_dim == 576 == kv_cache.shape[2]
+            and kv_cache.shape[1] == 64 and plan.num_heads % 64 == 0
+            and q.is_contiguous() and kv_cache.is_contiguous())
 
 
 @functools.cache

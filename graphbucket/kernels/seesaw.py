@@ -1,5 +1,4 @@
-"""64-row MLA decode stage 1 with two warpgroups in a seesaw (Gluon, sm_90). DRAFT: compiles
-for sm_90; not yet run on a GPU.
+"""64-row MLA decode stage 1 with two warpgroups in a seesaw (Gluon, sm_90).
 
 Why: the Triton 64-row kernel splits every dot's columns across its two warpgroups, so
 each KV tile they meet at CTA barriers to exchange the row max and P (Nsight Compute: 33 %
@@ -18,15 +17,19 @@ takes two 64-token tiles, A (even) and B (odd):
     WG0: alpha_B P_A -> smem             WG1: O_R += (alpha_B P_A) V_A,R  (from smem)
 
 so the only hand-offs are m_A (WG0 -> WG1), P_B (WG1 -> WG0) and P_A (WG0 -> WG1), through
-mbarriers, and the two warpgroups' MMAs overlap each other's softmax. A one-warp loader
-partition brings Q once and the two tiles of each step by TMA (9 boxes of 64 x 64 each);
-the tiles' slots are freed when both warpgroups are done with them.
+mbarriers, and the two warpgroups' MMAs overlap each other's softmax. A 4-warp loader
+partition brings Q once and the tiles by TMA, 9 boxes of 64 x 64 each with a ready barrier
+per box (a box's QK starts when it lands). A tile's slot is released in two halves, each
+by the warpgroup that reads it last: its own value half and rope box after its warpgroup's
+own PV, the other half after the other warpgroup's PV, so the next step's loads start
+while this step still runs.
 
-Shared memory: Q 72 KB + two tiles 144 KB + P 8 KB + row statistics: 225 KB (of 227).
+Shared memory: Q 72 KB + two tiles 144 KB + P 8 KB + row statistics: 226 KB (of 227).
 Same split formula and partials as the Triton stage 1 (``_split_range``, BLOCK_N 64), so
-the Triton merge kernel combines the splits. Requirements: bf16 q and cache, page size 64,
-heads a multiple of 64, q contiguous; the cache rows past a request's length must be
-finite (they are multiplied by P = 0).
+the Triton merge kernel combines the splits. Requirements (``launch.runs_seesaw``): sm_90,
+bf16 q and cache, 64-token pages, heads a multiple of 64, q contiguous. Value rows past a
+request's length are zeroed in shared memory before the PV (unwritten cache rows may hold
+NaN).
 """
 
 from __future__ import annotations
@@ -345,23 +348,18 @@ def descriptors(q: torch.Tensor, kv_cache: torch.Tensor):
             TensorDescriptor(kv2, list(kv2.shape), list(kv2.stride()), [tile, box], layout))
 
 
-def mla_decode_seesaw(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                      seq_lens: torch.Tensor, out: torch.Tensor, workspace, *, plan,
-                      sm_scale: float, lse: torch.Tensor | None = None) -> None:
-    """``mla_decode``'s contract for bf16 q [B, H, 576] (contiguous, H a multiple of 64) and a
-    bf16 cache [pages, 64, 576], with the plan's split count (more than one: partials in
-    ``workspace``, merged by the Triton merge kernel); a 64-row plan (``ROWS_STREAM``)."""
-    from graphbucket.kernels.launch import LOG2E, _workspace_args, launch_merge
+def launch_seesaw_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                         seq_lens: torch.Tensor, out: torch.Tensor, workspace, *, plan,
+                         sm_scale: float, lse: torch.Tensor | None = None) -> None:
+    """Stage 1 alone (unchecked; ``mla_decode`` checks and calls it where
+    ``launch.runs_seesaw`` holds). One split: writes ``out`` (and ``lse``); else the
+    partials in ``workspace``, in the layout the Triton merge reads."""
+    from graphbucket.kernels.launch import LOG2E, _workspace_args
 
-    batch, heads, dim = q.shape
-    if (q.dtype, kv_cache.dtype) != (torch.bfloat16, torch.bfloat16) or dim != 576 \
-            or heads % ROWS.value or kv_cache.shape[1] != TILE.value \
-            or not q.is_contiguous() or not kv_cache.is_contiguous():
-        raise ValueError("the seesaw kernel takes bf16 q [B, H, 576] (contiguous, H a multiple "
-                         "of 64) and a contiguous bf16 cache [pages, 64, 576]")
+    batch, heads, _ = q.shape
     q_desc, kv_desc = descriptors(q, kv_cache)
     splits = plan.num_kv_splits
-    one = splits == 1
+    one = not plan.use_stage2
     part_o, part_lse, po_strides, pl_strides = _workspace_args(None if one else workspace, out)
     _seesaw_stage1_kernel[(batch, heads // ROWS.value, splits)](
         q_desc, kv_desc, block_table, seq_lens, out, out if lse is None else lse, part_o,
@@ -369,5 +367,3 @@ def mla_decode_seesaw(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
         block_table.stride(0), out.stride(0), out.stride(1),
         0 if lse is None else lse.stride(0), *po_strides, *pl_strides,
         PAGE_SIZE=TILE.value, ONE_SPLIT=one, WRITE_LSE=lse is not None, num_warps=4)
-    if not one:
-        launch_merge(seq_lens, out, workspace, plan=plan, lse=lse, block_n=TILE.value)
