@@ -250,8 +250,6 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         check_q_len(plan, q_len)
     workspace = workspace if plan.use_stage2 else None
     if runs_seesaw(plan, q, kv_cache, q_len=q_len, kv_scale=kv_scale):
-        from graphbucket.kernels.seesaw import launch_seesaw_stage1
-
         launch_seesaw_stage1(q, kv_cache, block_table, seq_lens, out, workspace, plan=plan,
                              sm_scale=sm_scale, lse=lse)
     else:
@@ -446,6 +444,27 @@ def launch_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
         SCALED=kv_scale is not None, MULTI_TOKEN=q_len > 1,
         **cache_stream_args(plan, kv_cache), num_stages=plan.num_stages,
     )
+
+
+def launch_seesaw_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                         seq_lens: torch.Tensor, out: torch.Tensor,
+                         workspace: SplitWorkspace | None, *, plan: LaunchPlan, sm_scale: float,
+                         lse: torch.Tensor | None) -> None:
+    """Stage 1 by the Gluon seesaw kernel (unchecked; where ``runs_seesaw`` holds). One
+    split: writes ``out`` (and ``lse``); else the partials the merge kernel reads."""
+    # Imported here: Gluon's sm_90 modules load only where the seesaw runs.
+    from graphbucket.kernels.seesaw import ROWS, TILE, _seesaw_stage1_kernel, descriptors
+
+    batch, heads, _ = q.shape
+    q_desc, kv_desc = descriptors(q, kv_cache)
+    part_o, part_lse, po_strides, pl_strides = _workspace_args(workspace, out)
+    _seesaw_stage1_kernel[(batch, heads // ROWS.value, plan.num_kv_splits)](
+        q_desc, kv_desc, block_table, seq_lens, out, out if lse is None else lse, part_o,
+        part_lse, plan.num_kv_splits, heads, sm_scale * LOG2E,
+        block_table.stride(0), out.stride(0), out.stride(1),
+        0 if lse is None else lse.stride(0), *po_strides, *pl_strides,
+        PAGE_SIZE=TILE.value, ONE_SPLIT=not plan.use_stage2, WRITE_LSE=lse is not None,
+        num_warps=4)
 
 
 def launch_merge(seq_lens: torch.Tensor, out: torch.Tensor, workspace: SplitWorkspace, *,

@@ -346,24 +346,3 @@ def descriptors(q: torch.Tensor, kv_cache: torch.Tensor):
     kv2 = kv_cache.reshape(-1, kv_cache.shape[-1])
     return (TensorDescriptor(q2, list(q2.shape), list(q2.stride()), [rows, box], layout),
             TensorDescriptor(kv2, list(kv2.shape), list(kv2.stride()), [tile, box], layout))
-
-
-def launch_seesaw_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                         seq_lens: torch.Tensor, out: torch.Tensor, workspace, *, plan,
-                         sm_scale: float, lse: torch.Tensor | None = None) -> None:
-    """Stage 1 alone (unchecked; ``mla_decode`` checks and calls it where
-    ``launch.runs_seesaw`` holds). One split: writes ``out`` (and ``lse``); else the
-    partials in ``workspace``, in the layout the Triton merge reads."""
-    from graphbucket.kernels.launch import LOG2E, _workspace_args
-
-    batch, heads, _ = q.shape
-    q_desc, kv_desc = descriptors(q, kv_cache)
-    splits = plan.num_kv_splits
-    one = not plan.use_stage2
-    part_o, part_lse, po_strides, pl_strides = _workspace_args(None if one else workspace, out)
-    _seesaw_stage1_kernel[(batch, heads // ROWS.value, splits)](
-        q_desc, kv_desc, block_table, seq_lens, out, out if lse is None else lse, part_o,
-        part_lse, splits, heads, sm_scale * LOG2E,
-        block_table.stride(0), out.stride(0), out.stride(1),
-        0 if lse is None else lse.stride(0), *po_strides, *pl_strides,
-        PAGE_SIZE=TILE.value, ONE_SPLIT=one, WRITE_LSE=lse is not None, num_warps=4)
