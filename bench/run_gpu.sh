@@ -3,7 +3,8 @@
 # TPOT per policy, and the demo's GPU path.
 # Usage (on a CUDA machine, from the repo root): OUT=/some/dir bash bench/run_gpu.sh [steps]
 # steps: any of tests gputests sweep fisweep capture tune tunefp8 tpot tpotfp8 tpotmtp
-#        ragged demo tp fp8 mtp sparse sparseab tpotsparse l2
+#        ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp
+#        (tpotdp: TPOT of the 128-head deepseek-v3-dp preset, the compute-bound decode)
 #        (tunefp8: 16-head ladders over fp8-tensor and fp8-v32 caches, copied into
 #        graphbucket/ladders/ like tune's; tpotfp8: TPOT of bf16, fp8-tensor and fp8-v32
 #        caches in one table, fixed-1 and the ladder, after tunefp8)
@@ -81,6 +82,10 @@ for step in $steps; do
                --kv-cache bf16 fp8-tensor fp8-v32 --policies fixed-1 ladder \
                > "$R/tpot-fp8.log" 2>&1; tail -5 "$R/tpot-fp8.log"
              python3 scripts/tpot_report.py --json "$R/h200-tpot-fp8.json" --force ;;
+    tpotdp) timeout 480 python3 bench/tpot.py --preset deepseek-v3-dp --layers "${TPOT_LAYERS:-4}" \
+              --contexts 1 1024 16384 65536 102400 131072 --batches 1 8 --out "$R" \
+              > "$R/tpot-dp.log" 2>&1; tail -5 "$R/tpot-dp.log"
+            python3 scripts/tpot_report.py --json "$R/h200-tpot-deepseek-v3-dp.json" --force ;;
     tpot) timeout 240 python3 bench/tpot.py --layers "${TPOT_LAYERS:-4}" --out "$R" \
             > "$R/tpot.log" 2>&1; tail -5 "$R/tpot.log"
           python3 scripts/tpot_report.py --json "$R/h200-tpot.json" --force ;;
