@@ -168,7 +168,7 @@ ROWS_STREAM = StreamConfig(block_n=64, num_stages=2, ctas_per_sm=1, min_tiles_pe
 # warpgroup owns whole rows of S for its own tile and half of O's columns, so the two meet
 # only to hand over the row max and P. Planned from 64 heads; where the inputs do not allow
 # it (launch.runs_seesaw) the Triton kernel runs the same plan. Measured at 128 heads (H200,
-# same run, bench/NOTES.md 2026-12-01 06:50): 1.45-1.53x faster than ROWS_STREAM's Triton
+# same run, bench/NOTES.md 2026-12-01 06:35): 1.45-1.53x faster than ROWS_STREAM's Triton
 # stage 1 from 4K x 64 to 128K x 8.
 SEESAW_STREAM = replace(ROWS_STREAM, seesaw=True)
 # 32 query rows per program (17-63 heads; 16 heads x 2 query tokens) on thin grids:
