@@ -59,14 +59,16 @@ TILE_BYTES = gl.constexpr(9 * 64 * 64 * 2)
 # that reads it last, so the loader refills part of it while the step is still running.
 B_Q = gl.constexpr(0)
 B_READY = gl.constexpr(1)        # + slot * CHUNKS + box
-B_FREE_OWN = gl.constexpr(19)    # + slot: its warpgroup's value half and the rope box
-B_FREE_CROSS = gl.constexpr(21)  # + slot: the other value half, read by the other warpgroup
+B_FREE_OWN = gl.constexpr(19)    # + slot: its warpgroup's value half
+B_FREE_CROSS = gl.constexpr(21)  # + slot: the other half and the rope box (then P), read
+                                 # last by the other warpgroup
 B_MA = gl.constexpr(23)
 B_PB = gl.constexpr(24)
 B_PA = gl.constexpr(25)
 NUM_BARRIERS = gl.constexpr(26)
 BOX_BYTES = gl.constexpr(64 * 64 * 2)
-# Row-statistics slots (float32 [64] each).
+# Row-statistics slots (float32 [64] each), two sets: step s uses set s % 2, so a
+# warpgroup one step ahead never overwrites what the other has still to read.
 S_MA = gl.constexpr(0)
 S_ALPHA_A = gl.constexpr(1)
 S_ALPHA_B = gl.constexpr(2)
@@ -99,22 +101,21 @@ def _loader(q_desc, kv_desc, bt_row, q_s, kv_s, bars, q_row, start, end, num_ste
         row_a = gl.load(bt_row + tok_a // PAGE_SIZE) * PAGE_SIZE + tok_a % PAGE_SIZE
         row_b = gl.load(bt_row + tok_b // PAGE_SIZE, mask=tok_b < end, other=0) * PAGE_SIZE \
             + tok_b % PAGE_SIZE
-        # In the order the halves are released: each tile's own half and rope box (after its
-        # warpgroup's own PV), then B's left half (after WG0's PV on B), then A's right half
-        # (after WG1's PV on A, the step's last).
+        # In the order the parts are released: tile A after both warpgroups' first PV, then
+        # B's left half and rope box (WG0's second PV), then B's right half (WG1's).
         if step > 0:
             mbarrier.wait(bars.index(B_FREE_OWN + 0), (step - 1) & 1)
         _load_boxes(kv_desc, row_a, kv_s, bars, 0, 0, HALF_CHUNKS)
-        _load_boxes(kv_desc, row_a, kv_s, bars, 0, 2 * HALF_CHUNKS, 1)
         if step > 0:
-            mbarrier.wait(bars.index(B_FREE_OWN + 1), (step - 1) & 1)
-        _load_boxes(kv_desc, row_b, kv_s, bars, 1, HALF_CHUNKS, HALF_CHUNKS + 1)
+            mbarrier.wait(bars.index(B_FREE_CROSS + 0), (step - 1) & 1)
+        _load_boxes(kv_desc, row_a, kv_s, bars, 0, HALF_CHUNKS, HALF_CHUNKS + 1)
         if step > 0:
             mbarrier.wait(bars.index(B_FREE_CROSS + 1), (step - 1) & 1)
         _load_boxes(kv_desc, row_b, kv_s, bars, 1, 0, HALF_CHUNKS)
+        _load_boxes(kv_desc, row_b, kv_s, bars, 1, 2 * HALF_CHUNKS, 1)
         if step > 0:
-            mbarrier.wait(bars.index(B_FREE_CROSS + 0), (step - 1) & 1)
-        _load_boxes(kv_desc, row_a, kv_s, bars, 0, HALF_CHUNKS, HALF_CHUNKS)
+            mbarrier.wait(bars.index(B_FREE_OWN + 1), (step - 1) & 1)
+        _load_boxes(kv_desc, row_b, kv_s, bars, 1, HALF_CHUNKS, HALF_CHUNKS)
 
 
 @gluon.jit
@@ -133,11 +134,11 @@ def _qk_boxes(q_s, kv_s, bars, slot, phase, s, FIRST: gl.constexpr, COUNT: gl.co
 def _scores(q_s, kv_s, bars, phase, start, end, step, qk_scale_log2, PARITY: gl.constexpr,
             layout: gl.constexpr):
     """S of this warpgroup's tile (slot PARITY) in log2 units, tokens past ``end`` at -inf.
-    Boxes in arrival order: its own value half, the rope box, the other half."""
+    Boxes in arrival order: its own value half, the other half, the rope box."""
     s = warpgroup_mma_init(gl.zeros([ROWS, TILE], gl.float32, layout))
     s = _qk_boxes(q_s, kv_s, bars, PARITY, phase, s, PARITY * HALF_CHUNKS, HALF_CHUNKS)
-    s = _qk_boxes(q_s, kv_s, bars, PARITY, phase, s, 2 * HALF_CHUNKS, 1)
     s = _qk_boxes(q_s, kv_s, bars, PARITY, phase, s, (1 - PARITY) * HALF_CHUNKS, HALF_CHUNKS)
+    s = _qk_boxes(q_s, kv_s, bars, PARITY, phase, s, 2 * HALF_CHUNKS, 1)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
     tok = start + (2 * step + PARITY) * TILE + gl.arange(0, TILE, gl.SliceLayout(0, layout))
     return gl.where(tok[None, :] < end, s * qk_scale_log2, float("-inf"))
@@ -169,7 +170,7 @@ def _pv(p, kv_s, slot, o0, o1, o2, o3, FIRST_CHUNK: gl.constexpr):
 
 
 @gluon.jit
-def _compute(q_s, kv_s, p_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
+def _compute(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
              o_ptr, lse_ptr, stride_o_h, stride_lse_h, WRITE_LSE: gl.constexpr,
              ONE_SPLIT: gl.constexpr, PARITY: gl.constexpr):
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -189,58 +190,62 @@ def _compute(q_s, kv_s, p_s, stats_s, bars, start, end, num_steps, qk_scale_log2
         valid = end - (start + (2 * step + PARITY) * TILE)  # live rows of this tile
         if valid < TILE:
             _zero_tail(kv_s, PARITY, valid)
+        st = phase * NUM_STATS  # this step's set of row statistics
+        # Each tile's P goes to its rope box, free once its QK is done.
+        p_box = kv_s.index(PARITY * CHUNKS + 2 * HALF_CHUNKS)
         if PARITY == 0:
             m_a = gl.maximum(m_i, gl.max(s, axis=1))  # tile A always holds a live token
             alpha_a = gl.exp2(m_i - m_a)
-            stats_s.index(S_MA).store(m_a)
-            stats_s.index(S_ALPHA_A).store(alpha_a)
+            stats_s.index(st + S_MA).store(m_a)
+            stats_s.index(st + S_ALPHA_A).store(alpha_a)
             mbarrier.arrive(bars.index(B_MA))
-            p = gl.exp2(s - m_a[:, None])
-            sum_a = gl.sum(p, axis=1)
-            # Only the bf16 A operand stays live (the float32 P would spill).
-            p_a = gl.convert_layout(p.to(gl.bfloat16), a_op)
-            o0, o1, o2, o3 = o0 * alpha_a[:, None], o1 * alpha_a[:, None], \
-                o2 * alpha_a[:, None], o3 * alpha_a[:, None]
-            o0, o1, o2, o3 = _pv(p_a, kv_s, 0, o0, o1, o2, o3, 0)
-            mbarrier.arrive(bars.index(B_FREE_OWN + 0))
-            mbarrier.wait(bars.index(B_PB), phase)
-            alpha_b = stats_s.index(S_ALPHA_B).load(rows)
-            m_b = stats_s.index(S_MB).load(rows)
-            sum_b = stats_s.index(S_SUM_B).load(rows)
-            o0, o1, o2, o3 = o0 * alpha_b[:, None], o1 * alpha_b[:, None], \
-                o2 * alpha_b[:, None], o3 * alpha_b[:, None]
-            o0, o1, o2, o3 = _pv(p_s, kv_s, 1, o0, o1, o2, o3, 0)
-            mbarrier.arrive(bars.index(B_FREE_CROSS + 1))
-            # P_B has been read (the wait above): the buffer now takes alpha_B P_A.
-            alpha_b_a = gl.convert_layout(alpha_b, gl.SliceLayout(1, a_op))
-            p_s.store((p_a.to(gl.float32) * alpha_b_a[:, None]).to(gl.bfloat16))
-            stats_s.index(S_SUM_A).store(sum_a)
+            p = gl.exp2(s - m_a[:, None]).to(gl.bfloat16)
+            sum_a = gl.sum(p.to(gl.float32), axis=1)
+            # P_A unscaled to WG1 at once (it rescales by alpha_B itself), so tile A is
+            # released after both warpgroups' first PV.
+            p_box.store(p)
+            stats_s.index(st + S_SUM_A).store(sum_a)
             fence_async_shared()
             mbarrier.arrive(bars.index(B_PA))
+            o0, o1, o2, o3 = o0 * alpha_a[:, None], o1 * alpha_a[:, None], \
+                o2 * alpha_a[:, None], o3 * alpha_a[:, None]
+            o0, o1, o2, o3 = _pv(gl.convert_layout(p, a_op), kv_s, 0, o0, o1, o2, o3, 0)
+            mbarrier.arrive(bars.index(B_FREE_OWN + 0))
+            mbarrier.wait(bars.index(B_PB), phase)
+            alpha_b = stats_s.index(st + S_ALPHA_B).load(rows)
+            m_b = stats_s.index(st + S_MB).load(rows)
+            sum_b = stats_s.index(st + S_SUM_B).load(rows)
+            o0, o1, o2, o3 = o0 * alpha_b[:, None], o1 * alpha_b[:, None], \
+                o2 * alpha_b[:, None], o3 * alpha_b[:, None]
+            o0, o1, o2, o3 = _pv(kv_s.index(CHUNKS + 2 * HALF_CHUNKS), kv_s, 1,
+                                 o0, o1, o2, o3, 0)
+            mbarrier.arrive(bars.index(B_FREE_CROSS + 1))
         else:
             mbarrier.wait(bars.index(B_MA), phase)
-            m_a = stats_s.index(S_MA).load(rows)
-            alpha_a = stats_s.index(S_ALPHA_A).load(rows)
+            m_a = stats_s.index(st + S_MA).load(rows)
+            alpha_a = stats_s.index(st + S_ALPHA_A).load(rows)
             m_b = gl.maximum(m_a, gl.max(s, axis=1))  # tile B may be past the end: m_a
             alpha_b = gl.exp2(m_a - m_b)
-            p = gl.exp2(s - m_b[:, None])
-            sum_b = gl.sum(p, axis=1)
-            p_s.store(p.to(gl.bfloat16))
-            stats_s.index(S_ALPHA_B).store(alpha_b)
-            stats_s.index(S_MB).store(m_b)
-            stats_s.index(S_SUM_B).store(sum_b)
+            p = gl.exp2(s - m_b[:, None]).to(gl.bfloat16)
+            sum_b = gl.sum(p.to(gl.float32), axis=1)
+            p_box.store(p)
+            stats_s.index(st + S_ALPHA_B).store(alpha_b)
+            stats_s.index(st + S_MB).store(m_b)
+            stats_s.index(st + S_SUM_B).store(sum_b)
             fence_async_shared()
             mbarrier.arrive(bars.index(B_PB))
-            scale = alpha_a * alpha_b
-            o0, o1, o2, o3 = o0 * scale[:, None], o1 * scale[:, None], \
-                o2 * scale[:, None], o3 * scale[:, None]
-            o0, o1, o2, o3 = _pv(gl.convert_layout(p.to(gl.bfloat16), a_op), kv_s, 1,
-                                 o0, o1, o2, o3, HALF_CHUNKS)
-            mbarrier.arrive(bars.index(B_FREE_OWN + 1))
             mbarrier.wait(bars.index(B_PA), phase)
-            sum_a = stats_s.index(S_SUM_A).load(rows)
-            o0, o1, o2, o3 = _pv(p_s, kv_s, 0, o0, o1, o2, o3, HALF_CHUNKS)
+            sum_a = stats_s.index(st + S_SUM_A).load(rows)
+            o0, o1, o2, o3 = o0 * alpha_a[:, None], o1 * alpha_a[:, None], \
+                o2 * alpha_a[:, None], o3 * alpha_a[:, None]
+            o0, o1, o2, o3 = _pv(kv_s.index(2 * HALF_CHUNKS), kv_s, 0, o0, o1, o2, o3,
+                                 HALF_CHUNKS)
             mbarrier.arrive(bars.index(B_FREE_CROSS + 0))
+            o0, o1, o2, o3 = o0 * alpha_b[:, None], o1 * alpha_b[:, None], \
+                o2 * alpha_b[:, None], o3 * alpha_b[:, None]
+            o0, o1, o2, o3 = _pv(gl.convert_layout(p, a_op), kv_s, 1, o0, o1, o2, o3,
+                                 HALF_CHUNKS)
+            mbarrier.arrive(bars.index(B_FREE_OWN + 1))
         l_i = l_i * alpha_a * alpha_b + sum_a * alpha_b + sum_b
         m_i = m_b
     # This warpgroup's 256 columns of O / l, and (warpgroup 0) the LSE in log2 units.
@@ -262,18 +267,18 @@ def _compute(q_s, kv_s, p_s, stats_s, bars, start, end, num_steps, qk_scale_log2
 
 
 @gluon.jit
-def _warpgroup_even(q_s, kv_s, p_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
+def _warpgroup_even(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
                     o_ptr, lse_ptr, stride_o_h, stride_lse_h, WRITE_LSE: gl.constexpr,
                     ONE_SPLIT: gl.constexpr):
-    _compute(q_s, kv_s, p_s, stats_s, bars, start, end, num_steps, qk_scale_log2, o_ptr,
+    _compute(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_log2, o_ptr,
              lse_ptr, stride_o_h, stride_lse_h, WRITE_LSE, ONE_SPLIT, 0)
 
 
 @gluon.jit
-def _warpgroup_odd(q_s, kv_s, p_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
+def _warpgroup_odd(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
                    o_ptr, lse_ptr, stride_o_h, stride_lse_h, WRITE_LSE: gl.constexpr,
                    ONE_SPLIT: gl.constexpr):
-    _compute(q_s, kv_s, p_s, stats_s, bars, start, end, num_steps, qk_scale_log2, o_ptr,
+    _compute(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_log2, o_ptr,
              lse_ptr, stride_o_h, stride_lse_h, WRITE_LSE, ONE_SPLIT, 1)
 
 
@@ -296,9 +301,8 @@ def _seesaw_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, OUT, LSE, PART
         num_steps = gl.cdiv(gl.cdiv(end - start, TILE), 2)
         q_s = gl.allocate_shared_memory(gl.bfloat16, [CHUNKS, ROWS, BOX], q_desc.layout)
         kv_s = gl.allocate_shared_memory(gl.bfloat16, [2 * CHUNKS, TILE, BOX], kv_desc.layout)
-        p_s = gl.allocate_shared_memory(gl.bfloat16, [ROWS, TILE], kv_desc.layout)
         stats_s = gl.allocate_shared_memory(
-            gl.float32, [NUM_STATS, ROWS],
+            gl.float32, [2 * NUM_STATS, ROWS],
             gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
         bars = gl.allocate_shared_memory(gl.int64, [NUM_BARRIERS, 1],
                                          mbarrier.MBarrierLayout())
@@ -317,10 +321,10 @@ def _seesaw_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, OUT, LSE, PART
             lse_ptr = PART_LSE + bid * stride_pl_b + h0 * stride_pl_h + split
             stride_lse_rows = stride_pl_h
         gl.warp_specialize([
-            (_warpgroup_even, (q_s, kv_s, p_s, stats_s, bars, start, end, num_steps,
+            (_warpgroup_even, (q_s, kv_s, stats_s, bars, start, end, num_steps,
                                qk_scale_log2, o_ptr, lse_ptr, stride_rows, stride_lse_rows,
                                WRITE_LSE, ONE_SPLIT)),
-            (_warpgroup_odd, (q_s, kv_s, p_s, stats_s, bars, start, end, num_steps,
+            (_warpgroup_odd, (q_s, kv_s, stats_s, bars, start, end, num_steps,
                               qk_scale_log2, o_ptr, lse_ptr, stride_rows, stride_lse_rows,
                               WRITE_LSE, ONE_SPLIT)),
             (_loader, (q_desc, kv_desc, BLOCK_TABLE + bid * stride_bt_b, q_s, kv_s, bars,
