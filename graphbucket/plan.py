@@ -170,7 +170,9 @@ ROWS_STREAM = StreamConfig(block_n=64, num_stages=2, ctas_per_sm=1, min_tiles_pe
 # it (launch.runs_seesaw) the Triton kernel runs the same plan. Measured at 128 heads (H200,
 # same run, bench/NOTES.md 2026-12-01 06:35): 1.45-1.53x faster than ROWS_STREAM's Triton
 # stage 1 from 4K x 64 to 128K x 8.
-SEESAW_STREAM = replace(ROWS_STREAM, seesaw=True)
+# Splits of at least one step (two tiles): at 4K x 1, 32 splits took 17.1 us against 23.4
+# with 64 one-tile splits (same run, NOTES 2026-12-01 07:05).
+SEESAW_STREAM = replace(ROWS_STREAM, seesaw=True, min_tiles_per_split=2)
 # 32 query rows per program (17-63 heads; 16 heads x 2 query tokens) on thin grids:
 # 32-token tiles with the pages looked up ahead and 4 warps, so two programs fit per SM
 # (sm_90 compile: 255 registers, 110 KB, no spills; 8 warps take 156-169 registers, one
@@ -186,7 +188,8 @@ WIDE_FUSED = replace(LONG_BUFFERED, min_tiles_per_split=4, fused_merge_max_tiles
 class LaunchPlan:
     """Every host decision of one MLA decode launch; hashable, used as the graph key.
 
-    ``grid`` is stage 1's grid (batch, head blocks, splits). The workspace holds
+    ``grid`` is stage 1's grid (batch, head blocks, splits); the seesaw kernel launches the
+    same programs as (head blocks, batch, splits). The workspace holds
     ``workspace_shape`` = (batch, heads, splits, kv_lora_rank) float32 partial outputs
     plus (batch, heads, splits) float32 LSEs; it is empty when ``use_stage2`` is False.
 

@@ -111,6 +111,9 @@ def test_seesaw_planned_for_64_row_split_plans_only():
     assert not plan_mla_decode(8, 16, 65536).seesaw
     assert not plan_mla_decode(8, 32, 65536).seesaw
     assert not plan_balanced_mla_decode(8, 128).seesaw
+    # Splits hold at least one seesaw step (two tiles): 4K x 1 is 64 tiles, 32 splits.
+    assert plan_mla_decode(1, 128, 4096).num_kv_splits == 32
+    assert plan_mla_decode(1, 128, 131072).num_kv_splits == 64
 
 
 def test_runs_seesaw_only_where_the_kernel_applies():

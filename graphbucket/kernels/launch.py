@@ -458,7 +458,7 @@ def launch_seesaw_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     batch, heads, _ = q.shape
     q_desc, kv_desc = descriptors(q, kv_cache)
     part_o, part_lse, po_strides, pl_strides = _workspace_args(workspace, out)
-    _seesaw_stage1_kernel[(batch, heads // ROWS.value, plan.num_kv_splits)](
+    _seesaw_stage1_kernel[(heads // ROWS.value, batch, plan.num_kv_splits)](
         q_desc, kv_desc, block_table, seq_lens, out, out if lse is None else lse, part_o,
         part_lse, plan.num_kv_splits, heads, sm_scale * LOG2E,
         block_table.stride(0), out.stride(0), out.stride(1),

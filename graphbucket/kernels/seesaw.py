@@ -289,8 +289,10 @@ def _seesaw_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, OUT, LSE, PART
                           stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h,
                           PAGE_SIZE: gl.constexpr, ONE_SPLIT: gl.constexpr,
                           WRITE_LSE: gl.constexpr):
-    bid = gl.program_id(0)
-    head_block = gl.program_id(1)
+    # Grid (head blocks, batch, splits): the programs of one request's head blocks launch
+    # together and read the same pages about together, the second from L2.
+    head_block = gl.program_id(0)
+    bid = gl.program_id(1)
     split = gl.program_id(2)
     seq_len = gl.load(SEQ_LENS + bid)
     tiles = gl.cdiv(seq_len, TILE)
