@@ -171,7 +171,7 @@ ROWS_STREAM = StreamConfig(block_n=64, num_stages=2, ctas_per_sm=1, min_tiles_pe
 # same run, bench/NOTES.md 2026-12-01 06:35): 1.45-1.53x faster than ROWS_STREAM's Triton
 # stage 1 from 4K x 64 to 128K x 8.
 # Splits of at least one step (two tiles): at 4K x 1, 32 splits took 17.1 us against 23.4
-# with 64 one-tile splits (same run, NOTES 2026-12-01 07:05).
+# with 64 one-tile splits (same run, NOTES 2026-12-01 06:45).
 SEESAW_STREAM = replace(ROWS_STREAM, seesaw=True, min_tiles_per_split=2)
 # 32 query rows per program (17-63 heads; 16 heads x 2 query tokens) on thin grids:
 # 32-token tiles with the pages looked up ahead and 4 warps, so two programs fit per SM
