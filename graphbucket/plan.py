@@ -168,8 +168,8 @@ ROWS_STREAM = StreamConfig(block_n=64, num_stages=2, ctas_per_sm=1, min_tiles_pe
 # warpgroup owns whole rows of S for its own tile and half of O's columns, so the two meet
 # only to hand over the row max and P. Planned from 64 heads; where the inputs do not allow
 # it (launch.runs_seesaw) the Triton kernel runs the same plan. Measured at 128 heads (H200,
-# same run, bench/NOTES.md 2026-12-01 06:35): 1.45-1.53x faster than ROWS_STREAM's Triton
-# stage 1 from 4K x 64 to 128K x 8.
+# bench/NOTES.md 2026-12-01 06:35 and 06:45): 1.7-1.85x faster than ROWS_STREAM's Triton
+# stage 1 from 128K x 1 to 4K x 64.
 # Splits of at least one step (two tiles): at 4K x 1, 32 splits took 17.1 us against 23.4
 # with 64 one-tile splits (same run, NOTES 2026-12-01 06:45).
 SEESAW_STREAM = replace(ROWS_STREAM, seesaw=True, min_tiles_per_split=2)
