@@ -9,27 +9,29 @@ takes two 64-token tiles, A (even) and B (odd):
 
     WG0: S_A = Q K_A^T                   WG1: S_B = Q K_B^T              (concurrently)
     WG0: m_A = max(m, rowmax S_A) -> smem, alpha_A = 2^(m - m_A)
-                                         WG1: m_B = max(m_A, rowmax S_B),
+    WG0: P_A = 2^(S_A - m_A) -> smem     WG1: m_B = max(m_A, rowmax S_B),
                                               P_B = 2^(S_B - m_B) -> smem,
                                               alpha_B = 2^(m_A - m_B)
-    WG0: O_L = O_L alpha_A + P_A V_A,L   WG1: O_R = O_R alpha_A alpha_B + P_B V_B,R
-    WG0: O_L = O_L alpha_B + P_B V_B,L   (P_B from smem)
-    WG0: alpha_B P_A -> smem             WG1: O_R += (alpha_B P_A) V_A,R  (from smem)
+    WG0: O_L = O_L alpha_A + P_A V_A,L   WG1: O_R = O_R alpha_A + P_A V_A,R  (P_A from smem)
+    WG0: O_L = O_L alpha_B + P_B V_B,L   WG1: O_R = O_R alpha_B + P_B V_B,R
+         (P_B from smem)
 
-so the only hand-offs are m_A (WG0 -> WG1), P_B (WG1 -> WG0) and P_A (WG0 -> WG1), through
-mbarriers, and the two warpgroups' MMAs overlap each other's softmax. A 4-warp loader
+so the only hand-offs are m_A, P_A (WG0 -> WG1) and P_B (WG1 -> WG0), through mbarriers;
+each tile's P goes into that tile's rope box, whose QK is done by then. A 4-warp loader
 partition brings Q once and the tiles by TMA, 9 boxes of 64 x 64 each with a ready barrier
-per box (a box's QK starts when it lands). A tile's slot is released in two halves, each
-by the warpgroup that reads it last: its own value half and rope box after its warpgroup's
-own PV, the other half after the other warpgroup's PV, so the next step's loads start
-while this step still runs.
+per box (a box's QK starts when it lands). A slot is released in two parts, each by the
+warpgroup that reads it last: its own warpgroup's value half, then the other half with
+the rope box (P). Tile A is free after both warpgroups' first PV, so its next load runs
+while the step's second PVs do. The row statistics are double-buffered by step parity
+(WG0 may run a step ahead).
 
-Shared memory: Q 72 KB + two tiles 144 KB + P 8 KB + row statistics: 226 KB (of 227).
-Same split formula and partials as the Triton stage 1 (``_split_range``, BLOCK_N 64), so
-the Triton merge kernel combines the splits. Requirements (``launch.runs_seesaw``): sm_90,
-bf16 q and cache, 64-token pages, heads a multiple of 64, q contiguous. Value rows past a
-request's length are zeroed in shared memory before the PV (unwritten cache rows may hold
-NaN).
+Shared memory: Q 72 KB + two tiles 144 KB + row statistics 3 KB: 219 KB (of 227).
+The grid is (head blocks, batch, splits): a request's head blocks read its pages side by
+side, the second from L2. Same split formula and partials as the Triton stage 1
+(``_split_range``, BLOCK_N 64), so the Triton merge kernel combines the splits.
+Requirements (``launch.runs_seesaw``): sm_90, bf16 q and cache, 64-token pages, heads a
+multiple of 64, q contiguous. Value rows past a request's length are zeroed in shared
+memory before the PV (unwritten cache rows may hold NaN).
 """
 
 from __future__ import annotations
@@ -266,6 +268,8 @@ def _compute(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
         gl.store(lse_ptr + offs_h * stride_lse_h, lse)
 
 
+# One entry per partition (PARITY fixed). Passing PARITY straight to _compute in
+# warp_specialize compiles too, to differently scheduled code (not measured).
 @gluon.jit
 def _warpgroup_even(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
                     o_ptr, lse_ptr, stride_o_h, stride_lse_h, WRITE_LSE: gl.constexpr,
