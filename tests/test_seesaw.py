@@ -1,8 +1,12 @@
-"""The Gluon seesaw stage 1 (64 query rows, two warpgroups) against float64 (GPU only),
-through ``mla_decode`` with the plans that select it."""
+"""The Gluon seesaw stage 1 (64 query rows, two warpgroups): against float64 through
+``mla_decode`` with the plans that select it (GPU), and its sm_90 compile (any machine)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -14,9 +18,8 @@ from graphbucket.plan import SEESAW_STREAM, plan_mla_decode
 from graphbucket.reference import mla_decode_reference
 from tests.kernel_cases import KV_LORA_RANK, make_case, rel_l2
 
-pytestmark = pytest.mark.gpu
 
-
+@pytest.mark.gpu
 @pytest.mark.parametrize("lens", [[1], [63, 64, 65], [127, 128, 129, 0], [4113], [70000, 17],
                                   [2048] * 8])
 @pytest.mark.parametrize("heads", [64, 128])
@@ -52,6 +55,7 @@ def test_gpu_seesaw_matches_float64(lens, heads, splits, seeded):
         assert torch.allclose(lse[b].double(), want_lse[b].to(lse.device), atol=2e-2)
 
 
+@pytest.mark.gpu
 def test_gpu_seesaw_plan_and_triton_plan_agree(seeded):
     """The same plan with stage 1 by either kernel: outputs within bf16 rounding."""
     gen = torch.Generator().manual_seed(seeded)
@@ -66,3 +70,19 @@ def test_gpu_seesaw_plan_and_triton_plan_agree(seeded):
                    sm_scale=default_sm_scale())
         outs.append(out.float())
     assert rel_l2(outs[0], outs[1]) < 5e-3
+
+
+def test_seesaw_compiles_for_sm90_within_shared_memory():
+    """The Gluon kernel compiles for Hopper on any machine (no GPU needed): within the 227 KB
+    of shared memory one program may use, with the registers its partitions ask for, and on
+    warpgroup MMA and TMA. In a fresh process: Triton's interpreter, on in CPU test runs,
+    cannot compile Gluon."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-m", "tests.seesaw_compile"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["shared_bytes"] <= 227 * 1024, report
+    assert report["requested_registers"] == [240, 24], report
+    assert report["wgmma"] > 0 and report["tma_copies"] > 0, report

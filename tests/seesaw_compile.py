@@ -1,0 +1,57 @@
+"""Compile the Gluon seesaw stage 1 for sm_90 without a GPU and print what it asks for, as
+one JSON line (run by tests/test_seesaw.py in a process without Triton's interpreter):
+
+    python3 -m tests.seesaw_compile
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import mangle_type
+
+from graphbucket.kernels import seesaw
+
+
+def compile_stage1():
+    q = torch.zeros(2, 128, 576, dtype=torch.bfloat16)
+    cache = torch.zeros(8, 64, 576, dtype=torch.bfloat16)
+    descriptors = dict(zip(("q_desc", "kv_desc"), seesaw.descriptors(q, cache), strict=True))
+    kernel = seesaw._seesaw_stage1_kernel
+    pointers = {"BLOCK_TABLE": "*i32", "SEQ_LENS": "*i32", "OUT": "*bf16", "LSE": "*fp32",
+                "PART_O": "*fp32", "PART_LSE": "*fp32"}
+    constants = {"PAGE_SIZE": 64, "ONE_SPLIT": False, "WRITE_LSE": True}
+    signature = {}
+    for p in kernel.params:
+        if p.name in descriptors:
+            signature[p.name] = mangle_type(descriptors[p.name])
+        elif p.name in constants:
+            signature[p.name] = "constexpr"
+        elif p.name == "qk_scale_log2":
+            signature[p.name] = "fp32"
+        else:
+            signature[p.name] = pointers.get(p.name, "i32")
+    source = GluonASTSource(fn=kernel, signature=signature, constexprs=constants)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
+def main() -> None:
+    compiled = compile_stage1()
+    registers = re.search(r"requestedRegisters = array<i32: ([\d, ]+)>", compiled.asm["ttgir"])
+    ptx = compiled.asm["ptx"]
+    print(json.dumps({
+        "shared_bytes": compiled.metadata.shared,
+        "requested_registers": [int(r) for r in registers.group(1).split(",")] if registers
+        else None,
+        "wgmma": ptx.count("wgmma.mma_async"),
+        "tma_copies": ptx.count("cp.async.bulk.tensor"),
+    }))
+
+
+if __name__ == "__main__":
+    main()
