@@ -439,6 +439,8 @@ def plan_balanced_mla_decode(
         head_block_size(num_heads)
     head_blocks = cdiv(num_heads, block_h)
     stream = stream or stream_config(batch_size * head_blocks, num_sms, block_h)
+    if stream.seesaw:  # balanced stage 1 is the Triton kernel: its 64-row stream
+        stream = ROWS_STREAM
     if programs is None:
         programs = max(1, stream.ctas_per_sm * num_sms // head_blocks)
     if min_chunk_tiles is None:
