@@ -316,12 +316,13 @@ class LaunchPlan:
         return layout
 
 
-def stream_config(rows: int, num_sms: int, block_h: int = 16) -> StreamConfig:
-    """64-row programs stream SEESAW_STREAM; otherwise long streams while the grid is thin
-    (ROWS32_STREAM for 32-row programs), shorter tiles and more residents when it is
-    wide."""
+def stream_config(rows: int, num_sms: int, block_h: int = 16, *,
+                  balanced: bool = False) -> StreamConfig:
+    """64-row programs stream SEESAW_STREAM (ROWS_STREAM for balanced plans, whose stage 1
+    is the Triton kernel); otherwise long streams while the grid is thin (ROWS32_STREAM for
+    32-row programs), shorter tiles and more residents when it is wide."""
     if block_h >= ROWS_STREAM.block_h:
-        return SEESAW_STREAM
+        return ROWS_STREAM if balanced else SEESAW_STREAM
     if rows < num_sms // 4:
         return ROWS32_STREAM if block_h == ROWS32_STREAM.block_h else LONG_STREAM
     return WIDE_STREAM
@@ -438,9 +439,8 @@ def plan_balanced_mla_decode(
     block_h = stream.block_h if stream is not None and stream.block_h else \
         head_block_size(num_heads)
     head_blocks = cdiv(num_heads, block_h)
-    stream = stream or stream_config(batch_size * head_blocks, num_sms, block_h)
-    if stream.seesaw:  # balanced stage 1 is the Triton kernel: its 64-row stream
-        stream = ROWS_STREAM
+    stream = stream or stream_config(batch_size * head_blocks, num_sms, block_h,
+                                     balanced=True)
     if programs is None:
         programs = max(1, stream.ctas_per_sm * num_sms // head_blocks)
     if min_chunk_tiles is None:
