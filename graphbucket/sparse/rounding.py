@@ -19,8 +19,12 @@ def round_to_e4m3(x):
     bits = x.to(tl.int32, bitcast=True)
     # normal range: keep 3 mantissa bits (round half to even on bit 20)
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
-    # below 2^-6 (subnormal e4m3): multiples of 2^-9, the float32 spacing at 1.5 * 2^14
-    subnormal = (x + 24576.0) - 24576.0
+    # below 2^-6 (subnormal e4m3): multiples of 2^-9, the float32 spacing at 1.5 * 2^14;
+    # rounded in magnitude and signed after, so that what rounds to zero keeps its sign
+    # (-0, as the hardware's and torch's cast give)
+    magnitude = (tl.abs(x) + 24576.0) - 24576.0
+    subnormal = (magnitude.to(tl.int32, bitcast=True) | (bits & -0x80000000)).to(
+        tl.float32, bitcast=True)
     return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
 
 
