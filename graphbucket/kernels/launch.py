@@ -98,6 +98,18 @@ def _fail(name: str, got, expected: str, fix: str) -> None:
     raise ValueError(f"{name}: got {got}, expected {expected}. {fix}")
 
 
+def cpu_dtype_error(device: torch.device | str, dtype: torch.dtype) -> str | None:
+    """Why ``dtype`` cannot run the MLA kernels on ``device``, and the fix; or None.
+
+    On a CPU, Triton kernels run only in Triton's interpreter, whose bfloat16 ``tl.dot``
+    is wrong (relative error ~1e9 against float64; float16 2e-4, float32 3e-7)."""
+    if torch.device(device).type != "cpu" or dtype != torch.bfloat16:
+        return None
+    return ("bfloat16 on the CPU: graphbucket's Triton kernels run there in Triton's "
+            "interpreter, whose bfloat16 tl.dot gives wrong results. Use float32 (the CPU "
+            "default of MLADecoder) or float16, or a CUDA device")
+
+
 def check_mla_decode_args(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                           seq_lens: torch.Tensor, out: torch.Tensor, plan: LaunchPlan,
                           workspace: SplitWorkspace | None, lse: torch.Tensor | None,
@@ -120,6 +132,9 @@ def check_mla_decode_args(q: torch.Tensor, kv_cache: torch.Tensor, block_table: 
         _fail("kv_cache.shape", tuple(kv_cache.shape), f"[num_pages, page_size, {d_qk}]",
               "The cache row is the latent (kv_lora_rank) followed by the rope part.")
     check_kv_dtypes(q, kv_cache, kv_scale)
+    if any(cpu_dtype_error(t.device, t.dtype) for t in (q, kv_cache, out)):
+        raise ValueError(f"q={q.dtype}, kv_cache={kv_cache.dtype}, out={out.dtype}: "
+                         + cpu_dtype_error(q.device, torch.bfloat16))
     if kv_cache.stride(2) != 1 or q.stride(2) != 1 or out.stride(2) != 1:
         raise ValueError("q, kv_cache and out need a contiguous last dimension")
     if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] < bs:
@@ -229,7 +244,8 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     q [B, H, kv_lora_rank + qk_rope_dim], kv_cache [num_pages, page_size, same] (bf16/fp16/
     fp32, V = the first kv_lora_rank columns), block_table [>=B, max_pages] int32,
     seq_lens [>=B] int32 on the device, out [B, H, kv_lora_rank] (written in full);
-    lse [B, H] float32 (natural log) if given. Rows with seq_len 0 give zeros. An fp8
+    lse [B, H] float32 (natural log) if given. Rows with seq_len 0 give zeros. bf16 on
+    the CPU is refused (``cpu_dtype_error``). An fp8
     (e4m3) cache takes ``kv_scale`` (float32 [1] on the device: value = stored * scale),
     with a bf16 / fp16 q and out. A uint8 cache [num_pages, page_size, 656] is DeepSeek-
     V3.2's fp8 format (``graphbucket.fp8.pack_v32``): bf16 / fp16 q and out, no kv_scale.

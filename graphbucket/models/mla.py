@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from graphbucket import fp8
 from graphbucket.context import DecodeContext
 from graphbucket.kernels import kernel_device_error
+from graphbucket.kernels.launch import cpu_dtype_error
 from graphbucket.models.config import MLAConfig
 from graphbucket.models.gemv import MAX_ROWS, skinny_bmm
 from graphbucket.models.ops import (
@@ -56,6 +57,9 @@ SLOT_INPUT = "slot_mapping"
 class MLADecoder:
     """Seeded random MLA decoder with one paged latent cache per layer.
 
+    ``dtype`` defaults to bfloat16 on CUDA; on the CPU, where the kernels run in Triton's
+    interpreter and bfloat16 is refused (its ``tl.dot`` is wrong there), to float32, or
+    float16 over an fp8 cache.
     kv_caches[l]: [num_pages, page_size, width] in the ``kv_cache_format``
     (``graphbucket.fp8``): "bf16", [.., R + P] in ``dtype`` (default); "fp8-tensor", [..,
     R + P] e4m3 with the per-tensor ``kv_scale`` (value = stored x kv_scale); "fp8-v32",
@@ -68,7 +72,7 @@ class MLADecoder:
     """
 
     def __init__(self, config: MLAConfig, *, num_pages: int, page_size: int = 64,
-                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None,
                  seed: int = 0,
                  weights: tuple[list[MLALayerWeights], torch.Tensor] | None = None,
                  projections: str = "auto", kv_cache_dtype: torch.dtype | None = None,
@@ -77,9 +81,11 @@ class MLADecoder:
             raise ValueError(f"projections must be one of {PROJECTIONS}, got {projections!r}")
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        if dtype is None:
+            dtype = _default_dtype(device, kv_cache_format, kv_cache_dtype)
         # Raised by forward, not here: a model without runnable kernels is still good for
         # its weights, shards and float reference.
-        self._kernel_error = kernel_device_error(device)
+        self._kernel_error = kernel_device_error(device) or cpu_dtype_error(device, dtype)
         self.config, self.num_pages, self.page_size = config, num_pages, page_size
         # "skinny-bmm": the per-head absorbed products through models/gemv.py (1.1-1.2x
         # faster than torch.bmm on the H200, bench/NOTES.md), F.linear for the rest (cuBLAS
@@ -227,6 +233,15 @@ class MLADecoder:
         rows, 576 for fp8-tensor, 656 for fp8-v32)."""
         return self.config.num_layers * fp8.row_bytes(self.kv_cache_format, self.config.kv_dim,
                                                       self.dtype)
+
+
+def _default_dtype(device: torch.device | str, kv_cache_format: str | None,
+                   kv_cache_dtype: torch.dtype | None) -> torch.dtype:
+    if torch.device(device).type != "cpu":
+        return torch.bfloat16
+    fp8_cache = kv_cache_format not in (None, "bf16") or kv_cache_dtype in (fp8.FP8_DTYPE,
+                                                                          torch.uint8)
+    return torch.float16 if fp8_cache else torch.float32
 
 
 def _cache_format(kv_cache_format: str | None, kv_cache_dtype: torch.dtype | None,
