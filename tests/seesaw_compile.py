@@ -1,13 +1,18 @@
 """Compile the Gluon seesaw stage 1 for sm_90 without a GPU and print what it asks for, as
 one JSON line (run by tests/test_seesaw.py in a process without Triton's interpreter):
 
-    python3 -m tests.seesaw_compile
+    python3 -m tests.seesaw_compile [--dump DIR]
+
+``--dump DIR`` also writes the ttgir and PTX there (seesaw.ttgir, seesaw.ptx), to compare
+the code two Triton releases, or two versions of the kernel, compile to.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
+from pathlib import Path
 
 import torch
 import triton
@@ -41,7 +46,17 @@ def compile_stage1():
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(
+        description="Compile the Gluon seesaw stage 1 for sm_90 (no GPU needed) and print its "
+                    "shared memory, register requests, wgmma and TMA copies as one JSON line.")
+    parser.add_argument("--dump", type=Path, metavar="DIR",
+                        help="also write seesaw.ttgir and seesaw.ptx into DIR")
+    args = parser.parse_args()
     compiled = compile_stage1()
+    if args.dump:
+        args.dump.mkdir(parents=True, exist_ok=True)
+        for kind in ("ttgir", "ptx"):
+            (args.dump / f"seesaw.{kind}").write_text(compiled.asm[kind])
     registers = re.search(r"requestedRegisters = array<i32: ([\d, ]+)>", compiled.asm["ttgir"])
     ptx = compiled.asm["ptx"]
     print(json.dumps({

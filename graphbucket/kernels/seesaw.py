@@ -42,12 +42,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from graphbucket.kernels.gluon_compat import tma_async_load
 
 ROWS = gl.constexpr(64)         # query rows (heads) per program
 TILE = gl.constexpr(64)         # tokens per tile (one page)
@@ -85,8 +86,8 @@ def _load_boxes(kv_desc, row, kv_s, bars, slot, FIRST: gl.constexpr, COUNT: gl.c
     for i in gl.static_range(COUNT):
         box = slot * CHUNKS + FIRST + i
         mbarrier.expect(bars.index(B_READY + box), BOX_BYTES)
-        tma.async_copy_global_to_shared(kv_desc, [row, (FIRST + i) * BOX],
-                                        bars.index(B_READY + box), kv_s.index(box))
+        tma_async_load(kv_desc, [row, (FIRST + i) * BOX], bars.index(B_READY + box),
+                       kv_s.index(box))
 
 
 @gluon.jit
@@ -94,7 +95,7 @@ def _loader(q_desc, kv_desc, bt_row, q_s, kv_s, bars, q_row, start, end, num_ste
             PAGE_SIZE: gl.constexpr):
     mbarrier.expect(bars.index(B_Q), TILE_BYTES)
     for c in gl.static_range(CHUNKS):
-        tma.async_copy_global_to_shared(q_desc, [q_row, c * BOX], bars.index(B_Q), q_s.index(c))
+        tma_async_load(q_desc, [q_row, c * BOX], bars.index(B_Q), q_s.index(c))
     for step in range(num_steps):
         # A tile past the split's end (the second of an odd count) loads page 0's rows; its
         # warpgroup masks its scores and zeroes its values.

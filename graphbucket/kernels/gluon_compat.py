@@ -1,0 +1,19 @@
+"""Gluon names that moved between the Triton releases ``setup.cfg`` allows, picked once here.
+
+Gluon is experimental and renames freely; the kernels call these names, not Triton's, so a
+rename is one line here rather than an edit in every kernel. Each entry says which releases
+have which name.
+
+``tma_async_load(desc, coord, barrier, smem)``: the TMA copy of a box from global into
+shared memory. Triton 3.6 and 3.7 call it ``tma.async_copy_global_to_shared``; 3.8 adds
+``tma.async_load`` and keeps the old name as an alias of it; 3.9 keeps the old name only to
+raise an error naming the new one. Both emit the same op, so 3.6's code is unchanged.
+"""
+
+from __future__ import annotations
+
+from triton.experimental.gluon.language.nvidia.hopper import tma as _tma
+
+tma_async_load = getattr(_tma, "async_load", None) or _tma.async_copy_global_to_shared
+
+__all__ = ["tma_async_load"]
