@@ -33,28 +33,16 @@ from __future__ import annotations
 import sys
 from bisect import bisect_left
 from collections.abc import Iterable, Sequence
-from typing import Any, Literal, NamedTuple, get_args
+from typing import Any, Literal, get_args
 
 import numpy as np
 
+from graphbucket.key import GraphKey
 from graphbucket.ladder import BucketLadder, above_top_error
 
 # "max": the bucket of the longest live request (every request fits its graph's split
 # budget); "min": that of the shortest (favours short requests in mixed batches).
 SelectRule = Literal["max", "min"]
-
-
-class GraphKey(NamedTuple):
-    """One graph slot: ``batch_size`` rows (padded), ``bucket`` of the ladder, planned
-    with ``hint`` (split-KV) or, with ``balanced``, as balanced split-KV. Keys whose plans
-    are equal share one captured graph. A named tuple: immutable, and hashed in C (a step
-    hashes its key three times). ``q_len``: query tokens per request (1: plain decode)."""
-
-    batch_size: int
-    bucket: int
-    hint: int
-    balanced: bool = False
-    q_len: int = 1
 
 
 class GraphSelector:

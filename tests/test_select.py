@@ -259,6 +259,17 @@ def test_key_for_agrees_with_choose(sel, sel_min):
                     s.choose(positive)
 
 
+def test_graph_key_fields_are_real_types():
+    import typing
+
+    import graphbucket
+    want = {"batch_size": int, "bucket": int, "hint": int, "balanced": bool, "q_len": int}
+    assert GraphKey.__annotations__ == want  # not strings or ForwardRefs
+    assert typing.get_type_hints(GraphKey) == want
+    assert GraphKey._field_defaults == {"balanced": False, "q_len": 1}
+    assert graphbucket.GraphKey is GraphKey
+
+
 def test_graph_key_is_a_value():
     assert GraphKey(4, 1, 512) == GraphKey(4, 1, 512) != GraphKey(4, 1, 4096)
     assert len({GraphKey(4, 1, 512), GraphKey(4, 1, 512), GraphKey(8, 1, 512)}) == 2
@@ -347,6 +358,27 @@ def test_random_ragged_steps_follow_the_rule(ragged_sel):
         want = bool(threshold and len(live) > 1
                     and live.max() * len(live) >= threshold * live.sum())
         assert key.balanced == want, lens
+
+
+def test_a_ladder_without_the_balanced_topology_gives_no_balanced_key(ragged_sel):
+    """What an engine without a balanced kernel does: the selector on
+    ``with_balanced_topology(0, above=0)`` serves ragged steps with the split-KV key."""
+    split_only = GraphSelector(ragged_sel.ladder.with_balanced_topology(0, above=0),
+                               ragged_sel.capture_sizes)
+    assert not any(k.balanced for k in split_only.keys())
+    assert split_only.keys() == [k for k in ragged_sel.keys() if not k.balanced]
+    rng = np.random.default_rng(11)
+    seen_balanced = 0
+    for _ in range(300):
+        lens = rng.integers(0, MAX + 1, size=int(rng.integers(1, 9)))
+        lens[rng.random(len(lens)) < 0.3] = int(rng.integers(1, 2000))
+        key = ragged_sel.choose(lens)
+        seen_balanced += key.balanced
+        assert split_only.choose(lens) == key._replace(balanced=False), lens
+    assert seen_balanced > 30  # the draw is ragged enough to exercise the switch
+    # above=0 matters: the plain call keeps bucket 1's switch (it ends at 4096 tokens).
+    kept = GraphSelector(ragged_sel.ladder.with_balanced_topology(0), ragged_sel.capture_sizes)
+    assert kept.choose([4096, 1, 1, 1]).balanced
 
 
 # ---- multi-token steps (q_len query tokens per request) ---------------------------------
