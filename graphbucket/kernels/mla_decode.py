@@ -608,10 +608,22 @@ def _mla_decode_stage1_kernel(
 
 
 @triton.jit
+def _lse_step(m_i, lse):
+    """One partial's step of an LSE merge: (new max, rescale of the sum so far, weight of
+    the partial). A q_len > 1 row may see no position of a split, or none at all (seq_len
+    < q_len): its LSE is -inf, and a max still at -inf is kept out of the exponents (an
+    exp2 of -inf - -inf is NaN), so such a row merges to zeros and LSE -inf."""
+    m_new = tl.maximum(m_i, lse)
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    return m_new, tl.exp2(m_i - m_ref), tl.exp2(lse - m_ref)
+
+
+@triton.jit
 def _merge_head_block(part_o, part_lse, offs_h, mask_h, stride_po_h, stride_po_s,
                       stride_pl_h, num_active, KV_LORA_RANK: tl.constexpr):
     """LSE merge of one request's ``num_active`` partials for the heads ``offs_h``:
-    (normalised output [BLOCK_H, R], log2 LSE). Loads bypass L1 (other SMs wrote them)."""
+    (normalised output [BLOCK_H, R], log2 LSE); rows with no live token give zeros and
+    -inf. Loads bypass L1 (other SMs wrote them)."""
     offs_c = tl.arange(0, KV_LORA_RANK)
     lse = tl.load(part_lse + offs_h * stride_pl_h, mask=mask_h, other=0.0, cache_modifier=".cg")
     m_i = lse
@@ -619,18 +631,16 @@ def _merge_head_block(part_o, part_lse, offs_h, mask_h, stride_po_h, stride_po_s
     acc = tl.load(part_o + offs_h[:, None] * stride_po_h + offs_c[None, :],
                   mask=mask_h[:, None], other=0.0, cache_modifier=".cg")
     for s in range(1, num_active):
-        # Every active split saw a live token, so its LSE is finite.
         lse = tl.load(part_lse + offs_h * stride_pl_h + s, mask=mask_h, other=0.0,
                       cache_modifier=".cg")
         part = tl.load(part_o + offs_h[:, None] * stride_po_h + s * stride_po_s
                        + offs_c[None, :], mask=mask_h[:, None], other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m_i, lse)
-        alpha = tl.exp2(m_i - m_new)
-        w = tl.exp2(lse - m_new)
+        m_i, alpha, w = _lse_step(m_i, lse)
         acc = acc * alpha[:, None] + w[:, None] * part
         l_i = l_i * alpha + w
-        m_i = m_new
-    return acc / l_i[:, None], m_i + tl.log2(l_i)
+    # l == 0 only for a row with no live token (its partials are zeros).
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    return acc / l_safe[:, None], m_i + tl.log2(l_i)
 
 
 @triton.jit
@@ -646,13 +656,13 @@ def _merge_head_block_chunked(part_o, part_lse, out_row, lse_ptr, offs_h, mask_h
                   cache_modifier=".cg")
     l_i = tl.full(m_i.shape, 1.0, dtype=tl.float32)
     for s in range(1, num_active):
-        # Every active split saw a live token, so its LSE is finite.
         lse = tl.load(part_lse + offs_h * stride_pl_h + s, mask=mask_h, other=0.0,
                       cache_modifier=".cg")
-        m_new = tl.maximum(m_i, lse)
-        l_i = l_i * tl.exp2(m_i - m_new) + tl.exp2(lse - m_new)
-        m_i = m_new
+        m_i, alpha, w = _lse_step(m_i, lse)
+        l_i = l_i * alpha + w
     lse_log2 = m_i + tl.log2(l_i)
+    # A row with no live token (LSE -inf): every weight below is 0, not exp2(NaN).
+    lse_ref = tl.where(lse_log2 == float("-inf"), 0.0, lse_log2)
     BLOCK_C: tl.constexpr = KV_LORA_RANK // MERGE_CHUNKS
     for c in tl.static_range(MERGE_CHUNKS):
         offs_c = c * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -663,7 +673,7 @@ def _merge_head_block_chunked(part_o, part_lse, out_row, lse_ptr, offs_h, mask_h
             part = tl.load(part_o + offs_h[:, None] * stride_po_h + s * stride_po_s
                            + offs_c[None, :], mask=mask_h[:, None], other=0.0,
                            cache_modifier=".cg")
-            acc += tl.exp2(lse - lse_log2)[:, None] * part
+            acc += tl.exp2(lse - lse_ref)[:, None] * part
         tl.store(out_row + offs_h[:, None] * stride_o_h + offs_c[None, :],
                  acc.to(out_row.dtype.element_ty), mask=mask_h[:, None])
     if WRITE_LSE:
