@@ -7,9 +7,11 @@ caller mistake raises TypeError/ValueError naming what was received, what was ex
 and the fix, before a single byte is staged or a kernel launched.
 
 Validation runs on every decode step, so the validator looks the spec's constants up once
-and each check is one comparison or one numpy reduction: the block table's live columns
-are checked with a single unsigned max (negative entries wrap above any page count),
-which is the only work proportional to the table's size.
+and each check is one comparison or one numpy reduction: a plain block table's live
+columns are checked with a single unsigned max (negative entries wrap above any page
+count), the only work proportional to the table's size. With the runner's persistent
+``BlockTable`` instead (``graphbucket.block_table``), pages were checked as they entered
+and a step checks only each length against its row's page count: O(batch).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from graphbucket.block_table import BlockTable
 from graphbucket.spec import BufferSpec
 
 _NUMPY_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32,
@@ -43,7 +46,9 @@ class DecodeBatch:
     seq_lens_cpu: [B] ints (list, numpy or CPU tensor): context length of each request,
         the tokens being decoded included (0: a padding row).
     block_table_cpu: [B, num_cols] ints (numpy or CPU tensor), num_cols <= max_pages:
-        cache page of each request's pages, in order.
+        cache page of each request's pages, in order (checked and copied every step); or
+        the runner's ``BlockTable`` (``runner.block_table``), whose row b serves request b
+        and of which only what changed since the last step is staged.
     inputs: name -> tensor [B * q_len, *shape] per the spec's ``InputSpec``s (one row per
         query token, token j of request b at row b * q_len + j), on the CPU (staged
         through pinned memory) or on the buffers' device (copied device to device).
@@ -65,13 +70,15 @@ class CheckedBatch:
     """A validated ``DecodeBatch`` as numpy integer arrays.
 
     seq_lens [B]; block_table [B, need] (only the columns the longest request uses, every
-    entry inside the cache); positions [B * q_len] or None (then ``seq_len - q_len + j``);
+    entry inside the cache), or None when ``paged`` (the runner's ``BlockTable``, every
+    row long enough for its length) carries it; positions [B * q_len] or None (then
+    ``seq_len - q_len + j``);
     inputs as given ([B * q_len, ...]), split into ``host_inputs`` (name, numpy view in
     ``numpy_view_dtype``) and ``device_inputs`` (name, tensor on the buffers' device).
     """
 
     seq_lens: np.ndarray
-    block_table: np.ndarray
+    block_table: np.ndarray | None
     positions: np.ndarray | None
     inputs: Mapping[str, torch.Tensor]
     min_len: int
@@ -80,6 +87,7 @@ class CheckedBatch:
     host_inputs: tuple[tuple[str, np.ndarray], ...] = ()
     device_inputs: tuple[tuple[str, torch.Tensor], ...] = ()
     q_len: int = 1
+    paged: BlockTable | None = None
 
 
 def _host_ints(name: str, value: Any, ndim: int) -> np.ndarray:
@@ -117,17 +125,19 @@ def _all_below(table: np.ndarray, limit: int) -> bool:
 class BatchValidator:
     """Checks ``DecodeBatch``es against one ``BufferSpec`` (its constants looked up once);
     ``validator(batch)`` returns a ``CheckedBatch`` or raises TypeError/ValueError.
-    ``max_q_len``: the most query tokens per request the buffers hold.
+    ``max_q_len``: the most query tokens per request the buffers hold; ``block_table``:
+    the one ``BlockTable`` a batch may pass instead of an array (the runner's).
 
     Graph safety: host arithmetic only; a device tensor where a host copy is expected is
     rejected, never read.
     """
 
-    __slots__ = ("spec", "max_q_len", "_max_len", "_max_pages", "_num_pages", "_page",
-                 "_device", "_inputs")
+    __slots__ = ("spec", "max_q_len", "block_table", "_max_len", "_max_pages", "_num_pages",
+                 "_page", "_device", "_inputs")
 
-    def __init__(self, spec: BufferSpec, *, max_q_len: int = 1) -> None:
-        self.spec, self.max_q_len = spec, max_q_len
+    def __init__(self, spec: BufferSpec, *, max_q_len: int = 1,
+                 block_table: BlockTable | None = None) -> None:
+        self.spec, self.max_q_len, self.block_table = spec, max_q_len, block_table
         self._max_len, self._max_pages = spec.max_context_len, spec.max_pages_per_seq
         self._num_pages, self._page, self._device = spec.num_pages, spec.page_size, spec.device
         # (name, dtype, per-request shape, dtype viewed as before .numpy() or None if same)
@@ -146,8 +156,16 @@ class BatchValidator:
         min_len, max_len = self._lengths(lens, raw)
         if q_len != 1 and min_len < q_len:
             _check_lengths_hold(lens, q_len)
-        table = self._block_table(_host_ints("block_table_cpu", batch.block_table_cpu, 2),
-                                  lens, max_len)
+        raw_table, paged = batch.block_table_cpu, None
+        if type(raw_table) is BlockTable:
+            if raw_table is not self.block_table:
+                raise ValueError("block_table_cpu is a BlockTable this runner does not own; "
+                                 "pass runner.block_table (or a plain array)")
+            raw_table.check_lengths(lens, max_len)
+            table, paged = None, raw_table
+        else:
+            table = self._block_table(_host_ints("block_table_cpu", raw_table, 2), lens,
+                                      max_len)
         positions = batch.positions_cpu
         if positions is not None:
             positions = self._positions(_host_ints("positions_cpu", positions, 1), lens, q_len)
@@ -155,7 +173,7 @@ class BatchValidator:
         inputs = batch.inputs
         host, device = self._split_inputs(inputs, bs * q_len)
         return CheckedBatch(lens, table, positions, inputs, min_len, max_len, bs, host, device,
-                            q_len)
+                            q_len, paged)
 
     def _q_len(self, q_len: Any) -> None:
         if isinstance(q_len, bool) or not isinstance(q_len, int) or q_len < 1:

@@ -17,6 +17,16 @@ entries past a row's live pages are not cleared: kernels read only the first
 ``ceil(seq_len / page_size)`` entries of a row, and every entry ever staged was checked
 to lie inside the cache, so a stale one is still a valid page. Clearing them would cost a
 pass over the table per step (a 64 x 128K batch holds 512 KB of it).
+
+Incremental block table: a batch that carries the runner's ``BlockTable`` leaves the
+block table out of the prefix copy (which then stops before it: O(batch)). The entries
+changed since the last step travel in the same copy as a fixed-capacity list of (flat
+index, page), unused entries aimed at a sink element past the table, and
+``apply_table_changes`` scatters them in on the device: the first thing every graph body
+and eager forward does (static shapes, no sync). Rows whose changes do not fit the list
+(a new long request) are copied row by row before the replay, through the same pinned
+slot. The first such step after a full-table step (or a new ``BlockTable``) copies the
+whole table once, so the device mirrors the host table from then on.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ import torch
 
 from graphbucket.backends.base import DecodeBackend, WorkspaceSpec
 from graphbucket.batch import CheckedBatch, numpy_view_dtype
+from graphbucket.block_table import BlockTable
 from graphbucket.context import DecodeContext
 from graphbucket.plan import LaunchPlan
 from graphbucket.spec import BufferSpec
@@ -52,13 +63,22 @@ class _Segment:
         return arena[self.offset:self.offset + self.nbytes].view(self.dtype).view(self.shape)
 
 
-def _layout(spec: BufferSpec, max_bs: int, max_q_len: int = 1
+def default_max_table_changes(max_bs: int) -> int:
+    """Table entries one step stages as a list: a decode step appends at most one page per
+    request; the headroom takes a few new short requests."""
+    return 4 * max_bs + 64
+
+
+def _layout(spec: BufferSpec, max_bs: int, max_q_len: int = 1, max_changes: int = 64
             ) -> tuple[dict[str, _Segment], int]:
-    # block_table goes last: a stage copies the arena prefix up to row padded_bs of it.
+    # block_table goes last: a stage copies the arena prefix up to row padded_bs of it (a
+    # step with a BlockTable: up to the table). One element past the table is the sink.
     tokens = max_bs * max_q_len
     wanted = [("seq_lens", (max_bs,), torch.int32), ("positions", (tokens,), torch.int64)]
     wanted += [(f"input:{s.name}", (tokens, *s.shape), s.dtype) for s in spec.inputs]
-    wanted += [("block_table", (max_bs, spec.max_pages_per_seq), torch.int32)]
+    wanted += [("change_index", (max_changes,), torch.int64),
+               ("change_value", (max_changes,), torch.int32),
+               ("block_table", (max_bs * spec.max_pages_per_seq + 1,), torch.int32)]
     segments, offset = {}, 0
     for name, shape, dtype in wanted:
         seg = _Segment(name, offset, tuple(shape), dtype)
@@ -72,18 +92,24 @@ class _StagingSlot:
     """One pinned staging arena and what is known about the bytes it still holds.
 
     Dirt tracking lets a stage zero only what an earlier stage left behind: seq_lens
-    rows from ``live_rows`` on and positions and input rows from ``live_tokens`` on are zero.
+    rows from ``live_rows`` on and positions and input rows from ``live_tokens`` on are zero,
+    change entries from ``live_changes`` on aim at the sink.
     """
 
     arena: torch.Tensor  # uint8, host; pinned when the buffers live on CUDA
     seq_lens: np.ndarray
     positions: np.ndarray
-    block_table: np.ndarray
+    block_table: np.ndarray  # [max_bs, max_pages]
+    table_tensor: torch.Tensor  # the same memory, the source of whole-row copies
+    change_index: np.ndarray
+    change_value: np.ndarray
+    sink: int
     inputs: dict[str, np.ndarray]  # viewed as numpy_view_dtype (raw bits where numpy has none)
     event: torch.Event | None  # torch.Event records on the current stream in C++
     in_flight: bool = False
     live_rows: int = 0
     live_tokens: int = 0
+    live_changes: int = 0
 
     def fill(self, batch: CheckedBatch, padded_bs: int) -> None:
         """Rows [0, bs) from ``batch``; rows [bs, padded_bs) neutral (zero lengths). Per-token
@@ -117,7 +143,24 @@ class _StagingSlot:
                 arr[tokens:top] = 0
         self.live_tokens = tokens if live <= padded else live
         table = batch.block_table
-        self.block_table[:bs, :table.shape[1]] = table
+        if table is not None:
+            self.block_table[:bs, :table.shape[1]] = table
+            self._changed(0)
+
+    def fill_changes(self, table: BlockTable) -> list[tuple[int, int, int]]:
+        """The table's changes: listed up to capacity, the rest written into this slot's
+        rows; returns those rows' (row, lo, hi) column ranges to copy."""
+        n, whole = table.changes(self.change_index, self.change_value,
+                                 self.block_table.shape[1])
+        self._changed(n)
+        for row, lo, hi in whole:
+            self.block_table[row, lo:hi] = table.table[row, lo:hi]
+        return whole
+
+    def _changed(self, n: int) -> None:
+        if self.live_changes > n:
+            self.change_index[n:self.live_changes] = self.sink
+        self.live_changes = n
 
 
 def _staging_slot(segments: dict[str, _Segment], nbytes: int, device: torch.device | None
@@ -128,9 +171,18 @@ def _staging_slot(segments: dict[str, _Segment], nbytes: int, device: torch.devi
     views = {name: seg.view(arena) for name, seg in segments.items()}
     inputs = {name[6:]: t.view(numpy_view_dtype(t.dtype)).numpy()
               for name, t in views.items() if name.startswith("input:")}
+    table, _, sink = _table_views(views["block_table"], segments["seq_lens"].shape[0])
+    views["change_index"].fill_(sink)
     return _StagingSlot(arena, views["seq_lens"].numpy(), views["positions"].numpy(),
-                        views["block_table"].numpy(), inputs,
+                        table.numpy(), table, views["change_index"].numpy(),
+                        views["change_value"].numpy(), sink, inputs,
                         torch.Event(device) if pin else None)
+
+
+def _table_views(flat: torch.Tensor, max_bs: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(table [max_bs, max_pages], flat table with its sink element, the sink's index)."""
+    sink = flat.shape[0] - 1
+    return flat[:sink].view(max_bs, sink // max_bs), flat, sink
 
 
 @dataclass(eq=False)
@@ -140,7 +192,8 @@ class StaticBuffers:
     seq_lens [max_bs] int32, positions [max_bs * max_q_len] int64, block_table [max_bs,
     max_pages] int32, inputs name -> [max_bs * max_q_len, *shape], output [max_bs *
     max_q_len, *output_shape], all on ``spec.device``. Graph-safe: nothing here is ever
-    reallocated; ``stage`` only copies.
+    reallocated; ``stage`` only copies, and ``apply_table_changes`` scatters the staged
+    block-table changes on the device (part of every graph body).
     """
 
     spec: BufferSpec
@@ -159,29 +212,39 @@ class StaticBuffers:
     _prefixes: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=dict)
     staging_waits: int = 0
     max_q_len: int = 1
+    _changes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    _mirror: BlockTable | None = None  # the BlockTable the device table mirrors
 
     @classmethod
     def allocate(cls, spec: BufferSpec, *, max_batch_size: int, workspace: WorkspaceSpec,
-                 num_staging_slots: int = 2, max_q_len: int = 1) -> StaticBuffers:
+                 num_staging_slots: int = 2, max_q_len: int = 1,
+                 max_table_changes: int | None = None) -> StaticBuffers:
         """Allocate everything once for ``max_batch_size`` requests of up to ``max_q_len``
-        query tokens each (before any capture)."""
-        if max_batch_size < 1 or num_staging_slots < 1 or max_q_len < 1:
-            raise ValueError(f"need max_batch_size, num_staging_slots and max_q_len >= 1, got "
-                             f"{max_batch_size}, {num_staging_slots} and {max_q_len}")
-        segments, nbytes = _layout(spec, max_batch_size, max_q_len)
+        query tokens each (before any capture). ``max_table_changes``: block-table entries
+        a ``BlockTable`` step stages as a list (default ``default_max_table_changes``)."""
+        changes = (default_max_table_changes(max_batch_size) if max_table_changes is None
+                   else max_table_changes)
+        if max_batch_size < 1 or num_staging_slots < 1 or max_q_len < 1 or changes < 1:
+            raise ValueError(f"need max_batch_size, num_staging_slots, max_q_len and "
+                             f"max_table_changes >= 1, got {max_batch_size}, "
+                             f"{num_staging_slots}, {max_q_len} and {changes}")
+        segments, nbytes = _layout(spec, max_batch_size, max_q_len, changes)
         arena = torch.zeros(nbytes, dtype=torch.uint8, device=spec.device)
         views = {name: seg.view(arena) for name, seg in segments.items()}
+        table, flat, sink = _table_views(views["block_table"], max_batch_size)
+        views["change_index"].fill_(sink)
         pin = spec.device.type == "cuda" and torch.cuda.is_available()
         return cls(
             spec=spec, max_batch_size=max_batch_size, seq_lens=views["seq_lens"],
-            positions=views["positions"], block_table=views["block_table"],
+            positions=views["positions"], block_table=table,
             inputs={s.name: views[f"input:{s.name}"] for s in spec.inputs},
             output=torch.zeros(max_batch_size * max_q_len, *spec.output_shape,
                                dtype=spec.output_dtype, device=spec.device),
             workspace=workspace.allocate(spec.device), workspace_nbytes=workspace.nbytes,
             _arena=arena, _bt_offset=segments["block_table"].offset,
             _slots=[_staging_slot(segments, nbytes, spec.device if pin else None)
-                    for _ in range(num_staging_slots)], max_q_len=max_q_len)
+                    for _ in range(num_staging_slots)], max_q_len=max_q_len,
+            _changes=(flat, views["change_index"], views["change_value"]))
 
     @property
     def nbytes(self) -> int:
@@ -207,9 +270,14 @@ class StaticBuffers:
         assert batch.q_len <= self.max_q_len, (batch.q_len, self.max_q_len)
         index, slot = self._acquire_slot()
         slot.fill(batch, padded_bs)
-        views = self._prefixes.get(padded_bs) or self._prefix_views(padded_bs)
         event = slot.event
-        views[0].copy_(views[1][index], non_blocking=event is not None)
+        paged = batch.paged
+        if paged is None:
+            self._mirror = None
+            views = self._prefixes.get(padded_bs) or self._prefix_views(padded_bs)
+            views[0].copy_(views[1][index], non_blocking=event is not None)
+        else:
+            self._stage_table(paged, index, slot)
         # Rows [bs, padded_bs) of a device input were zeroed by the prefix copy above.
         tokens = bs * batch.q_len
         for name, t in batch.device_inputs:
@@ -218,9 +286,35 @@ class StaticBuffers:
             event.record()
             slot.in_flight = True
 
+    def _stage_table(self, table: BlockTable, index: int, slot: _StagingSlot) -> None:
+        """Everything before the block table (the change list included), then the rows whose
+        changes did not fit the list; the whole table when the device does not mirror it."""
+        assert table.num_rows == self.max_batch_size, (table.num_rows, self.max_batch_size)
+        non_blocking = slot.event is not None
+        if self._mirror is not table:
+            table.discard_changes()  # the whole table goes
+            slot.fill_changes(table)  # nothing left to list: aims the list at the sink
+            slot.block_table[...] = table.table
+            self.block_table.copy_(slot.table_tensor, non_blocking=non_blocking)
+            self._mirror = table
+            whole = []
+        else:
+            whole = slot.fill_changes(table)
+        views = self._prefixes.get(0) or self._prefix_views(0)
+        views[0].copy_(views[1][index], non_blocking=non_blocking)
+        for row, lo, hi in whole:
+            self.block_table[row, lo:hi].copy_(slot.table_tensor[row, lo:hi],
+                                               non_blocking=non_blocking)
+
+    def apply_table_changes(self) -> None:
+        """Scatter the staged block-table changes into the device table (unused entries hit
+        the sink). Graph-safe: static shapes, device data only; every body runs it first."""
+        flat, index, value = self._changes
+        flat.index_copy_(0, index, value)
+
     def _prefix_views(self, padded_bs: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         # Arena prefix that holds rows [0, padded_bs) of every seq_info tensor (block_table
-        # is laid out last); cached per size so a step slices nothing.
+        # is laid out last; 0: none of it); cached per size so a step slices nothing.
         nbytes = self._bt_offset + padded_bs * self.block_table.stride(0) * 4
         views = (self._arena[:nbytes], [slot.arena[:nbytes] for slot in self._slots])
         self._prefixes[padded_bs] = views
@@ -257,6 +351,7 @@ class StaticBuffers:
         """Drop every tensor (call after the graphs that captured them are gone)."""
         self._slots.clear()
         self._prefixes.clear()
+        self._changes, self._mirror = None, None
         self.inputs.clear()
         self.workspace = None
         empty = torch.empty(0)

@@ -11,10 +11,16 @@ the graph was captured with. One step is::
     graphs.replay(key)                      # or the eager path (see below)
     return buffers.output[:batch_size * q_len]
 
-Nothing on that path reads device memory or synchronizes. Eager path (documented,
-counted, logged once): a batch above the largest capture size runs the forward eagerly,
-planned from its live host lengths, on overflow buffers sized for it; an eager runner
-(``ladder=None``) runs every step that way.
+Nothing on that path reads device memory or synchronizes. Block tables: a batch carries
+a plain ``[B, num_cols]`` array (checked and copied whole every step) or the runner's
+persistent ``runner.block_table`` (a ``BlockTable``, edited by the engine with ``assign``
+/ ``append`` / ``release`` as requests change): pages are checked as they enter, a step
+checks each length against its row's page count and stages only the changed entries,
+which every graph scatters in before its forward (``graphbucket.block_table``).
+
+Eager path (documented, counted, logged once): a batch above the largest capture size
+runs the forward eagerly, planned from its live host lengths, on overflow buffers sized
+for it; an eager runner (``ladder=None``) runs every step that way.
 
 Multi-token steps (MTP / speculative verification): ``q_lens=(1, 2, 4)`` captures every
 (batch size, bucket) graph once per q_len, planned with q_len x heads rows; a
@@ -34,6 +40,7 @@ import torch
 from graphbucket.backends import get_backend
 from graphbucket.backends.base import DecodeBackend
 from graphbucket.batch import BatchValidator, CheckedBatch, DecodeBatch
+from graphbucket.block_table import BlockTable
 from graphbucket.buffers import StaticBuffers
 from graphbucket.graphs import CaptureSummary, Forward, GraphRecord, GraphTable
 from graphbucket.ladder import Bucket, BucketLadder
@@ -65,7 +72,10 @@ class GraphBucketRunner:
     ``kv_lora_rank``/``qk_rope_dim`` (those of the model, which ``for_model`` reads).
     ``q_lens``: the query tokens per request steps may have (default 1; e.g. (1, 2, 4)
     for a verify step of up to 3 draft tokens), each captured; the static buffers hold
-    the largest.
+    the largest. ``block_table``: the persistent host table (one row per batch slot, up to
+    the largest capture size) a ``DecodeBatch`` may carry instead of an array;
+    ``max_table_changes``: the entries one such step stages as a list (more are copied
+    row by row; default ``buffers.default_max_table_changes``).
     Graph-safe: ``step`` is host-only selection, one pinned non-blocking copy and a replay.
     """
 
@@ -73,7 +83,8 @@ class GraphBucketRunner:
                  ladder: BucketLadder | None, sm_scale: float, max_model_len: int | None = None,
                  backend: DecodeBackend | None = None, kv_lora_rank: int = 512,
                  qk_rope_dim: int = 64, rule: SelectRule = "max", warmup_iters: int = 1,
-                 progress: bool = True, q_lens: tuple[int, ...] = (1,)) -> None:
+                 progress: bool = True, q_lens: tuple[int, ...] = (1,),
+                 max_table_changes: int | None = None) -> None:
         if ladder is None and max_model_len is None:
             raise ValueError("an eager runner (ladder=None) needs max_model_len")
         top = ladder.max_model_len if ladder is not None else max_model_len
@@ -98,8 +109,10 @@ class GraphBucketRunner:
         max_q = self.selector.max_q_len
         self.buffers = StaticBuffers.allocate(
             spec, max_batch_size=self.selector.max_batch_size, max_q_len=max_q,
-            workspace=self.backend.workspace_spec(self._workspace_plans()))
-        self._validate = BatchValidator(spec, max_q_len=max_q)
+            workspace=self.backend.workspace_spec(self._workspace_plans()),
+            max_table_changes=max_table_changes)
+        self.block_table = BlockTable(spec, self.selector.max_batch_size)
+        self._validate = BatchValidator(spec, max_q_len=max_q, block_table=self.block_table)
         # Output views by token count (batch x q_len), so a step slices nothing.
         self._outputs = [self.buffers.output[:n] for n in range(self.buffers.output.shape[0] + 1)]
         self._overflow: StaticBuffers | None = None
@@ -234,6 +247,7 @@ class GraphBucketRunner:
         bs, q_len = host.batch_size, host.q_len
         plan = self.backend.plan(bs, self.spec.num_heads * q_len, max(1, host.max_len))
         out = buffers.output[:bs * q_len]
+        buffers.apply_table_changes()  # as every graph body does first
         result = self.forward(buffers.context(bs, plan, self.backend, self.sm_scale,
                                               q_len=q_len))
         if result.data_ptr() != out.data_ptr():

@@ -1,0 +1,270 @@
+"""A persistent host block table that an engine edits as its scheduler changes requests.
+
+Passing a full ``[B, num_cols]`` array in every ``DecodeBatch`` costs a check and a copy of
+every entry on every step (64 requests x 128K tokens: 131,072 entries), though a decode step
+appends at most one page per request. A ``BlockTable`` (``GraphBucketRunner.block_table``)
+keeps the table between steps instead: rows are batch slots, and the engine calls
+
+- ``assign(row, pages)`` when a request enters slot ``row`` (its pages, in order),
+- ``append(row, pages)`` / ``append_rows(rows, pages)`` when requests grow by pages,
+- ``release(row)`` when the request in ``row`` retires.
+
+Each verb checks what enters (every page inside the cache, the row's capacity) and raises
+ValueError before changing anything, so the cost of checking is the cost of the change.
+A step then passes ``DecodeBatch(seq_lens, runner.block_table, inputs)``: row b of the table
+serves request b, each live length is checked against its row's page count (O(batch)), and
+only the entries changed since the last step reach the device (``changes``): as a fixed-
+capacity list that the graph scatters in before the forward, rows that do not fit it copied
+row by row. Kernels read only the first ``ceil(seq_len / page_size)`` entries of a row, and
+every entry ever entered was checked, so entries past a row's page count (a released row,
+a shorter request in a reused slot) are stale but valid pages, never cleared.
+
+Host only: nothing here touches a device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from graphbucket.spec import BufferSpec
+
+
+class BlockTable:
+    """``num_rows`` slots x ``max_pages_per_seq`` pages (int32), with each row's page count.
+
+    ``pages(row)`` is a read-only view of a row's live pages, ``page_counts`` of every row's
+    count. Changes since the last staged step are kept per row as one column range (a row
+    only changes by assign, from column 0, or append, at its end), so the entries to stage
+    are read from the table at staging time and a later write to an entry always wins.
+    """
+
+    __slots__ = ("num_rows", "max_pages", "num_cache_pages", "page_size", "table", "counts",
+                 "_lo", "_hi", "_dirty", "_marks", "_counts_view")
+
+    def __init__(self, spec: BufferSpec, num_rows: int) -> None:
+        if isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows < 1:
+            raise ValueError(f"num_rows must be a positive int (batch slots), got {num_rows!r}")
+        self.num_rows, self.max_pages = num_rows, spec.max_pages_per_seq
+        self.num_cache_pages, self.page_size = spec.num_pages, spec.page_size
+        self.table = np.zeros((num_rows, self.max_pages), np.int32)
+        self.counts = np.zeros(num_rows, np.int64)
+        # Changed columns of row r: [_lo[r], _hi[r]); clean rows have lo = max_pages, hi = 0.
+        self._lo = np.full(num_rows, self.max_pages, np.int64)
+        self._hi = np.zeros(num_rows, np.int64)
+        self._dirty = False
+        self._marks = np.zeros(num_rows, np.int64)  # scratch of append_rows' duplicate check
+        self._counts_view = self.counts.view()
+        self._counts_view.flags.writeable = False
+
+    def __repr__(self) -> str:
+        return (f"BlockTable({self.num_rows} rows x {self.max_pages} pages, "
+                f"{int(np.count_nonzero(self.counts))} rows in use)")
+
+    @property
+    def page_counts(self) -> np.ndarray:
+        """[num_rows] int64, read-only: the live pages of each row."""
+        return self._counts_view
+
+    def pages(self, row: int) -> np.ndarray:
+        """Row ``row``'s live pages (a read-only view)."""
+        row = self._row(row)
+        view = self.table[row, :self.counts[row]]
+        view.flags.writeable = False
+        return view
+
+    # ---- verbs ----------------------------------------------------------------------------
+
+    def assign(self, row: int, pages: Any) -> None:
+        """A request enters slot ``row`` with ``pages`` (its cache pages, in order); whatever
+        the row held is replaced."""
+        row = self._row(row)
+        new = self._pages(pages, "pages")
+        n = new.shape[0]
+        if n > self.max_pages:
+            raise ValueError(f"assign(row={row}) got {n} pages; a row holds at most "
+                             f"max_pages_per_seq={self.max_pages}")
+        self.table[row, :n] = new
+        self.counts[row] = n
+        self._lo[row], self._hi[row] = (0, n) if n else (self.max_pages, 0)
+        self._dirty = True
+
+    def append(self, row: int, pages: Any) -> None:
+        """Pages added at the end of row ``row`` (a growing request)."""
+        row = self._row(row)
+        new = self._pages(pages, "pages")
+        start, n = int(self.counts[row]), new.shape[0]
+        if start + n > self.max_pages:
+            raise ValueError(f"append(row={row}) of {n} pages: the row holds {start} of at "
+                             f"most max_pages_per_seq={self.max_pages}; release finished "
+                             "requests or build the spec with more pages per request")
+        if n == 0:
+            return
+        self.table[row, start:start + n] = new
+        self.counts[row] = start + n
+        if self._lo[row] > start:
+            self._lo[row] = start
+        self._hi[row] = start + n
+        self._dirty = True
+
+    def append_rows(self, rows: Any, pages: Any) -> None:
+        """One page added at the end of each of ``rows`` (distinct): ``pages[i]`` to row
+        ``rows[i]``, the appends of one decode step in one call."""
+        rows = _ints(rows, "rows")
+        new = self._pages(pages, "pages")
+        k = rows.shape[0]
+        if new.shape[0] != k:
+            raise ValueError(f"append_rows got {k} rows and {new.shape[0]} pages; expected one "
+                             "page per row")
+        if k == 0:
+            return
+        if _any_outside(rows, self.num_rows):
+            bad = int(rows[(rows < 0) | (rows >= self.num_rows)][0])
+            raise ValueError(f"append_rows got row {bad}; rows lie in [0, {self.num_rows})")
+        # A repeated row: its later mark overwrites the earlier one.
+        ticket = np.arange(k)
+        self._marks[rows] = ticket
+        if not np.array_equal(self._marks[rows], ticket):
+            raise ValueError("append_rows got a row twice; append several pages to one row "
+                             "with append(row, pages)")
+        starts = self.counts[rows]
+        if int(starts.max()) >= self.max_pages:
+            bad = int(rows[starts.argmax()])
+            raise ValueError(f"append_rows: row {bad} already holds max_pages_per_seq="
+                             f"{self.max_pages} pages; release finished requests or build "
+                             "the spec with more pages per request")
+        self.table[rows, starts] = new
+        self.counts[rows] = starts + 1
+        np.minimum(self._lo[rows], starts, out=starts)
+        self._lo[rows] = starts
+        self._hi[rows] = self.counts[rows]
+        self._dirty = True
+
+    def release(self, row: int) -> None:
+        """The request in slot ``row`` retired: the row holds no pages (a step then passes
+        seq_len 0 for it, a padding row)."""
+        row = self._row(row)
+        self.counts[row] = 0
+        self._lo[row], self._hi[row] = self.max_pages, 0
+
+    # ---- staging ----------------------------------------------------------------------------
+
+    def check_lengths(self, lens: np.ndarray, max_len: int) -> None:
+        """Raise ValueError unless rows [0, B) hold the pages that ``lens`` [B] need."""
+        b = lens.shape[0]
+        if b > self.num_rows:
+            raise ValueError(f"seq_lens_cpu has {b} requests but the block table has "
+                             f"{self.num_rows} rows (batch slots)")
+        page = self.page_size
+        if b == 1:
+            if int(lens[0]) > self.counts[0] * page:
+                self._short_row(0, int(lens[0]))
+            return
+        short = lens > self.counts[:b] * page
+        if short.any():
+            row = int(short.argmax())
+            self._short_row(row, int(lens[row]))
+
+    def changes(self, index_out: np.ndarray, value_out: np.ndarray, row_width: int
+                ) -> tuple[int, list[tuple[int, int, int]]]:
+        """Drain the changes since the last call: up to ``len(index_out)`` entries written
+        as (flat index ``row x row_width + column``, page) into ``index_out`` /
+        ``value_out``; rows whose changes do not fit come back as (row, lo, hi) column
+        ranges to copy whole. Returns (entries written, ranges)."""
+        if not self._dirty:
+            return 0, []
+        self._dirty = False
+        lo, hi = self._lo, self._hi
+        rows = np.flatnonzero(hi > lo)
+        if rows.size == 0:
+            return 0, []
+        starts, ends = lo[rows], hi[rows]
+        widths = ends - starts
+        lo[rows], hi[rows] = self.max_pages, 0
+        capacity = index_out.shape[0]
+        copied: list[tuple[int, int, int]] = []
+        if int(widths.sum()) > capacity:
+            # Widest rows (new long requests) go whole until the rest fits the list.
+            order = np.argsort(-widths, kind="stable")
+            left = np.cumsum(widths[order][::-1])[::-1]  # what remains from each on
+            cut = int(np.searchsorted(-left, -capacity))  # first position where it fits
+            whole = np.sort(order[:cut])
+            copied = [(int(rows[i]), int(starts[i]), int(ends[i])) for i in whole]
+            keep = np.sort(order[cut:])
+            rows, starts, ends, widths = rows[keep], starts[keep], ends[keep], widths[keep]
+        n = int(widths.sum())
+        if n == rows.size:  # one entry per row: the decode step's appends
+            cols = starts
+            flat_rows = rows
+        else:
+            flat_rows = np.repeat(rows, widths)
+            first = np.repeat(np.cumsum(widths) - widths, widths)
+            cols = np.repeat(starts, widths) + (np.arange(n) - first)
+        np.multiply(flat_rows, row_width, out=index_out[:n])
+        index_out[:n] += cols
+        value_out[:n] = self.table[flat_rows, cols]
+        return n, copied
+
+    def discard_changes(self) -> None:
+        """Forget the changes since the last step (the whole table is being staged)."""
+        self._lo[:] = self.max_pages
+        self._hi[:] = 0
+        self._dirty = False
+
+    # ---- checks -------------------------------------------------------------------------------
+
+    def _row(self, row: Any) -> int:
+        if isinstance(row, bool) or not hasattr(row, "__index__"):
+            raise TypeError(f"row must be an int (a batch slot), got {type(row).__name__} "
+                            f"{row!r}")
+        row = int(row)
+        if not 0 <= row < self.num_rows:
+            raise ValueError(f"row {row} is outside the block table's rows [0, "
+                             f"{self.num_rows}) (one per batch slot)")
+        return row
+
+    def _pages(self, pages: Any, name: str) -> np.ndarray:
+        arr = _ints(pages, name)
+        if arr.size and _any_outside(arr, self.num_cache_pages):
+            i = int(np.flatnonzero((arr < 0) | (arr >= self.num_cache_pages))[0])
+            raise ValueError(f"{name}[{i}] = {int(arr[i])} points outside the KV cache "
+                             f"(expected a page index in [0, {self.num_cache_pages})); "
+                             "nothing was changed. Fix the scheduler's page allocation")
+        return arr
+
+    def _short_row(self, row: int, length: int) -> None:
+        need = -(-length // self.page_size)
+        raise ValueError(f"seq_lens_cpu[{row}] = {length} needs {need} pages of "
+                         f"{self.page_size}, but row {row} of the block table holds "
+                         f"{int(self.counts[row])}; append its pages (block_table.append) "
+                         "before the step")
+
+
+def _ints(value: Any, name: str) -> np.ndarray:
+    if type(value) is np.ndarray:
+        arr = value
+    else:
+        if hasattr(value, "numpy") and hasattr(value, "is_cpu"):  # a torch tensor
+            if not value.is_cpu:
+                raise TypeError(f"{name} is a tensor on {value.device}; pass a host copy")
+            value = value.numpy()
+        arr = np.asarray(value)
+        if arr.size == 0:
+            arr = arr.astype(np.int64).reshape(0)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"{name} has dtype {arr.dtype}; expected integers. Cast it to int32")
+    if arr.ndim != 1:
+        raise ValueError(f"{name} has shape {arr.shape}; expected one dimension")
+    return arr
+
+
+def _any_outside(arr: np.ndarray, limit: int) -> bool:
+    if arr.shape[0] == 1:
+        v = int(arr[0])
+        return v < 0 or v >= limit
+    # One pass: viewed as unsigned, negative entries wrap above any limit.
+    if arr.dtype.kind == "i" and arr.dtype.itemsize in (4, 8):
+        return bool(arr.view(np.uint32 if arr.dtype.itemsize == 4 else np.uint64).max()
+                    >= limit)
+    return bool(arr.min() < 0 or arr.max() >= limit)
