@@ -15,6 +15,14 @@ replays one split whatever the live length.
 Pool rule (torch.cuda.graphs): graphs may share one pool because replays are serial on
 one stream and each body copies its result into the static output, so no tensor of one
 graph's pool memory outlives its replay.
+
+Every body first applies the staged block-table changes (``StaticBuffers.
+apply_table_changes``, a scatter of a fixed-size list), then runs the forward.
+
+Capture faults leave nothing behind: an exception in the warm-up or capture of any graph
+(the forward's own, or a CUDA out-of-memory) releases every graph captured so far and the
+pool, drops the failed call's frames (their tensors would otherwise outlive it through the
+traceback) and raises ``CaptureError`` naming the graph being captured, chained to the cause.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,6 +46,16 @@ logger = logging.getLogger(__name__)
 
 Forward = Callable[[DecodeContext], torch.Tensor]
 Body = Callable[[], None]
+
+# One side stream per device for every warm-up and capture: libraries allocate per-stream
+# state on first use (cuBLAS keeps a workspace per stream until exit), so a fresh stream
+# per capture() would leave that behind each time.
+_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+class CaptureError(RuntimeError):
+    """A graph failed to warm up or capture; ``__cause__`` is the original exception.
+    Raised after every graph of the table and its pool were released."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,23 +156,33 @@ class GraphTable:
             groups.setdefault((key.batch_size, key.q_len, plan), []).append(key)
         device = buffers.spec.device
         self._pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
-        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        stream = _capture_stream(device) if device.type == "cuda" else None
         bar = _Progress(len(groups), progress)
         start = time.perf_counter()
+        what = ""
         try:
             for (bs, q_len, plan), keys in groups.items():
+                what = (f"graph {bar.done + 1}/{len(groups)} (bs={bs}, q_len={q_len}, "
+                        f"{plan.describe()}; keys {', '.join(map(str, keys))})")
                 bar.update(f"bs={bs}{f' q_len={q_len}' if q_len > 1 else ''} "
                            f"{plan.describe()}")
                 t0 = time.perf_counter()
                 ctx = buffers.context(bs, plan, self.backend, sm_scale, q_len=q_len)
-                body = _body(forward, ctx, buffers.output[:bs * q_len])
+                body = _body(forward, ctx, buffers.output[:bs * q_len],
+                             buffers.apply_table_changes)
                 graph, nbytes = _capture(body, stream, self._pool, warmup_iters)
                 for key in keys:
                     self._graphs[key] = graph
                 self.records.append(GraphRecord(bs, plan, tuple(keys), nbytes,
                                                 time.perf_counter() - t0, q_len))
-        except BaseException:
-            self.close()  # no half-captured set survives; a retry starts from scratch
+        except Exception as exc:
+            self._release_after(exc)
+            raise CaptureError(
+                f"capturing {what} failed: {type(exc).__name__}: {exc}. Every graph captured "
+                "so far and the pool were released; fix the cause and capture again (or "
+                "build a new runner)") from exc
+        except BaseException as exc:  # KeyboardInterrupt and the like: released, as raised
+            self._release_after(exc)
             raise
         finally:
             bar.close()
@@ -163,6 +192,12 @@ class GraphTable:
             pool_bytes=sum(r.nbytes for r in self.records))
         logger.info("graphbucket: %s", self.summary.describe())
         return self.summary
+
+    def _release_after(self, exc: BaseException) -> None:
+        # No half-captured set survives; the finished frames of the failed call hold its
+        # tensors (and the graph being captured) through the traceback: clear them.
+        self.close()
+        traceback.clear_frames(exc.__traceback__)
 
     def replay(self, key: GraphKey) -> None:
         """Launch the graph serving ``key`` (aliased keys share one)."""
@@ -178,9 +213,20 @@ class GraphTable:
         self._pool = None
 
 
-def _body(forward: Forward, ctx: DecodeContext, out: torch.Tensor) -> Body:
-    """The captured call: ``out <- forward(ctx)``; out is a view of the static output."""
+def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = torch.device("cuda", index)
+    if key not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[key] = torch.cuda.Stream(key)
+    return _CAPTURE_STREAMS[key]
+
+
+def _body(forward: Forward, ctx: DecodeContext, out: torch.Tensor,
+          apply_table_changes: Body) -> Body:
+    """The captured call: the staged block-table changes, then ``out <- forward(ctx)``; out
+    is a view of the static output."""
     def body() -> None:
+        apply_table_changes()
         result = forward(ctx)
         if result.shape != out.shape or result.dtype != out.dtype:
             raise ValueError(f"forward returned {result.dtype} {tuple(result.shape)}; expected "
@@ -205,12 +251,18 @@ def _capture(body: Body, stream: torch.cuda.Stream | None, pool, warmup_iters: i
             body()
     current.wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    # Measured inside the capture: torch.cuda.graph empties the cache on entry, and while
-    # capturing, only this pool can grow.
-    with torch.cuda.graph(graph, pool=pool, stream=stream):
-        before = torch.cuda.memory_reserved(stream.device)
-        body()
-        added = torch.cuda.memory_reserved(stream.device) - before
+    try:
+        # Measured inside the capture: torch.cuda.graph empties the cache on entry, and
+        # while capturing, only this pool can grow.
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            before = torch.cuda.memory_reserved(stream.device)
+            body()
+            added = torch.cuda.memory_reserved(stream.device) - before
+    except BaseException:
+        # An invalidated capture fails in capture_end, before torch.cuda.graph restores
+        # the current stream: restore it here, or later work would run on the side stream.
+        torch.cuda.set_stream(current)
+        raise
     return graph, added
 
 

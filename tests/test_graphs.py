@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from graphbucket import Bucket, BucketLadder, GraphSelector, get_backend
+from graphbucket import Bucket, BucketLadder, GraphSelector, get_backend, graphs
 from graphbucket.batch import BatchValidator
 from graphbucket.buffers import StaticBuffers
-from graphbucket.graphs import GraphTable
+from graphbucket.graphs import CaptureError, GraphTable
 from tests._toy import LADDER, NUM_SMS, ToyMLA, rel_l2, toy_batch, toy_reference, toy_spec
 
 SM_SCALE = 0.125
@@ -103,10 +103,58 @@ def test_progress_lines_and_log_line(capsys, caplog):
 
 def test_forward_with_the_wrong_output_shape_fails_at_capture():
     table, buffers = make_table("cpu")
-    with pytest.raises(ValueError, match=r"forward returned torch.float32 \(2, 3\); expected"):
+    with pytest.raises(CaptureError, match=r"forward returned torch.float32 \(2, 3\); "
+                       "expected") as err:
         table.capture(lambda ctx: torch.zeros(ctx.batch_size, 3), buffers, sm_scale=SM_SCALE,
                       progress=False)
+    assert isinstance(err.value.__cause__, ValueError)
     assert table.summary is None and table.records == []
+
+
+class FailsAtGraph:
+    """The toy forward, raising on its first call for the ``k``-th graph captured (1-based;
+    ``calls_per_graph``: warm-ups plus the capture itself)."""
+
+    def __init__(self, model, k, calls_per_graph):
+        self.model, self.fail_at, self.calls = model, (k - 1) * calls_per_graph + 1, 0
+
+    def __call__(self, ctx):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("injected forward fault")
+        return self.model(ctx)
+
+
+def test_a_forward_fault_at_the_kth_graph_releases_every_graph_and_names_the_key(monkeypatch):
+    made = []
+
+    class Recorded(graphs.FrozenPlanGraph):
+        def __init__(self, body):
+            super().__init__(body)
+            made.append(self)
+
+    monkeypatch.setattr(graphs, "FrozenPlanGraph", Recorded)
+    table, buffers = make_table("cpu")
+    order = table.capture_order()
+    assert len(order) >= 3
+    model = ToyMLA()
+    with pytest.raises(CaptureError, match=r"capturing graph 3/\d+ \(bs=1, q_len=1, ") as err:
+        table.capture(FailsAtGraph(model, 3, 1), buffers, sm_scale=SM_SCALE, progress=False)
+    assert str(err.value.__cause__) == "injected forward fault"
+    bs, plan = order[2]
+    assert plan.describe() in str(err.value)
+    keys = [k for k, p in table.plans.items() if (k.batch_size, p) == (bs, plan)]
+    assert all(str(k) in str(err.value) for k in keys)
+    assert len(made) == 2 and all(g._body is None for g in made)  # both earlier graphs reset
+    assert table.summary is None and table.records == []
+    with pytest.raises(KeyError):
+        table.replay(keys[0])
+    # The same table captures again, and replays correctly.
+    table.capture(model, buffers, sm_scale=SM_SCALE, progress=False)
+    batch = toy_batch([40], rng=np.random.default_rng(3))
+    buffers.stage(BatchValidator(buffers.spec)(batch), 1)
+    table.replay(table.selector.key(1, 1))
+    assert rel_l2(buffers.output[:1], toy_reference(model, batch, sm_scale=SM_SCALE)) < 1e-5
 
 
 def test_close_drops_every_graph():
