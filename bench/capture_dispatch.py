@@ -14,7 +14,7 @@ single bucket (hint = max_model_len), and measures:
   buckets, so a target can be read where it holds and where it does not.
 
     python3 bench/capture_dispatch.py --out bench/results      # CUDA: h200-capture.{json,md}
-    python3 bench/capture_dispatch.py --cpu-smoke              # tiny CPU run of the same code
+    python3 bench/capture_dispatch.py --cpu-smoke              # tiny CPU run, files to /tmp
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 import warnings
@@ -399,8 +398,11 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from bench.gpu_timing import add_out_argument, out_dir, run_meta
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=None, help="output folder (default bench/results)")
+    add_out_argument(parser, "h200-capture.{json,md} (cpu-smoke-capture.* with --cpu-smoke)",
+                     smoke=True)
     parser.add_argument("--steps", type=int, default=1000, help="random decode steps")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny CPU run, no CUDA needed")
     args = parser.parse_args(argv)
@@ -409,19 +411,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cfg = SMOKE if args.cpu_smoke else Config()
     steps = min(args.steps, 6) if args.cpu_smoke else args.steps
-    out = args.out or (os.path.join(tempfile.gettempdir(), "graphbucket-smoke")
-                       if args.cpu_smoke else "bench/results")
     name = "cpu-smoke-capture" if args.cpu_smoke else "h200-capture"
     result = run(cfg, steps)
-    from bench.gpu_timing import run_meta
-
     result["meta"] = run_meta()
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, f"{name}.json"), "w") as f:
-        json.dump(result, f, indent=2)
-    with open(os.path.join(out, f"{name}.md"), "w") as f:
-        f.write(markdown(result))
     print(markdown(result))
+    out = out_dir(args.out, smoke=args.cpu_smoke)
+    if out:
+        with open(os.path.join(out, f"{name}.json"), "w") as f:
+            json.dump(result, f, indent=2)
+        with open(os.path.join(out, f"{name}.md"), "w") as f:
+            f.write(markdown(result))
+        print(f"wrote {os.path.join(out, name)}.{{json,md}}")
     return 0
 
 

@@ -29,7 +29,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.gpu_timing import copy_gbps, run_line, run_meta  # noqa: E402
+from bench.gpu_timing import (  # noqa: E402
+    add_out_argument,
+    copy_gbps,
+    out_dir,
+    run_line,
+    run_meta,
+)
 from bench.kernel_sweep import time_calls  # noqa: E402
 from bench.ragged import inputs, random_cache  # noqa: E402
 from graphbucket import fp8  # noqa: E402
@@ -69,7 +75,7 @@ def stage1_variant(name: str | None):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="bench/results")
+    add_out_argument(ap, "h200-fp8.{json,md}")
     ap.add_argument("--ab", nargs="*", default=[], metavar="VARIANT",
                     help="also time the fp8 formats with these stage-1 variants "
                          "(<float|bits|cvt>-<tokens>x<warps>, or noprefetch)")
@@ -116,12 +122,12 @@ def main() -> None:
                   flush=True)
         del tables, q, out, ws
     result = {"meta": {**run_meta(), "copy_gbps": round(gbps, 1)}, "rows": rows}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "h200-fp8.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    with open(os.path.join(args.out, "h200-fp8.md"), "w") as f:
-        f.write(markdown(result))
     print(markdown(result))
+    if out := out_dir(args.out):
+        with open(os.path.join(out, "h200-fp8.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        with open(os.path.join(out, "h200-fp8.md"), "w") as f:
+            f.write(markdown(result))
 
 
 def markdown(result: dict) -> str:

@@ -1,19 +1,51 @@
-"""Shared GPU timing helpers: copy-bandwidth ceiling, graph-replay timing, run metadata."""
+"""Shared GPU timing helpers: copy-bandwidth ceiling, graph-replay timing, run metadata, and
+where a bench writes its files.
+
+Imported by the benches; run alone on a GPU it prints the two ceilings they compare with:
+
+    python3 bench/gpu_timing.py
+"""
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
 import platform
 import sys
+import tempfile
 from collections.abc import Callable
 
 import torch
 import triton
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 # Moved into the package (the ladder tuner times the kernel too); re-exported here.
-from graphbucket.tuning.measure import L2_FLUSH_BYTES, time_replays, warm_gpu  # noqa: F401
+from graphbucket.tuning.measure import (  # noqa: E402, F401
+    L2_FLUSH_BYTES,
+    time_replays,
+    warm_gpu,
+)
+
+
+def add_out_argument(ap: argparse.ArgumentParser, files: str, *, smoke: bool = False) -> None:
+    """``--out DIR``, the one way a bench is told to write ``files``; see ``out_dir``."""
+    ap.add_argument("--out", metavar="DIR", default=None,
+                    help=f"write {files} into DIR (e.g. bench/results); without --out the "
+                         "results are only printed"
+                         + ("; --cpu-smoke without --out writes into a new temporary folder"
+                            if smoke else ""))
+
+
+def out_dir(out: str | None, *, smoke: bool = False) -> str | None:
+    """The folder a bench writes into: ``--out`` when given; for a CPU smoke run without it a
+    new temporary folder (never bench/results); else None, and nothing is written."""
+    if out:
+        os.makedirs(out, exist_ok=True)
+        return out
+    return tempfile.mkdtemp(prefix="graphbucket-smoke-") if smoke else None
 
 
 def rerender(json_path: str, markdown: Callable[[dict], str]) -> None:
@@ -75,3 +107,22 @@ def matmul_tflops(n: int = 8192) -> float:
     c = torch.empty(n, n, dtype=torch.bfloat16, device="cuda")
     us = time_replays(lambda: torch.matmul(a, b, out=c), calls_per_graph=1, min_ms=50.0)
     return 2 * n ** 3 / (us * 1e6)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Imported by the benches; run alone on a CUDA GPU it prints the copy bandwidth "
+               "and the bf16 matmul rate. Writes nothing.")
+    ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("gpu_timing.py measures the GPU's copy bandwidth and matmul rate and needs "
+                 "a CUDA GPU")
+    meta = run_meta()
+    print(f"{meta['gpu']}: copy {copy_gbps():.0f} GB/s (read + write), bf16 matmul "
+          f"{matmul_tflops():.0f} TFLOP/s; torch {meta['torch']}, triton {meta['triton']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

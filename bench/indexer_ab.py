@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.gpu_timing import copy_gbps, run_meta  # noqa: E402
+from bench.gpu_timing import add_out_argument, copy_gbps, out_dir, run_meta  # noqa: E402
 from bench.sparse_sweep import INDEX_BYTES, Caches, rotations, timed  # noqa: E402
 from graphbucket.sparse import plan_sparse_decode, quantize_index_keys  # noqa: E402
 from graphbucket.sparse.indexer import launch_indexer_logits  # noqa: E402
@@ -79,7 +79,7 @@ def check(name: str) -> tuple[float, bool]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=None)
+    add_out_argument(ap, "h200-indexer-ab.json")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("indexer_ab.py times CUDA-graph replays and needs a CUDA GPU")
@@ -115,9 +115,8 @@ def main() -> None:
                     for s, us in cells.items()}
             print(f"{name:18s}" + "".join(f"{cells[s]:>8.1f} ({frac[s]:.2f})" for s in splits),
                   flush=True)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "h200-indexer-ab.json"), "w") as f:
+    if out := out_dir(args.out):
+        with open(os.path.join(out, "h200-indexer-ab.json"), "w") as f:
             json.dump(result, f, indent=1)
     if failed:
         sys.exit(f"checks failed: {failed}")

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.gpu_timing import run_line, run_meta  # noqa: E402
+from bench.gpu_timing import add_out_argument, out_dir, run_line, run_meta  # noqa: E402
 from bench.kernel_sweep import time_calls  # noqa: E402
 from bench.ragged import inputs, random_cache  # noqa: E402
 from graphbucket import fp8  # noqa: E402
@@ -37,7 +37,7 @@ SHAPES = [(16, 1, 131072), (16, 8, 131072), (16, 64, 16384), (128, 1, 131072),
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="bench/results")
+    add_out_argument(ap, "h200-l2-resident.{json,md}")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("l2_resident.py times CUDA-graph replays and needs a CUDA GPU")
@@ -68,11 +68,11 @@ def main() -> None:
                   f"  L2-resident {l2:8.1f} us  ({l2 / hbm:.2f})", flush=True)
         del tables, q, out, ws
     result = {"meta": run_meta(), "rows": rows}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "h200-l2-resident.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    with open(os.path.join(args.out, "h200-l2-resident.md"), "w") as f:
-        f.write(markdown(result))
+    if out := out_dir(args.out):
+        with open(os.path.join(out, "h200-l2-resident.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        with open(os.path.join(out, "h200-l2-resident.md"), "w") as f:
+            f.write(markdown(result))
 
 
 def markdown(result: dict) -> str:

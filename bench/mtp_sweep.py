@@ -22,7 +22,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.gpu_timing import copy_gbps, run_meta, time_replays  # noqa: E402
+from bench.gpu_timing import (  # noqa: E402
+    add_out_argument,
+    copy_gbps,
+    out_dir,
+    run_meta,
+    time_replays,
+)
 from bench.ragged import inputs, random_cache  # noqa: E402
 from graphbucket import plan as P  # noqa: E402
 from graphbucket.kernels import SplitWorkspace, default_sm_scale, mla_decode  # noqa: E402
@@ -57,7 +63,7 @@ def timed(plan, cache, tables, q, out, lens, ws, scale, q_len) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="bench/results")
+    add_out_argument(ap, "h200-mtp.{json,md}")
     ap.add_argument("--variants", action="store_true",
                     help="also time other folded streams where a program holds 32 rows")
     args = ap.parse_args()
@@ -110,12 +116,13 @@ def main() -> None:
                     print(f"h={heads} b={batch} ctx={context} q_len={q_len} {r['form']:6s} "
                           f"{r['us']:9.1f} us  {r['topology']}", flush=True)
             del tables, q, out, ws
-    os.makedirs(args.out, exist_ok=True)
     meta = {**run_meta(), "copy_gbps": round(gbps, 1)}
-    with open(os.path.join(args.out, "h200-mtp.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    with open(os.path.join(args.out, "h200-mtp.md"), "w") as f:
-        f.write(markdown(meta, rows))
+    print(markdown(meta, rows))
+    if out := out_dir(args.out):
+        with open(os.path.join(out, "h200-mtp.json"), "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        with open(os.path.join(out, "h200-mtp.md"), "w") as f:
+            f.write(markdown(meta, rows))
 
 
 def markdown(meta: dict, rows: list[dict]) -> str:

@@ -15,6 +15,7 @@ than the sweeps'; read its ratios and stall reasons, not its times.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -29,6 +30,11 @@ from graphbucket.plan import plan_mla_decode  # noqa: E402
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Run it under ncu (the commands are in this file's docstring); it writes "
+               "nothing itself.")
+    ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("ncu_stage1.py launches CUDA kernels and needs a CUDA GPU")
     bf16 = random_cache(8 * 2048)

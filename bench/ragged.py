@@ -30,7 +30,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.gpu_timing import copy_gbps, run_line, run_meta, time_replays  # noqa: E402
+from bench.gpu_timing import (  # noqa: E402
+    add_out_argument,
+    copy_gbps,
+    out_dir,
+    run_line,
+    run_meta,
+    time_replays,
+)
 from graphbucket.kernels import (  # noqa: E402
     SplitWorkspace,
     default_sm_scale,
@@ -137,7 +144,8 @@ def markdown(result: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="bench/results", help="folder for h200-ragged.{json,md}")
+    add_out_argument(ap, "h200-ragged.{json,md} (h200-ragged-balanced-sweep.* with "
+                         "--sweep-balanced)")
     ap.add_argument("--sweep-balanced", action="store_true",
                     help="also time balanced variants: 1, 2 or 4 half waves of programs x "
                          "minimum chunks of 1, 4 and 16 tiles")
@@ -147,14 +155,14 @@ def main() -> None:
     gbps = copy_gbps()
     rows = measure(gbps, SWEEP if args.sweep_balanced else [])
     result = {"meta": {**run_meta(), "copy_gbps": round(gbps, 1)}, "rows": rows}
-    os.makedirs(args.out, exist_ok=True)
-    name = "h200-ragged-balanced-sweep" if args.sweep_balanced else "h200-ragged"
-    path = os.path.join(args.out, name)
-    with open(path + ".json", "w") as f:
-        json.dump(result, f, indent=1)
-    with open(path + ".md", "w") as f:
-        f.write(markdown(result))
     print(markdown(result))
+    if out := out_dir(args.out):
+        name = "h200-ragged-balanced-sweep" if args.sweep_balanced else "h200-ragged"
+        path = os.path.join(out, name)
+        with open(path + ".json", "w") as f:
+            json.dump(result, f, indent=1)
+        with open(path + ".md", "w") as f:
+            f.write(markdown(result))
 
 
 if __name__ == "__main__":

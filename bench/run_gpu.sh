@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
+# usage: [OUT=DIR] bash bench/run_gpu.sh [STEP ...]
+#
 # GPU evidence in one call: GPU tests, kernel sweep, capture/dispatch bench, ladder tune,
-# TPOT per policy, and the demo's GPU path.
-# Usage (on a CUDA machine, from the repo root): OUT=/some/dir bash bench/run_gpu.sh [steps]
+# TPOT per policy, and the demo's GPU path. Run it on a CUDA machine.
 # steps: any of tests gputests sweep fisweep capture tune tunefp8 tpot tpotfp8 tpotmtp
 #        ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp
 #        (tpotdp: TPOT of the 128-head deepseek-v3-dp preset, the compute-bound decode)
-#        (tunefp8: 16-head ladders over fp8-tensor and fp8-v32 caches, copied into
-#        graphbucket/ladders/ like tune's; tpotfp8: TPOT of bf16, fp8-tensor and fp8-v32
+#        (tune: 16- and 12-head ladders, copied into graphbucket/ladders/ so that the
+#        TPOT steps after it run them; tunefp8: 16-head ladders over fp8-tensor and
+#        fp8-v32 caches, copied likewise; tpotfp8: TPOT of bf16, fp8-tensor and fp8-v32
 #        caches in one table, fixed-1 and the ladder, after tunefp8)
 #        (tpotmtp: TPOT of verify steps at q_len 1, 2, 4 on fewer contexts)
 #        (l2: decode time with the KV in HBM against L2-resident, 16 and 128 heads)
@@ -16,12 +18,26 @@
 #        (ragged: batches whose lengths differ, against the bytes they read)
 #        (tp needs 2 GPUs: TP=2 decode, numerics vs TP=1, TPOT ladder vs fixed-1)
 #        (default: tests sweep capture tune tpot).
-# Every step has a time limit so one hang cannot eat the rest; everything written under
-# $OUT/r is packed into $OUT/gpu-results.tgz (the device tool returns at most 8 files).
+# Every step has a time limit so one hang cannot eat the rest. Everything is written under
+# $OUT/r and packed into $OUT/gpu-results.tgz (the device tool returns at most 8 files);
+# OUT defaults to a new temporary folder, printed first. Besides $OUT, only the tune
+# steps write into the checkout (graphbucket/ladders/).
 # TPOT_LAYERS sets the tpot model's layer count (default 4).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-OUT=${OUT:-bench/results}
+STEPS="tests gputests sweep fisweep capture tune tunefp8 tpot tpotfp8 tpotmtp ragged demo tp
+       fp8 mtp sparse sparseab tpotsparse l2 tpotdp"
+usage() { sed -n '2,/^set /{/^set /d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"; }
+for arg in "$@"; do
+  case $arg in
+    -h|--help) usage; exit 0 ;;
+    *) [[ " $(echo $STEPS) " == *" $arg "* ]] || {
+         echo "run_gpu.sh: unknown step '$arg'; steps: $(echo $STEPS) (--help says more)" >&2
+         exit 2; } ;;
+  esac
+done
+OUT=${OUT:-$(mktemp -d "${TMPDIR:-/tmp}/graphbucket-gpu.XXXXXX")}
+echo "results: $OUT"
 R="$OUT/r"
 mkdir -p "$R"
 export PYTHONUNBUFFERED=1
@@ -66,7 +82,7 @@ for step in $steps; do
             timeout 150 python3 scripts/tune_ladder.py --heads "$h" --batches 1 8 \
               --max-buckets 6 --max-model-len 131072 --out "$R/h200-h$h.json" \
               --report "$R/h200-ladder-tune$suffix.json" --plot "$R/h200-ladder-tune$suffix.png" \
-              > "$R/tune-h$h.log" 2>&1; tail -3 "$R/tune-h$h.log"
+              --force > "$R/tune-h$h.log" 2>&1; tail -3 "$R/tune-h$h.log"
             # the TPOT step below should run with the ladder just tuned
             cp "$R/h200-h$h.json" "graphbucket/ladders/h200-h$h.json" 2>/dev/null
           done ;;
@@ -74,7 +90,7 @@ for step in $steps; do
                timeout 200 python3 scripts/tune_ladder.py --heads 16 --batches 1 8 \
                  --max-buckets 6 --max-model-len 131072 --kv-cache "$fmt" \
                  --out "$R/h200-h16-$fmt.json" --report "$R/h200-ladder-tune-$fmt.json" \
-                 --plot "$R/h200-ladder-tune-$fmt.png" > "$R/tune-$fmt.log" 2>&1
+                 --plot "$R/h200-ladder-tune-$fmt.png" --force > "$R/tune-$fmt.log" 2>&1
                tail -3 "$R/tune-$fmt.log"
                cp "$R/h200-h16-$fmt.json" "graphbucket/ladders/h200-h16-$fmt.json" 2>/dev/null
              done ;;
@@ -101,7 +117,6 @@ for step in $steps; do
     ragged) timeout 120 python3 bench/ragged.py --out "$R" > "$R/ragged.log" 2>&1
             tail -8 "$R/h200-ragged.md" ;;
     demo) timeout 240 python3 scripts/demo.py 2>&1 | tee "$R/demo.log" ;;
-    *) echo "unknown step $step" ;;
   esac
 done
 tar czf "$OUT/gpu-results.tgz" -C "$R" .

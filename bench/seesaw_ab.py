@@ -7,6 +7,7 @@ cold L2, CUDA-graph replays): the planned seesaw plan against the same plan with
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from dataclasses import replace
@@ -25,6 +26,11 @@ SHAPES = [(1, 4096), (1, 131072), (8, 65536), (8, 131072), (64, 4096)]
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 epilog="Prints one line per shape; writes nothing.")
+    ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("seesaw_ab.py times CUDA-graph replays on a Hopper GPU and needs CUDA")
     cache = random_cache(max(b * -(-c // 64) for b, c in SHAPES))
     sm_scale = default_sm_scale()
     for batch, context in SHAPES:

@@ -10,7 +10,8 @@ row bytes + q and out, over the copy bandwidth of the same run). ``*`` marks the
 count each stream's plan picks.
 
     python3 bench/sparse_attention_ab.py [--out DIR]     # DIR/h200-sparse-attention-ab.json
-    python3 bench/sparse_attention_ab.py --cpu-smoke     # toy sizes, interpreter: runs
+    python3 bench/sparse_attention_ab.py --cpu-smoke     # toy sizes, interpreter: runs;
+                                                         # its file to a temporary folder
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ if "--cpu-smoke" in sys.argv:  # before triton is imported: it reads the flag th
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from bench import sparse_sweep as S  # noqa: E402
-from bench.gpu_timing import copy_gbps, run_meta  # noqa: E402
+from bench.gpu_timing import add_out_argument, copy_gbps, out_dir, run_meta  # noqa: E402
 from graphbucket import fp8  # noqa: E402
 from graphbucket.kernels import SplitWorkspace, default_sm_scale  # noqa: E402
 from graphbucket.sparse import plan_sparse_decode  # noqa: E402
@@ -146,7 +147,8 @@ def sweep(caches: S.Caches, gbps: float, fmt: str, names, batches) -> list[dict]
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=None, help="write DIR/h200-sparse-attention-ab.json")
+    add_out_argument(ap, "h200-sparse-attention-ab.json (cpu-smoke-sparse-attention-ab.json "
+                         "with --cpu-smoke)", smoke=True)
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="toy sizes through Triton's interpreter: checks, no timings")
     args = ap.parse_args()
@@ -169,11 +171,13 @@ def main() -> None:
           flush=True)
     results = sweep(caches, gbps, "bf16", STREAMS, batches)
     results += sweep(caches, gbps, "v32", V32_STREAMS, batches[-1:])
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "h200-sparse-attention-ab.json"), "w") as f:
+    if out := out_dir(args.out, smoke=args.cpu_smoke):
+        name = "cpu-smoke-sparse-attention-ab" if args.cpu_smoke else "h200-sparse-attention-ab"
+        path = os.path.join(out, f"{name}.json")
+        with open(path, "w") as f:
             json.dump({"meta": {**run_meta(), "copy_gbps": round(gbps, 1)},
                        "max_rel_l2": errors, "rows": results}, f, indent=1)
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

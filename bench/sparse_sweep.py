@@ -15,7 +15,8 @@ finds a cold L2 (as bench/gpu_timing.py). Measured, against the issue's targets:
   dense decode (``plan_mla_decode``, 16 heads) on the same cache.
 
     python3 bench/sparse_sweep.py --out DIR      # DIR/h200-sparse.{json,md}
-    python3 bench/sparse_sweep.py --cpu-smoke    # every step at toy sizes, interpreter
+    python3 bench/sparse_sweep.py --cpu-smoke    # every step at toy sizes, interpreter; its
+                                                 # files go to a new temporary folder
 """
 
 from __future__ import annotations
@@ -32,7 +33,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if "--cpu-smoke" in sys.argv:  # before triton is imported: it reads the flag then
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from bench.gpu_timing import copy_gbps, run_meta, time_replays  # noqa: E402
+from bench.gpu_timing import (  # noqa: E402
+    add_out_argument,
+    copy_gbps,
+    out_dir,
+    run_meta,
+    time_replays,
+)
 from graphbucket.kernels import SplitWorkspace, default_sm_scale, mla_decode  # noqa: E402
 from graphbucket.plan import plan_mla_decode  # noqa: E402
 from graphbucket.sparse import (  # noqa: E402
@@ -268,7 +275,8 @@ def markdown(result: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="bench/results")
+    add_out_argument(ap, "h200-sparse.{json,md} (cpu-smoke-sparse.* with --cpu-smoke)",
+                     smoke=True)
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="toy sizes through Triton's interpreter: checks, no timings")
     args = ap.parse_args()
@@ -288,14 +296,15 @@ def main() -> None:
               "summary": summary(indexer, topk, attention, layer),
               "indexer": indexer, "topk": topk, "attention": attention, "layer": layer}
     result = json.loads(json.dumps(result))  # int keys -> strings, as read back
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "cpu-smoke-sparse.json" if args.cpu_smoke
-                        else "h200-sparse.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    with open(os.path.splitext(path)[0] + ".md", "w") as f:
-        f.write(markdown(result))
     print(markdown(result))
+    if out := out_dir(args.out, smoke=args.cpu_smoke):
+        path = os.path.join(out, "cpu-smoke-sparse.json" if args.cpu_smoke
+                            else "h200-sparse.json")
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+        with open(os.path.splitext(path)[0] + ".md", "w") as f:
+            f.write(markdown(result))
+        print(f"wrote {path} and its .md")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.gpu_timing import copy_gbps, matmul_tflops, run_meta  # noqa: E402
+from bench.gpu_timing import (  # noqa: E402
+    add_out_argument,
+    copy_gbps,
+    matmul_tflops,
+    out_dir,
+    run_meta,
+)
 from bench.kernel_sweep import WIDE_HEADS_SHAPES, against_floor, time_calls  # noqa: E402
 from bench.ragged import inputs, mixes, random_cache  # noqa: E402
 from graphbucket import plan as P  # noqa: E402
@@ -98,7 +104,7 @@ def variants(mix: str, lens: list[int], short: bool) -> list[tuple[str, P.Launch
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=None, help="folder for h200-stream-ab[-short].json")
+    add_out_argument(ap, "h200-stream-ab.json (-short / -h<heads> with --short / --heads)")
     ap.add_argument("--short", action="store_true", help="short-context variants instead")
     ap.add_argument("--heads", type=int, default=HEADS,
                     help="other than 16: the query-row variants at this head count")
@@ -140,12 +146,11 @@ def main() -> None:
                   + f"  diff {diff:.1e}  "
                   f"{plan.describe()}", flush=True)
         del tables, q, out, ws
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
+    if out := out_dir(args.out):
         name = "h200-stream-ab-short.json" if args.short else "h200-stream-ab.json"
         if args.heads != HEADS:
             name = f"h200-stream-ab-h{args.heads}.json"
-        with open(os.path.join(args.out, name), "w") as f:
+        with open(os.path.join(out, name), "w") as f:
             json.dump({"meta": {**run_meta(), "copy_gbps": round(gbps, 1),
                                 "matmul_tflops": tflops and round(tflops, 1)}, "rows": rows},
                       f, indent=1)

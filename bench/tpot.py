@@ -28,10 +28,12 @@ absent for bf16 alone, the format's name for one fp8 format and ``-fp8`` for sev
 ``-mtp`` follows when any q_len other than 1 runs. Both options together combine the
 suffixes (``--kv-cache bf16 fp8-tensor --q-len 1 2`` writes h200-tpot-fp8-mtp.json).
 
+Without ``--out`` the rows are printed and nothing is written.
+
     python3 bench/tpot.py --layers 4 --out bench/results      # writes h200-tpot.json
-    python3 bench/tpot.py --kv-cache bf16 fp8-tensor fp8-v32 --policies fixed-1 ladder
-                                                              # writes h200-tpot-fp8.json
-    python3 bench/tpot.py --layers 4 --q-len 1 2 4            # writes h200-tpot-mtp.json
+    python3 bench/tpot.py --kv-cache bf16 fp8-tensor fp8-v32 --policies fixed-1 ladder \
+        --out DIR                                             # writes h200-tpot-fp8.json
+    python3 bench/tpot.py --layers 4 --q-len 1 2 4 --out DIR  # writes h200-tpot-mtp.json
 """
 
 from __future__ import annotations
@@ -254,7 +256,8 @@ def meta_for(bench: TpotBench, args, copy_gbps: float) -> dict:
 
     cfg, ladder = bench.model.config, bench.runners.get("ladder")
     captures = {p: r.capture().describe() for p, r in bench.runners.items() if not r.is_eager}
-    return {**run_meta(), "model": cfg.name, "layers": cfg.num_layers,
+    return {**run_meta(), "model": cfg.name, "num_heads": cfg.num_heads,
+            "layers": cfg.num_layers,
             "copy_gbps": round(copy_gbps, 1), "dtype": "bfloat16", "page_size": PAGE_SIZE,
             "kv_cache": bench.model.kv_cache_format,
             "kv_row_bytes": bench.model.kv_row_bytes(),
@@ -270,14 +273,26 @@ def meta_for(bench: TpotBench, args, copy_gbps: float) -> dict:
 
 
 def main() -> None:
+    from bench.gpu_timing import add_out_argument, out_dir
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=default_layers())
-    ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--preset", default="deepseek-v3-tp8", choices=sorted(PRESETS))
-    ap.add_argument("--contexts", type=int, nargs="+", default=CONTEXTS)
-    ap.add_argument("--batches", type=int, nargs="+", default=BATCHES)
+    ap.add_argument("--layers", type=int, default=default_layers(),
+                    help=f"decoder layers of the model (default: %(default)s, from "
+                         f"${LAYERS_ENV} when set)")
+    add_out_argument(ap, "the rows as h200-tpot[-preset][-formats][-mtp].json (what "
+                         "scripts/tpot_report.py reads)")
+    ap.add_argument("--preset", default="deepseek-v3-tp8", choices=sorted(PRESETS),
+                    help="model shapes (graphbucket.models.PRESETS; default: %(default)s, "
+                         "16 heads; deepseek-v3-dp: all 128 heads on one GPU)")
+    ap.add_argument("--contexts", type=int, nargs="+", default=CONTEXTS,
+                    help="context lengths, the decoded token included (default: 1 .. 128K, "
+                         f"{len(CONTEXTS)} points)")
+    ap.add_argument("--batches", type=int, nargs="+", default=BATCHES,
+                    help="batch sizes; each is a capture size (default: %(default)s)")
     ap.add_argument("--policies", nargs="+", default=list(BENCH_POLICIES),
-                    choices=BENCH_POLICIES)
+                    choices=BENCH_POLICIES, metavar="POLICY",
+                    help=f"graph policies to time, of {', '.join(BENCH_POLICIES)} "
+                         "(default: all)")
     ap.add_argument("--kv-cache", nargs="+", default=["bf16"], choices=fp8.KV_CACHE_FORMATS,
                     help="latent cache formats, one model each (fp8-tensor: e4m3 with one "
                          "scale; fp8-v32: DeepSeek-V3.2's 656-byte rows)")
@@ -295,6 +310,7 @@ def main() -> None:
                  "`python3 -m pytest bench/test_tpot.py --benchmark-disable`")
     from bench.gpu_timing import copy_gbps
 
+    out = out_dir(args.out)  # a bad --out fails before the run, not after it
     gbps = copy_gbps()
     print(f"copy bandwidth {gbps:.0f} GB/s", flush=True)
     formats = list(dict.fromkeys(args.kv_cache))
@@ -315,8 +331,10 @@ def main() -> None:
             "per_format": {m["kv_cache"]: {k: m[k] for k in ("ladder", "ladder_source",
                                                             "captures", "kv_row_bytes")}
                            for m in metas}}
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, output_name(args.preset, formats, q_lens))
+    if out is None:
+        print(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        return
+    path = os.path.join(out, output_name(args.preset, formats, q_lens))
     with open(path, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     print(f"wrote {path}")

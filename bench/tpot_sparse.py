@@ -11,6 +11,7 @@ the dense ``MLADecoder`` (DeepSeek-V3 TP8) at 128K with the same policies. Timin
 median of 5); ``tpot_ms`` = step_ms / q_len.
 
     python3 bench/tpot_sparse.py --layers 2 --out bench/results   # h200-sparse-tpot.{json,md}
+    python3 bench/tpot_sparse.py --layers 2                        # prints only
     python3 -m pytest bench/test_tpot_sparse.py                    # CPU smoke (interpreter)
 """
 
@@ -178,14 +179,22 @@ def markdown(result: dict) -> str:
 
 
 def main() -> None:
+    from bench.gpu_timing import add_out_argument, out_dir
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--contexts", type=int, nargs="+", default=CONTEXTS)
-    ap.add_argument("--batches", type=int, nargs="+", default=BATCHES)
-    ap.add_argument("--q-len", type=int, nargs="+", default=Q_LENS, dest="q_lens")
+    ap.add_argument("--layers", type=int, default=2,
+                    help="decoder layers of both models (default: %(default)s)")
+    add_out_argument(ap, "h200-sparse-tpot.{json,md}")
+    ap.add_argument("--contexts", type=int, nargs="+", default=CONTEXTS,
+                    help="context lengths of the sparse model (default: %(default)s)")
+    ap.add_argument("--batches", type=int, nargs="+", default=BATCHES,
+                    help="batch sizes; each is a capture size (default: %(default)s)")
+    ap.add_argument("--q-len", type=int, nargs="+", default=Q_LENS, dest="q_lens",
+                    help="query tokens per request (verify steps; default: %(default)s)")
     ap.add_argument("--policies", nargs="+", default=list(BENCH_POLICIES),
-                    choices=BENCH_POLICIES)
+                    choices=BENCH_POLICIES, metavar="POLICY",
+                    help=f"graph policies to time, of {', '.join(BENCH_POLICIES)} "
+                         "(default: all)")
     ap.add_argument("--no-dense", action="store_true", help="skip the dense model at 128K")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -218,14 +227,14 @@ def main() -> None:
                        "timing": "CUDA events over back-to-back runner.step calls, median "
                                  "of 5 runs; tpot_ms = step_ms / q_len"},
               "rows": rows, "dense_rows": dense_rows, "summary": summary(rows, dense_rows)}
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "h200-sparse-tpot.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    with open(os.path.splitext(path)[0] + ".md", "w") as f:
-        f.write(markdown(result))
     print(json.dumps(result["summary"], indent=1))
-    print(f"wrote {path}")
+    if out := out_dir(args.out):
+        path = os.path.join(out, "h200-sparse-tpot.json")
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+        with open(os.path.splitext(path)[0] + ".md", "w") as f:
+            f.write(markdown(result))
+        print(f"wrote {path} and its .md")
 
 
 if __name__ == "__main__":
