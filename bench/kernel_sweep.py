@@ -294,8 +294,10 @@ def markdown(meta: dict, rows: list[dict], split_rows: list[dict], merges: list[
 
 
 def main() -> None:
+    from bench.gpu_timing import add_out_argument, out_dir
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="bench/results")
+    add_out_argument(ap, "h200-kernel-sweep.{json,md}")
     ap.add_argument("--contexts", type=int, nargs="+", default=CONTEXTS)
     ap.add_argument("--batches", type=int, nargs="+", default=BATCHES)
     ap.add_argument("--splits", type=int, nargs="*", default=SPLITS,
@@ -325,14 +327,14 @@ def main() -> None:
     rows = compare(args)
     split_rows = sweep(args) if args.splits else []
     merges = merge_cost([32, 64, 128, 256, 512]) if args.splits else []
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "h200-kernel-sweep.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows, "split_rows": split_rows, "merge": merges},
-                  f, indent=1)
     text = markdown(meta, rows, split_rows, merges)
-    with open(os.path.join(args.out, "h200-kernel-sweep.md"), "w") as f:
-        f.write(text)
     print(text)
+    if out := out_dir(args.out):
+        with open(os.path.join(out, "h200-kernel-sweep.json"), "w") as f:
+            json.dump({"meta": meta, "rows": rows, "split_rows": split_rows, "merge": merges},
+                      f, indent=1)
+        with open(os.path.join(out, "h200-kernel-sweep.md"), "w") as f:
+            f.write(text)
 
 
 if __name__ == "__main__":
