@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import flashinfer_ref  # noqa: E402
+from bench import flashinfer_ref, flashmla_ref  # noqa: E402
 from bench.gpu_timing import copy_gbps, matmul_tflops, run_line, run_meta, time_replays  # noqa: E402
 from bench.ragged import bytes_read, inputs, mixes, random_cache  # noqa: E402
 from graphbucket.kernels import (  # noqa: E402
@@ -111,6 +111,8 @@ def compare(args) -> list[dict]:
     cache = random_cache(pages)
     why_not = flashinfer_ref.available() if args.flashinfer else "--no-flashinfer"
     print(f"flashinfer: {why_not or 'available'}", flush=True)
+    mla_why_not = flashmla_ref.available() if args.flashmla else "--no-flashmla"
+    print(f"flashmla: {mla_why_not or 'available'}", flush=True)
     rows, scale = [], default_sm_scale()
     for i, (heads, mix, lens) in enumerate(all_shapes):
         tables, q, out, seq_lens = inputs(lens, cache, heads)
@@ -137,6 +139,8 @@ def compare(args) -> list[dict]:
             rows.append({"impl": "flashinfer", **shape, "topology": "fa3",
                          **against_floor(us=us, **floors),
                          "rel_diff_to_graphbucket": round(err, 5)})
+        if mla_why_not is None:
+            rows.append(flashmla_row(cache, tables, q, out, seq_lens, scale, shape, floors))
         done = [r for r in rows if (r["heads"], r["mix"], r["batch"], r["context"])
                 == (heads, mix, batch, context)]
         print(f"[{i + 1}/{len(all_shapes)}] h={heads} {mix} b={batch} ctx={context} " + "  ".join(
@@ -144,6 +148,27 @@ def compare(args) -> list[dict]:
             flush=True)
         del tables, q, out, ws
     return rows
+
+
+def flashmla_row(cache, tables, q, out, seq_lens, scale, shape, floors) -> dict:
+    """FlashMLA's dense decode on the same inputs (metadata computed before the timed
+    graph, as an engine computes it once per step), checked against graphbucket's output."""
+    try:
+        call, outputs = flashmla_ref.rotated_calls(cache, tables, q, seq_lens, scale)
+        us = time_replays(call, calls_per_graph=tables.shape[0])
+        call()
+    except Exception as exc:  # a shape FlashMLA does not take: say so in the row
+        return {"impl": "flashmla", **shape, "error": f"{type(exc).__name__}: {exc}"[:200]}
+    got = outputs[0].float()
+    err = ((got - out[0].float()).norm() / out[0].float().norm()).item()
+    return {"impl": "flashmla", **shape, "topology": "flashmla",
+            **against_floor(us=us, **floors), "rel_diff_to_graphbucket": round(err, 5)}
+
+
+def _ref_cells(ref: dict | None, r: dict, frac: str) -> str:
+    if not ref or "us" not in ref:
+        return "- | - | -"
+    return f"{ref['us']:.1f} | {100 * ref.get(frac, 0):.0f} % | {ref['us'] / r['us']:.2f}x"
 
 
 def sweep(args) -> list[dict]:
@@ -218,20 +243,21 @@ def short(topology: str) -> str:
 def comparison_table(rows: list[dict]) -> list[str]:
     """One line per shape: graphbucket's planned (and balanced) kernels against FlashInfer."""
     lines = ["| mix | batch | context | graphbucket us | of copy | topology | FlashInfer us | "
-             "of copy | FlashInfer / graphbucket |", "|---|---|---|---|---|---|---|---|---|"]
+             "of copy | FlashInfer / graphbucket | FlashMLA us | of copy | "
+             "FlashMLA / graphbucket |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     keys = sorted({(r["mix"] != "uniform", r["mix"], r["batch"], r["context"]) for r in rows
                    if r["heads"] == HEADS})
     for _, mix, batch, context in keys:
         same = [r for r in rows if (r["heads"], r["mix"], r["batch"], r["context"])
                 == (HEADS, mix, batch, context)]
         fi = next((r for r in same if r["impl"] == "flashinfer"), None)
+        fm = next((r for r in same if r["impl"] == "flashmla"), None)
         for r in (r for r in same if r["impl"] == "graphbucket"):
-            fi_cells = (f"{fi['us']:.1f} | {100 * fi['frac_of_copy']:.0f} % | "
-                        f"{fi['us'] / r['us']:.2f}x") if fi else "- | - | -"
             pick = " (ladder)" if r.get("selected") and mix != "uniform" else ""
             lines.append(f"| {mix} | {batch} | {context} | {r['us']:.1f} | "
                          f"{100 * r['frac_of_copy']:.0f} % | {short(r['topology'])}{pick} | "
-                         f"{fi_cells} |")
+                         f"{_ref_cells(fi, r, 'frac_of_copy')} | "
+                         f"{_ref_cells(fm, r, 'frac_of_copy')} |")
     return lines
 
 
@@ -244,17 +270,18 @@ def wide_heads_table(rows: list[dict]) -> list[str]:
              f"({FLOPS_PER_TOKEN_HEAD} per token and head) over the bf16 matmul rate measured "
              "in the same run, divided by the time.", "",
              "| heads | batch | context | graphbucket us | of copy | of compute | topology | "
-             "FlashInfer us | of compute | FlashInfer / graphbucket |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "FlashInfer us | of compute | FlashInfer / graphbucket | FlashMLA us | "
+             "of compute | FlashMLA / graphbucket |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for h, b, c in sorted({(r["heads"], r["batch"], r["context"]) for r in wide}):
         same = [r for r in wide if (r["heads"], r["batch"], r["context"]) == (h, b, c)]
         fi = next((r for r in same if r["impl"] == "flashinfer"), None)
+        fm = next((r for r in same if r["impl"] == "flashmla"), None)
         for r in (r for r in same if r["impl"] == "graphbucket"):
-            fi_cells = (f"{fi['us']:.1f} | {100 * fi.get('frac_of_compute', 0):.0f} % | "
-                        f"{fi['us'] / r['us']:.2f}x") if fi else "- | - | -"
             lines.append(f"| {h} | {b} | {c} | {r['us']:.1f} | {100 * r['frac_of_copy']:.0f} % "
                          f"| {100 * r.get('frac_of_compute', 0):.0f} % | "
-                         f"{short(r['topology'])} | {fi_cells} |")
+                         f"{short(r['topology'])} | {_ref_cells(fi, r, 'frac_of_compute')} | "
+                         f"{_ref_cells(fm, r, 'frac_of_compute')} |")
     return lines
 
 
@@ -307,6 +334,8 @@ def main() -> None:
                          "over the compute-bound shapes (default: %(default)s)")
     ap.add_argument("--no-flashinfer", dest="flashinfer", action="store_false",
                     help="leave FlashInfer out even when it is installed")
+    ap.add_argument("--no-flashmla", dest="flashmla", action="store_false",
+                    help="leave FlashMLA out even when flash_mla imports")
     ap.add_argument("--render", metavar="JSON", help="only rewrite the markdown of a saved run")
     args = ap.parse_args()
     if args.render:
