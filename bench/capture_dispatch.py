@@ -11,7 +11,12 @@ single bucket (hint = max_model_len), and measures:
 - host time of one step (validate + select + stage + replay launch) with the GPU idle,
   as a median over random batch sizes and lengths, and its breakdown; medians per
   batch-size class and per bucket of the same steps; and a grid of fixed batch sizes x
-  buckets, so a target can be read where it holds and where it does not.
+  buckets, so a target can be read where it holds and where it does not;
+- the headline host medians (``host_us_median_batch1``, ``host_us_median_batch64_128k``):
+  decode trajectories (every request one token longer per step, a new page when it needs
+  one) stepped through the full-table path (a fresh host table per step) and through the
+  runner's ``BlockTable`` (the verbs that change it, timed with the step), alternating
+  step by step in one call, pinned to one core; then syncs over 1000 such BlockTable steps.
 
     python3 bench/capture_dispatch.py --out bench/results      # CUDA: h200-capture.{json,md}
     python3 bench/capture_dispatch.py --cpu-smoke              # tiny CPU run, files to /tmp
@@ -39,16 +44,19 @@ if not torch.cuda.is_available():  # --cpu-smoke: the Triton kernels run in the 
 
 from graphbucket.backends import get_backend  # noqa: E402
 from graphbucket.batch import BatchValidator, DecodeBatch  # noqa: E402
+from graphbucket.block_table import BlockTable  # noqa: E402
 from graphbucket.context import DecodeContext  # noqa: E402
 from graphbucket.ladder import BucketLadder, default_ladder  # noqa: E402
 from graphbucket.runner import GraphBucketRunner  # noqa: E402
 from graphbucket.spec import BufferSpec, InputSpec  # noqa: E402
 
 SEED = 0
-TARGETS = {"syncs_on_replay": 0, "pool_ratio_max": 1.2, "step_host_us_median_max": 20.0}
+TARGETS = {"syncs_on_replay": 0, "pool_ratio_max": 1.2, "step_host_us_median_max": 20.0,
+           "host_us_batch1_max": 20.0, "host_us_batch64_128k_max": 40.0}
 # Batch-size classes of the per-class host medians: (label, smallest, largest).
 BATCH_CLASSES = (("1", 1, 1), ("2-8", 2, 8), ("9-64", 9, 64))
 GRID_BATCH_SIZES, GRID_STEPS = (1, 8, 64), 40
+AB_STEPS, SYNC_STEPS = 300, 1000  # per A/B cell (batch 1: per bucket); BlockTable sync count
 
 
 @dataclass(frozen=True)
@@ -285,10 +293,159 @@ def host_grid(cfg: Config, runner: GraphBucketRunner, ladder: BucketLadder, cuda
         grid[str(bs)] = row
     top = str(ladder.max_model_len)
     return {"step_host_us_grid_median": grid,
-            "host_us_median_batch1": _summary(batch1).get("median"),
-            # The issue's name; None on configurations without batch 64 or a 128K top.
-            "host_us_median_batch64_128k": grid.get("64", {}).get(top)
-            if top == "131072" else None}
+            "grid_host_us_median_batch1": _summary(batch1).get("median"),
+            "grid_host_us_median_batch64_top": grid.get("64", {}).get(top)}
+
+
+class Trajectory:
+    """``bs`` requests decoding from lengths in [lo, hi): each step one token longer, a new
+    random page when a request needs one. Keeps the full-path host table and the runner's
+    ``BlockTable`` alike (the latter through its verbs, in ``advance_table``)."""
+
+    def __init__(self, cfg: Config, table: BlockTable, bs: int, lo: int, hi: int,
+                 rng: np.random.Generator) -> None:
+        self.cfg, self.table, self.rng = cfg, table, rng
+        self.lens = rng.integers(lo, hi, size=bs)
+        self.full = np.zeros((bs, cfg.max_model_len // cfg.page), np.int32)
+        for b in range(bs):
+            n = -(-int(self.lens[b]) // cfg.page)
+            pages = rng.integers(0, cfg.num_pages, size=n, dtype=np.int32)
+            self.full[b, :n] = pages
+            table.assign(b, pages)
+        self.tokens = torch.from_numpy(rng.integers(0, 1000, size=bs))
+        self.grow, self.new_pages = np.zeros(0, np.int64), np.zeros(0, np.int32)
+
+    def advance(self) -> list[int]:
+        """The next step's lengths; the full table gets its new pages here (the scheduler's
+        own bookkeeping, outside either path's timing)."""
+        page = self.cfg.page
+        self.grow = np.flatnonzero(self.lens % page == 0)
+        self.new_pages = self.rng.integers(0, self.cfg.num_pages, size=self.grow.size,
+                                           dtype=np.int32)
+        self.full[self.grow, self.lens[self.grow] // page] = self.new_pages
+        self.lens += 1
+        return self.lens.tolist()
+
+    def advance_table(self) -> None:
+        """The same new pages through the BlockTable's verbs (timed with its step)."""
+        if self.grow.size == 1:
+            self.table.append(int(self.grow[0]), self.new_pages)
+        elif self.grow.size:
+            self.table.append_rows(self.grow, self.new_pages)
+
+    def full_batch(self, lens: list[int]) -> DecodeBatch:
+        cols = -(-max(lens) // self.cfg.page)
+        return DecodeBatch(lens, self.full[:, :cols], {"token_ids": self.tokens})
+
+    def table_batch(self, lens: list[int]) -> DecodeBatch:
+        return DecodeBatch(lens, self.table, {"token_ids": self.tokens})
+
+
+def _pinned_core() -> int:
+    return max(os.sched_getaffinity(0))
+
+
+def _ab_cell(cfg: Config, full: GraphBucketRunner, inc: GraphBucketRunner, bs: int,
+             lo: int, hi: int, steps: int, cuda: bool, seed: int) -> dict:
+    """Alternating host us per step (order swapped every step), and the outputs' worst
+    relative difference between the two paths."""
+    for row in range(inc.block_table.num_rows):
+        inc.block_table.release(row)
+    traj = Trajectory(cfg, inc.block_table, bs, lo, hi, np.random.default_rng(seed))
+    times: dict[str, list[float]] = {"full": [], "table": []}
+    worst = 0.0
+
+    def timed(path: str, lens: list[int]) -> torch.Tensor:
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        if path == "full":
+            out = full.step(traj.full_batch(lens))
+        else:
+            traj.advance_table()
+            out = inc.step(traj.table_batch(lens))
+        times[path].append((time.perf_counter() - t0) * 1e6)
+        return out
+
+    for step in range(steps):
+        lens = traj.advance()
+        order = ("full", "table") if step % 2 == 0 else ("table", "full")
+        outs = {path: timed(path, lens) for path in order}
+        if step % 25 == 0:
+            a, b = outs["full"].float(), outs["table"].float()
+            worst = max(worst, ((a - b).norm() / a.norm().clamp_min(1e-30)).item())
+    skip = min(5, steps // 2)  # first touches of the cell's keys
+    times = {path: t[skip:] for path, t in times.items()}
+    return {"batch_size": bs, "lengths": [lo, hi], "steps": steps,
+            "full_table": _summary(times["full"]), "block_table": _summary(times["table"]),
+            "max_rel_diff": worst, "_times": times}
+
+
+def host_ab(cfg: Config, model: MLADecoder, full: GraphBucketRunner, ladder: BucketLadder,
+            cuda: bool) -> dict:
+    """Full-table path against the BlockTable path, alternating, pinned to one core: batch 1
+    in every bucket, and the largest capture size in the top bucket (64 x 128K on CUDA)."""
+    inc = make_runner(cfg, model, ladder)
+    inc.capture()
+    steps = AB_STEPS if cuda else 3
+    affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    core = _pinned_core()
+    os.sched_setaffinity(0, {core})
+    torch.set_num_threads(1)  # intra-op threads spinning on one core would time themselves
+    try:
+        batch1 = []
+        for i, (lo, hi) in enumerate(ladder.ranges):
+            n = min(steps, max(8, (hi - lo) // 2))  # the request stays in its bucket
+            batch1.append(_ab_cell(cfg, full, inc, 1, lo, hi - n, n, cuda, SEED + 10 + i))
+        big = max(cfg.batch_sizes)
+        lo, hi = ladder.ranges[-1]
+        top = _ab_cell(cfg, full, inc, big, lo, hi - steps, steps, cuda, SEED + 20)
+    finally:
+        os.sched_setaffinity(0, affinity)
+        torch.set_num_threads(threads)
+    syncs = _table_syncs(cfg, inc, big, lo, hi, SYNC_STEPS if cuda else 3, cuda)
+    inc.close()
+
+    def pooled(cells: list[dict], path: str) -> float:
+        # Every bucket's steps together, as the random grid's batch-1 median pools them.
+        return round(statistics.median([t for c in cells for t in c["_times"][path]]), 2)
+
+    headline = cuda and big == 64 and cfg.max_model_len == 131072
+    medians = {"batch1": (pooled(batch1, "table"), pooled(batch1, "full"))}
+    for cell in (*batch1, top):
+        del cell["_times"]
+    return {
+        "host_ab": {"pinned_core": core, "batch1_by_bucket": batch1, "top": top},
+        "host_us_median_batch1": medians["batch1"][0],
+        "host_us_median_batch1_full_table": medians["batch1"][1],
+        # The issue's names; None on configurations without batch 64 or a 128K top.
+        "host_us_median_batch64_128k": top["block_table"]["median"] if headline else None,
+        "host_us_median_batch64_128k_full_table": top["full_table"]["median"]
+        if headline else None,
+        "block_table_syncs": syncs, "block_table_sync_steps": SYNC_STEPS if cuda else 3,
+        "block_table_max_rel_diff": max(c["max_rel_diff"] for c in [*batch1, top]),
+    }
+
+
+def _table_syncs(cfg: Config, runner: GraphBucketRunner, bs: int, lo: int, hi: int,
+                 steps: int, cuda: bool) -> int:
+    """Synchronizing calls (sync debug mode "warn") over ``steps`` BlockTable steps."""
+    for row in range(runner.block_table.num_rows):
+        runner.block_table.release(row)
+    traj = Trajectory(cfg, runner.block_table, bs, lo, hi - steps, np.random.default_rng(SEED))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                lens = traj.advance()
+                traj.advance_table()
+                runner.step(traj.table_batch(lens))
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode(0)
+    return sum(_SYNC_MESSAGE in str(w.message) for w in caught)
 
 
 def max_error_vs_eager(cfg: Config, model: MLADecoder, runner: GraphBucketRunner,
@@ -336,6 +493,7 @@ def run(cfg: Config, steps: int) -> dict:
         "staging_waits_while_counting_syncs": sync_waits,
         **host_times(runner, batches, cuda),
         **host_grid(cfg, runner, ladder, cuda),
+        **host_ab(cfg, model, runner, ladder, cuda),
         "staging_waits": runner.stats().staging_waits,
         "max_rel_l2_vs_eager": max_error_vs_eager(cfg, model, runner, batches[:20]),
         "sync_sites": sync_sites,
@@ -350,6 +508,10 @@ def run(cfg: Config, steps: int) -> dict:
         "pool_ratio": round(ratio, 3),
         "pool_ratio_ok": ratio <= TARGETS["pool_ratio_max"],
         "step_host_us_ok": result["step_host_us_median"] <= TARGETS["step_host_us_median_max"],
+        "host_us_batch1_ok": result["host_us_median_batch1"] <= TARGETS["host_us_batch1_max"],
+        "host_us_batch64_128k_ok": None if result["host_us_median_batch64_128k"] is None
+        else result["host_us_median_batch64_128k"] <= TARGETS["host_us_batch64_128k_max"],
+        "zero_block_table_syncs": result["block_table_syncs"] == 0,
         "step_host_us_ok_by_batch_class": {
             k: v.get("median", 0.0) <= TARGETS["step_host_us_median_max"]
             for k, v in result["step_host_us_by_batch_class"].items()},
@@ -371,10 +533,22 @@ def markdown(result: dict) -> str:
          "(target 0)"),
         ("host step us median / p90 (random batches)", f"{result['step_host_us_median']} / "
          f"{result['step_host_us_p90']}"),
-        ("host step us median, batch 1 (every bucket)", f"{result['host_us_median_batch1']} "
+        ("host step us median, batch 1 (every bucket), BlockTable / full table, alternating, "
+         f"core {result['host_ab']['pinned_core']}",
+         f"{result['host_us_median_batch1']} / {result['host_us_median_batch1_full_table']} "
          "(target <= 20)"),
-        ("host step us median, batch 64 at 128K", f"{result['host_us_median_batch64_128k']} "
-         "(target <= 30)"),
+        ("host step us median, batch 64 at 128K, BlockTable / full table, alternating",
+         f"{result['host_us_median_batch64_128k']} / "
+         f"{result['host_us_median_batch64_128k_full_table']} (target <= 40)"),
+        ("host step us median, batch 1 by bucket, BlockTable / full table", ", ".join(
+            f"{c['lengths'][1]}: {c['block_table']['median']} / {c['full_table']['median']}"
+            for c in result["host_ab"]["batch1_by_bucket"])),
+        ("syncs in BlockTable steps", f"{result['block_table_syncs']} in "
+         f"{result['block_table_sync_steps']} (target 0); outputs against the full table: "
+         f"max rel diff {result['block_table_max_rel_diff']:.1e}"),
+        ("host step us median, random grid, batch 1 / batch 64 top bucket (full table)",
+         f"{result['grid_host_us_median_batch1']} / "
+         f"{result['grid_host_us_median_batch64_top']}"),
         ("host step breakdown us", ", ".join(f"{k} {v}" for k, v in
                                            result["step_host_us_breakdown_median"].items())),
         ("host step us median by batch size", ", ".join(
