@@ -15,8 +15,13 @@ A run over several cache formats (``bench/tpot.py --kv-cache bf16 fp8-tensor fp8
 gets the tables and targets once per format, then the fp8 breakdown: per batch and context,
 the ladder's TPOT with each fp8 cache against bf16, the attention (KV) bytes one step no
 longer reads, and what those bytes take at the run's copy bandwidth; the target is a TPOT
-difference at least that large at 100K, batch 1. The figure shows the first format (bf16
-when present). Files without ``kv_cache`` in their rows are one format (the meta's).
+difference at least that large at 100K, batch 1. Its figure shows every format: the
+ladder's and fixed-1's TPOT with each format's floor, each fp8 ladder's TPOT over bf16's
+(beside what its KV bytes saved predict), and each format's speedup over fixed-1. Files
+without ``kv_cache`` in their rows are one format (the meta's).
+
+Every figure's title names the model (heads, layers), the cache formats, the q_len, the
+batch sizes, the GPU and the date; every line and band is in its legend.
 
 Verify-step runs (``bench/tpot.py --q-len 1 2 4``) are rendered one q_len at a time
 (``--q-len``, default 1; other values write ``<json stem>-q<N>.md``); a run with several
@@ -79,8 +84,15 @@ STYLE = {
 }
 # Upper edge of the linear ratio panel: policies above it leave the panel at its top.
 RATIO_TOP = 1.08
-# Contexts whose speedup over fixed-1 is written next to its point.
-LABELLED = (256, 1024, 2048, 4096, 16384, 100_000)
+# Contexts whose speedup over fixed-1 is written next to its point (and the headline's).
+LABELLED = (256, 1024, 2048, 4096, 16384)
+# The headline speedup is read at the measured context nearest this.
+HEADLINE = 100_000
+# Legend labels the panels share.
+FLOOR_LABEL = "roofline floor (see note below)"
+NOISE_LABEL = f"\u00b1{100 * NOISE:.0f} % run-to-run spread of one plan"
+SPEEDUP_LABEL = "ladder speedup over fixed-1"
+FORMAT_COLOR = {"bf16": "tab:blue", "fp8-tensor": "tab:green", "fp8-v32": "tab:red"}
 INSTALL = "python3 -m pip install matplotlib"
 
 
@@ -375,12 +387,21 @@ def render_markdown(data: dict, png_link: str | None = None) -> str:
                 f" Latent cache formats: {', '.join(by_format)} (graphbucket.fp8)."), "",
              *(f"- {p}: {POLICY_TEXT[p]}" for p in policies),
              *([f"- {floor_text(meta)}"] if has_floor else []), ""]
-    if png_link:
+    if png_link and len(by_format) == 1:
         lines += [f"![TPOT per policy, ratios to the ladder, speedup over fixed-1]({png_link})",
                   "", "Figure: top, TPOT per policy (log scales); middle, each policy's TPOT "
                   "over the ladder's (the ladder is the 1.0 line; the grey band, "
                   f"{100 * NOISE:.0f} % either side, is the spread between two runs of one "
                   "plan); bottom, the ladder's speedup over fixed-1.", ""]
+    elif png_link:
+        lines += [f"![TPOT per cache format, fp8 against bf16, speedup over fixed-1]"
+                  f"({png_link})", "", "Figure: top, TPOT of the ladder (solid) and fixed-1 "
+                  "(dashed) per cache format, with each format's roofline floor (dotted; log "
+                  "scales); middle, each fp8 format's ladder TPOT over bf16's (linear; "
+                  "dashed: bf16's TPOT less the KV bytes the format saves at the copy "
+                  f"bandwidth; the grey band, {100 * NOISE:.0f} % either side, is the spread "
+                  "between two runs of one plan); bottom, each format's ladder speedup over "
+                  "fixed-1.", ""]
     if len(by_format) == 1:
         fmt, rows = next(iter(by_format.items()))
         lines += format_sections(rows, ladder_of(meta, fmt))
@@ -422,117 +443,245 @@ def _plot_kw(policy: str, **extra) -> dict:
             "zorder": 5 if policy == "ladder" else 3, "label": policy, **extra}
 
 
-def render_png(data: dict, path: Path, plt) -> None:
+def headline_context(contexts) -> int | None:
+    """The measured context nearest 100K, where the headline speedup is read (a run over
+    1 .. 128K in powers of two has 102400 there, not 100000)."""
+    return min(contexts, key=lambda c: abs(c - HEADLINE)) if contexts else None
+
+
+def num_heads(meta: dict) -> int | None:
+    """Attention heads of the run's model: its meta's, else its preset's (older files)."""
+    if meta.get("num_heads"):
+        return meta["num_heads"]
+    from graphbucket.models import PRESETS
+
+    preset = PRESETS.get(meta.get("model"))
+    return preset().num_heads if preset else None
+
+
+def figure_title(data: dict) -> str:
+    """What a figure shows: model (heads, layers), cache formats, q_len, batches, GPU, date."""
+    meta, by_format = data["meta"], rows_by_format(data)
+    heads = num_heads(meta)
+    model = (f"{meta.get('model')} ({f'{heads} heads, ' if heads else ''}"
+             f"{meta.get('layers')} layers)")
+    q_lens = sorted({r.get("q_len", 1) for r in data["rows"]})
+    batches = " and ".join(str(b) for b in sorted({r["batch"] for r in data["rows"]}))
+    what = ("TPOT per policy" if len(by_format) == 1 else
+            "TPOT per cache format (ladder and fixed-1)")
+    caches = " / ".join(by_format) + (" cache" if len(by_format) == 1 else " caches")
+    return (f"{what}: {model}, {caches}, q_len {', '.join(map(str, q_lens))}, batch "
+            f"{batches}\n{meta.get('gpu')}, {meta.get('date')}")
+
+
+def _headline_text(speed: list[tuple[int, float]], name: str = "") -> str | None:
+    at = dict(speed)
+    c = headline_context(list(at))
+    if c is None:
+        return None
+    return (f"{fmt_context(c)}: ladder {at[c]:.1f}x faster than fixed-1"
+            + (f" ({name})" if name else ""))
+
+
+def _speedup_axis(ax, speeds: list[list[tuple[int, float]]]) -> None:
     from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
-    meta = data["meta"]
-    fmt, rows = next(iter(rows_by_format(data).items()))  # bf16 when present
-    by_batch = table(rows)
-    batches = sorted(by_batch)
+    ax.axhline(1.0, color="0.4", lw=0.8, label="1x: as fast as fixed-1")
+    ax.set_yscale("log")
+    top_s = max((s for speed in speeds for _, s in speed), default=1.0)
+    ticks = [t for t in (1, 2, 5, 10, 20, 50, 100, 200) if t <= top_s * 1.5]
+    ax.yaxis.set_major_locator(FixedLocator(ticks))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
+    ax.yaxis.set_minor_locator(NullLocator())
+    ax.set_ylim(0.8, top_s * 2)
+    ax.set_ylabel("fixed-1 TPOT / ladder TPOT (log)\nthe ladder's speedup over fixed-1")
+    ax.set_xlabel("context (tokens, log scale)")
+
+
+def _note(ax, lines: list[str]) -> None:
+    if lines:
+        ax.text(0.02, 0.96, "\n".join(lines), transform=ax.transAxes, va="top", fontsize=9,
+                bbox={"facecolor": "white", "edgecolor": "0.7", "alpha": 0.9})
+
+
+def _short_band(ax, ctxs: list[int]) -> None:
+    ax.axvspan(ctxs[0] / 1.3, SHORT * 1.15, color="tab:orange", alpha=0.07, zorder=0,
+               label=f"\u2264 {fmt_context(SHORT)}: the ladder must not be slower than fixed-1")
+
+
+def _policy_column(axes_col, by_ctx: dict[int, dict[str, dict]], batch: int) -> None:
+    """One batch size of a one-format figure: TPOT per policy, ratios, speedup."""
+    ctxs = sorted(by_ctx)
+    top, mid, bottom = axes_col
+
+    for policy in POLICIES:
+        pts = [(c, by_ctx[c][policy]["tpot_ms"]) for c in ctxs if policy in by_ctx[c]]
+        if pts:
+            top.plot(*zip(*pts, strict=True), **_plot_kw(policy))
+    floor = [(c, f) for c in ctxs if (f := _floor(by_ctx[c])) is not None]
+    if floor:
+        top.plot(*zip(*floor, strict=True), color="k", ls="--", lw=1.2, label=FLOOR_LABEL)
+    top.set_yscale("log")
+    top.set_ylabel("TPOT, ms (log)")
+    top.set_title(f"batch {batch}", fontsize=13, fontweight="bold")
+    top.grid(True, which="minor", axis="y", alpha=0.15)
+
+    # Each policy over the ladder, linear.
+    ratios = ratio_series(by_ctx)
+    mid.axhspan(1 - NOISE, 1 + NOISE, color="0.85", zorder=0, label=NOISE_LABEL)
+    mid.axhline(1.0, **{k: v for k, v in _plot_kw("ladder").items()
+                        if k not in ("marker", "ms")})
+    for policy, pts in ratios.items():
+        mid.plot(*zip(*pts, strict=True), **_plot_kw(policy))
+    lows = [r for pts in ratios.values() for _, r in pts]
+    mid.set_ylim(min(0.975, min(lows, default=1) - 0.005), RATIO_TOP)
+    mid.set_ylabel("TPOT / ladder TPOT (linear)\nabove 1.0: slower than the ladder")
+    off = [f"{p} {min(r for _, r in pts):.1f}-{max(r for _, r in pts):.1f}x"
+           for p, pts in ratios.items() if min(r for _, r in pts) > RATIO_TOP]
+    leaves = [f"{p} from {fmt_context(next(c for c, r in pts if r > RATIO_TOP))}"
+              for p, pts in ratios.items()
+              if min(r for _, r in pts) <= RATIO_TOP < max(r for _, r in pts)]
+    best = ladder_over_best(by_ctx)
+    note = []
+    if best:
+        wc = max(best, key=best.get)
+        note.append(f"ladder \u2264 {best[wc]:.3f}x the fastest policy at every context "
+                    f"(worst {fmt_context(wc)})")
+    if leaves or off:
+        note.append("above the panel: " + ", ".join(leaves + off))
+    _note(mid, note)
+
+    # The ladder's speedup over fixed-1.
+    speed = speedup_series(by_ctx)
+    _speedup_axis(bottom, [speed])
+    if speed:
+        _short_band(bottom, ctxs)
+        bottom.plot(*zip(*speed, strict=True), color="tab:blue", marker="o", lw=2.0, ms=4,
+                    label=SPEEDUP_LABEL)
+        labelled = {*LABELLED, headline_context([c for c, _ in speed])}
+        for c, s in speed:
+            if c in labelled:
+                bottom.annotate(f"{s:.1f}x" if s < 10 else f"{s:.0f}x", (c, s),
+                                textcoords="offset points", xytext=(-5, 5), ha="right",
+                                fontsize=8.5)
+        worst = worst_short(by_ctx)
+        lines = []
+        if worst:
+            lines.append(f"\u2264 {fmt_context(SHORT)} (shaded): ladder at worst "
+                         f"{100 * (worst[1] - 1):+.2f} % against fixed-1 "
+                         f"(at {fmt_context(worst[0])})")
+        lines += [t for t in [_headline_text(speed)] if t]
+        _note(bottom, lines)
+    for ax in axes_col:
+        _context_axis(ax, ctxs)
+
+
+def _format_column(axes_col, by_format: dict[str, dict[int, dict[str, dict]]], batch: int,
+                   gbps: float | None) -> None:
+    """One batch size of a several-format figure: TPOT of the ladder and fixed-1 per format
+    with its floor, each fp8 ladder over bf16's (and what its bytes predict), speedups."""
+    top, mid, bottom = axes_col
+    ctxs = sorted({c for by_ctx in by_format.values() for c in by_ctx})
+    for i, (fmt, by_ctx) in enumerate(by_format.items()):
+        color = FORMAT_COLOR.get(fmt, f"C{i + 3}")
+        mine = sorted(by_ctx)
+        for policy, ls, marker, lw in (("ladder", "-", "o", 2.2), ("fixed-1", "--", "s", 1.2)):
+            pts = [(c, by_ctx[c][policy]["tpot_ms"]) for c in mine if policy in by_ctx[c]]
+            if pts:
+                top.plot(*zip(*pts, strict=True), color=color, ls=ls, marker=marker, lw=lw,
+                         ms=4, label=f"{fmt}: {policy}")
+        floor = [(c, f) for c in mine if (f := _floor(by_ctx[c])) is not None]
+        if floor:
+            top.plot(*zip(*floor, strict=True), color=color, ls=":", lw=1.2,
+                     label=f"{fmt}: roofline floor")
+    top.set_yscale("log")
+    top.set_ylabel("TPOT, ms (log)")
+    top.set_title(f"batch {batch}", fontsize=13, fontweight="bold")
+    top.grid(True, which="minor", axis="y", alpha=0.15)
+
+    base = by_format.get("bf16", {})
+    mid.axhspan(1 - NOISE, 1 + NOISE, color="0.85", zorder=0, label=NOISE_LABEL)
+    mid.axhline(1.0, color=FORMAT_COLOR["bf16"], lw=2.2, label="bf16: ladder")
+    note = []
+    for i, (fmt, by_ctx) in enumerate(by_format.items()):
+        if fmt == "bf16":
+            continue
+        color = FORMAT_COLOR.get(fmt, f"C{i + 3}")
+        measured, predicted = [], []
+        for c in sorted(by_ctx):
+            a, b = base.get(c, {}).get("ladder"), by_ctx[c].get("ladder")
+            if not (a and b):
+                continue
+            measured.append((c, b["tpot_ms"] / a["tpot_ms"]))
+            if gbps and "kv_mb" in a and "kv_mb" in b:
+                saved = (a["kv_mb"] - b["kv_mb"]) / gbps / b.get("q_len", 1)
+                predicted.append((c, (a["tpot_ms"] - saved) / a["tpot_ms"]))
+        if measured:
+            mid.plot(*zip(*measured, strict=True), color=color, marker="o", lw=2.0, ms=4,
+                     label=f"{fmt}: ladder")
+            c, r = measured[-1]
+            note.append(f"{fmt} at {fmt_context(c)}: {r:.3f}x bf16's TPOT")
+        if predicted:
+            mid.plot(*zip(*predicted, strict=True), color=color, ls="--", lw=1.0,
+                     label=f"{fmt}: expected from the KV bytes it saves")
+    mid.set_ylabel("ladder TPOT / bf16 ladder TPOT\n(linear; below 1.0: faster than bf16)")
+    _note(mid, note)
+
+    speeds = {fmt: speedup_series(by_ctx) for fmt, by_ctx in by_format.items()}
+    _speedup_axis(bottom, list(speeds.values()))
+    _short_band(bottom, ctxs)
+    lines = []
+    for i, (fmt, speed) in enumerate(speeds.items()):
+        if speed:
+            bottom.plot(*zip(*speed, strict=True), color=FORMAT_COLOR.get(fmt, f"C{i + 3}"),
+                        marker="o", lw=1.8, ms=4, label=f"{fmt}: {SPEEDUP_LABEL}")
+            lines += [t for t in [_headline_text(speed, fmt)] if t]
+    _note(bottom, lines)
+    for ax in axes_col:
+        _context_axis(ax, ctxs)
+
+
+def plot_figure(data: dict, plt):
+    """The report's figure: one column per batch size. One cache format: TPOT per policy,
+    each policy over the ladder, the ladder's speedup over fixed-1. Several: the same three
+    panels per format (the ladder and fixed-1), the middle one over bf16's ladder."""
+    meta, by_format = data["meta"], rows_by_format(data)
+    tables = {fmt: table(rows) for fmt, rows in by_format.items()}
+    batches = sorted({b for t in tables.values() for b in t})
     fig, axes = plt.subplots(3, len(batches), figsize=(6.8 * len(batches) + 0.6, 13.5),
                              squeeze=False, sharex="col",
                              gridspec_kw={"height_ratios": [1.35, 1.15, 1.0], "hspace": 0.12,
                                           "wspace": 0.22})
     for col, batch in enumerate(batches):
-        by_ctx = by_batch[batch]
-        ctxs = sorted(by_ctx)
-        top, mid, bottom = axes[0][col], axes[1][col], axes[2][col]
-
-        # TPOT per policy and the floor.
-        for policy in POLICIES:
-            pts = [(c, by_ctx[c][policy]["tpot_ms"]) for c in ctxs if policy in by_ctx[c]]
-            if pts:
-                top.plot(*zip(*pts, strict=True), **_plot_kw(policy))
-        floor = [(c, f) for c in ctxs if (f := _floor(by_ctx[c])) is not None]
-        if floor:
-            top.plot(*zip(*floor, strict=True), color="k", ls="--", lw=1.2,
-                     label="roofline floor (see note below)")
-        top.set_yscale("log")
-        top.set_ylabel("TPOT, ms (log)")
-        top.set_title(f"batch {batch}", fontsize=13, fontweight="bold")
-        _context_axis(top, ctxs)
-        top.grid(True, which="minor", axis="y", alpha=0.15)
-
-        # Each policy over the ladder, linear.
-        ratios = ratio_series(by_ctx)
-        mid.axhspan(1 - NOISE, 1 + NOISE, color="0.85", zorder=0,
-                    label=f"\u00b1{100 * NOISE:.0f} % run-to-run spread of one plan")
-        mid.axhline(1.0, **{k: v for k, v in _plot_kw("ladder").items()
-                            if k not in ("marker", "ms")})
-        for policy, pts in ratios.items():
-            mid.plot(*zip(*pts, strict=True), **_plot_kw(policy))
-        lows = [r for pts in ratios.values() for _, r in pts]
-        mid.set_ylim(min(0.975, min(lows, default=1) - 0.005), RATIO_TOP)
-        mid.set_ylabel("TPOT / ladder TPOT (linear)\nabove 1.0: slower than the ladder")
-        off = [f"{p} {min(r for _, r in pts):.1f}-{max(r for _, r in pts):.1f}x"
-               for p, pts in ratios.items() if min(r for _, r in pts) > RATIO_TOP]
-        leaves = [f"{p} from {fmt_context(next(c for c, r in pts if r > RATIO_TOP))}"
-                  for p, pts in ratios.items()
-                  if min(r for _, r in pts) <= RATIO_TOP < max(r for _, r in pts)]
-        best = ladder_over_best(by_ctx)
-        note = []
-        if best:
-            wc = max(best, key=best.get)
-            note.append(f"ladder \u2264 {best[wc]:.3f}x the fastest policy at every context "
-                        f"(worst {fmt_context(wc)})")
-        if leaves or off:
-            note.append("above the panel: " + ", ".join(leaves + off))
-        mid.text(0.02, 0.96, "\n".join(note), transform=mid.transAxes, va="top", fontsize=9,
-                 bbox={"facecolor": "white", "edgecolor": "0.7", "alpha": 0.9})
-        _context_axis(mid, ctxs)
-
-        # The ladder's speedup over fixed-1.
-        speed = speedup_series(by_ctx)
-        if speed:
-            bottom.axvspan(ctxs[0] / 1.3, SHORT * 1.15, color="tab:orange", alpha=0.07,
-                           zorder=0)
-            bottom.axhline(1.0, color="0.4", lw=0.8)
-            bottom.plot(*zip(*speed, strict=True), color="tab:blue", marker="o", lw=2.0, ms=4)
-            for c, s in speed:
-                if c in LABELLED:
-                    bottom.annotate(f"{s:.1f}x" if s < 10 else f"{s:.0f}x", (c, s),
-                                    textcoords="offset points", xytext=(-5, 5), ha="right",
-                                    fontsize=8.5)
-            bottom.set_yscale("log")
-            top_s = max(s for _, s in speed)
-            ticks = [t for t in (1, 2, 5, 10, 20, 50, 100, 200) if t <= top_s * 1.5]
-            bottom.yaxis.set_major_locator(FixedLocator(ticks))
-            bottom.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
-            bottom.yaxis.set_minor_locator(NullLocator())
-            bottom.set_ylim(0.8, top_s * 2)
-            worst = worst_short(by_ctx)
-            lines = []
-            if worst:
-                lines.append(f"\u2264 {fmt_context(SHORT)} (shaded): ladder at worst "
-                             f"{100 * (worst[1] - 1):+.2f} % against fixed-1 "
-                             f"(at {fmt_context(worst[0])})")
-            at = dict(speed)
-            if 100_000 in at:
-                lines.append(f"100K: ladder {at[100_000]:.1f}x faster than fixed-1")
-            bottom.text(0.02, 0.96, "\n".join(lines), transform=bottom.transAxes, va="top",
-                        fontsize=9, bbox={"facecolor": "white", "edgecolor": "0.7",
-                                          "alpha": 0.9})
-        bottom.set_ylabel("fixed-1 TPOT / ladder TPOT (log)\nthe ladder's speedup over fixed-1")
-        bottom.set_xlabel("context (tokens, log scale)")
-        _context_axis(bottom, ctxs)
-
-    handles, labels = {}, {}
+        if len(tables) == 1:
+            _policy_column(axes[:, col], next(iter(tables.values()))[batch], batch)
+        else:
+            _format_column(axes[:, col], {f: t.get(batch, {}) for f, t in tables.items()},
+                           batch, meta.get("copy_gbps"))
+    handles = {}
     for ax in axes.flat:
-        for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
-            handles.setdefault(lab, h)
-            labels.setdefault(lab, lab)
+        for h, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(label, h)
     order = [p for p in POLICIES if p in handles] + [k for k in handles if k not in POLICIES]
-    fig.suptitle(f"TPOT per policy: {meta.get('model')}, {meta.get('layers')} layers, "
-                 f"{fmt} cache, {meta.get('gpu')} ({meta.get('date')})", fontsize=14, y=0.995)
-    fig.legend([handles[k] for k in order], order, loc="upper center", ncol=4,
-               bbox_to_anchor=(0.5, 0.975), frameon=False, fontsize=10)
-    policies = [p for p in POLICIES if p in handles]
+    fig.suptitle(figure_title(data), fontsize=14, y=0.997)
+    ncol = 3 if len(order) <= 12 else 4
+    fig.legend([handles[k] for k in order], order, loc="upper center", ncol=ncol,
+               bbox_to_anchor=(0.5, 0.958), frameon=False, fontsize=9.5)
+    policies = sorted({r["policy"] for r in data["rows"]}, key=POLICIES.index)
     foot = [f"{p}: {POLICY_TEXT[p]}." for p in policies]
-    if "roofline floor (see note below)" in handles:
+    if any("floor" in k for k in handles):
         foot.append(floor_text(meta))
-    fig.text(0.02, 0.005, "\n".join(textwrap.fill(t, 150, subsequent_indent="    ")
-                                    for t in foot), fontsize=8.5, va="bottom", ha="left")
-    fig.subplots_adjust(left=0.07, right=0.98, top=0.915, bottom=0.135)
+    foot = "\n".join(textwrap.fill(t, 150, subsequent_indent="    ") for t in foot)
+    fig.text(0.02, 0.005, foot, fontsize=8.5, va="bottom", ha="left")
+    # Room for the legend's rows above the panels and the footnote's lines below them.
+    legend_rows = -(-len(order) // ncol)
+    fig.subplots_adjust(left=0.07, right=0.98, top=0.93 - 0.0135 * legend_rows,
+                        bottom=0.045 + 0.0112 * (foot.count("\n") + 1))
+    return fig
+
+
+def render_png(data: dict, path: Path, plt) -> None:
+    fig = plot_figure(data, plt)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

@@ -227,11 +227,73 @@ def test_files_before_fp8_rows_read_as_one_format(report):
 
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
                     reason="matplotlib not installed")
-def test_figure_of_a_multi_format_file_shows_bf16(report, tmp_path):
+def test_figure_of_a_multi_format_file_shows_every_format(report, tmp_path):
     path = tmp_path / "h200-tpot-fp8.json"
     path.write_text(json.dumps(fp8_data()))
     assert report.main(["--json", str(path)]) == 0
     assert path.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    assert "](h200-tpot-fp8.png)" in path.with_suffix(".md").read_text()
+    plt = report.load_pyplot()
+    fig = report.plot_figure(fp8_data(), plt)
+    title, labels = fig_text(fig)
+    assert "bf16 / fp8-tensor / fp8-v32 caches" in title
+    for fmt in FP8_TIMES:
+        assert {f"{fmt}: ladder", f"{fmt}: fixed-1", f"{fmt}: roofline floor",
+                f"{fmt}: ladder speedup over fixed-1"} <= labels
+    # Each fp8 ladder over bf16's: fp8-tensor's 0.52 ms against 0.60 at 100K.
+    mid = fig.axes[1]
+    tensor = next(line for line in mid.get_lines() if line.get_label() == "fp8-tensor: ladder")
+    assert tensor.get_ydata()[-1] == pytest.approx(0.52 / 0.60)
+    assert "fp8-tensor: expected from the KV bytes it saves" in labels
+    # The headline speedup of every format is written in the bottom panel.
+    notes = " ".join(t.get_text() for t in fig.axes[2].texts)
+    for fmt, by in FP8_TIMES.items():
+        fixed, ladder = by[100_000]
+        assert f"100K: ladder {fixed / ladder:.1f}x faster than fixed-1 ({fmt})" in notes
+    plt.close(fig)
+
+
+def fig_text(fig) -> tuple[str, set[str]]:
+    """A figure's title and every label of its legend."""
+    (legend,) = fig.legends
+    return fig._suptitle.get_text(), {t.get_text() for t in legend.get_texts()}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
+                    reason="matplotlib not installed")
+def test_figure_names_what_it_shows_and_every_line_is_in_the_legend(report):
+    data = result_data()
+    plt = report.load_pyplot()
+    fig = report.plot_figure(data, plt)
+    title, labels = fig_text(fig)
+    # The preset's heads when the file predates meta["num_heads"].
+    assert title.startswith("TPOT per policy: deepseek-v3-tp8 (16 heads, 4 layers), bf16 "
+                            "cache, q_len 1, batch 1\nNVIDIA H200, 2026-11-29")
+    for ax in fig.axes:
+        for artist in [*ax.get_lines(), *ax.patches]:
+            assert artist.get_label() in labels, artist.get_label()
+    assert {*report.POLICIES, report.FLOOR_LABEL, report.NOISE_LABEL,
+            report.SPEEDUP_LABEL} <= labels
+    plt.close(fig)
+    data["meta"].update(num_heads=128, model="deepseek-v3-dp")
+    fig = report.plot_figure(data, plt)
+    assert "deepseek-v3-dp (128 heads, 4 layers)" in fig_text(fig)[0]
+    plt.close(fig)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
+                    reason="matplotlib not installed")
+def test_headline_speedup_at_the_context_nearest_100k(report):
+    # Contexts in powers of two (the 128-head run): 102400 stands for 100K.
+    data = result_data()
+    data["rows"] = [{**r, "context": 102400} if r["context"] == 100_000 else r
+                    for r in data["rows"]]
+    assert report.headline_context([1, 2048, 65536, 102400, 131072]) == 102400
+    plt = report.load_pyplot()
+    fig = report.plot_figure(data, plt)
+    notes = " ".join(t.get_text() for t in fig.axes[2].texts)
+    assert f"100K: ladder {40.0 / 0.60:.1f}x faster than fixed-1" in notes
+    plt.close(fig)
 
 
 def test_q_len_selects_the_verify_step_rows(report, tmp_path):
