@@ -9,7 +9,9 @@ ladder (BucketLadder.load reads it), a report with the raw timing table, and a p
         --max-model-len 131072 --out graphbucket/ladders/h200-h16.json \\
         --report bench/results/h200-ladder-tune.json --plot bench/results/h200-ladder-tune.png
 
-``--from-times REPORT`` re-chooses from a saved report's timing table, without a GPU.
+``--from-times REPORT`` re-chooses from a saved report's timing table, without a GPU (and
+re-plots it: ``--from-times R.json --plot R.png --force``). An output that exists is only
+replaced with ``--force``.
 ``--kv-cache fp8-tensor|fp8-v32`` times the kernel over a cache in that format (fewer bytes
 per token move the best split count per context); the shipped name of such a ladder is
 ``graphbucket/ladders/h200-h16-fp8-v32.json`` (``graphbucket.tuning.shipped``).
@@ -88,6 +90,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="latent cache format to time (default: bf16; with --from-times, "
                          "the report's)")
     ap.add_argument("--quiet", action="store_true", help="no progress line per measurement")
+    ap.add_argument("--force", action="store_true",
+                    help="replace output files (--out, --report and its .md, --plot) that "
+                         "already exist")
     args = ap.parse_args(argv)
     report = "a report JSON this script wrote with --report (e.g. " \
              "bench/results/h200-ladder-tune.json)"
@@ -111,6 +116,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                  "> 1 (a uniform batch has imbalance 1)")
     if args.report is not None and args.report.suffix == ".md":
         ap.error(f"--report {args.report}: pass a .json path (its .md is written beside it)")
+    outputs = [args.out, args.report, args.report and args.report.with_suffix(".md"), args.plot]
+    existing = [str(p) for p in outputs if p is not None and p.exists()]
+    if existing and not args.force:
+        ap.error(f"{', '.join(existing)} already exist{'s' * (len(existing) == 1)}; pass "
+                 "--force to replace, or other paths to write elsewhere")
     return args
 
 
@@ -211,7 +221,64 @@ def report_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_png(result: TuneResult, meta: dict, path: Path) -> bool:
+def figure_title(meta: dict) -> str:
+    """What a tuning figure shows: the kernel shape, heads, cache format, q_len, batches,
+    the GPU and when it was measured."""
+    batches = " and ".join(str(b) for b in meta["batches"])
+    return (f"Ladder tuning: MLA decode attention (576/512), {meta['num_heads']} heads, "
+            f"{meta.get('kv_cache', 'bf16')} cache, q_len 1, batch {batches}\n"
+            f"{meta['gpu']}, measured {meta.get('measured_date', meta['date'])}")
+
+
+def plot_figure(report: dict, plt):
+    """The tuning figure of a report (``--report``'s JSON): per batch, kernel time against
+    context (oracle, tuned and default ladders) and each ladder's time over the oracle's."""
+    meta, rows = report["meta"], report["rows"]
+    bounds = [b["max_len"] for b in report["ladder"]["buckets"]][:-1]
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(2, len(batches), figsize=(6 * len(batches), 7.6), squeeze=False,
+                             sharex=True, gridspec_kw={"height_ratios": [2, 1]})
+    styles = {"oracle": ("k", "o", "oracle: the best measured split count per context"),
+              "tuned": ("tab:blue", "s",
+                        f"tuned ladder ({len(report['ladder']['buckets'])} buckets)"),
+              "default": ("tab:orange", "^", f"default ladder "
+                          f"({len(report['default_ladder']['buckets'])} buckets)")}
+    for col, batch in enumerate(batches):
+        mine = [r for r in rows if r["batch"] == batch]
+        ctx = [r["context"] for r in mine]
+        top, bottom = axes[0][col], axes[1][col]
+        for name, (color, marker, label) in styles.items():
+            top.loglog(ctx, [r[f"{name}_us"] for r in mine], color=color, marker=marker,
+                       label=label, lw=1.2, ms=4)
+            if name != "oracle":
+                bottom.semilogx(ctx, [r[f"{name}_over_oracle"] for r in mine], color=color,
+                                marker=marker, lw=1.2, ms=4)
+        for i, bound in enumerate(bounds):
+            for ax in (top, bottom):
+                ax.axvline(bound, color="tab:blue", alpha=0.45, lw=1.0, ls="-.",
+                           label="tuned bucket bounds" if i == 0 and ax is top else None)
+        bottom.axhline(1.03, color="grey", ls="--", lw=0.8, label="3 % above the oracle")
+        top.set_title(f"batch {batch}")
+        top.set_ylabel("decode attention, us (log)")
+        bottom.set_ylabel("time / oracle time")
+        bottom.set_xlabel("context length (tokens)")
+        for ax in (top, bottom):  # minor x lines would look like bucket bounds
+            ax.grid(True, which="major", alpha=0.3)
+            ax.grid(True, which="minor", axis="y", alpha=0.15)
+    handles = {}
+    for ax in axes.flat:
+        for h, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(label, h)
+    fig.suptitle(figure_title(meta))
+    fig.legend(list(handles.values()), list(handles), loc="upper center", ncol=3,
+               bbox_to_anchor=(0.5, 0.925), frameon=False, fontsize=9)
+    fig.subplots_adjust(left=0.07, right=0.985, bottom=0.075, top=0.80, hspace=0.06,
+                        wspace=0.18)
+    return fig
+
+
+def render_png(report: dict, path: Path) -> bool:
+    """Write the tuning figure; False (and a note on stderr) without matplotlib."""
     try:
         import matplotlib
 
@@ -221,35 +288,7 @@ def render_png(result: TuneResult, meta: dict, path: Path) -> bool:
         print("matplotlib is not installed: skipped the PNG plot (pip install matplotlib; "
               "re-plot later with --from-times)", file=sys.stderr)
         return False
-    batches = sorted({r["batch"] for r in result.rows})
-    fig, axes = plt.subplots(2, len(batches), figsize=(6 * len(batches), 7), squeeze=False,
-                             sharex=True, gridspec_kw={"height_ratios": [2, 1]})
-    styles = {"oracle": ("k", "o", "oracle (best split count)"),
-              "tuned": ("tab:blue", "s", f"tuned ({len(result.ladder)} buckets)"),
-              "default": ("tab:orange", "^", f"default ({len(result.baseline)} buckets)")}
-    for col, batch in enumerate(batches):
-        rows = [r for r in result.rows if r["batch"] == batch]
-        ctx = [r["context"] for r in rows]
-        top, bottom = axes[0][col], axes[1][col]
-        for name, (color, marker, label) in styles.items():
-            top.loglog(ctx, [r[f"{name}_us"] for r in rows], color=color, marker=marker,
-                       label=label, lw=1.2, ms=4)
-            if name != "oracle":
-                bottom.semilogx(ctx, [r[f"{name}_over_oracle"] for r in rows], color=color,
-                                marker=marker, lw=1.2, ms=4)
-        for bound in result.ladder.bounds[:-1]:
-            for ax in (top, bottom):
-                ax.axvline(bound, color="tab:blue", alpha=0.25, lw=0.8)
-        bottom.axhline(1.03, color="grey", ls="--", lw=0.8)
-        top.set_title(f"batch {batch}, {meta['num_heads']} heads")
-        top.set_ylabel("decode attention, us")
-        bottom.set_ylabel("time / oracle")
-        bottom.set_xlabel("context length (tokens)")
-        top.grid(True, which="both", alpha=0.3)
-        bottom.grid(True, which="both", alpha=0.3)
-        top.legend(fontsize=8)
-    fig.suptitle(f"Ladder tuning on {meta['gpu']} ({meta['date']})")
-    fig.tight_layout()
+    fig = plot_figure(report, plt)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -298,16 +337,16 @@ def main(argv: list[str] | None = None) -> None:
         # The timing table is of uniform batches; the ragged switch comes from its option.
         result.ladder.with_balanced_topology(args.balanced_imbalance).save(args.out)
         print(f"wrote {args.out}")
+    report = {"meta": meta, **result.to_dict(),
+              "per_batch": {str(b): {"ladder": r.ladder.to_dict(), "summary": r.summary}
+                            for b, r in per_batch.items()},
+              "times": times_to_rows(times)}
     if args.report:
         args.report.parent.mkdir(parents=True, exist_ok=True)
-        report = {"meta": meta, **result.to_dict(),
-                  "per_batch": {str(b): {"ladder": r.ladder.to_dict(), "summary": r.summary}
-                                for b, r in per_batch.items()},
-                  "times": times_to_rows(times)}
         args.report.write_text(json.dumps(report, indent=1) + "\n")
         args.report.with_suffix(".md").write_text(report_markdown(report))
         print(f"wrote {args.report} and its .md")
-    if args.plot and render_png(result, meta, args.plot):
+    if args.plot and render_png(report, args.plot):
         print(f"wrote {args.plot}")
 
 

@@ -392,3 +392,75 @@ def test_tune_ladder_from_times_keeps_the_cache_format(tmp_path: Path, capsys):
     with pytest.raises(SystemExit, match="fp8-v32 cache, not --kv-cache fp8-tensor"):
         script.main(["--from-times", str(report), "--max-model-len", "4096",
                      "--kv-cache", "fp8-tensor"])
+
+
+def _tune_script():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "tune_ladder.py"
+    spec = importlib.util.spec_from_file_location("tune_ladder", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def _saved_report(tmp_path: Path, kv_cache: str) -> Path:
+    contexts = [64, 1024, 4096]
+    splits_for = plan_splits(16, num_sms=132)
+    hints = hints_to_measure(contexts, 4096, ladders=[default_ladder(4096)])
+    per_batch = splits_to_measure([1, 8], splits_for, hints)
+    times = {(c, b, s): toy_us(c, b, s) for b in (1, 8) for c in contexts for s in per_batch[b]}
+    meta = {"gpu": "NVIDIA H200", "num_sms": 132, "num_heads": 16, "batches": [1, 8],
+            "contexts": contexts, "command": "x", "date": "2026-11-30 23:30 UTC",
+            "torch": "t", "triton": "t", "kv_cache": kv_cache}
+    path = tmp_path / "saved.json"
+    path.write_text(json.dumps({"meta": meta, "times": times_to_rows(times)}))
+    return path
+
+
+def test_tune_ladder_outputs_are_not_replaced_without_force(tmp_path: Path, capsys):
+    script = _tune_script()
+    saved = _saved_report(tmp_path, "bf16")
+    out, report = tmp_path / "ladder.json", tmp_path / "report.json"
+    report.with_suffix(".md").write_text("committed")
+    args = ["--from-times", str(saved), "--max-model-len", "4096", "--out", str(out),
+            "--report", str(report), "--quiet"]
+    with pytest.raises(SystemExit) as e:
+        script.main(args)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert str(report.with_suffix(".md")) in err and "--force" in err
+    assert not out.exists() and not report.exists()  # refused before writing anything
+    assert report.with_suffix(".md").read_text() == "committed"
+    script.main([*args, "--force"])
+    assert out.exists() and report.with_suffix(".md").read_text().startswith("# Tuned ladder")
+
+
+@pytest.mark.parametrize("kv_cache", ["bf16", "fp8-v32"])
+def test_tune_ladder_figure_names_format_heads_and_batches(tmp_path: Path, kv_cache: str):
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    script = _tune_script()
+    saved = _saved_report(tmp_path, kv_cache)
+    report = tmp_path / "report.json"
+    script.main(["--from-times", str(saved), "--max-model-len", "4096", "--report",
+                 str(report), "--plot", str(tmp_path / "f.png"), "--quiet"])
+    assert (tmp_path / "f.png").read_bytes()[:4] == b"\x89PNG"
+    data = json.loads(report.read_text())
+    fig = script.plot_figure(data, plt)
+    title = fig._suptitle.get_text()
+    # The three committed figures of one GPU differ by cache format and heads: both named.
+    assert f"16 heads, {kv_cache} cache, q_len 1, batch 1 and 8" in title
+    assert "measured 2026-11-30 23:30 UTC" in title  # when measured, not when re-plotted
+    assert [ax.get_title() for ax in fig.axes[:2]] == ["batch 1", "batch 8"]
+    (legend,) = fig.legends
+    labels = {t.get_text() for t in legend.get_texts()}
+    assert {"tuned bucket bounds", "3 % above the oracle"} <= labels
+    assert any(lab.startswith("tuned ladder (") for lab in labels)
+    for ax in fig.axes:
+        for line in ax.get_lines():
+            assert line.get_label() in labels or line.get_label().startswith("_"), \
+                line.get_label()
+    plt.close(fig)
