@@ -675,7 +675,7 @@ def plot_figure(data: dict, plt):
     fig.text(0.02, 0.005, foot, fontsize=8.5, va="bottom", ha="left")
     # Room for the legend's rows above the panels and the footnote's lines below them.
     legend_rows = -(-len(order) // ncol)
-    fig.subplots_adjust(left=0.07, right=0.98, top=0.93 - 0.0135 * legend_rows,
+    fig.subplots_adjust(left=0.07, right=0.98, top=0.92 - 0.0135 * legend_rows,
                         bottom=0.045 + 0.0112 * (foot.count("\n") + 1))
     return fig
 
