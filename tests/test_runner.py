@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from graphbucket import POLICIES, DecodeBatch, GraphBucketRunner, default_ladder, get_backend
+from graphbucket.graphs import CaptureError
 from graphbucket.ladder import Bucket, BucketLadder
 from tests._toy import LADDER, NUM_SMS, ToyMLA, rel_l2, toy_batch, toy_reference, toy_spec
 
@@ -279,6 +281,34 @@ def test_lifecycle_errors():
     runner.close()  # idempotent
 
 
+def test_a_forward_fault_in_capture_leaves_a_runner_to_close_and_a_new_one_works():
+    model = ToyMLA()
+    calls = {"n": 0}
+
+    def fails_at_third_graph(ctx):  # one warm-up call per graph (a CPU capture runs none)
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected forward fault")
+        return model(ctx)
+
+    backend = get_backend("triton", num_sms=NUM_SMS, kv_lora_rank=64, qk_rope_dim=16)
+    faulty = GraphBucketRunner(fails_at_third_graph, spec=toy_spec(), batch_sizes=[1, 2],
+                               ladder=LADDER, sm_scale=SM_SCALE, backend=backend,
+                               progress=False)
+    with pytest.raises(CaptureError, match=r"capturing graph 3/4 \(bs=1, .*injected forward "
+                       "fault.*released") as err:
+        faulty.capture()
+    assert isinstance(err.value.__cause__, RuntimeError)
+    assert faulty.records == [] and calls["n"] == 3
+    with pytest.raises(RuntimeError, match="call capture"):
+        faulty.step(batch_of([5]))
+    faulty.close()
+    runner = runner_for("ladder", model, "cpu", backend="triton")
+    batch = batch_of([300, 40])
+    assert rel_l2(runner.step(batch), toy_reference(model, batch, sm_scale=SM_SCALE)) < 1e-5
+    runner.close()
+
+
 def test_construction_errors_name_the_cause():
     backend = get_backend("dense", kv_lora_rank=64, qk_rope_dim=16)
     with pytest.raises(ValueError, match="above the buffers' capacity 320"):
@@ -305,14 +335,15 @@ def gpu_model():
                   hidden=GPU_HIDDEN, page=GPU_PAGE)
 
 
-def gpu_runner(policy, model, *, backend="triton", sizes=GPU_SIZES):
+def gpu_runner(policy, model, *, backend="triton", sizes=GPU_SIZES, capture=True):
     spec = toy_spec(max_pages=GPU_MML // GPU_PAGE, num_pages=GPU_PAGES, dtype=torch.bfloat16,
                     device="cuda", page=GPU_PAGE, hidden=GPU_HIDDEN)
     runner = GraphBucketRunner.for_policy(
         policy, model, spec=spec, batch_sizes=list(sizes), max_model_len=GPU_MML,
         sm_scale=SM_SCALE, backend=get_backend(backend, device="cuda") if backend == "triton"
         else get_backend(backend), progress=False)
-    runner.capture()
+    if capture:
+        runner.capture()
     return runner
 
 
@@ -401,3 +432,87 @@ def test_gpu_1000_random_steps_sync_free_pinned_and_memory_flat(gpu_runners):
     assert torch.cuda.memory_allocated() <= baseline
     stats = runner.stats()
     assert stats.errors == 0 and stats.eager_fallbacks == 0
+
+
+def _fill_device(leave: int) -> list[torch.Tensor]:
+    """Allocate all but about ``leave`` bytes of the device."""
+    blocks = []
+    size = torch.cuda.mem_get_info()[0] - leave
+    while size > 16 << 20:
+        try:
+            blocks.append(torch.empty(size, dtype=torch.uint8, device="cuda"))
+            size = torch.cuda.mem_get_info()[0] - leave
+        except torch.cuda.OutOfMemoryError:
+            size //= 2
+    return blocks
+
+
+class FaultAtGraph:
+    """The model, failing inside the capture of the ``k``-th graph: ``"raise"`` raises from
+    the forward; ``"oom"`` fills the device at that graph's warm-up, then asks for 256 MiB
+    inside the capture (more than the filled device has left, and than the shared pool holds)."""
+
+    def __init__(self, model, k: int, mode: str) -> None:
+        self.model, self.k, self.mode = model, k, mode
+        self.warmups = self.captures = 0
+        self.filler: list[torch.Tensor] = []
+
+    def __call__(self, ctx):
+        capturing = torch.cuda.is_current_stream_capturing()
+        if capturing:
+            self.captures += 1
+        else:
+            self.warmups += 1
+        out = self.model(ctx)
+        if self.mode == "raise" and capturing and self.captures == self.k:
+            raise RuntimeError("injected forward fault")
+        if self.mode == "oom" and not capturing and self.warmups == self.k:
+            self.filler = _fill_device(leave=64 << 20)
+        if self.mode == "oom" and capturing and self.captures == self.k:
+            extra = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+            out = out + extra[:1].float().sum().to(out.dtype) * 0
+        return out
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    seen = []
+    while exc is not None and exc not in seen:
+        seen.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return seen
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["raise", "oom"])
+def test_gpu_capture_fault_releases_every_graph_and_a_new_runner_replays(gpu_model, mode):
+    # A first capture sets up the shared capture stream's per-stream library state (the
+    # cuBLAS workspace), which outlives any one capture.
+    gpu_runner("fixed-1", gpu_model, sizes=[1]).close()
+    faulty = FaultAtGraph(gpu_model, 3, mode)
+    runner = gpu_runner("ladder", faulty, capture=False)
+    assert len(runner.graphs.capture_order()) > 3
+    gc.collect()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    with pytest.raises(CaptureError, match=r"capturing graph 3/\d+ \(bs=\d+, q_len=1, .*"
+                       r"GraphKey\(") as err:
+        runner.capture()
+    want = RuntimeError if mode == "raise" else torch.cuda.OutOfMemoryError
+    assert any(isinstance(e, want) for e in _chain(err.value.__cause__)), _chain(err.value)
+    assert faulty.captures == 3
+    faulty.filler.clear()
+    del err
+    gc.collect()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
+    assert runner.records == [] and runner.graphs.summary is None
+    runner.close()
+    fresh = gpu_runner("ladder", gpu_model)
+    eager = gpu_runner("eager", gpu_model)
+    rng = np.random.default_rng(7)
+    for lens in ([5], [30000, 10], [700] * 8, list(rng.integers(1, GPU_MML, size=32))):
+        batch = gpu_batch(lens, rng)
+        assert rel_l2(fresh.step(batch).clone(), eager.step(batch)) < 1e-2, lens
+    assert sum(fresh.stats().replays.values()) == 4
+    fresh.close()
+    eager.close()
