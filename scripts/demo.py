@@ -207,43 +207,55 @@ def cpu_demo(kv_cache: str = "bf16", q_len: int = 1) -> list[dict]:
 # ---- GPU: TPOT of the three policies ---------------------------------------------------
 
 
+def _worst(policy: str, against: dict[int, str], ms: dict,
+           graph: dict) -> tuple[int | None, float]:
+    """The context where ``policy`` is furthest behind ``against[context]`` (``ms`` and
+    ``graph`` by (policy, context)), among those where their graphs differ; and the ratio."""
+    gaps = {c: ms[(policy, c)] / ms[(other, c)] for c, other in against.items()
+            if graph[(policy, c)] != graph[(other, c)]}
+    c = max(gaps, key=gaps.get, default=None)
+    return c, gaps.get(c, 1.0)
+
+
+# Two runs of one plan differ by up to 1 % (bench/results/h200-tpot.md): smaller gaps are
+# not explained.
+NOISE = 1.02
+
+
 def differences(rows: list[dict]) -> list[str]:
     """Where the policies differ in ``rows`` (``policy``, ``context``, ``batch``, ``tpot_ms``
     and ``graph``, what the graph replays), three lines per batch: fixed-1's and
     fixed-max's worst context against the ladder, and the ladder's against the faster of
-    the two."""
+    the two; only contexts where the two graphs differ count (equal graphs differ by noise)."""
     at = {(r["policy"], r["batch"], r["context"]): r for r in rows}
+    why = {"fixed-1": "planned for 1 token, it streams the context on one split per head "
+                      "block, however long the context",
+           "fixed-max": "planned for max_model_len, it replays {graph}, however short the "
+                        "context"}
     lines = []
     for batch in sorted({r["batch"] for r in rows}):
         contexts = sorted(c for p, b, c in at if b == batch and p == "ladder")
         ms = {(p, c): at[(p, batch, c)]["tpot_ms"] for p in SHOWN for c in contexts}
         graph = {(p, c): at[(p, batch, c)]["graph"] for p in SHOWN for c in contexts}
-        ratio = {(p, c): ms[(p, c)] / ms[("ladder", c)] for p in SHOWN for c in contexts}
-        why = {"fixed-1": "planned for 1 token, it streams the context on one split per head "
-                          "block, however long the context",
-               "fixed-max": "planned for max_model_len, it replays {graph}, however short "
-                            "the context"}
         for policy in ("fixed-1", "fixed-max"):
-            c = max(contexts, key=lambda c, p=policy: ratio[(p, c)])
-            if ratio[(policy, c)] <= 1.01:
-                lines.append(f"batch {batch}: {policy} is at most 1 % slower than the ladder "
-                             "at every context")
-                continue
-            lines.append(f"batch {batch}: {policy} takes {ratio[(policy, c)]:.2f}x the "
-                         f"ladder's time at {c} tokens: "
-                         + why[policy].format(graph=graph[(policy, c)]))
+            c, gap = _worst(policy, dict.fromkeys(contexts, "ladder"), ms, graph)
+            if gap <= NOISE:
+                lines.append(f"batch {batch}: {policy} is never more than 2 % slower than the "
+                             "ladder")
+            else:
+                lines.append(f"batch {batch}: {policy} takes {gap:.2f}x the ladder's time at "
+                             f"context {c}: " + why[policy].format(graph=graph[(policy, c)]))
         faster = {c: min(("fixed-1", "fixed-max"), key=lambda p, c=c: ms[(p, c)])
                   for c in contexts}
-        behind = {c: ms[("ladder", c)] / ms[(faster[c], c)] for c in contexts}
-        cl = max(contexts, key=behind.get)
-        if behind[cl] <= 1.01:
-            lines.append(f"batch {batch}: the ladder is within 1 % of the faster of the two "
-                         "at every context: each bucket replays the graph planned for it")
+        c, gap = _worst("ladder", faster, ms, graph)
+        if gap <= NOISE:
+            lines.append(f"batch {batch}: the ladder is within 2 % of the faster of the two "
+                         "wherever their graphs differ: each bucket replays the graph planned "
+                         "for it")
         else:
-            other = faster[cl]
-            lines.append(f"batch {batch}: the ladder takes {behind[cl]:.2f}x {other}'s time "
-                         f"at {cl} tokens, where its bucket's graph replays "
-                         f"{graph[('ladder', cl)]} and {other}'s {graph[(other, cl)]}")
+            lines.append(f"batch {batch}: the ladder takes {gap:.2f}x {faster[c]}'s time at "
+                         f"context {c}, where its bucket's graph replays "
+                         f"{graph[('ladder', c)]} and {faster[c]}'s {graph[(faster[c], c)]}")
     return lines
 
 

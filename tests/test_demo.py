@@ -68,14 +68,27 @@ def test_differences_name_each_policys_worst_context_and_why():
                 ladder=[(1, 0.5, "1 split (no merge)"), (131072, 11.04, "balanced + merge")])
     lines = demo.differences(one + many)
     assert len(lines) == 6
-    assert lines[0].startswith("batch 1: fixed-1 takes 45.72x the ladder's time at 131072 ")
-    assert lines[1].startswith("batch 1: fixed-max takes 1.07x the ladder's time at 1 tokens")
+    assert lines[0].startswith("batch 1: fixed-1 takes 45.72x the ladder's time at context 131072")
+    assert lines[1].startswith("batch 1: fixed-max takes 1.07x the ladder's time at context 1:")
     assert "64 splits + merge" in lines[1]
-    assert lines[2].startswith("batch 1: the ladder is within 1 % of the faster")
+    assert lines[2].startswith("batch 1: the ladder is within 2 % of the faster")
     assert lines[3].startswith("batch 64: fixed-1 takes 18.12x")
-    assert lines[4] == "batch 64: fixed-max is at most 1 % slower than the ladder at every context"
-    assert lines[5].startswith("batch 64: the ladder takes 1.15x fixed-max's time at 131072 ")
+    assert lines[4] == "batch 64: fixed-max is never more than 2 % slower than the ladder"
+    assert lines[5].startswith("batch 64: the ladder takes 1.15x fixed-max's time at context "
+                               "131072")
     assert "balanced + merge and fixed-max's 2 splits + merge" in lines[5]
+
+
+def test_differences_leave_gaps_between_equal_graphs_unexplained():
+    # The same graph under every policy: a 1.3x gap is noise, not a topology effect.
+    same = rows(8, fixed_1=[(64, 0.3, "1 split (no merge)")],
+                fixed_max=[(64, 0.4, "1 split (no merge)")],
+                ladder=[(64, 0.52, "1 split (no merge)")])
+    assert demo.differences(same) == [
+        "batch 8: fixed-1 is never more than 2 % slower than the ladder",
+        "batch 8: fixed-max is never more than 2 % slower than the ladder",
+        "batch 8: the ladder is within 2 % of the faster of the two wherever their graphs "
+        "differ: each bucket replays the graph planned for it"]
 
 
 def test_gpu_table_row_shows_every_policy_and_the_ratios():
