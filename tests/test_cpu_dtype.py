@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from kernel_cases import KV_LORA_RANK, SM_SCALE, make_case
 
 from graphbucket.kernels import SplitWorkspace, mla_decode, mla_decode_balanced
 from graphbucket.models import (
@@ -18,7 +19,6 @@ from graphbucket.models import (
 )
 from graphbucket.plan import plan_balanced_mla_decode, plan_mla_decode
 from graphbucket.runner import GraphBucketRunner
-from kernel_cases import KV_LORA_RANK, SM_SCALE, make_case
 
 PAGE = 16
 
