@@ -1,13 +1,23 @@
 """Tune a bucket ladder on this GPU: measure the decode kernel, choose buckets, write JSON.
 
-Measures the Triton MLA decode kernel (cold L2, graph replays) at every context x batch x
-split count that a hint can plan, chooses at most ``--max-buckets`` buckets minimising
-time relative to the best split count per context (graphbucket.tuning), and writes the
-ladder (BucketLadder.load reads it), a report with the raw timing table, and a plot.
+Times the Triton MLA decode kernel (cold L2, graph replays) at every context x capture size
+(default 1, 2, 4, ..., 128) for each distinct plan a hint can capture there
+(``plans_to_measure``: the plan itself, so a fused merge or a page-ahead stream is timed
+as captured), refines the context grid where the best split count changes, and chooses at
+most ``--max-buckets`` buckets with per-batch hints minimising time relative to the best
+plan per (context, batch) (graphbucket.tuning). Writes the ladder (BucketLadder.load reads
+it), a report with the raw timing table, and a plot. ``--dry-run`` prints the plans, the
+measurement count and the estimated GPU time, and exits.
 
-    python3 scripts/tune_ladder.py --heads 16 --batches 1 8 --max-buckets 6 \\
-        --max-model-len 131072 --out graphbucket/ladders/h200-h16.json \\
-        --report bench/results/h200-ladder-tune.json --plot bench/results/h200-ladder-tune.png
+    python3 scripts/tune_ladder.py --heads 16 --max-buckets 6 --max-model-len 131072 \
+        --out OUT/h200-h16.json --report OUT/h200-ladder-tune.json \
+        --plot OUT/h200-ladder-tune.png
+
+The balanced topology serves ragged batches only (the selector replays it where a batch's
+imbalance reaches ``--balanced-imbalance``; a uniform batch never does), so it is not
+timed here: uniform batches cannot select it. ``bench/ladder_oracle.py`` times it on the
+ragged mixes against the split plans. ``--q-len N`` tunes for verify steps (q_len x heads
+query rows, as the runner plans them).
 
 ``--from-times REPORT`` re-chooses from a saved report's timing table, without a GPU (and
 re-plots it: ``--from-times R.json --plot R.png --force``). An output that exists is only
@@ -22,10 +32,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.util
+import itertools
 import json
 import os
 import shlex
 import sys
+import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -35,19 +48,26 @@ from graphbucket.ladder import (  # noqa: E402
     DEFAULT_BALANCED_IMBALANCE,
     default_ladder,
 )
+from graphbucket.plan import H200_NUM_SMS  # noqa: E402
 from graphbucket.tuning.choose import (  # noqa: E402
     TuneResult,
     choose_ladder,
     choose_per_batch,
+    hint_plans,
     hints_to_measure,
     plan_splits,
-    splits_to_measure,
+    plan_variants,
+    plans_to_measure,
+    refine_contexts,
+    timed_plans,
     times_from_rows,
     times_to_rows,
 )
 from graphbucket.tuning.shipped import KV_CACHE_FORMATS  # noqa: E402
 
 CONTEXTS = [1, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 102400, 131072]
+CAPTURE_SIZES = [1, 2, 4, 8, 16, 32, 64, 128]  # the runner's capture sizes by default
+REFINE = 8  # most contexts added where the best split count changes
 
 
 def positive_int(text: str) -> int:
@@ -66,9 +86,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--heads", type=positive_int, default=None,
                     help="attention heads per GPU (16)")
     ap.add_argument("--batches", type=positive_int, nargs="+", default=None,
-                    help="capture batch sizes to tune for (1 8)")
+                    help="capture batch sizes to tune for, each measured (default: "
+                         f"{' '.join(map(str, CAPTURE_SIZES))})")
+    ap.add_argument("--q-len", type=positive_int, default=1,
+                    help="query tokens per request (verify steps: q_len x heads query "
+                         "rows, planned and timed as the runner captures them; default 1)")
+    ap.add_argument("--refine", type=int, default=REFINE, metavar="N",
+                    help="measure at most N more contexts, geometric midpoints where the "
+                         "best split count changes between measured ones (default: "
+                         "%(default)s; 0: the grid only)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="print the plans, the measurement count and the estimated GPU time, "
+                         "then exit (no GPU needed; 132 SMs without one)")
     ap.add_argument("--contexts", type=positive_int, nargs="+", default=None,
-                    help="context lengths to measure (1 .. 128K, 14 points)")
+                    help="context lengths to measure (default: 1 .. 128K, 14 points, and "
+                         "--max-model-len)")
     ap.add_argument("--max-buckets", type=positive_int, default=6,
                     help="most buckets the ladder may have (default: %(default)s)")
     ap.add_argument("--max-model-len", type=positive_int, default=131072,
@@ -111,6 +143,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         path = getattr(args, flag)
         if path is not None and path.is_dir():
             ap.error(f"--{flag} {path} is a directory; pass a file path")
+    if args.refine < 0:
+        ap.error(f"--refine {args.refine}: pass 0 (no refinement) or more")
+    if args.q_len > min(args.contexts or [args.max_model_len]) and args.contexts:
+        ap.error(f"--contexts {args.contexts} has lengths below --q-len {args.q_len}; a "
+                 "verify step's length counts its q_len tokens")
     if args.balanced_imbalance != 0 and not args.balanced_imbalance > 1:
         ap.error(f"--balanced-imbalance {args.balanced_imbalance}: use 0 (off) or a number "
                  "> 1 (a uniform batch has imbalance 1)")
@@ -124,29 +161,103 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def measurement_plan(args: argparse.Namespace, num_sms: int) -> dict:
+    """What the tuner will time (host arithmetic): contexts, plans per batch, the count of
+    measurements and their estimated GPU seconds, refinement included at its most."""
+    from graphbucket.tuning.measure import PAGE_SIZE, estimate_seconds
+
+    heads, q_len = args.heads or 16, args.q_len
+    batches = sorted(args.batches or CAPTURE_SIZES)
+    contexts = sorted({c for c in args.contexts or CONTEXTS if q_len <= c <= args.max_model_len}
+                      | ({args.max_model_len} if args.contexts is None else set()))
+    plan_for = hint_plans(heads, num_sms=num_sms, q_len=q_len)
+    hints = hints_to_measure(contexts, args.max_model_len,
+                             ladders=[default_ladder(args.max_model_len)])
+    plans = plans_to_measure(batches, plan_for, hints)
+    num_pages = -(-contexts[-1] * batches[-1] // PAGE_SIZE)
+    kv_cache, rows = args.kv_cache or "bf16", heads * q_len
+    shapes = [(c, b, len(plans[b])) for c in contexts for b in batches]
+    # Refinement points are geometric midpoints of the grid: at most, the costliest ones.
+    mids = sorted(({round((lo * hi) ** 0.5) for lo, hi in itertools.pairwise(contexts)}
+                   - set(contexts)), reverse=True)[: args.refine]
+    extra = [(c, b, len(plans[b])) for c in mids for b in batches]
+    # One Triton compile per kernel configuration, whatever the batch.
+    compiles = len({replace(p, batch_size=1) for by in plans.values() for p in by.values()})
+    est = estimate_seconds(shapes, rows, kv_cache, num_pages=num_pages, compiles=compiles)
+    est_extra = estimate_seconds(extra, rows, kv_cache, num_pages=num_pages)
+    return {"heads": heads, "q_len": q_len, "batches": batches, "contexts": contexts,
+            "kv_cache": kv_cache, "plans": plans, "plan_for": plan_for,
+            "count": sum(n for *_, n in shapes), "refine_count": sum(n for *_, n in extra),
+            "estimate_s": est, "refine_estimate_s": est_extra}
+
+
+def print_plan(todo: dict, gpu: str, num_sms: int) -> None:
+    print(f"{gpu} ({num_sms} SMs), {todo['heads']} heads, q_len {todo['q_len']}, "
+          f"{todo['kv_cache']} cache: {len(todo['contexts'])} contexts "
+          f"{todo['contexts']}", flush=True)
+    for batch, plans in todo["plans"].items():
+        print(f"  batch {batch}: {len(plans)} plans, splits "
+              f"{[p.num_kv_splits for p in plans.values()]}")
+    print(f"{todo['count']} measurements, about {todo['estimate_s']:.0f} s of GPU time; "
+          f"refinement: at most {todo['refine_count']} more, about "
+          f"{todo['refine_estimate_s']:.0f} s", flush=True)
+
+
 def measure(args: argparse.Namespace) -> tuple[dict, dict]:
-    """Time the kernel on this GPU; returns (timing table, measurement meta)."""
+    """Time the plans hints capture on this GPU; returns (timing table, measurement meta).
+    The grid is refined where the best split count changes (``refine_contexts``)."""
     import torch
 
     from bench.gpu_timing import run_meta
-    from graphbucket.tuning.measure import measure_split_times
+    from graphbucket.tuning.measure import PlanTimer, Progress, estimate_seconds
 
     if not torch.cuda.is_available():
-        sys.exit("measuring needs a CUDA GPU; without one pass --from-times REPORT")
-    heads, batches = args.heads or 16, sorted(args.batches or [1, 8])
-    contexts = sorted(args.contexts or [c for c in CONTEXTS if c <= args.max_model_len])
-    kv_cache = args.kv_cache or "bf16"
-    meta = {**run_meta(), "num_heads": heads, "batches": batches, "contexts": contexts,
-            "kv_cache": kv_cache}
-    splits_for = plan_splits(heads, num_sms=meta["num_sms"])
-    hints = hints_to_measure(contexts, args.max_model_len,
-                             ladders=[default_ladder(args.max_model_len)])
-    per_batch = splits_to_measure(batches, splits_for, hints)
-    print(f"{meta['gpu']} ({meta['num_sms']} SMs), {heads} heads, {kv_cache} cache: "
-          f"{len(contexts)} contexts, "
-          + ", ".join(f"batch {b}: splits {s}" for b, s in per_batch.items()), flush=True)
-    times = measure_split_times(contexts, batches, per_batch, heads, progress=not args.quiet,
-                                kv_cache=kv_cache)
+        sys.exit("measuring needs a CUDA GPU; without one pass --from-times REPORT "
+                 "(or --dry-run to count the measurements)")
+    meta = run_meta()
+    todo = measurement_plan(args, meta["num_sms"])
+    print_plan(todo, meta["gpu"], meta["num_sms"])
+    batches, plan_for, plans = todo["batches"], todo["plan_for"], todo["plans"]
+    rows, kv_cache = todo["heads"] * todo["q_len"], todo["kv_cache"]
+    max_splits = max(plan_for(b, args.max_model_len).num_kv_splits for b in batches)
+    timer = PlanTimer(todo["contexts"][-1], batches[-1], todo["heads"], q_len=todo["q_len"],
+                      kv_cache=kv_cache, max_splits=max_splits)
+    progress = Progress(todo["count"], todo["estimate_s"], enabled=not args.quiet)
+    times: dict = {}
+
+    def run(contexts: list[int], by_batch: dict) -> None:
+        for context in contexts:
+            for batch in batches:
+                if not by_batch[batch]:
+                    continue
+                one = estimate_seconds([(context, batch, 1)], rows, kv_cache,
+                                       num_pages=timer.problem.num_pages)
+                for label, us in timer.time(context, batch, by_batch[batch]).items():
+                    times[(context, batch, label)] = us
+                    progress.step(f"ctx={context} b={batch} {label}: {us:.2f} us", one)
+
+    run(todo["contexts"], plans)
+    contexts, left = list(todo["contexts"]), args.refine
+    while left > 0:
+        new = [c for c in refine_contexts(times, left) if c not in contexts]
+        if not new:
+            break
+        contexts = sorted(contexts + new)
+        hints = hints_to_measure(contexts, args.max_model_len,
+                                 ladders=[default_ladder(args.max_model_len)])
+        grown = plans_to_measure(batches, plan_for, hints)
+        # A plan only the new contexts' hints capture is timed at every context.
+        added = {b: {k: p for k, p in grown[b].items() if k not in plans[b]} for b in batches}
+        progress.total += len(new) * sum(map(len, grown.values())) + (
+            len(contexts) - len(new)) * sum(map(len, added.values()))
+        print(f"refining at {new}", flush=True)
+        run(new, grown)
+        run([c for c in contexts if c not in new], added)
+        plans, left = grown, left - len(new)
+    meta.update(num_heads=todo["heads"], q_len=todo["q_len"], batches=batches,
+                contexts=contexts, kv_cache=kv_cache, timed="plans",
+                estimate_s=round(todo["estimate_s"] + todo["refine_estimate_s"], 1),
+                measured_s=round(time.perf_counter() - progress.start, 1))
     return times, meta
 
 
@@ -156,6 +267,11 @@ def load_times(args: argparse.Namespace) -> tuple[dict, dict]:
     if "times" not in data or "meta" not in data:
         sys.exit(f"{args.from_times} has no 'times'/'meta'; pass a report this script wrote")
     meta, times = dict(data["meta"]), times_from_rows(data["times"])
+    if timed_plans(data["times"]):
+        meta["timed"] = "plans"
+    if args.q_len != meta.setdefault("q_len", 1):
+        sys.exit(f"{args.from_times} was measured at q_len {meta['q_len']}, not --q-len "
+                 f"{args.q_len}; re-measure on the GPU for another q_len")
     if args.heads is not None and args.heads != meta["num_heads"]:
         sys.exit(f"{args.from_times} was measured with {meta['num_heads']} heads, not "
                  f"--heads {args.heads}; re-measure on the GPU for another head count")
@@ -199,8 +315,10 @@ def report_markdown(report: dict) -> str:
     meta, summary = report["meta"], report["summary"]
     bounds = ", ".join(bucket_text(b) for b in report["ladder"]["buckets"])
     fmt = meta.get("kv_cache", "bf16")
+    q_len = meta.get("q_len", 1)
     lines = [f"# Tuned ladder, {meta['num_heads']} heads"
-             + ("" if fmt == "bf16" else f", {fmt} cache") + f" ({meta['gpu']})", "",
+             + ("" if fmt == "bf16" else f", {fmt} cache")
+             + ("" if q_len == 1 else f", q_len {q_len}") + f" ({meta['gpu']})", "",
              f"{meta['date']}, torch {meta['torch']}, triton {meta['triton']}. "
              f"Command: `{meta['command']}`", "", f"Tuned buckets: {bounds}", "",
              f"Time over the best measured split count (mean / worst): tuned "
@@ -226,7 +344,7 @@ def figure_title(meta: dict) -> str:
     the GPU and when it was measured."""
     batches = " and ".join(str(b) for b in meta["batches"])
     return (f"Ladder tuning: MLA decode attention (576/512), {meta['num_heads']} heads, "
-            f"{meta.get('kv_cache', 'bf16')} cache, q_len 1, batch {batches}\n"
+            f"{meta.get('kv_cache', 'bf16')} cache, q_len {meta.get('q_len', 1)}, batch {batches}\n"
             f"{meta['gpu']}, measured {meta.get('measured_date', meta['date'])}")
 
 
@@ -297,6 +415,16 @@ def render_png(report: dict, path: Path) -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.dry_run:
+        num_sms = H200_NUM_SMS
+        if importlib.util.find_spec("torch") is not None:
+            import torch
+
+            if torch.cuda.is_available():
+                num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+        todo = measurement_plan(args, num_sms)
+        print_plan(todo, "dry run", num_sms)
+        return
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         print("matplotlib is not installed: --plot will be skipped (the report keeps the "
               "timing table; install it with `python3 -m pip install matplotlib` and "
@@ -306,12 +434,19 @@ def main(argv: list[str] | None = None) -> None:
     if too_long:
         sys.exit(f"measured contexts {too_long} are above --max-model-len "
                  f"{args.max_model_len}; raise it or pass --contexts up to it")
-    splits_for = plan_splits(meta["num_heads"], num_sms=meta["num_sms"])
+    q_len = meta.setdefault("q_len", 1)
+    if meta.get("timed") == "plans":  # keyed by the plan each hint captures
+        splits_for = plan_variants(hint_plans(meta["num_heads"], num_sms=meta["num_sms"],
+                                              q_len=q_len))
+    else:  # reports before 2026-12: split counts forced on each context's plan
+        splits_for = plan_splits(meta["num_heads"], num_sms=meta["num_sms"])
     ladder_meta = {"device": meta["gpu"], "num_sms": meta["num_sms"],
                    "num_heads": meta["num_heads"],
                    "date": meta.get("measured_date", meta["date"])}
     if meta["kv_cache"] != "bf16":  # bf16 ladders keep their meta as before
         ladder_meta["kv_cache"] = meta["kv_cache"]
+    if q_len != 1:
+        ladder_meta["q_len"] = q_len
     result = choose_ladder(times, splits_for, max_model_len=args.max_model_len,
                            max_buckets=args.max_buckets, meta=ladder_meta,
                            per_batch_hints=not args.shared_hints)

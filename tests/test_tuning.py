@@ -15,8 +15,12 @@ from graphbucket.tuning.choose import (
     candidate_hints,
     choose_ladder,
     choose_per_batch,
+    hint_plans,
     hints_to_measure,
     plan_splits,
+    plan_variants,
+    plans_to_measure,
+    refine_contexts,
     splits_to_measure,
     times_from_rows,
     times_to_rows,
@@ -464,3 +468,107 @@ def test_tune_ladder_figure_names_format_heads_and_batches(tmp_path: Path, kv_ca
             assert line.get_label() in labels or line.get_label().startswith("_"), \
                 line.get_label()
     plt.close(fig)
+
+
+# ---- timing the plans hints capture, at every capture size ---------------------------------
+
+
+def plan_toy_us(context: int, plan) -> float:
+    """``toy_us`` of a plan, with a fused merge 3 us cheaper than the merge kernel."""
+    us = toy_us(context, plan.batch_size, plan.num_kv_splits)
+    return us - 3.0 if plan.merges_in_stage1 else us
+
+
+def test_plans_to_measure_lists_each_distinct_plan_a_hint_captures():
+    plan_for = hint_plans(16, num_sms=132)
+    hints = hints_to_measure([1, 64, 4096, 131072], 131072)
+    plans = plans_to_measure([8, 64], plan_for, hints)
+    for batch in (8, 64):
+        captured = {plan_for(batch, h) for h in range(1, 131073, 61)}
+        assert captured <= set(plans[batch].values())  # every capturable plan is timed
+        assert all(label == p.describe() for label, p in plans[batch].items())
+    # Batch 64 x 4 splits: merged in stage 1 (hint <= 4K); 8 splits: the merge kernel.
+    assert [p.num_kv_splits for p in plans[64].values()] == [1, 2, 4, 8]
+    assert plans[64][plan_for(64, 4096).describe()].merges_in_stage1
+    # Batch 8 at 32 splits: the page-ahead stream up to 64K, the plain one at 128K.
+    assert plan_for(8, 65536) != plan_for(8, 131072)
+    assert [p.num_kv_splits for p in plans[8].values()].count(32) == 2
+
+
+def test_q_len_plans_fold_the_tokens_into_the_heads():
+    assert hint_plans(16, q_len=4)(8, 4096) == hint_plans(64)(8, 4096)
+    assert hint_plans(16, q_len=4)(8, 4096).block_h == 64
+    with pytest.raises(ValueError, match="q_len must be a positive int, got 0"):
+        hint_plans(16, q_len=0)
+
+
+def test_choosing_over_plans_prefers_the_fused_plan_the_split_table_cannot_see():
+    contexts = [256, 1024, 4096, 16384, 131072]
+    plan_for = hint_plans(16, num_sms=132)
+    hints = hints_to_measure(contexts, 131072, ladders=[default_ladder()])
+    plans = plans_to_measure([1, 64], plan_for, hints)
+    times = {(c, b, label): plan_toy_us(c, p) for c in contexts for b in (1, 64)
+             for label, p in plans[b].items()}
+    result = choose_ladder(times, plan_variants(plan_for), max_model_len=131072,
+                           max_buckets=4)
+    assert max(r["tuned_over_oracle"] for r in result.rows) == 1.0
+    for r in result.rows:  # every row names the plans, and the oracle is their minimum
+        at = [us for (c, b, _), us in times.items() if (c, b) == (r["context"], r["batch"])]
+        assert r["oracle_us"] == min(at)
+        assert r["tuned_plan"].startswith(f"splits={r['tuned_splits']} ")
+    at_4k = next(r for r in result.rows if (r["context"], r["batch"]) == (4096, 64))
+    assert "+merge(last split" in at_4k["tuned_plan"]  # 4 splits merged in stage 1
+    rows = times_to_rows(times)
+    assert times_from_rows(json.loads(json.dumps(rows))) == {
+        k: round(us, 4) for k, us in times.items()}
+    assert all(r["plan"].startswith(f"splits={r['splits']} ") for r in rows)
+
+
+def test_refinement_adds_midpoints_only_where_the_best_split_count_changes():
+    best = {64: 1, 256: 1, 1024: 4, 4096: 4, 16384: 16}
+    times = table(best, batches=(1, 8))
+    assert refine_contexts(times, 8) == [512, 8192]  # sqrt(256 x 1024), sqrt(4096 x 16384)
+    assert refine_contexts(times, 1) == [512]  # the widest gap first: ties go to the lower
+    assert refine_contexts(table({64: 1, 65: 2}), 8) == []  # no integer between
+
+
+def test_dry_run_counts_measurements_for_every_capture_size(capsys):
+    script = _tune_script()
+    script.main(["--dry-run", "--heads", "16"])
+    out = capsys.readouterr().out
+    per_batch = [int(line.split(":")[1].split()[0]) for line in out.splitlines()
+                 if line.startswith("  batch ")]
+    assert len(per_batch) == len(script.CAPTURE_SIZES)
+    count = int(out.split(" measurements, about ")[0].rsplit("\n", 1)[-1])
+    assert count == 14 * sum(per_batch)
+    seconds = float(out.split(" measurements, about ")[1].split(" s")[0])
+    assert 0 < seconds <= 300  # the 5-minute goal
+    script.main(["--dry-run", "--heads", "128", "--q-len", "2", "--batches", "1", "64",
+                 "--contexts", "4096", "131072"])
+    out = capsys.readouterr().out
+    assert "128 heads, q_len 2" in out and "batch 64:" in out and "batch 8:" not in out
+
+
+def test_a_plan_keyed_report_rechooses_the_same_ladder(tmp_path: Path):
+    script = _tune_script()
+    contexts = [64, 1024, 4096]
+    plan_for = hint_plans(16, num_sms=132, q_len=2)
+    plans = plans_to_measure([1, 8], plan_for,
+                             hints_to_measure(contexts, 4096, ladders=[default_ladder(4096)]))
+    times = {(c, b, label): plan_toy_us(c, p) for c in contexts for b in (1, 8)
+             for label, p in plans[b].items()}
+    meta = {"gpu": "NVIDIA H200", "num_sms": 132, "num_heads": 16, "batches": [1, 8],
+            "contexts": contexts, "command": "x", "date": "d", "torch": "t", "triton": "t",
+            "kv_cache": "bf16", "q_len": 2, "timed": "plans"}
+    saved = tmp_path / "saved.json"
+    saved.write_text(json.dumps({"meta": meta, "times": times_to_rows(times)}))
+    out = tmp_path / "h200-h16.json"
+    script.main(["--from-times", str(saved), "--q-len", "2", "--max-model-len", "4096",
+                 "--out", str(out), "--report", str(tmp_path / "r.json"), "--quiet"])
+    ladder = BucketLadder.load(out)
+    expected = choose_ladder(times, plan_variants(plan_for), max_model_len=4096,
+                             max_buckets=6)
+    assert ladder.bounds == expected.ladder.bounds and ladder.meta["q_len"] == 2
+    assert "q_len 2" in (tmp_path / "r.md").read_text()
+    with pytest.raises(SystemExit, match="measured at q_len 2, not --q-len 1"):
+        script.main(["--from-times", str(saved), "--max-model-len", "4096"])

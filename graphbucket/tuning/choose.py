@@ -4,10 +4,14 @@ Pure host arithmetic (no torch at import). The measuring step that fills the tim
 on a GPU is ``graphbucket.tuning.measure.measure_split_times``; ``scripts/tune_ladder.py``
 runs both.
 
-Input: ``times[(context, batch, splits)] -> us`` over measured contexts c_1 < ... < c_n and
-the capture batch sizes, and ``splits_for(batch, hint)``: the split count of a graph
-captured with ``hint`` (``plan_splits`` wraps ``plan_mla_decode``). Hints matter only
-through it.
+Input: ``times[(context, batch, variant)] -> us`` over measured contexts c_1 < ... < c_n
+and the capture batch sizes, and ``splits_for(batch, hint)``: the variant of the graph
+captured with ``hint``. Hints matter only through it. A variant is either a split count
+(``plan_splits``; reports before 2026-12) or the plan itself, named by
+``LaunchPlan.describe()`` (``plan_variants``): one split count can be several plans (at
+batch 64 a hint of 4K plans 4 splits merged in stage 1, WIDE_FUSED, where 128K with its
+split count forced to 4 runs the merge kernel), so the tuner times the plan each hint
+captures, at every context.
 
 - ``oracle(c, b)`` = min over the split counts measured at (c, b).
 - ``cost(c, b, h)`` = ``times[(c, b, splits_for(b, h))]``. Every split count a considered
@@ -42,20 +46,31 @@ changes.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
+import re
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from graphbucket.ladder import Bucket, BucketLadder, default_ladder
-from graphbucket.plan import H200_NUM_SMS, MAX_KV_SPLITS, plan_mla_decode, pow2_ceil
+from graphbucket.plan import (
+    H200_NUM_SMS,
+    MAX_KV_SPLITS,
+    LaunchPlan,
+    plan_mla_decode,
+    pow2_ceil,
+)
 
-TimeKey = tuple[int, int, int]  # (context, batch, splits)
+Variant = int | str  # a split count, or a plan's describe()
+TimeKey = tuple[int, int, Variant]  # (context, batch, variant)
 TimeTable = Mapping[TimeKey, float]
-SplitsFn = Callable[[int, int], int]  # (batch, hint) -> split count
+SplitsFn = Callable[[int, int], Variant]  # (batch, hint) -> variant
+PlanFn = Callable[[int, int], LaunchPlan]  # (batch, hint) -> the plan captured
 
 _NDIGITS = 9  # rounding before comparing sums of cost/oracle ratios
+_SPLITS_RE = re.compile(r"splits=(\d+) ")
 
 
 def candidate_hints(max_model_len: int) -> list[int]:
@@ -72,6 +87,64 @@ def plan_splits(num_heads: int, *, num_sms: int = H200_NUM_SMS,
         return plan_mla_decode(batch, num_heads, hint, num_sms=num_sms,
                                max_splits=max_splits).num_kv_splits
     return splits_for
+
+
+def hint_plans(num_heads: int, *, num_sms: int = H200_NUM_SMS, q_len: int = 1,
+               max_splits: int = MAX_KV_SPLITS) -> PlanFn:
+    """``plan_for(batch, hint)``: the plan a graph of ``batch`` rows captures at ``hint``,
+    as the runner plans it (``graphs.plan_for_key``: q_len x heads rows, same hint)."""
+    _check_positive("q_len", q_len)
+
+    @functools.cache
+    def plan_for(batch: int, hint: int) -> LaunchPlan:
+        return plan_mla_decode(batch, num_heads * q_len, hint, num_sms=num_sms,
+                               max_splits=max_splits)
+    return plan_for
+
+
+def plan_variants(plan_for: PlanFn) -> SplitsFn:
+    """``splits_for`` whose variants are plans: ``plan_for(batch, hint).describe()``."""
+    return lambda batch, hint: plan_for(batch, hint).describe()
+
+
+def variant_splits(variant: Variant) -> int:
+    """The split count of a variant (a split count, or a split plan's describe())."""
+    if isinstance(variant, int):
+        return variant
+    found = _SPLITS_RE.match(variant)
+    if found is None:
+        raise ValueError(f"variant {variant!r} is not a split plan's describe() "
+                         "('splits=N ...'); time split-KV plans only")
+    return int(found.group(1))
+
+
+def plans_to_measure(batches: Iterable[int], plan_for: PlanFn, hints: Iterable[int]
+                     ) -> dict[int, dict[str, LaunchPlan]]:
+    """Per batch: every distinct plan ``hints`` capture, by ``describe()``, fewest splits
+    first. Only these can be replayed, so only these are timed."""
+    hints = list(hints)
+    out = {}
+    for batch in sorted(set(batches)):
+        plans = {plan_for(batch, h).describe(): plan_for(batch, h) for h in hints}
+        out[batch] = dict(sorted(plans.items(), key=lambda kv: (kv[1].num_kv_splits, kv[0])))
+    return out
+
+
+def refine_contexts(times: TimeTable, max_new: int) -> list[int]:
+    """Contexts to measure next: the geometric midpoint of each pair of neighbouring
+    measured contexts where some batch's best split count changes, at most ``max_new``,
+    widest gaps first (ties: the shorter). The ladder is exact at measured contexts only,
+    so the grid is made dense only where the choice changes."""
+    table = _Table(times)
+    gaps = []
+    for lo, hi in itertools.pairwise(table.contexts):
+        mid = round(math.sqrt(lo * hi))
+        if not lo < mid < hi:
+            continue
+        if any(variant_splits(table.oracle[(lo, b)][0]) != variant_splits(
+                table.oracle[(hi, b)][0]) for b in table.batches):
+            gaps.append((-hi / lo, mid))
+    return sorted(mid for _, mid in sorted(gaps)[:max_new])
 
 
 def hints_to_measure(contexts: Iterable[int], max_model_len: int, *,
@@ -99,14 +172,31 @@ def splits_to_measure(batches: Iterable[int], splits_for: SplitsFn, hints: Itera
 
 
 def times_to_rows(times: TimeTable) -> list[dict[str, Any]]:
-    """The timing table as JSON rows ``{"context", "batch", "splits", "us"}``, sorted."""
-    return [{"context": c, "batch": b, "splits": s, "us": round(float(us), 4)}
-            for (c, b, s), us in sorted(times.items())]
+    """The timing table as JSON rows ``{"context", "batch", "splits", "us"}`` (and ``plan``
+    where the variant is a plan), sorted."""
+    rows = []
+    for (c, b, v), us in sorted(times.items(), key=_row_order):
+        row = {"context": c, "batch": b, "splits": variant_splits(v), "us": round(float(us), 4)}
+        if isinstance(v, str):
+            row["plan"] = v
+        rows.append(row)
+    return rows
+
+
+def _row_order(item: tuple[TimeKey, float]) -> tuple:
+    (c, b, v), _ = item
+    return (c, b, variant_splits(v), str(v))
 
 
 def times_from_rows(rows: Iterable[Mapping[str, Any]]) -> dict[TimeKey, float]:
     """Inverse of ``times_to_rows``."""
-    return {(int(r["context"]), int(r["batch"]), int(r["splits"])): float(r["us"]) for r in rows}
+    return {(int(r["context"]), int(r["batch"]), r["plan"] if "plan" in r else int(r["splits"])):
+            float(r["us"]) for r in rows}
+
+
+def timed_plans(rows: Iterable[Mapping[str, Any]]) -> bool:
+    """Whether a report's timing rows are keyed by plan (else by split count)."""
+    return any("plan" in r for r in rows)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,8 +225,10 @@ class _Table:
         for key, us in times.items():
             if len(key) != 3:
                 raise ValueError(f"timing keys are (context, batch, splits), got {key!r}")
-            for name, value in zip(("context", "batch", "splits"), key, strict=True):
+            for name, value in zip(("context", "batch"), key[:2], strict=True):
                 _check_positive(f"timing key {name}", value)
+            if not (isinstance(key[2], str) and key[2]):
+                _check_positive("timing key splits", key[2])
             if not (isinstance(us, (int, float)) and math.isfinite(us) and us > 0):
                 raise ValueError(f"time for {key} must be a positive finite us, got {us!r}")
             by_shape[(key[0], key[1])][key[2]] = float(us)
@@ -246,13 +338,18 @@ def compare_ladders(times: TimeTable | _Table, splits_for: SplitsFn,
         for b in table.batches:
             oracle_splits, oracle_us = table.oracle[(c, b)]
             row: dict[str, Any] = {"context": c, "batch": b, "oracle_us": oracle_us,
-                                   "oracle_splits": oracle_splits}
+                                   "oracle_splits": variant_splits(oracle_splits)}
+            if isinstance(oracle_splits, str):
+                row["oracle_plan"] = oracle_splits
             for name, ladder in ladders.items():
                 hint = ladder.hint_for(ladder.bucket_for(c), b)
                 splits = splits_for(b, hint)
                 us = table.us(c, b, splits)
-                row.update({f"{name}_us": us, f"{name}_splits": splits, f"{name}_hint": hint,
+                row.update({f"{name}_us": us, f"{name}_splits": variant_splits(splits),
+                            f"{name}_hint": hint,
                             f"{name}_over_oracle": round(us / oracle_us, 4)})
+                if isinstance(splits, str):
+                    row[f"{name}_plan"] = splits
             rows.append(row)
     return rows
 

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
 from graphbucket import fp8
 from graphbucket.kernels import SplitWorkspace, default_sm_scale, mla_decode
-from graphbucket.plan import LaunchPlan, cdiv, plan_mla_decode
+from graphbucket.plan import LaunchPlan, cdiv
 
 L2_FLUSH_BYTES = 4 * 60 * 1024 * 1024  # four H200 L2s: enough distinct bytes to evict it
 MAX_ROTATIONS = 32
@@ -33,9 +33,43 @@ FP8_TENSOR_SCALE = 8.0 / fp8.FP8_MAX
 
 def kv_bytes(context: int, batch: int, num_heads: int = 16, kv_cache: str = "bf16") -> int:
     """Bytes one decode call must move: the KV rows (in the cache format) plus q and out
-    (bf16)."""
+    (bf16; ``num_heads`` counts query rows, q_len x heads for a verify step)."""
     q_and_out = batch * num_heads * (QK_DIM + KV_LORA_RANK) * 2
     return batch * context * fp8.row_bytes(kv_cache, QK_DIM, torch.bfloat16) + q_and_out
+
+
+def rotations_for(context: int, batch: int, num_heads: int, kv_cache: str, num_pages: int
+                  ) -> int:
+    """Decode calls one timing graph holds: enough distinct KV to evict the L2, as many
+    as the cache's pages allow, at most MAX_ROTATIONS."""
+    per_call = max(1, batch * cdiv(context, PAGE_SIZE))
+    return max(1, min(MAX_ROTATIONS, L2_FLUSH_BYTES // kv_bytes(context, batch, num_heads,
+                                                                 kv_cache),
+                      num_pages // per_call))
+
+
+# The tuner's timing: samples of at least SAMPLE_MS (and one replay), TUNE_REPS of them.
+SAMPLE_MS, TUNE_REPS = 4.0, 5
+# Cost model of one measurement for --dry-run (H200): host work per measurement (build the
+# calls, capture, first replay), the kernel at this fraction of HBM bandwidth, no call
+# under MIN_CALL_US, and one Triton compile per new kernel configuration.
+HOST_S_PER_MEASUREMENT, EST_GBPS, MIN_CALL_US, COMPILE_S = 0.03, 3000.0, 6.0, 2.0
+
+
+def estimate_seconds(shapes: Iterable[tuple[int, int, int]], num_heads: int,
+                     kv_cache: str = "bf16", *, num_pages: int, compiles: int = 0) -> float:
+    """Estimated GPU seconds to time ``(context, batch, plans)`` shapes with
+    ``time_replays(min_ms=SAMPLE_MS, reps=TUNE_REPS)`` (the tuner's and the oracle's
+    timing): per plan, 3 unrounded replays (warm-up, capture, probe) and the samples."""
+    total = compiles * COMPILE_S
+    for context, batch, plans in shapes:
+        call_ms = max(MIN_CALL_US, kv_bytes(context, batch, num_heads, kv_cache)
+                      / (EST_GBPS * 1e3)) / 1e3
+        replay_ms = rotations_for(context, batch, num_heads, kv_cache, num_pages) * call_ms
+        per_sample = max(1, min(200, int(SAMPLE_MS / replay_ms))) * replay_ms
+        total += plans * (HOST_S_PER_MEASUREMENT + (3 * replay_ms + TUNE_REPS * per_sample)
+                          / 1e3)
+    return total
 
 
 def warm_gpu(seconds: float = 1.0) -> None:
@@ -91,7 +125,8 @@ def time_replays(fn: Callable[[], None], *, calls_per_graph: int, reps: int = 7,
 
 class Problem:
     """One cache of N(0, 1) rows in ``kv_cache``'s format, large enough for the biggest
-    shape; R rotations of scattered tables."""
+    shape; R rotations of scattered tables. ``num_heads`` counts query rows (q_len x heads
+    for a verify step)."""
 
     def __init__(self, max_tokens: int, num_heads: int = 16, kv_cache: str = "bf16"):
         self.num_heads, self.kv_cache = num_heads, fp8.check_format(kv_cache)
@@ -114,10 +149,8 @@ class Problem:
         seq_lens [batch]) for R rotations, each over pages no other rotation reads."""
         pages_per_req = cdiv(context, PAGE_SIZE)
         per_call = max(1, batch * pages_per_req)
-        rotations = max(1, min(MAX_ROTATIONS,
-                               L2_FLUSH_BYTES // kv_bytes(context, batch, self.num_heads,
-                                                          self.kv_cache),
-                               self.num_pages // per_call))
+        rotations = rotations_for(context, batch, self.num_heads, self.kv_cache,
+                                  self.num_pages)
         perm = torch.randperm(self.num_pages, device="cuda", dtype=torch.int64)
         tables = perm[: rotations * per_call].to(torch.int32).view(rotations, batch,
                                                                    pages_per_req)
@@ -130,54 +163,58 @@ class Problem:
 
 
 def rotated_calls(problem: Problem, tables, q, out, seq_lens, ws: SplitWorkspace | None,
-                  plan: LaunchPlan, scale: float) -> Callable[[], None]:
+                  plan: LaunchPlan, scale: float, q_len: int = 1) -> Callable[[], None]:
     """One decode call per rotation, each over its own pages: what one graph replay runs."""
     def call():
         for r in range(tables.shape[0]):
             mla_decode(q[r], problem.cache, tables[r], seq_lens, out[r], ws, plan=plan,
-                       sm_scale=scale, kv_scale=problem.kv_scale, check=False)
+                       sm_scale=scale, kv_scale=problem.kv_scale, q_len=q_len, check=False)
     return call
 
 
-def measure_split_times(contexts: Iterable[int], batches: Iterable[int],
-                        splits_list: Sequence[int] | Mapping[int, Sequence[int]],
-                        num_heads: int, *, progress: bool = True, seed: int = 0,
-                        kv_cache: str = "bf16") -> dict[tuple[int, int, int], float]:
-    """``{(context, batch, splits): us}``: the Triton MLA decode kernel, cold L2, graph replays.
+class Progress:
+    """``[n/total] ... (elapsed s, ETA s)`` lines; the ETA scales the elapsed time by the
+    estimated seconds left over the estimated seconds done."""
 
-    ``splits_list`` is one list for every batch or ``{batch: splits}`` (see
-    ``graphbucket.tuning.choose.splits_to_measure``). Each shape runs the plan of
-    ``plan_mla_decode(batch, num_heads, context)`` on this GPU with its split count replaced
-    (``LaunchPlan.with_splits``: the merge tile follows the split count), so block sizes,
-    pipeline depth and merge variant are the ones the runner captures. ``kv_cache``: the
-    cache format timed (``graphbucket.fp8``).
-    Prints one progress line per measurement unless ``progress`` is False. CUDA only.
-    """
-    if not torch.cuda.is_available():
-        raise RuntimeError("measure_split_times times CUDA-graph replays and needs a CUDA GPU; "
-                           "choose from a saved table instead (tune_ladder.py --from-times)")
-    contexts, batches = sorted(set(contexts)), sorted(set(batches))
-    per_batch = {b: sorted(set(splits_list[b] if isinstance(splits_list, Mapping)
-                               else splits_list)) for b in batches}
-    num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    torch.manual_seed(seed)
-    problem = Problem(contexts[-1] * batches[-1], num_heads, kv_cache)
-    max_splits = max(max(s) for s in per_batch.values())
-    ws = SplitWorkspace.allocate(batches[-1], num_heads, max_splits, KV_LORA_RANK, "cuda")
-    scale, times = default_sm_scale(), {}
-    total = len(contexts) * sum(len(s) for s in per_batch.values())
-    warm_gpu()
-    start = time.perf_counter()
-    for context in contexts:
-        for batch in batches:
-            tables, q, out, seq_lens = problem.inputs(context, batch)
-            base = plan_mla_decode(batch, num_heads, context, num_sms=num_sms)
-            for splits in per_batch[batch]:
-                plan = base.with_splits(splits)
-                call = rotated_calls(problem, tables, q, out, seq_lens, ws, plan, scale)
-                us = time_replays(call, calls_per_graph=tables.shape[0])
-                times[(context, batch, splits)] = us
-                if progress:
-                    print(f"[{len(times)}/{total}] ctx={context} b={batch} splits={splits} "
-                          f"{us:.2f} us ({time.perf_counter() - start:.0f} s)", flush=True)
-    return times
+    def __init__(self, total: int, estimate_s: float, *, enabled: bool = True) -> None:
+        self.total, self.estimate_s, self.enabled = total, max(estimate_s, 1e-9), enabled
+        self.done, self.done_s, self.start = 0, 0.0, time.perf_counter()
+
+    def step(self, text: str, estimated_s: float) -> None:
+        self.done += 1
+        self.done_s += estimated_s
+        if not self.enabled:
+            return
+        elapsed = time.perf_counter() - self.start
+        left = elapsed / max(self.done_s, 1e-9) * max(self.estimate_s - self.done_s, 0.0)
+        print(f"[{self.done}/{self.total}] {text} ({elapsed:.0f} s, ETA {left:.0f} s)",
+              flush=True)
+
+
+class PlanTimer:
+    """Times plans at uniform (context, batch) shapes over one cache allocation (reused
+    by every measurement, refinement rounds included). CUDA only."""
+
+    def __init__(self, max_context: int, max_batch: int, num_heads: int, *, q_len: int = 1,
+                 kv_cache: str = "bf16", max_splits: int = 1, seed: int = 0) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("PlanTimer times CUDA-graph replays and needs a CUDA GPU; "
+                               "choose from a saved table instead (tune_ladder.py "
+                               "--from-times)")
+        torch.manual_seed(seed)
+        self.q_len, self.rows = q_len, num_heads * q_len
+        self.problem = Problem(max_context * max_batch, self.rows, kv_cache)
+        self.ws = SplitWorkspace.allocate(max_batch, self.rows, max(1, max_splits),
+                                          KV_LORA_RANK, "cuda")
+        self.scale = default_sm_scale()
+        warm_gpu()
+
+    def time(self, context: int, batch: int, plans: Mapping[str, LaunchPlan]
+             ) -> dict[str, float]:
+        """``{label: us per call}`` of each plan at ``batch`` requests of ``context``."""
+        tables, q, out, seq_lens = self.problem.inputs(context, batch)
+        return {label: time_replays(
+            rotated_calls(self.problem, tables, q, out, seq_lens, self.ws, plan, self.scale,
+                          self.q_len),
+            calls_per_graph=tables.shape[0], reps=TUNE_REPS, min_ms=SAMPLE_MS)
+            for label, plan in plans.items()}
