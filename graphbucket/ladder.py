@@ -66,7 +66,9 @@ class Bucket:
     below the smallest. Stored as sorted ``(batch_size, hint)`` pairs.
 
     ``balanced_imbalance``: 0 (never), or the imbalance ``max_len x live / total`` (1.0 for
-    a uniform batch) from which a batch of this bucket runs the balanced topology.
+    a uniform batch) from which a batch of this bucket runs the balanced topology; exactly
+    1.0 means every batch of one query token, uniform and single-request ones included
+    (the ``balanced-only`` policy).
     """
 
     max_len: int
@@ -89,10 +91,11 @@ class Bucket:
                 )
         threshold = self.balanced_imbalance
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not (
-                threshold == 0 or threshold > 1):
+                threshold == 0 or threshold >= 1):
             raise ValueError(
                 f"Bucket(max_len={self.max_len}).balanced_imbalance={threshold!r}: use 0 "
-                "(never balanced) or a number > 1 (a uniform batch has imbalance 1.0)")
+                "(never balanced), 1 (always) or a number > 1 (a uniform batch has "
+                "imbalance 1.0)")
         object.__setattr__(self, "balanced_imbalance", float(threshold))
 
     def _pairs(self) -> tuple[tuple[int, int], ...]:

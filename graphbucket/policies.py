@@ -3,10 +3,13 @@
 - ``eager``: nothing captured; every step plans from its real lengths (graphs off);
 - ``fixed-1``: one graph per batch size planned with hint 1 (dummy-length capture);
 - ``fixed-max``: one graph per batch size planned with ``max_model_len`` (largest budget);
+- ``balanced-only``: one balanced split-KV graph per batch size (the device splits every
+  step's tiles into equal chunks, whatever the lengths); verify steps (q_len > 1), which
+  the balanced kernels do not decode, replay fixed-max's graph;
 - ``ladder``: one graph per (batch size, bucket) of the tuned ladder shipped for this GPU
   and head count, else ``default_ladder``.
 
-All four run the same kernels; only what is frozen at capture differs.
+All run the same kernels; only what is frozen at capture differs.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from graphbucket.ladder import Bucket, BucketLadder, default_ladder
 from graphbucket.spec import BufferSpec
 from graphbucket.tuning.shipped import find_tuned_ladder
 
-Policy = Literal["eager", "fixed-1", "fixed-max", "ladder"]
+Policy = Literal["eager", "fixed-1", "fixed-max", "balanced-only", "ladder"]
 POLICIES: tuple[str, ...] = get_args(Policy)
 
 
@@ -50,6 +53,9 @@ def policy_ladder(policy: Policy, max_model_len: int, ladder: BucketLadder | Non
         hint = 1 if policy == "fixed-1" else max_model_len
         return BucketLadder((Bucket(max_model_len, hint),), max_model_len,
                             meta={"policy": policy})
+    if policy == "balanced-only":  # imbalance 1: every batch, uniform ones included
+        return BucketLadder((Bucket(max_model_len, max_model_len, balanced_imbalance=1.0),),
+                            max_model_len, meta={"policy": policy})
     if ladder is not None:
         if ladder.max_model_len != max_model_len:
             raise ValueError(f"ladder covers 1..{ladder.max_model_len} but max_model_len="

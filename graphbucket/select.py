@@ -18,6 +18,8 @@ Ragged batches: in a bucket with ``balanced_imbalance`` > 0, a batch of two or m
 whose ``max_len x live requests >= balanced_imbalance x total tokens`` gets the key with
 ``balanced=True`` (a balanced split-KV graph; one per batch size, since a balanced plan
 ignores the hint and its keys alias). One sum over the host lengths, only in such buckets.
+A bucket with ``balanced_imbalance`` 1 replays its balanced graph for every batch of one
+query token, one row included (the ``balanced-only`` policy).
 
 Multi-token steps (MTP / speculative verification, ``q_len`` query tokens per request):
 every (capture size, bucket) has one key per captured q_len, hinted as at q_len 1 (the
@@ -82,10 +84,12 @@ class GraphSelector:
             keys = {bs: tuple(GraphKey(bs, i, h, False, q)
                               for i, h in enumerate(ladder.hints_for(bs))) for bs in sizes}
             self._keys[q] = keys
-            # Balanced keys exist from two rows up (one row is never ragged), at q_len 1.
+            # Balanced keys exist from two rows up (one row is never ragged), at q_len 1;
+            # a bucket balanced always (imbalance 1) has them at one row too.
             self._balanced_keys[q] = {
-                bs: tuple(k._replace(balanced=True) if self._imbalance[k.bucket] and bs > 1
-                          and q == 1 else None for k in keys[bs]) for bs in sizes}
+                bs: tuple(k._replace(balanced=True) if q == 1 and (
+                    self._imbalance[k.bucket] == 1 or self._imbalance[k.bucket] and bs > 1)
+                    else None for k in keys[bs]) for bs in sizes}
 
     def __repr__(self) -> str:
         q = "" if self.q_lens == (1,) else f", q_lens={list(self.q_lens)}"
@@ -103,8 +107,11 @@ class GraphSelector:
     def keys(self) -> list[GraphKey]:
         """Every key, largest batch first, then the largest q_len, then ladder order
         (balanced keys after a batch size's split keys): the capture order."""
+        # A bucket balanced always (imbalance 1) never replays its q_len-1 split graph.
         return [key for bs in reversed(self.capture_sizes) for q in reversed(self.q_lens)
-                for key in (*self._keys[q][bs], *filter(None, self._balanced_keys[q][bs]))]
+                for key in (*(k for k in self._keys[q][bs]
+                              if q != 1 or self._imbalance[k.bucket] != 1),
+                            *filter(None, self._balanced_keys[q][bs]))]
 
     def key(self, batch_size: int, bucket: int, *, balanced: bool = False,
             q_len: int = 1) -> GraphKey:
@@ -168,6 +175,8 @@ class GraphSelector:
         bucket = bisect_left(self._bounds, length)
         padded = self._padded[batch_size]
         threshold = self._imbalance[bucket]
+        if threshold == 1 and q_len == 1:
+            return self._balanced_keys[1][padded][bucket]
         if threshold and q_len == 1 and padded > 1 and lens is not None and min_len < max_len:
             live, total = _live_and_total(lens)
             if max_len * live >= threshold * total:
