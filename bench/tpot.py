@@ -2,10 +2,10 @@
 
 Policies (``graphbucket.policies``): ``eager`` (no graphs, planned from the live lengths
 each step), ``fixed-1`` / ``fixed-max`` (one graph per batch size, hinted at 1 /
-max_model_len), ``ladder`` (one graph per batch size and bucket of the ladder shipped for
-this GPU) and, here only, ``default-ladder`` (the field's five buckets, to compare the
-shipped ladder with). Every policy runs the same model and kernels through
-``GraphBucketRunner``, captured once.
+max_model_len), ``balanced-only`` (one balanced graph per batch size), ``ladder`` (one
+graph per batch size and bucket of the ladder shipped for this GPU) and, here only,
+``default-ladder`` (the field's five buckets, to compare the shipped ladder with). Every
+policy runs the same model and kernels through ``GraphBucketRunner``, captured once.
 
 TPOT = CUDA-event time of N back-to-back ``runner.step`` calls / N (host selection,
 staging and replay included; for eager, the Python forward too), median of 5 runs. The
@@ -28,12 +28,17 @@ absent for bf16 alone, the format's name for one fp8 format and ``-fp8`` for sev
 ``-mtp`` follows when any q_len other than 1 runs. Both options together combine the
 suffixes (``--kv-cache bf16 fp8-tensor --q-len 1 2`` writes h200-tpot-fp8-mtp.json).
 
-Without ``--out`` the rows are printed and nothing is written.
+Without ``--out`` the rows are printed and nothing is written. The KV cache holds the
+largest batch at the longest context in every layer (128 x 128K x 4 layers of bf16: 77 GB);
+where that does not fit the free memory (less RESERVE_BYTES), the contexts are capped and
+a note says which were skipped.
 
     python3 bench/tpot.py --layers 4 --out bench/results      # writes h200-tpot.json
     python3 bench/tpot.py --kv-cache bf16 fp8-tensor fp8-v32 --policies fixed-1 ladder \
         --out DIR                                             # writes h200-tpot-fp8.json
     python3 bench/tpot.py --layers 4 --q-len 1 2 4 --out DIR  # writes h200-tpot-mtp.json
+    python3 bench/tpot.py --layers 2 --batches 1 8 32 64 128 --contexts 256 4096 32768 \
+        131072 --policies fixed-1 fixed-max balanced-only ladder --out DIR
 """
 
 from __future__ import annotations
@@ -76,6 +81,26 @@ LAYERS_ENV = "GRAPHBUCKET_TPOT_LAYERS"
 DEFAULT_LAYERS = 4
 BENCH_POLICIES = (*POLICIES, "default-ladder")
 FP8_TENSOR_AMAX = 8.0
+# Device memory kept free beside the KV cache: weights (0.2-0.4 GB a layer), workspaces,
+# the graphs' pool, activations and the allocator's slack.
+RESERVE_BYTES = 16 << 30
+
+
+def cache_bytes(config: MLAConfig, max_batch: int, context: int, kv_cache: str) -> int:
+    """The KV cache one model allocates: ``max_batch`` requests of ``context`` tokens
+    (whole pages) in every layer."""
+    pages = -(-context // PAGE_SIZE)
+    return (max_batch * pages * PAGE_SIZE * config.num_layers
+            * fp8.row_bytes(kv_cache, config.kv_dim, torch.bfloat16))
+
+
+def fitting_context(config: MLAConfig, max_batch: int, max_model_len: int, kv_cache: str,
+                    free_bytes: int) -> int:
+    """The longest context (whole pages, at most ``max_model_len``) that every request of
+    the largest batch can hold in ``free_bytes`` less RESERVE_BYTES (0: not one page)."""
+    page_bytes = cache_bytes(config, max_batch, PAGE_SIZE, kv_cache)
+    pages = max(0, free_bytes - RESERVE_BYTES) // page_bytes
+    return min(max_model_len, pages * PAGE_SIZE)
 
 
 def default_layers() -> int:
@@ -98,8 +123,11 @@ class TpotBench:
               page_size: int = PAGE_SIZE, dtype: torch.dtype = torch.bfloat16,
               device: str = "cuda", seed: int = 0, backend_kwargs: dict | None = None,
               ladder: BucketLadder | None = None, projections: str = "auto",
-              kv_cache: str = "bf16", q_lens: tuple[int, ...] = (1,)) -> TpotBench:
-        pages = -(-max_model_len // page_size)
+              kv_cache: str = "bf16", q_lens: tuple[int, ...] = (1,),
+              max_context: int | None = None) -> TpotBench:
+        # The cache holds max_context tokens per request (default max_model_len); the
+        # graphs still cover max_model_len.
+        pages = -(-(max_context or max_model_len) // page_size)
         # fp8-tensor: the prefill's N(0, 1) rows and the new rows fit amax 8 (graphbucket.fp8).
         scale = {"kv_scale": FP8_TENSOR_AMAX / fp8.FP8_MAX} if kv_cache == "fp8-tensor" else {}
         model = MLADecoder(config, num_pages=max(batches) * pages, page_size=page_size,
@@ -107,7 +135,7 @@ class TpotBench:
                            kv_cache_format=fp8.check_format(kv_cache), **scale)
         rng = np.random.default_rng(seed)
         table = random_block_table(max(batches), pages, model.num_pages, rng)
-        prefill_random(model, table, [max_model_len] * max(batches), seed=seed)
+        prefill_random(model, table, [pages * page_size] * max(batches), seed=seed)
         gen = torch.Generator(device=device).manual_seed(seed)
         hidden = {n: torch.randn(n, config.hidden_size, generator=gen, device=device).to(dtype)
                   for n in sorted({b * q for b in batches for q in q_lens})}
@@ -317,11 +345,21 @@ def main() -> None:
     q_lens = list(dict.fromkeys(args.q_lens))
     rows, metas = [], []
     for kv_cache in formats:  # one model at a time: each holds max batch x 128K tokens
-        bench = TpotBench.build(PRESETS[args.preset](num_layers=args.layers),
-                                batches=args.batches, policies=tuple(args.policies),
+        config = PRESETS[args.preset](num_layers=args.layers)
+        fit = fitting_context(config, max(args.batches), MAX_MODEL_LEN, kv_cache,
+                              torch.cuda.mem_get_info()[0])
+        contexts = [c for c in args.contexts if c <= fit]
+        if fit < max(args.contexts):
+            need = cache_bytes(config, max(args.batches), max(args.contexts), kv_cache)
+            print(f"note: {max(args.batches)} x {max(args.contexts)} tokens x {args.layers} "
+                  f"layers of {kv_cache} cache need {need / 1e9:.1f} GB, more than this GPU "
+                  f"has free beside {RESERVE_BYTES >> 30} GiB; contexts capped at {fit} "
+                  f"(skipped {[c for c in args.contexts if c > fit]}); pass fewer --layers "
+                  "or a smaller largest batch to time them", flush=True)
+        bench = TpotBench.build(config, batches=args.batches, policies=tuple(args.policies),
                                 projections=args.projections, kv_cache=kv_cache,
-                                q_lens=tuple(q_lens))
-        rows += run(bench, policies=args.policies, contexts=args.contexts,
+                                q_lens=tuple(q_lens), max_context=max(contexts, default=1))
+        rows += run(bench, policies=args.policies, contexts=contexts,
                     batches=args.batches, copy_gbps=gbps, q_lens=q_lens)
         metas.append(meta_for(bench, args, gbps))
         bench.close()
