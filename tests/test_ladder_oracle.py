@@ -1,0 +1,93 @@
+"""bench/ladder_oracle.py's host logic: the grid, the plans the ladder replays, the oracle."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.ladder_oracle import (
+    FLAG_ABOVE,
+    exhaustive_plans,
+    ladder_plan,
+    markdown,
+    oracle_contexts,
+    oracle_row,
+    ragged_mixes,
+    shapes,
+)
+from graphbucket import get_backend
+from graphbucket.ladder import Bucket, BucketLadder, default_ladder
+from graphbucket.select import GraphSelector
+
+pytestmark = pytest.mark.host
+TUNED = [1, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 102400, 131072]
+
+
+def backend():
+    return get_backend("triton", num_sms=132)
+
+
+def test_the_grid_is_out_of_sample_and_spans_1_to_128k():
+    grid = oracle_contexts(131072, TUNED)
+    assert not set(grid) & set(TUNED)
+    assert grid[0] == 3 and grid[-1] == 131071 and {181, 92682, 65537} <= set(grid)
+    assert grid == sorted(set(grid))
+
+
+def test_mixes_scale_with_the_batch_and_keep_one_long_request():
+    assert ragged_mixes(1, 131072) == []
+    mixes = dict(ragged_mixes(64, 131072))
+    assert mixes["long-among-short"] == [131072] + [1024] * 63
+    assert len(mixes["spread-128k"]) == 64 and max(mixes["spread-128k"]) == 131072
+    assert max(mixes["spread-8k"]) == 8192 and "spread-8k" not in dict(ragged_mixes(2, 131072))
+    assert all(len(lens) == 8 for _, lens in ragged_mixes(8, 131072))
+    # Verify steps get no mixes (balanced decodes one token) and no length below q_len.
+    rows = shapes([1, 8], 131072, TUNED, q_len=4)
+    assert {mix for _, mix, _ in rows} == {"uniform"} and min(
+        lens[0] for _, _, lens in rows) >= 4
+
+
+def test_the_oracle_set_holds_every_plan_a_hint_captures_and_balanced():
+    b = backend()
+    plans = exhaustive_plans(b, 64, 16, 131072)
+    for hint in (1, 100, 4096, 5000, 65536, 131072):
+        assert b.plan(64, 16, hint) in plans.values()
+    assert sum(p.balanced for p in plans.values()) == 1
+    assert not any(p.balanced for p in exhaustive_plans(b, 64, 16, 131072, q_len=2).values())
+    assert all(p.num_heads == 32 for p in exhaustive_plans(b, 8, 16, 131072, q_len=2).values())
+
+
+def test_the_ladder_plan_is_the_runners_including_balanced_for_ragged_batches():
+    b = backend()
+    ladder = BucketLadder([Bucket(4096, 4096, batch_hints={64: 1024}),
+                           Bucket(131072, 131072, balanced_imbalance=1.5)], 131072)
+    selector = GraphSelector(ladder, [1, 8, 64])
+    assert ladder_plan(selector, b, 16, [3000] * 64) == b.plan(64, 16, 1024)
+    assert ladder_plan(selector, b, 16, [3000]) == b.plan(1, 16, 4096)
+    assert ladder_plan(selector, b, 16, [100000] * 8) == b.plan(8, 16, 131072)
+    ragged = ladder_plan(selector, b, 16, [131072] + [1024] * 63)
+    assert ragged.balanced and ragged == b.plan_balanced(64, 16)
+    # Padding: 5 requests replay the batch-8 graph.
+    assert ladder_plan(selector, b, 16, [3000] * 5).batch_size == 8
+    assert ladder_plan(GraphSelector(default_ladder(), [2]), b, 16, [10, 10], 1) == b.plan(
+        2, 16, 64)
+
+
+def test_the_row_takes_the_minimum_and_the_table_lists_rows_above_the_target():
+    b = backend()
+    fast, slow, fixed = b.plan(8, 16, 1), b.plan(8, 16, 4096), b.plan(8, 16, 131072)
+    times = {fast.describe(): 10.0, slow.describe(): 10.5, fixed.describe(): 20.0}
+    config = {"heads": 16, "kv_format": "bf16", "q_len": 1, "batch": 8, "mix": "uniform"}
+    good = oracle_row(times, ladder=fast, fixed_max=fixed, context=100, **config)
+    bad = oracle_row(times, ladder=slow, fixed_max=fixed, context=3000, **config)
+    assert good["oracle_us"] == 10.0 and good["oracle_plan"] == fast.describe()
+    assert good["ladder_over_oracle"] == 1.0 and bad["ladder_over_oracle"] == 1.05
+    assert bad["fixed_max_us"] == 20.0 and bad["fixed_max_over_oracle"] == 2.0
+    meta = {"gpu": "g", "date": "d", "torch": "t", "triton": "t", "command": "c",
+            "ladder_source": "x"}
+    text = markdown({"meta": meta, "rows": [good, bad]})
+    assert f"Rows above {FLAG_ABOVE}: 1 of 2." in text
+    assert "| 16 | bf16 | 1 | 8 | 2 | 1.050 | uniform 3000 | 2.000 |" in text
+    assert f"| 3000 | 10.5 | 10.0 | 1.050 | {slow.describe()} |" in text
+    assert "| 100 | 10.0 |" not in text
+    with pytest.raises(KeyError):  # the ladder's plan must have been timed
+        oracle_row({fast.describe(): 1.0}, ladder=slow, fixed_max=fixed, **config)
