@@ -572,3 +572,17 @@ def test_a_plan_keyed_report_rechooses_the_same_ladder(tmp_path: Path):
     assert "q_len 2" in (tmp_path / "r.md").read_text()
     with pytest.raises(SystemExit, match="measured at q_len 2, not --q-len 1"):
         script.main(["--from-times", str(saved), "--max-model-len", "4096"])
+
+
+def test_ladder_file_names_for_128_heads_and_verify_steps_round_trip():
+    assert ladder_file_name("h200", 128) == "h200-h128.json"
+    assert ladder_file_name("h200", 16, "fp8-v32", q_len=2) == "h200-h16-fp8-v32-q2.json"
+    assert parse_ladder_file_name("h200-h16-fp8-v32-q2.json") == ("h200", 16, "fp8-v32")
+    assert parse_ladder_file_name("h200-h128.json") == ("h200", 128, "bf16")
+    from graphbucket.tuning.shipped import parse_q_len
+
+    assert parse_q_len("h200-h16-q4.json") == 4 and parse_q_len("h200-h16.json") == 1
+    with pytest.raises(ValueError, match="q_len must be a positive int, got 0"):
+        ladder_file_name("h200", 16, q_len=0)
+    for path in LADDER_DIR.glob("*.json"):  # every shipped file still loads
+        BucketLadder.load(path)

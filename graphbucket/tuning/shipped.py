@@ -39,23 +39,35 @@ def device_slugs(device_name: str) -> list[str]:
     return ["-".join(words[:n]) for n in range(len(words), 0, -1)]
 
 
-def ladder_file_name(slug: str, num_heads: int, kv_cache_format: str = "bf16") -> str:
-    """'h200-h16.json' for a bf16 cache, 'h200-h16-fp8-v32.json' for an fp8-v32 one."""
+def ladder_file_name(slug: str, num_heads: int, kv_cache_format: str = "bf16",
+                     q_len: int = 1) -> str:
+    """'h200-h16.json' for a bf16 cache, 'h200-h16-fp8-v32.json' for an fp8-v32 one,
+    'h200-h128-q2.json' for verify steps of 2 tokens (``tune_ladder.py --q-len 2``)."""
     if kv_cache_format not in KV_CACHE_FORMATS:
         raise ValueError(f"kv_cache_format must be one of {KV_CACHE_FORMATS}, got "
                          f"{kv_cache_format!r}")
+    if isinstance(q_len, bool) or not isinstance(q_len, int) or q_len < 1:
+        raise ValueError(f"q_len must be a positive int, got {q_len!r}")
     suffix = "" if kv_cache_format == "bf16" else f"-{kv_cache_format}"
+    suffix += "" if q_len == 1 else f"-q{q_len}"
     return f"{slug}-h{num_heads}{suffix}.json"
 
 
 def parse_ladder_file_name(name: str) -> tuple[str, int, str]:
-    """(slug, heads, format) of a shipped ladder's file name (``ladder_file_name``'s inverse)."""
-    stem = name.removesuffix(".json")
+    """(slug, heads, format) of a shipped ladder's file name (``ladder_file_name``'s inverse;
+    a q_len suffix is dropped: ``parse_q_len`` reads it)."""
+    stem = re.sub(r"-q\d+$", "", name.removesuffix(".json"))
     fmt = next((f for f in KV_CACHE_FORMATS[1:] if stem.endswith(f"-{f}")), "bf16")
     if fmt != "bf16":
         stem = stem[: -len(fmt) - 1]
     slug, heads = stem.rsplit("-h", 1)
     return slug, int(heads), fmt
+
+
+def parse_q_len(name: str) -> int:
+    """The q_len a shipped ladder's file name was tuned for (1 without a suffix)."""
+    found = re.search(r"-q(\d+)$", name.removesuffix(".json"))
+    return int(found.group(1)) if found else 1
 
 
 def find_tuned_ladder(device_name: str, num_heads: int, max_model_len: int, *,
