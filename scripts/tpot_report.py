@@ -49,7 +49,7 @@ from graphbucket.ladder import Bucket  # noqa: E402
 
 # "ladder" is the runner's choice (the shipped tuned ladder of the GPU when there is one);
 # "default-ladder" the field's five buckets.
-POLICIES = ("eager", "fixed-1", "fixed-max", "default-ladder", "ladder")
+POLICIES = ("eager", "fixed-1", "fixed-max", "balanced-only", "default-ladder", "ladder")
 
 # One line per policy, for the figure's footnote and the markdown's glossary.
 POLICY_TEXT = {
@@ -57,6 +57,8 @@ POLICY_TEXT = {
     "fixed-1": "one graph per batch size, planned for 1 token (1 KV split at any context)",
     "fixed-max": "one graph per batch size, planned for max_model_len (the most KV "
                  "splits at any context)",
+    "balanced-only": "one balanced split-KV graph per batch size (device-partitioned equal "
+                     "chunks of the batch's tokens, at any context)",
     "default-ladder": "one graph per batch size and bucket of the default ladder "
                       "(<=64, 4K, 16K, 64K, max; each planned for its top)",
     "ladder": "one graph per batch size and bucket of the ladder tuned for this GPU "
@@ -79,6 +81,7 @@ STYLE = {
     "eager": ("0.55", "x", "-", 1.2),
     "fixed-1": ("tab:orange", "s", "-", 1.4),
     "fixed-max": ("tab:green", "^", "--", 1.4),
+    "balanced-only": ("tab:red", "v", "-.", 1.4),
     "default-ladder": ("tab:purple", "D", ":", 1.6),
     "ladder": ("tab:blue", "o", "-", 2.4),
 }

@@ -272,8 +272,9 @@ def test_figure_names_what_it_shows_and_every_line_is_in_the_legend(report):
     for ax in fig.axes:
         for artist in [*ax.get_lines(), *ax.patches]:
             assert artist.get_label() in labels, artist.get_label()
-    assert {*report.POLICIES, report.FLOOR_LABEL, report.NOISE_LABEL,
-            report.SPEEDUP_LABEL} <= labels
+    measured = {r["policy"] for r in data["rows"]}
+    assert measured <= set(report.POLICIES)
+    assert {*measured, report.FLOOR_LABEL, report.NOISE_LABEL, report.SPEEDUP_LABEL} <= labels
     plt.close(fig)
     data["meta"].update(num_heads=128, model="deepseek-v3-dp")
     fig = report.plot_figure(data, plt)
@@ -323,3 +324,16 @@ def test_fp8_verify_step_rows_get_their_breakdown_per_token(report, tmp_path):
     # 230.4 MB saved per step, 0.027 ms per token at q_len 2; 0.040 ms saved per token.
     assert ("| fp8-tensor | 1 | 100K | 0.300 | 0.260 | +0.040 | 460.8 -> 230.4 | 230.4 | "
             "0.027 | 1.48 |") in text
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
+                    reason="matplotlib not installed")
+def test_balanced_only_rows_get_a_line_and_a_column(report):
+    data = result_data()
+    data["rows"] += [{**r, "policy": "balanced-only", "tpot_ms": r["tpot_ms"] * 1.1}
+                     for r in data["rows"] if r["policy"] == "ladder"]
+    plt = report.load_pyplot()
+    fig = report.plot_figure(data, plt)
+    assert "balanced-only" in fig_text(fig)[1]
+    plt.close(fig)
+    assert "balanced-only ms" in report.render_markdown(data)
