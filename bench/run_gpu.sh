@@ -3,12 +3,13 @@
 #
 # GPU evidence in one call: GPU tests, kernel sweep, capture/dispatch bench, ladder tune,
 # TPOT per policy, and the demo's GPU path. Run it on a CUDA machine.
-# steps: any of tests gputests sweep fisweep capture tune tunefp8 tpot tpotfp8 tpotmtp
+# steps: any of tests gputests sweep fisweep capture tune tunefp8 tunemtp tpot tpotfp8 tpotmtp
 #        ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp
 #        (tpotdp: TPOT of the 128-head deepseek-v3-dp preset, the compute-bound decode)
-#        (tune: 16- and 12-head ladders, copied into graphbucket/ladders/ so that the
-#        TPOT steps after it run them; tunefp8: 16-head ladders over fp8-tensor and
-#        fp8-v32 caches, copied likewise; tpotfp8: TPOT of bf16, fp8-tensor and fp8-v32
+#        (tune: 16-, 128- and 12-head ladders tuned at every capture size, each copied
+#        into graphbucket/ladders/ so that the TPOT steps after it run it, and checked by
+#        bench/ladder_oracle.py; tunefp8: 16-head ladders over fp8-tensor and fp8-v32
+#        caches, likewise; tunemtp: 16- and 128-head ladders for q_len 2 and 4; tpotfp8: TPOT of bf16, fp8-tensor and fp8-v32
 #        caches in one table, fixed-1 and the ladder, after tunefp8)
 #        (tpotmtp: TPOT of verify steps at q_len 1, 2, 4 on fewer contexts)
 #        (l2: decode time with the KV in HBM against L2-resident, 16 and 128 heads)
@@ -25,7 +26,7 @@
 # TPOT_LAYERS sets the tpot model's layer count (default 4).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-STEPS="tests gputests sweep fisweep capture tune tunefp8 tpot tpotfp8 tpotmtp ragged demo tp
+STEPS="tests gputests sweep fisweep capture tune tunefp8 tunemtp tpot tpotfp8 tpotmtp ragged demo tp
        fp8 mtp sparse sparseab tpotsparse l2 tpotdp"
 usage() { sed -n '2,/^set /{/^set /d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"; }
 for arg in "$@"; do
@@ -41,9 +42,28 @@ echo "results: $OUT"
 R="$OUT/r"
 mkdir -p "$R"
 export PYTHONUNBUFFERED=1
+# Triton's compile cache in the checkout: carry .triton-cache/ from one call to the next
+# and the tests and benches skip the compiles an earlier call made.
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton-cache}
 steps=${*:-tests sweep capture tune tpot}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$R/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+# One tuned ladder, every capture size: tune, copy into graphbucket/ladders/ (so that the
+# TPOT steps after it run it), then its out-of-sample oracle, appended to one file.
+tune_one() {
+  local heads=$1 fmt=$2 q=$3 name
+  name=$(python3 -c "from graphbucket.tuning.shipped import ladder_file_name as n
+print(n('h200', $heads, '$fmt', q_len=$q))")
+  timeout 200 python3 scripts/tune_ladder.py --heads "$heads" --kv-cache "$fmt" --q-len "$q" \
+    --max-buckets 10 --max-model-len 131072 --out "$R/$name" \
+    --report "$R/tune-${name%.json}.json" --plot "$R/tune-${name%.json}.png" --force \
+    > "$R/tune-${name%.json}.log" 2>&1; tail -2 "$R/tune-${name%.json}.log"
+  cp "$R/$name" "graphbucket/ladders/$name" 2>/dev/null || return
+  local append=""; [ -f "$R/h200-ladder-oracle.json" ] && append=--append
+  timeout 200 python3 bench/ladder_oracle.py --heads "$heads" --kv-cache "$fmt" --q-len "$q" \
+    --ladder "$R/$name" --out "$R" $append > "$R/oracle-${name%.json}.log" 2>&1
+  grep -A12 "^Worst" "$R/oracle-${name%.json}.log" | tail -10
+}
 for step in $steps; do
   echo "== $step $(date -u +%H:%M:%S)"
   case $step in
@@ -77,23 +97,9 @@ for step in $steps; do
                   > "$R/tpot-sparse.log" 2>&1; tail -30 "$R/tpot-sparse.log" ;;
     capture) timeout 120 python3 bench/capture_dispatch.py --out "$R" > "$R/capture.log" 2>&1
              tail -20 "$R/capture.log" ;;
-    tune) for h in 16 12; do
-            suffix=$([ "$h" = 16 ] && echo "" || echo "-h$h")
-            timeout 150 python3 scripts/tune_ladder.py --heads "$h" --batches 1 8 \
-              --max-buckets 6 --max-model-len 131072 --out "$R/h200-h$h.json" \
-              --report "$R/h200-ladder-tune$suffix.json" --plot "$R/h200-ladder-tune$suffix.png" \
-              --force > "$R/tune-h$h.log" 2>&1; tail -3 "$R/tune-h$h.log"
-            # the TPOT step below should run with the ladder just tuned
-            cp "$R/h200-h$h.json" "graphbucket/ladders/h200-h$h.json" 2>/dev/null
-          done ;;
-    tunefp8) for fmt in fp8-tensor fp8-v32; do
-               timeout 200 python3 scripts/tune_ladder.py --heads 16 --batches 1 8 \
-                 --max-buckets 6 --max-model-len 131072 --kv-cache "$fmt" \
-                 --out "$R/h200-h16-$fmt.json" --report "$R/h200-ladder-tune-$fmt.json" \
-                 --plot "$R/h200-ladder-tune-$fmt.png" --force > "$R/tune-$fmt.log" 2>&1
-               tail -3 "$R/tune-$fmt.log"
-               cp "$R/h200-h16-$fmt.json" "graphbucket/ladders/h200-h16-$fmt.json" 2>/dev/null
-             done ;;
+    tune) for h in 16 128 12; do tune_one "$h" bf16 1; done ;;
+    tunefp8) for fmt in fp8-tensor fp8-v32; do tune_one 16 "$fmt" 1; done ;;
+    tunemtp) for q in 2 4; do tune_one 16 bf16 "$q"; tune_one 128 bf16 "$q"; done ;;
     tpotfp8) timeout 420 python3 bench/tpot.py --layers "${TPOT_LAYERS:-4}" --out "$R" \
                --kv-cache bf16 fp8-tensor fp8-v32 --policies fixed-1 ladder \
                > "$R/tpot-fp8.log" 2>&1; tail -5 "$R/tpot-fp8.log"
