@@ -38,11 +38,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from graphbucket.backends.base import DecodeBackend, WorkspaceSpec
+from graphbucket.backends.base import DecodeBackend, Plan, WorkspaceSpec
 from graphbucket.batch import CheckedBatch, numpy_view_dtype
 from graphbucket.block_table import BlockTable
 from graphbucket.context import DecodeContext
-from graphbucket.plan import LaunchPlan
 from graphbucket.spec import BufferSpec
 
 _ALIGN = 256  # bytes; keeps every arena view aligned for any dtype and vector loads
@@ -331,7 +330,7 @@ class StaticBuffers:
             slot.in_flight = False
         return index, slot
 
-    def context(self, batch_size: int, plan: LaunchPlan, backend: DecodeBackend,
+    def context(self, batch_size: int, plan: Plan, backend: DecodeBackend,
                 sm_scale: float, *, q_len: int = 1) -> DecodeContext:
         """Views of rows [0, batch_size) (per-token tensors: [0, batch_size x q_len)) with
         the plan a graph is captured (or run) with."""

@@ -13,8 +13,7 @@ from typing import Any
 
 import torch
 
-from graphbucket.backends.base import DecodeBackend
-from graphbucket.plan import LaunchPlan
+from graphbucket.backends.base import DecodeBackend, Plan
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,7 +29,7 @@ class DecodeContext:
     """
 
     batch_size: int
-    plan: LaunchPlan
+    plan: Plan
     backend: DecodeBackend
     sm_scale: float
     seq_lens: torch.Tensor
@@ -42,13 +41,14 @@ class DecodeContext:
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
                lse: torch.Tensor | None = None,
-               kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+               kv_scale: torch.Tensor | None = None, **inputs: Any) -> torch.Tensor:
         """Paged MLA decode of q [bs * q_len, H, D] over ``kv_cache`` into out [bs * q_len,
         H, R] (``lse`` [bs * q_len, H]; ``kv_scale``: an fp8 cache's per-tensor scale,
-        ``graphbucket.fp8``). With q_len > 1, token j of each request sees the positions
+        ``graphbucket.fp8``; ``inputs``: what else the backend reads, e.g. the sparse
+        backend's ``index``). With q_len > 1, token j of each request sees the positions
         before seq_len - q_len + j + 1; the tokens run folded into the rows (a view, q and
         out must be contiguous over tokens and heads)."""
-        extra = {} if kv_scale is None else {"kv_scale": kv_scale}
+        extra = inputs if kv_scale is None else {**inputs, "kv_scale": kv_scale}
         q_len = self.q_len
         if q_len == 1:
             return self.backend.run(q, kv_cache, self.block_table, self.seq_lens, out,

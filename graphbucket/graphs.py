@@ -36,10 +36,9 @@ from dataclasses import dataclass
 
 import torch
 
-from graphbucket.backends.base import DecodeBackend
+from graphbucket.backends.base import DecodeBackend, Plan
 from graphbucket.buffers import StaticBuffers
 from graphbucket.context import DecodeContext
-from graphbucket.plan import LaunchPlan
 from graphbucket.select import GraphKey, GraphSelector
 
 logger = logging.getLogger(__name__)
@@ -64,7 +63,7 @@ class GraphRecord:
     capture seconds, query tokens per request."""
 
     batch_size: int
-    plan: LaunchPlan
+    plan: Plan
     keys: tuple[GraphKey, ...]
     nbytes: int
     seconds: float
@@ -102,7 +101,7 @@ class FrozenPlanGraph:
         self._body = None
 
 
-def plan_for_key(backend: DecodeBackend, key: GraphKey, num_heads: int) -> LaunchPlan:
+def plan_for_key(backend: DecodeBackend, key: GraphKey, num_heads: int) -> Plan:
     """The plan a key's graph is captured with: split-KV at ``key.hint``, or balanced.
     A key of q_len query tokens per request plans q_len x ``num_heads`` rows (the tokens
     folded into the heads, ``kernels.mla_decode(..., q_len=)``) with the same hint."""
@@ -111,12 +110,7 @@ def plan_for_key(backend: DecodeBackend, key: GraphKey, num_heads: int) -> Launc
     if key.q_len != 1:
         raise ValueError(f"{key} asks for a balanced graph of {key.q_len} query tokens per "
                          "request; balanced split-KV decodes one token per request")
-    plan_balanced = getattr(backend, "plan_balanced", None)
-    if plan_balanced is None:
-        raise ValueError(f"the ladder asks for balanced graphs (bucket {key.bucket} has "
-                         f"balanced_imbalance) but the {backend.name!r} backend has no "
-                         "balanced topology; set balanced_imbalance=0 in its buckets")
-    return plan_balanced(key.batch_size, num_heads)
+    return backend.plan_balanced(key.batch_size, num_heads)
 
 
 class GraphTable:
@@ -131,14 +125,14 @@ class GraphTable:
 
     def __init__(self, selector: GraphSelector, backend: DecodeBackend, num_heads: int) -> None:
         self.selector, self.backend = selector, backend
-        self.plans: dict[GraphKey, LaunchPlan] = {
+        self.plans: dict[GraphKey, Plan] = {
             key: plan_for_key(backend, key, num_heads) for key in selector.keys()}
         self.records: list[GraphRecord] = []
         self.summary: CaptureSummary | None = None
         self._graphs: dict[GraphKey, FrozenPlanGraph | torch.cuda.CUDAGraph] = {}
         self._pool = None
 
-    def capture_order(self) -> list[tuple[int, LaunchPlan]]:
+    def capture_order(self) -> list[tuple[int, Plan]]:
         """The distinct (batch size, plan) pairs in capture order (equal plans once; a
         plan's head count tells its q_len apart)."""
         return list(dict.fromkeys((k.batch_size, p) for k, p in self.plans.items()))
@@ -151,7 +145,7 @@ class GraphTable:
             return self.summary
         # q_len in the group: the body stages q_len tokens per request (plans of different
         # q_len differ in their head count anyway).
-        groups: dict[tuple[int, int, LaunchPlan], list[GraphKey]] = {}
+        groups: dict[tuple[int, int, Plan], list[GraphKey]] = {}
         for key, plan in self.plans.items():
             groups.setdefault((key.batch_size, key.q_len, plan), []).append(key)
         device = buffers.spec.device

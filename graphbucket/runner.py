@@ -1,7 +1,7 @@
 """``GraphBucketRunner``: wrap a decode forward, capture one graph per bucket, step it.
 
 The forward is ``forward(ctx) -> tensor [bs, *output_shape]``; ``ctx`` is a
-``DecodeContext`` (static buffer views, the captured ``LaunchPlan``, the backend and
+``DecodeContext`` (static buffer views, the captured ``Plan``, the backend and
 sm_scale), so its attention layers call ``ctx.attend(q, kv_cache, out)`` with the plan
 the graph was captured with. One step is::
 
@@ -38,13 +38,12 @@ from dataclasses import dataclass
 import torch
 
 from graphbucket.backends import get_backend
-from graphbucket.backends.base import DecodeBackend
+from graphbucket.backends.base import DecodeBackend, Plan
 from graphbucket.batch import BatchValidator, CheckedBatch, DecodeBatch
 from graphbucket.block_table import BlockTable
 from graphbucket.buffers import StaticBuffers
 from graphbucket.graphs import CaptureSummary, Forward, GraphRecord, GraphTable
 from graphbucket.ladder import Bucket, BucketLadder
-from graphbucket.plan import LaunchPlan
 from graphbucket.policies import Policy, policy_ladder
 from graphbucket.select import GraphKey, GraphSelector, SelectRule
 from graphbucket.spec import BufferSpec
@@ -98,8 +97,8 @@ class GraphBucketRunner:
         self.spec, self.ladder, self.max_model_len = spec, ladder, top
         self.forward, self.sm_scale = forward, sm_scale
         self.warmup_iters, self.progress = warmup_iters, progress
-        self.backend = backend if backend is not None else get_backend(
-            "triton", kv_lora_rank=kv_lora_rank, qk_rope_dim=qk_rope_dim, device=spec.device)
+        self.backend = backend if backend is not None else _default_backend(
+            spec, kv_lora_rank, qk_rope_dim)
         # An eager runner still validates lengths against max_model_len: a one-bucket
         # selector whose keys it never captures.
         self.selector = GraphSelector(ladder or BucketLadder((Bucket(top, top),), top),
@@ -125,34 +124,37 @@ class GraphBucketRunner:
                    batch_sizes: list[int], max_model_len: int, sm_scale: float,
                    ladder: BucketLadder | None = None, **kwargs) -> GraphBucketRunner:
         """A runner for ``eager``, ``fixed-1``, ``fixed-max`` or ``ladder`` (``POLICIES``).
-        ``ladder`` replaces the ``ladder`` policy's default (``policies.device_ladder``)."""
+        ``ladder`` replaces the ``ladder`` policy's default, the backend's
+        ``default_ladder`` (the Triton one's: ``policies.device_ladder``)."""
+        backend = kwargs.pop("backend", None) or _default_backend(
+            spec, kwargs.pop("kv_lora_rank", 512), kwargs.pop("qk_rope_dim", 64))
+        if policy == "ladder" and ladder is None:
+            ladder = backend.default_ladder(max_model_len, spec)
         return cls(forward, spec=spec, batch_sizes=batch_sizes, sm_scale=sm_scale,
+                   backend=backend,
                    ladder=policy_ladder(policy, max_model_len, ladder, spec=spec),
                    max_model_len=max_model_len, **kwargs)
 
     @classmethod
     def for_model(cls, model, *, max_model_len: int, batch_sizes: list[int],
                   policy: Policy = "ladder", **kwargs) -> GraphBucketRunner:
-        """A runner for a model with ``config`` (an ``MLAConfig``) and ``buffer_spec``, such
-        as ``graphbucket.models.MLADecoder``: spec, sm_scale and the latent dimensions come
-        from the model, and whatever its ``runner_defaults(max_model_len, policy)`` gives
-        (``SparseMLADecoder``: its backend and ladder) unless passed here."""
-        cfg = model.config
-        defaults = getattr(model, "runner_defaults", None)
-        for name, value in (defaults(max_model_len, policy) if defaults else {}).items():
-            kwargs.setdefault(name, value)
-        kwargs.setdefault("kv_lora_rank", cfg.kv_lora_rank)
-        kwargs.setdefault("qk_rope_dim", cfg.qk_rope_dim)
+        """A runner for a model with ``config`` (an ``MLAConfig``), ``buffer_spec`` and
+        ``decode_backend``, such as ``graphbucket.models.MLADecoder``: spec and sm_scale
+        come from the model, the backend from ``model.decode_backend(max_model_len)``
+        unless passed here, and the ladder policy's default ladder from that backend
+        (``SparseMLADecoder``: ``SparseBackend``, ``sparse_ladder``)."""
+        if kwargs.get("backend") is None:
+            kwargs["backend"] = model.decode_backend(max_model_len)
         return cls.for_policy(policy, model, spec=model.buffer_spec(max_model_len),
                               batch_sizes=batch_sizes, max_model_len=max_model_len,
-                              sm_scale=cfg.sm_scale, **kwargs)
+                              sm_scale=model.config.sm_scale, **kwargs)
 
-    def _workspace_plans(self) -> list[LaunchPlan]:
+    def _workspace_plans(self) -> list[Plan]:
         if self.graphs is not None:
             return list(self.graphs.plans.values())
         return self._eager_plans(self.selector.max_batch_size)
 
-    def _eager_plans(self, max_batch_size: int) -> list[LaunchPlan]:
+    def _eager_plans(self, max_batch_size: int) -> list[Plan]:
         # Eager steps plan from live lengths: cover every batch size and q_len at the
         # longest hint (plans are monotone in the hint).
         return [self.backend.plan(b, self.spec.num_heads * q, self.max_model_len)
@@ -175,7 +177,7 @@ class GraphBucketRunner:
         """Per-graph records (keys served, plan, pool bytes, seconds); empty when eager."""
         return [] if self.graphs is None else list(self.graphs.records)
 
-    def plan_for(self, key: GraphKey) -> LaunchPlan:
+    def plan_for(self, key: GraphKey) -> Plan:
         """The plan the graph serving ``key`` was (or will be) captured with."""
         if self.graphs is None:
             raise ValueError("an eager runner captures no graphs; it plans every step")
@@ -291,3 +293,8 @@ class GraphBucketRunner:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _default_backend(spec: BufferSpec, kv_lora_rank: int, qk_rope_dim: int) -> DecodeBackend:
+    return get_backend("triton", kv_lora_rank=kv_lora_rank, qk_rope_dim=qk_rope_dim,
+                       device=spec.device)

@@ -3,14 +3,18 @@ from __future__ import annotations
 import importlib
 import sys
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from graphbucket.backends import DecodeBackend, get_backend
+import graphbucket
+from graphbucket.backends import DecodeBackend, Plan, backend_names, get_backend
+from graphbucket.ladder import default_ladder
 from graphbucket.plan import H200_NUM_SMS
 from graphbucket.reference import masked_mla_decode, mla_decode_reference
+from graphbucket.sparse.backend import sparse_ladder
 from tests._toy import rel_l2
 
 RANK, ROPE, HEADS, PAGE = 64, 16, 16, 16
@@ -53,6 +57,46 @@ def test_aiter_absent_says_how_to_get_it():
 def test_backends_satisfy_the_protocol():
     for name in ("triton", "dense"):
         assert isinstance(get_backend(name, **DIMS), DecodeBackend)
+    sparse = get_backend("sparse", num_heads=16, max_len=4096)
+    assert isinstance(sparse, DecodeBackend) and type(sparse).__name__ == "SparseBackend"
+
+
+def test_every_registered_backend_is_a_decode_backend_whose_plans_are_plans():
+    kwargs = {"triton": DIMS, "dense": DIMS, "sparse": {"num_heads": HEADS, "max_len": 4096},
+              "aiter": {"page_size": PAGE, "max_pages": 4, **DIMS}}
+    assert set(kwargs) == set(backend_names()), "a new backend needs its arguments here"
+    for name in backend_names():
+        try:
+            backend = get_backend(name, num_sms=8, **kwargs[name])
+        except ImportError:  # aiter off ROCm
+            continue
+        assert isinstance(backend, DecodeBackend), name
+        plan = backend.plan(2, HEADS, 1000)
+        assert isinstance(plan, Plan) and plan == backend.plan(2, HEADS, 1000), name
+        assert hash(plan) == hash(backend.plan(2, HEADS, 1000)) and plan.describe()
+        assert backend.default_ladder(4096).max_model_len == 4096
+        assert backend.workspace_spec([plan]).nbytes >= 0
+
+
+def test_each_backend_supplies_its_default_ladder():
+    assert get_backend("triton", **DIMS).default_ladder(8192) == default_ladder(8192)
+    assert get_backend("dense", **DIMS).default_ladder(8192) == default_ladder(8192)
+    sparse = get_backend("sparse", num_heads=HEADS, max_len=8192, topk=64)
+    assert sparse.default_ladder(8192) == sparse_ladder(8192, topk=64)
+    assert sparse.default_ladder(8192) != default_ladder(8192)
+
+
+def test_a_backend_without_balanced_graphs_says_so():
+    assert get_backend("triton", num_sms=8, **DIMS).plan_balanced(4, HEADS).balanced
+    with pytest.raises(ValueError, match="no balanced topology.*balanced_imbalance=0"):
+        get_backend("sparse", num_heads=HEADS, max_len=4096).plan_balanced(4, HEADS)
+
+
+@pytest.mark.parametrize("module", ["runner", "graphs"])
+def test_the_runner_and_graph_table_reach_backends_through_the_protocol(module):
+    # getattr / hasattr on a backend or model would mean the protocol misses a method.
+    source = (Path(graphbucket.__file__).parent / f"{module}.py").read_text()
+    assert "getattr(" not in source and "hasattr(" not in source
 
 
 def test_triton_num_sms_defaults_to_h200_without_cuda():

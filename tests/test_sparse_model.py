@@ -44,8 +44,8 @@ def test_backend_plans_flat_rows_from_the_folded_heads():
     assert (plan.num_rows, plan.num_heads) == (16, 16)
     with pytest.raises(ValueError, match="q_len x 16"):
         backend.plan(1, 24, 100)
-    with pytest.raises(TypeError, match="run_sparse"):
-        backend.run()
+    with pytest.raises(TypeError, match=r"index=IndexInputs"):  # the indexer's inputs
+        backend.run(*[None] * 6, plan=plan, sm_scale=1.0)
 
 
 @pytest.mark.host

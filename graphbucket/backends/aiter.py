@@ -63,7 +63,10 @@ from dataclasses import dataclass
 
 import torch
 
+from graphbucket.backends.triton import split_kv_ladder
+from graphbucket.ladder import BucketLadder
 from graphbucket.plan import H200_NUM_SMS, LaunchPlan, plan_mla_decode
+from graphbucket.spec import BufferSpec
 
 _INSTALL_HINT = (
     "the 'aiter' backend needs AMD's AITER on a ROCm machine (MI300/MI355 class): "
@@ -306,6 +309,11 @@ class AiterBackend:
             raise ValueError("the aiter Gluon mode has no balanced topology: build "
                              "AiterBackend(persistent=True), or set balanced_imbalance=0")
         return self.plan(batch_size, num_heads, 1)
+
+    def default_ladder(self, max_model_len: int, spec: BufferSpec | None = None
+                       ) -> BucketLadder:
+        """As the Triton backend's (``backends.triton.split_kv_ladder``)."""
+        return split_kv_ladder(max_model_len, spec)
 
     def workspace_spec(self, plans: Iterable[LaunchPlan]
                        ) -> TokenTableSpec | PersistentWorkspaceSpec:

@@ -1,19 +1,38 @@
 """The decode-attention backend protocol: plan on the host, run on the device.
 
-A backend turns (batch size, heads, host hint) into a frozen ``LaunchPlan``, describes the
+A backend turns (batch size, heads, host hint) into a frozen ``Plan``, describes the
 persistent workspace its kernels need for a set of plans, and launches one decode with a
 given plan. ``plan`` is a pure host function; ``run`` only launches and never reads device
-memory, so whatever ``run`` launches can be captured into a FULL CUDA graph.
+memory, so whatever ``run`` launches can be captured into a FULL CUDA graph. The backend
+also owns the ladder its graphs are captured at by default (``default_ladder``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
-from graphbucket.plan import LaunchPlan
+if TYPE_CHECKING:  # annotations only: the ladder and spec modules import no backend
+    from graphbucket.ladder import BucketLadder
+    from graphbucket.spec import BufferSpec
+
+
+@runtime_checkable
+class Plan(Protocol):
+    """Every host decision of one decode launch; the graph key.
+
+    A plan is frozen, hashable and equal by value: keys whose plans are equal alias one
+    graph. The backend that made it sizes its workspace from plans
+    (``DecodeBackend.workspace_spec``) and launches it unchanged. Implemented by
+    ``graphbucket.plan.LaunchPlan`` (split-KV and balanced) and
+    ``graphbucket.sparse.plan.SparsePlan``.
+    """
+
+    def describe(self) -> str:
+        """One line naming the plan's topology (capture progress, logs, errors)."""
+        ...
 
 
 @runtime_checkable
@@ -44,18 +63,34 @@ class DecodeBackend(Protocol):
     kv_lora_rank: int
     qk_rope_dim: int
 
-    def plan(self, batch_size: int, num_heads: int, hint: int) -> LaunchPlan:
+    def plan(self, batch_size: int, num_heads: int, hint: int) -> Plan:
         """Every host decision for ``batch_size`` requests planned at context ``hint``."""
         ...
 
-    def workspace_spec(self, plans: Iterable[LaunchPlan]) -> WorkspaceSpec:
+    def plan_balanced(self, batch_size: int, num_heads: int) -> Plan:
+        """The plan of a ragged batch's graph (``Bucket.balanced_imbalance``), for any
+        lengths; raises ValueError naming the fix where the backend has no such topology."""
+        ...
+
+    def default_ladder(self, max_model_len: int, spec: BufferSpec | None = None
+                       ) -> BucketLadder:
+        """The buckets the ``ladder`` policy captures with this backend when none is given
+        (``spec``: the runner's buffers, whose device, heads and cache format may pick a
+        tuned ladder)."""
+        ...
+
+    def workspace_spec(self, plans: Iterable[Plan]) -> WorkspaceSpec:
         """The persistent workspace that serves every plan in ``plans``."""
         ...
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-            seq_lens: torch.Tensor, out: torch.Tensor, workspace: Any, *, plan: LaunchPlan,
-            sm_scale: float, lse: torch.Tensor | None = None, q_len: int = 1) -> torch.Tensor:
-        """Launch one decode with ``plan``; graph-safe (no device reads, no host sync)."""
+            seq_lens: torch.Tensor, out: torch.Tensor, workspace: Any, *, plan: Plan,
+            sm_scale: float, lse: torch.Tensor | None = None, q_len: int = 1,
+            **inputs: Any) -> torch.Tensor:
+        """Launch one decode with ``plan``; graph-safe (no device reads, no host sync).
+        ``inputs``: what the backend reads beside the cache (``kv_scale`` of an fp8
+        cache; ``index`` of the sparse backend); a backend refuses inputs it does not
+        take (TypeError)."""
         ...
 
 

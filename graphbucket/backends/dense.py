@@ -16,9 +16,11 @@ import torch
 
 from graphbucket import fp8
 from graphbucket.backends.base import NoWorkspace
+from graphbucket.backends.triton import split_kv_ladder
 from graphbucket.kernels import check_mla_decode_args
 from graphbucket.kernels.launch import check_q_len
 from graphbucket.kernels.verify import flatten_verify
+from graphbucket.ladder import BucketLadder
 from graphbucket.plan import (
     H200_NUM_SMS,
     LaunchPlan,
@@ -26,6 +28,7 @@ from graphbucket.plan import (
     plan_mla_decode,
 )
 from graphbucket.reference import masked_mla_decode
+from graphbucket.spec import BufferSpec
 
 
 class DenseBackend:
@@ -52,6 +55,11 @@ class DenseBackend:
         return plan_balanced_mla_decode(batch_size, num_heads, num_sms=self.num_sms,
                                         kv_lora_rank=self.kv_lora_rank,
                                         qk_rope_dim=self.qk_rope_dim)
+
+    def default_ladder(self, max_model_len: int, spec: BufferSpec | None = None
+                       ) -> BucketLadder:
+        """As the Triton backend's (``backends.triton.split_kv_ladder``)."""
+        return split_kv_ladder(max_model_len, spec)
 
     def _plan_uncached(self, batch_size: int, num_heads: int, hint: int) -> LaunchPlan:
         return plan_mla_decode(batch_size, num_heads, hint, num_sms=self.num_sms,

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from graphbucket.kernels import SplitWorkspace, mla_decode, mla_decode_balanced
+from graphbucket.ladder import BucketLadder, default_ladder
 from graphbucket.plan import (
     H200_NUM_SMS,
     MAX_KV_SPLITS,
@@ -22,6 +23,8 @@ from graphbucket.plan import (
     plan_balanced_mla_decode,
     plan_mla_decode,
 )
+from graphbucket.policies import device_ladder
+from graphbucket.spec import BufferSpec
 
 _PLAN_CACHE_SIZE = 8192
 
@@ -34,6 +37,14 @@ def device_num_sms(device: torch.device | str | None = None, default: int = H200
         return default
     return torch.cuda.get_device_properties(device or torch.cuda.current_device()
                                             ).multi_processor_count
+
+
+def split_kv_ladder(max_model_len: int, spec: BufferSpec | None = None) -> BucketLadder:
+    """The default ladder of the split-KV backends: the one tuned for ``spec``'s GPU, heads
+    and cache format when one ships (``policies.device_ladder``), else
+    ``ladder.default_ladder``."""
+    return device_ladder(spec, max_model_len) if spec is not None else \
+        default_ladder(max_model_len)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +107,11 @@ class TritonBackend:
     def plan_balanced(self, batch_size: int, num_heads: int) -> LaunchPlan:
         """Balanced split-KV for any lengths (no hint); see ``plan_balanced_mla_decode``."""
         return self._plan(batch_size, num_heads, 0)
+
+    def default_ladder(self, max_model_len: int, spec: BufferSpec | None = None
+                       ) -> BucketLadder:
+        """See ``split_kv_ladder``."""
+        return split_kv_ladder(max_model_len, spec)
 
     def _plan_uncached(self, batch_size: int, num_heads: int, hint: int) -> LaunchPlan:
         if self.balanced or hint == 0:  # hint 0: plan_balanced's cache slot

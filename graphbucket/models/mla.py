@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from graphbucket import fp8
+from graphbucket.backends.triton import TritonBackend
 from graphbucket.context import DecodeContext
 from graphbucket.kernels import kernel_device_error
 from graphbucket.kernels.launch import cpu_dtype_error
@@ -116,7 +117,16 @@ class MLADecoder:
     def __call__(self, ctx: DecodeContext) -> torch.Tensor:
         return self.forward(ctx)
 
-    # ---- shapes the runner needs ------------------------------------------------------
+    # ---- what the runner needs --------------------------------------------------------
+
+    def decode_backend(self, max_model_len: int, *, num_sms: int | None = None
+                       ) -> TritonBackend:
+        """The backend ``GraphBucketRunner.for_model`` runs this model on: Triton split-KV
+        decode of its latent widths on its device (``max_model_len``: unused here; the
+        sparse model's indexer sizes its rows by it)."""
+        return TritonBackend(kv_lora_rank=self.config.kv_lora_rank,
+                             qk_rope_dim=self.config.qk_rope_dim, num_sms=num_sms,
+                             device=self.device)
 
     def input_specs(self) -> tuple[InputSpec, ...]:
         return (InputSpec(HIDDEN_INPUT, (self.config.hidden_size,), self.dtype),

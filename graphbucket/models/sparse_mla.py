@@ -24,8 +24,8 @@ them). Padding rows (seq_len 0 or a negative slot) store nothing: their index ke
 one scratch row past the cache (the index cache is a view of the first num_pages x
 page_size rows of a buffer one row longer).
 
-Graph safety: as ``MLADecoder``; the attention launches through
-``ctx.backend.run_sparse`` (a ``SparseBackend``) with ``ctx.plan`` and ``ctx.workspace``.
+Graph safety: as ``MLADecoder``; the attention launches through ``ctx.attend`` (a
+``SparseBackend``, the indexer's inputs as ``index``) with ``ctx.plan`` and ``ctx.workspace``.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from graphbucket.models.mla import SLOT_INPUT, MLADecoder
 from graphbucket.models.ops import assemble_q, rms_norm, store_kv
 from graphbucket.models.paging import prefill_random
 from graphbucket.models.weights import _Draw
-from graphbucket.sparse.backend import SparseBackend, sparse_ladder
+from graphbucket.sparse.backend import IndexInputs, SparseBackend
 from graphbucket.sparse.index_cache import (
     INDEX_DIM,
     dequantize_index_keys,
@@ -125,8 +125,8 @@ class SparseMLADecoder(MLADecoder):
     an fp8 index cache + scales per layer, both paged with one block table.
 
     index_caches[l] e4m3 [num_pages, page_size, 128], index_scales[l] float32 [num_pages,
-    page_size]. Run it through ``GraphBucketRunner.for_model`` (``runner_defaults`` gives
-    the ``SparseBackend`` and, for the ladder policy, ``sparse_ladder``).
+    page_size]. Run it through ``GraphBucketRunner.for_model`` (``decode_backend`` gives
+    the ``SparseBackend``, whose ``default_ladder`` is ``sparse_ladder``).
     """
 
     def __init__(self, config: SparseMLAConfig, *, num_pages: int, page_size: int = 64,
@@ -159,14 +159,6 @@ class SparseMLADecoder(MLADecoder):
         return SparseBackend(num_heads=self.config.num_heads, max_len=max_model_len,
                              topk=self.config.index_topk, num_sms=num_sms, device=self.device)
 
-    def runner_defaults(self, max_model_len: int, policy: str) -> dict:
-        """What ``GraphBucketRunner.for_model`` uses unless given: this model's backend
-        and, for the ladder policy, ``sparse_ladder``."""
-        defaults: dict = {"backend": self.decode_backend(max_model_len)}
-        if policy == "ladder":
-            defaults["ladder"] = sparse_ladder(max_model_len, topk=self.config.index_topk)
-        return defaults
-
     # ---- decode --------------------------------------------------------------------------
 
     def forward(self, ctx: DecodeContext) -> torch.Tensor:
@@ -197,10 +189,8 @@ class SparseMLADecoder(MLADecoder):
         q = assemble_q(q_latent, q_b, self.rope, ctx.positions, nope_dim=cfg.qk_nope_dim)
         attn = torch.empty(tokens, cfg.num_heads, cfg.kv_lora_rank, dtype=h.dtype,
                            device=h.device)
-        ctx.backend.run_sparse(q, cache, index_q, weights, self.index_caches[i],
-                               self.index_scales[i], ctx.block_table, ctx.seq_lens, attn,
-                               ctx.workspace, plan=ctx.plan, sm_scale=ctx.sm_scale,
-                               q_len=ctx.q_len)
+        ctx.attend(q, cache, attn, index=IndexInputs(index_q, weights, self.index_caches[i],
+                                                     self.index_scales[i]))
         o = self._bmm(attn.transpose(0, 1), layer.w_uv)              # [H, T, v_head]
         return self._linear(o.transpose(0, 1).reshape(tokens, -1), layer.w_o)
 

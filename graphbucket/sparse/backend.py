@@ -8,16 +8,17 @@ index set). Keys whose whole plans are equal alias one graph: the attention satu
 top-k, so buckets above it differ only where the indexer's split count does, and the
 indexer's budget caps that count too (for one row at 132 SMs: 512 splits from 128K).
 
-The model calls ``ctx.backend.run_sparse(...)`` with the indexer's inputs and
-``ctx.plan`` / ``ctx.workspace``; the dense ``run`` (``ctx.attend``) is refused.
-``sparse_ladder`` gives the ``ladder`` policy's buckets for this backend: doubling bounds
-from top-k up, where each bucket buys the indexer more splits.
+The model calls ``ctx.attend(q, kv_cache, out, index=IndexInputs(...))`` like any
+backend's: the indexer's inputs travel as ``index``. ``default_ladder`` (``sparse_ladder``)
+gives the ``ladder`` policy's buckets for this backend: doubling bounds from top-k up,
+where each bucket buys the indexer more splits. There is no balanced topology.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -27,6 +28,19 @@ from graphbucket.ladder import Bucket, BucketLadder
 from graphbucket.sparse.decode import SparseWorkspace, sparse_mla_decode
 from graphbucket.sparse.plan import DEFAULT_TOPK, SparsePlan, plan_sparse_decode
 from graphbucket.sparse.topk import TopkScratch
+from graphbucket.spec import BufferSpec
+
+
+@dataclass(frozen=True, slots=True)
+class IndexInputs:
+    """What the sparse decode reads beside the latent cache, one row per query token:
+    q [T, 64, 128] and weights [T, 64] float32 of the indexer, and the layer's index cache
+    (e4m3 [num_pages, page_size, 128]) with its scales (float32 [num_pages, page_size])."""
+
+    q: torch.Tensor
+    weights: torch.Tensor
+    cache: torch.Tensor
+    scales: torch.Tensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +102,17 @@ class SparseBackend:
         return plan_sparse_decode(batch_size * q_len, self.num_heads, hint, topk=self.topk,
                                   num_sms=self.num_sms)
 
+    def plan_balanced(self, batch_size: int, num_heads: int) -> SparsePlan:
+        raise ValueError("the ladder asks for a balanced graph (a bucket with "
+                         "balanced_imbalance, e.g. policy 'balanced-only') but sparse decode "
+                         "has no balanced topology; use a ladder whose buckets set "
+                         "balanced_imbalance=0 (e.g. policy 'ladder')")
+
+    def default_ladder(self, max_model_len: int, spec: BufferSpec | None = None
+                       ) -> BucketLadder:
+        """``sparse_ladder`` at this backend's top-k (the spec does not change it)."""
+        return sparse_ladder(max_model_len, topk=self.topk)
+
     def workspace_spec(self, plans: Iterable[SparsePlan]) -> SparseWorkspaceSpec:
         """One workspace for every plan: the most rows and attention splits."""
         plans = list(plans)
@@ -97,17 +122,34 @@ class SparseBackend:
                                    self.max_len, self.topk,
                                    max(p.attention_splits for p in plans), self.kv_lora_rank)
 
-    def run(self, *args, **kwargs) -> torch.Tensor:
-        raise TypeError("the sparse backend needs the indexer's inputs: call "
-                        "ctx.backend.run_sparse(q, kv_cache, index_q, index_weights, "
-                        "index_cache, index_scales, ...) instead of ctx.attend")
+    def run(self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+            seq_lens: torch.Tensor, out: torch.Tensor, workspace: SparseWorkspace, *,
+            plan: SparsePlan, sm_scale: float, lse: torch.Tensor | None = None,
+            q_len: int = 1, index: IndexInputs | None = None, **inputs: Any) -> torch.Tensor:
+        """The protocol's launch (``ctx.attend``): q [B, q_len x H, 576] folded or
+        [B x q_len, H, 576], out likewise with 512 columns; ``index`` the indexer's
+        inputs. See ``run_sparse``. Graph-safe."""
+        if not isinstance(index, IndexInputs) or inputs or lse is not None:
+            got = ", ".join([f"index={type(index).__name__}", *map(repr, inputs)]
+                            + (["lse"] if lse is not None else []))
+            raise TypeError(f"the sparse backend takes index=IndexInputs(...) and no lse or "
+                            f"other inputs, got {got}; pass the indexer's q, weights, index "
+                            "cache and scales as ctx.attend(q, kv_cache, out, "
+                            "index=IndexInputs(...))")
+        heads = self.num_heads
+        self.run_sparse(q.reshape(-1, heads, q.shape[-1]), kv_cache, index.q, index.weights,
+                        index.cache, index.scales, block_table, seq_lens,
+                        out.view(-1, heads, out.shape[-1]), workspace, plan=plan,
+                        sm_scale=sm_scale, q_len=q_len)
+        return out
 
     def run_sparse(self, q: torch.Tensor, kv_cache: torch.Tensor, index_q: torch.Tensor,
                    index_weights: torch.Tensor, index_cache: torch.Tensor,
                    index_scales: torch.Tensor, block_table: torch.Tensor,
                    seq_lens: torch.Tensor, out: torch.Tensor, workspace: SparseWorkspace, *,
                    plan: SparsePlan, sm_scale: float, q_len: int = 1) -> torch.Tensor:
-        """Sparse decode of B x q_len query tokens (row b * q_len + j: request b's token j).
+        """Sparse decode of B x q_len query tokens (row b * q_len + j: request b's token j),
+        each input passed by name (``run`` takes them as ``IndexInputs``).
 
         q [B * q_len, H, 576], index_q [B * q_len, 64, 128], index_weights [B * q_len, 64]
         float32, out [B * q_len, H, 512]; block_table [B, pages] and seq_lens [B] per
