@@ -11,15 +11,15 @@ the dequantized cache are in tests/test_fp8.py).
     python3 bench/fp8_sweep.py --ab cvt-64x8 bits-64x8 noprefetch --out DIR
 
 ``--ab`` adds fp8 rows for other stage-1 variants of the same plan (``VARIANTS``):
-"<dequant>-<tokens>x<warps>[-v<bytes>]" sets ``launch.FP8_DEQUANT``, ``FP8_PREFETCH_TILE``
-(and ``FP8_RAW_VEC``);
+"<dequant>-<tokens>x<warps>[-v<bytes>]" times the plan with that ``plan.fp8``
+(``Fp8Stream``: dequantization, prefetched tile tokens and warps, bytes per thread load);
 "noprefetch" copies the fp8 tile to shared memory as stored.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -40,8 +40,7 @@ from bench.kernel_sweep import time_calls  # noqa: E402
 from bench.ragged import inputs, random_cache  # noqa: E402
 from graphbucket import fp8  # noqa: E402
 from graphbucket.kernels import SplitWorkspace, default_sm_scale, mla_decode  # noqa: E402
-from graphbucket.kernels import launch as kernel_launch  # noqa: E402
-from graphbucket.plan import plan_mla_decode  # noqa: E402
+from graphbucket.plan import Fp8Stream, LaunchPlan, plan_mla_decode  # noqa: E402
 
 HEADS, PAGE, DIM, RANK = 16, 64, 576, 512
 SHAPES = [(1, 256), (8, 256), (64, 256), (1, 16384), (1, 65536), (1, 131072), (8, 65536),
@@ -53,24 +52,18 @@ def floor_us(gbps: float, lens: list[int], row_bytes: int) -> float:
     return nbytes / (gbps * 1e3)
 
 
-@contextlib.contextmanager
-def stage1_variant(name: str | None):
-    """Stage 1's fp8 knobs set for one variant ("<dequant>-<tokens>x<warps>", "noprefetch";
-    None: as shipped), restored after."""
-    saved = (kernel_launch.FP8_DEQUANT, kernel_launch.FP8_PREFETCH_TILE,
-             kernel_launch.FP8_REGISTER_PREFETCH, kernel_launch.FP8_RAW_VEC)
+def stage1_variant(plan: LaunchPlan, name: str | None) -> LaunchPlan:
+    """``plan`` with stage 1's fp8 stream of a variant ("<dequant>-<tokens>x<warps>[-v<bytes>]",
+    "noprefetch"; None: as planned)."""
+    if name is None:
+        return plan
     if name == "noprefetch":
-        kernel_launch.FP8_REGISTER_PREFETCH = False
-    elif name is not None:
-        dequant, tile, *vec = name.split("-")
-        tokens, warps = (int(v) for v in tile.split("x"))
-        kernel_launch.FP8_DEQUANT, kernel_launch.FP8_PREFETCH_TILE = dequant, (tokens, warps)
-        kernel_launch.FP8_RAW_VEC = int(vec[0].lstrip("v")) if vec else 0
-    try:
-        yield
-    finally:
-        (kernel_launch.FP8_DEQUANT, kernel_launch.FP8_PREFETCH_TILE,
-         kernel_launch.FP8_REGISTER_PREFETCH, kernel_launch.FP8_RAW_VEC) = saved
+        return dataclasses.replace(plan, fp8=Fp8Stream(register_prefetch=False))
+    dequant, tile, *vec = name.split("-")
+    tokens, warps = (int(v) for v in tile.split("x"))
+    return dataclasses.replace(plan, fp8=Fp8Stream(
+        dequant=dequant, tile_tokens=tokens, tile_warps=warps,
+        raw_vec=int(vec[0].lstrip("v")) if vec else 0))
 
 
 def main() -> None:
@@ -106,8 +99,8 @@ def main() -> None:
         todo += [(fmt, cache, launch, nbytes, variant) for variant in args.ab
                  for fmt, cache, launch, nbytes, _ in todo[1:]]
         for fmt, cache, launch, nbytes, variant in todo:
-            with stage1_variant(variant):
-                us = time_calls(launch, plan, cache, tables, q, out, seq_lens, ws, sm_scale)
+            us = time_calls(launch, stage1_variant(plan, variant), cache, tables, q, out,
+                            seq_lens, ws, sm_scale)
             got = out[0].float().clone()
             outs.setdefault(fmt, got)
             f_us = floor_us(gbps, lens, nbytes)

@@ -184,6 +184,55 @@ WIDE_FUSED = replace(LONG_BUFFERED, min_tiles_per_split=4, fused_merge_max_tiles
                      merge_chunks=4, dependent_merge=False)
 
 
+FP8_DEQUANT_MODES = ("bits", "cvt", "float")
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Stream:
+    """How stage 1 streams an fp8 cache (per-tensor and V3.2); a plan field, so a benchmark
+    times another setting with ``dataclasses.replace(plan, fp8=Fp8Stream(...))``.
+
+    ``register_prefetch``: head-major fp8 tiles go through registers: the raw bytes of the
+    next tile load while the current one is dequantized, once, into the bf16 tile both dots
+    read (``REG_PREFETCH`` in mla_decode.py); off, the fp8 tile goes to shared memory as
+    is and the value dot reads it one byte per load.
+
+    ``tile_tokens`` / ``tile_warps``: a register-prefetched tile at <= 16 query rows,
+    whatever the bf16 stream says. The loop carries the dequantized tile, so its registers
+    grow with tokens / warps (sm_90, "bits"): 32 / 4 take 240 registers (two programs per
+    SM), 64 / 8 take 190 (one), 32 / 8 take 128; 64 / 4 spill. Measured: 32 / 4 fastest
+    from 16K on, 64 / 8 15-20 % slower, 32 / 8 30 %, 16 / 4 22-55 % (H200, NOTES "fp8
+    tiles read as float16").
+
+    ``dequant`` on a CUDA GPU (``_dequantize``): "bits" reads e4m3 as float16 with integer
+    instructions and runs both dots in float16; "cvt" does the same with sm_89's e4m3x2 ->
+    f16x2 conversion (within 2 % of "bits"); "float" converts through float32 into q's
+    dtype (1.0-1.3x slower). The interpreter has no inline assembly: it takes "float".
+
+    ``raw_vec``: bytes of an fp8 tile row each thread loads at once (0: the compiler's
+    choice, 16). With 16 a thread holds 32 bytes of the converted f16 row and its shared
+    stores land 6.2-way bank-conflicted; with 8 they are 16 bytes, consecutive across the
+    warp: per-tensor 9-10 % faster, V3.2 3-5 %; 4 bytes lose (H200, NOTES "fp8 tiles
+    loaded 8 bytes a thread").
+    """
+
+    register_prefetch: bool = True
+    tile_tokens: int = 32
+    tile_warps: int = 4
+    dequant: str = "bits"
+    raw_vec: int = 8
+
+    def __post_init__(self) -> None:
+        if self.dequant not in FP8_DEQUANT_MODES:
+            raise ValueError(f"Fp8Stream.dequant={self.dequant!r}; expected one of "
+                             f"{FP8_DEQUANT_MODES}")
+
+    def describe(self) -> str:
+        if not self.register_prefetch:
+            return "noprefetch"
+        return f"{self.dequant}-{self.tile_tokens}x{self.tile_warps}-v{self.raw_vec}"
+
+
 @dataclass(frozen=True, slots=True)
 class LaunchPlan:
     """Every host decision of one MLA decode launch; hashable, used as the graph key.
@@ -229,6 +278,8 @@ class LaunchPlan:
     # Split plans: stage 1 by the Gluon seesaw kernel (64 rows, two warpgroups) where the
     # launch's inputs allow it (``kernels.launch.runs_seesaw``), else the Triton kernel.
     seesaw: bool = False
+    # How stage 1 streams an fp8 cache (tile, warps, dequantization); unused otherwise.
+    fp8: Fp8Stream = Fp8Stream()
 
     @property
     def num_head_blocks(self) -> int:
@@ -285,10 +336,11 @@ class LaunchPlan:
                        fused_merge=self.fused_merge and num_kv_splits <= FUSED_MERGE_MAX_SPLITS)
 
     def describe(self) -> str:
+        fp8 = "" if self.fp8 == Fp8Stream() else f" fp8={self.fp8.describe()}"
         if self.balanced:
             return (f"balanced programs={self.persistent_programs} grid={self.grid} "
                     f"block_h={self.block_h} block_n={self.block_n}{self._layout} "
-                    f"min_chunk={self.min_chunk_tiles} +merge(bs={self.merge_block_s})")
+                    f"min_chunk={self.min_chunk_tiles} +merge(bs={self.merge_block_s}){fp8}")
         stage2 = f"+merge(bs={self.merge_block_s})" if self.use_stage2 else " one-split"
         if self.merges_in_stage1:
             chunks = f", {self.merge_chunks} column blocks" if self.merge_chunks > 1 else ""
@@ -296,6 +348,7 @@ class LaunchPlan:
         return (
             f"splits={self.num_kv_splits} grid={self.grid} block_h={self.block_h} "
             f"block_n={self.block_n}{self._layout}{' seesaw' if self.seesaw else ''}{stage2}"
+            f"{fp8}"
         )
 
     @property

@@ -8,6 +8,8 @@ float64 attention over the dequantized cache.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import triton
@@ -19,6 +21,7 @@ from graphbucket.kernels.mla_decode import E4M3_UNIT_BITS, _e4m3_to_f16
 from graphbucket.plan import (
     LONG_PAGE_AHEAD,
     TOKEN_STREAM,
+    Fp8Stream,
     plan_balanced_mla_decode,
     plan_mla_decode,
 )
@@ -119,13 +122,11 @@ def test_fp8_other_streams_and_query_rows(stream, heads):
 
 
 @pytest.mark.parametrize("fmt", ["tensor", "v32"])
-def test_fp8_tiles_copied_as_stored(monkeypatch, fmt):
+def test_fp8_tiles_copied_as_stored(fmt):
     # The shared-memory path (no register prefetch) stays correct for both formats.
-    from graphbucket.kernels import launch
-
-    monkeypatch.setattr(launch, "FP8_REGISTER_PREFETCH", False)
     lens = [70, 0, 3]
-    plan = plan_mla_decode(len(lens), 16, 1, num_sms=4).with_splits(2)
+    plan = dataclasses.replace(plan_mla_decode(len(lens), 16, 1, num_sms=4).with_splits(2),
+                               fp8=Fp8Stream(register_prefetch=False))
     if fmt == "tensor":
         q, cache, table, seq_lens, scale = fp8_case(lens, 16, q_dtype=Q_DTYPES[-1], seed=3)
         out, _ = run(plan, q, cache, table, seq_lens, scale)
@@ -315,7 +316,7 @@ def check_v32(plan, q, cache, table, lens, *, balanced=False):
 
 
 @pytest.mark.host
-def test_fp8_tile_tokens(monkeypatch):
+def test_fp8_tile_tokens():
     from graphbucket.kernels import launch
     from graphbucket.kernels.launch import kv_tile_tokens, tile_tokens
 
@@ -324,22 +325,21 @@ def test_fp8_tile_tokens(monkeypatch):
         for stream in (None, LONG_PAGE_AHEAD, TOKEN_STREAM):
             kw = {} if stream is None else {"stream": stream}
             plan = plan_mla_decode(1, heads, 1, num_sms=8, **kw)
-            # Head-major fp8 tiles stream through registers: FP8_PREFETCH_TILE's tokens
+            # Head-major fp8 tiles stream through registers: the plan's fp8 tile tokens
             # at 16 rows, 16 above.
             want = max(16, plan.block_n // 2) if plan.token_major else \
-                launch.FP8_PREFETCH_TILE[0] if plan.block_h <= 16 else 16
+                plan.fp8.tile_tokens if plan.block_h <= 16 else 16
             assert tile_tokens(plan, 1, v32=True) == want
             assert kv_tile_tokens(plan, cache) == want
-            # Register-prefetched tiles at 16 rows run on FP8_PREFETCH_TILE's warps; other
+            # Register-prefetched tiles at 16 rows run on the plan's fp8 warps; other
             # plans and 2-byte caches keep the plan's.
             prefetched = not plan.token_major and plan.block_h <= 16
             assert launch.stage1_warps(plan, 1) == \
-                (launch.FP8_PREFETCH_TILE[1] if prefetched else plan.num_warps)
+                (plan.fp8.tile_warps if prefetched else plan.num_warps)
             assert launch.stage1_warps(plan, 2) == plan.num_warps
-            monkeypatch.setattr(launch, "FP8_REGISTER_PREFETCH", False)
             # Without: V3.2 tiles are half the plan's.
-            assert tile_tokens(plan, 1, v32=True) == max(16, plan.block_n // 2)
-            monkeypatch.setattr(launch, "FP8_REGISTER_PREFETCH", True)
+            plain = dataclasses.replace(plan, fp8=Fp8Stream(register_prefetch=False))
+            assert tile_tokens(plain, 1, v32=True) == max(16, plan.block_n // 2)
 
 
 @pytest.mark.parametrize("lens", [[1], [16, 17], [33, 0, 100, 5]])
@@ -635,11 +635,14 @@ def test_fp8_dequant_mode_falls_back_where_inline_assembly_cannot_run(monkeypatc
     from graphbucket.kernels import launch
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    plan = plan_mla_decode(1, 16, 1000)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert launch.fp8_dequant(cuda) == launch.FP8_DEQUANT == "bits"
-    assert launch.fp8_dequant(cpu) == "float"
+    assert launch.fp8_dequant(plan, cuda) == plan.fp8.dequant == "bits"
+    assert launch.fp8_dequant(plan, cpu) == "float"
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter has no inline assembly
-    assert launch.fp8_dequant(cuda) == "float"
-    monkeypatch.setattr(launch, "FP8_DEQUANT", "cvt")
+    assert launch.fp8_dequant(plan, cuda) == "float"
+    cvt = dataclasses.replace(plan, fp8=Fp8Stream(dequant="cvt"))
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert launch.fp8_dequant(cuda) == "cvt"
+    assert launch.fp8_dequant(cvt, cuda) == "cvt"
+    with pytest.raises(ValueError, match="dequant='fast'"):
+        Fp8Stream(dequant="fast")

@@ -35,7 +35,8 @@ FORMATS = {"bf16": (2, False), "fp32": (4, False), "fp8-tensor": (1, False),
 
 
 def _fields(plan) -> str:
-    return " ".join(f"{k}={v}" for k, v in dataclasses.asdict(plan).items())
+    return " ".join(f"{f.name}={str(getattr(plan, f.name)).replace(' ', '')}"
+                    for f in dataclasses.fields(plan))
 
 
 def _geometry(plan) -> dict:

@@ -333,64 +333,32 @@ def use_pdl(plan: LaunchPlan, device: torch.device) -> bool:
     return plan.merge_kernel and plan.dependent_merge and _pdl_capable(device)
 
 
-# fp8 caches (per-tensor and "v32") stream head-major tiles through registers: the raw
-# bytes of the next tile are loaded while the current one is dequantized, once, into the
-# bf16 tile both dots read (``REG_PREFETCH`` in mla_decode.py). Off: the fp8 tile goes
-# to shared memory as is, and the value dot reads it one byte per load.
-FP8_REGISTER_PREFETCH = True
-
-
-# How register-prefetched fp8 tiles are dequantized on a CUDA GPU (mla_decode.py,
-# ``_dequantize``): "bits" reads e4m3 as float16 with integer instructions and runs both
-# dots in float16; "cvt" does the same with sm_89's e4m3x2 -> f16x2 conversion (measured
-# within 2 % of "bits"); "float" converts through float32 into q's dtype (1.0-1.3x slower).
-# The interpreter has no inline assembly, so it always takes "float".
-FP8_DEQUANT = "bits"
-
-
-def fp8_dequant(device: torch.device) -> str:
-    """``FP8_DEQUANT`` where it can run (a CUDA device, not the interpreter), else "float"."""
+def fp8_dequant(plan: LaunchPlan, device: torch.device) -> str:
+    """The plan's fp8 dequantization where it can run (a CUDA device, not the
+    interpreter), else "float"."""
     interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    return FP8_DEQUANT if device.type == "cuda" and not interpreted else "float"
+    return plan.fp8.dequant if device.type == "cuda" and not interpreted else "float"
 
 
 def register_prefetch(plan: LaunchPlan, element_size: int) -> bool:
     """Whether stage 1 streams this plan's fp8 tiles through registers."""
-    return FP8_REGISTER_PREFETCH and element_size == 1 and not plan.token_major
-
-
-# Register-prefetched fp8 tiles at <= 16 query rows: (tokens per tile, warps per program),
-# whatever the plan's bf16 stream says. The loop carries the dequantized tile, so its
-# registers grow with tokens / warps (sm_90 compile, "bits"): 32 / 4 take 240 registers
-# (two programs per SM), 64 / 8 take 190 (one), 32 / 8 take 128; 64 / 4 spill. Measured
-# (H200, same run, bench/NOTES.md 2026-12-01 03:40): 32 / 4 fastest at every shape from
-# 16K on, 64 / 8 by 15-20 % slower, 32 / 8 by 30 %, 16 / 4 by 22-55 %.
-FP8_PREFETCH_TILE = (32, 4)
-
-
-# Bytes of an fp8 tile row each thread loads at once for the register prefetch (0: the
-# compiler's choice, 16). With 16, a thread holds 32 bytes of the converted f16 row and
-# its shared stores land 6.2-way bank-conflicted (Nsight Compute); with 8 they are 16
-# bytes, consecutive across the warp. Measured (H200, same run, NOTES 2026-12-01 04:20):
-# per-tensor 9-10 % faster, V3.2 3-5 %; 4 bytes lose.
-FP8_RAW_VEC = 8
+    return plan.fp8.register_prefetch and element_size == 1 and not plan.token_major
 
 
 def stage1_warps(plan: LaunchPlan, element_size: int) -> int:
     """Warps per stage-1 program for this cache's element size."""
     if register_prefetch(plan, element_size) and plan.block_h <= 16:
-        return FP8_PREFETCH_TILE[1]
+        return plan.fp8.tile_warps
     return plan.num_warps
 
 
 def cache_stream_args(plan: LaunchPlan, kv_cache: torch.Tensor) -> dict:
     """How both stage-1 kernels (split-KV and balanced) read this cache: its format, the
-    fp8 register prefetch and dequantization, and the warps that follow from them. The
-    module knobs are read at each call, so a bench may change them between launches."""
+    fp8 register prefetch and dequantization (``plan.fp8``), and the warps that follow."""
     size = kv_cache.element_size()
     return {"KV_FORMAT": "v32" if is_v32(kv_cache) else "dense",
             "REG_PREFETCH": register_prefetch(plan, size),
-            "DEQUANT": fp8_dequant(kv_cache.device), "RAW_VEC": FP8_RAW_VEC,
+            "DEQUANT": fp8_dequant(plan, kv_cache.device), "RAW_VEC": plan.fp8.raw_vec,
             "num_warps": stage1_warps(plan, size)}
 
 
@@ -410,9 +378,9 @@ def tile_tokens(plan: LaunchPlan, element_size: int, *, v32: bool = False) -> in
     159 KB (one program per SM, not two), WIDE 89 KB and TOKEN_STREAM spilled 1232 bytes.
     """
     if register_prefetch(plan, element_size):
-        # The next tile lives in registers: FP8_PREFETCH_TILE at 16 rows, 16 tokens where
+        # The next tile lives in registers: the plan's fp8 tile at 16 rows, 16 tokens where
         # the accumulator is larger (32 tokens spill 1-1.3 KB at 32 rows).
-        return FP8_PREFETCH_TILE[0] if plan.block_h <= 16 else 16
+        return plan.fp8.tile_tokens if plan.block_h <= 16 else 16
     if v32:
         return max(16, plan.block_n // 2)
     if element_size == 1 and plan.block_h >= 64:
