@@ -86,8 +86,11 @@ def exhaustive_plans(backend, batch: int, num_heads: int, max_model_len: int, *,
     hints = hints_to_measure(candidate_hints(max_model_len), max_model_len)
     plans = {p.describe(): p for p in (backend.plan(batch, num_heads * q_len, h)
                                         for h in hints)}
-    if q_len == 1 and hasattr(backend, "plan_balanced"):
-        balanced = backend.plan_balanced(batch, num_heads)
+    if q_len == 1:
+        try:
+            balanced = backend.plan_balanced(batch, num_heads)
+        except ValueError:  # a backend without the balanced topology says so
+            return plans
         plans[balanced.describe()] = balanced
     return plans
 
