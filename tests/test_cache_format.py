@@ -1,0 +1,151 @@
+"""Cache formats: the launch constexprs each format gives the decode kernels.
+
+The expectations below are fixed numbers (tile tokens, warps, the format tag and the
+fp8 switches per cache dtype and stream), so a change in what any format launches fails
+here. The kernels run for real in the interpreter; a wrapper records what each launch
+passes them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from graphbucket import fp8
+from graphbucket.kernels import (
+    SplitWorkspace,
+    launch,
+    launch_balanced,
+    mla_decode,
+    mla_decode_balanced,
+)
+from graphbucket.plan import (
+    LONG_STREAM,
+    ROWS32_STREAM,
+    ROWS_STREAM,
+    TOKEN_STREAM,
+    WIDE_FUSED,
+    WIDE_STREAM,
+    plan_balanced_mla_decode,
+    plan_mla_decode,
+)
+from tests.kernel_cases import SM_SCALE, make_case
+
+STREAMS = {"LONG": LONG_STREAM, "WIDE": WIDE_STREAM, "TOKEN": TOKEN_STREAM,
+           "ROWS": ROWS_STREAM, "ROWS32": ROWS32_STREAM, "WIDE_FUSED": WIDE_FUSED}
+# Per cache dtype: (KV_FORMAT, SCALED, DOT_PRECISION).
+FORMAT_ARGS = {"float16": ("dense", False, "tf32"), "float32": ("dense", False, "ieee"),
+               "e4m3": ("dense", True, "tf32"), "uint8": ("v32", False, "tf32")}
+# (cache dtype, stream) -> (BLOCK_N, num_warps, REG_PREFETCH), with the fp8 register
+# prefetch on (the default) and off (a benchmark variant).
+TILES = {
+    True: {
+        ("float16", "LONG"): (64, 4, False), ("float16", "WIDE"): (32, 4, False),
+        ("float16", "TOKEN"): (64, 4, False), ("float16", "ROWS"): (64, 8, False),
+        ("float16", "ROWS32"): (32, 4, False), ("float16", "WIDE_FUSED"): (32, 4, False),
+        ("float32", "LONG"): (32, 4, False), ("float32", "WIDE"): (16, 4, False),
+        ("float32", "TOKEN"): (32, 4, False), ("float32", "ROWS"): (32, 8, False),
+        ("float32", "ROWS32"): (16, 4, False), ("float32", "WIDE_FUSED"): (16, 4, False),
+        ("e4m3", "LONG"): (32, 4, True), ("e4m3", "WIDE"): (32, 4, True),
+        ("e4m3", "TOKEN"): (64, 4, False), ("e4m3", "ROWS"): (16, 8, True),
+        ("e4m3", "ROWS32"): (16, 4, True), ("e4m3", "WIDE_FUSED"): (32, 4, True),
+        ("uint8", "LONG"): (32, 4, True), ("uint8", "WIDE"): (32, 4, True),
+        ("uint8", "TOKEN"): (32, 4, False), ("uint8", "ROWS"): (16, 8, True),
+        ("uint8", "ROWS32"): (16, 4, True), ("uint8", "WIDE_FUSED"): (32, 4, True),
+    },
+    False: {
+        ("float16", "LONG"): (64, 4, False), ("float16", "WIDE"): (32, 4, False),
+        ("float16", "TOKEN"): (64, 4, False), ("float16", "ROWS"): (64, 8, False),
+        ("float16", "ROWS32"): (32, 4, False), ("float16", "WIDE_FUSED"): (32, 4, False),
+        ("float32", "LONG"): (32, 4, False), ("float32", "WIDE"): (16, 4, False),
+        ("float32", "TOKEN"): (32, 4, False), ("float32", "ROWS"): (32, 8, False),
+        ("float32", "ROWS32"): (16, 4, False), ("float32", "WIDE_FUSED"): (16, 4, False),
+        ("e4m3", "LONG"): (64, 4, False), ("e4m3", "WIDE"): (32, 4, False),
+        ("e4m3", "TOKEN"): (64, 4, False), ("e4m3", "ROWS"): (32, 8, False),
+        ("e4m3", "ROWS32"): (32, 4, False), ("e4m3", "WIDE_FUSED"): (32, 4, False),
+        ("uint8", "LONG"): (32, 4, False), ("uint8", "WIDE"): (16, 4, False),
+        ("uint8", "TOKEN"): (32, 4, False), ("uint8", "ROWS"): (32, 8, False),
+        ("uint8", "ROWS32"): (16, 4, False), ("uint8", "WIDE_FUSED"): (16, 4, False),
+    },
+}
+RECORDED = ("BLOCK_N", "num_warps", "REG_PREFETCH", "KV_FORMAT", "SCALED", "DOT_PRECISION",
+            "DEQUANT", "RAW_VEC")
+
+
+class _Recorded:
+    """A Triton kernel that records the keyword arguments of each launch, then runs."""
+
+    def __init__(self, kernel, tag: str, calls: list):
+        self.kernel, self.tag, self.calls = kernel, tag, calls
+
+    def __getitem__(self, grid):
+        def launch_(*args, **kwargs):
+            self.calls.append((self.tag, kwargs))
+            return self.kernel[grid](*args, **kwargs)
+        return launch_
+
+
+def _cache(kind: str, rows: torch.Tensor):
+    if kind == "e4m3":
+        scale = fp8.scale_for(rows.abs().amax())
+        return fp8.quantize(rows, scale), scale, torch.float16
+    if kind == "uint8":
+        return fp8.pack_v32(rows), None, torch.float16
+    return rows.to(getattr(torch, kind)), None, getattr(torch, kind)
+
+
+def _prefetch(plan, on: bool, monkeypatch):
+    """``plan`` with the fp8 register prefetch on or off (the plan's ``fp8`` stream, or
+    the launch module's switch where the plan has none)."""
+    if hasattr(plan, "fp8"):
+        return dataclasses.replace(plan, fp8=dataclasses.replace(plan.fp8,
+                                                                 register_prefetch=on))
+    monkeypatch.setattr(launch, "FP8_REGISTER_PREFETCH", on)
+    return plan
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("prefetch", [True, False])
+@pytest.mark.parametrize("kind", list(FORMAT_ARGS))
+def test_each_format_launches_the_same_constexprs(monkeypatch, kind, prefetch):
+    calls: list = []
+    for name, module in (("_mla_decode_stage1_kernel", launch),
+                         ("_mla_decode_merge_kernel", launch),
+                         ("_balanced_stage1_kernel", launch_balanced)):
+        monkeypatch.setattr(module, name, _Recorded(getattr(module, name), name, calls))
+    tag, scaled, precision = FORMAT_ARGS[kind]
+    for stream_name, stream in STREAMS.items():
+        heads = 64 if stream.block_h == 64 else 16
+        case = make_case([40], heads, page_size=16, dtype=torch.float32, device="cpu",
+                         gen=torch.Generator().manual_seed(0))
+        cache, scale, q_dtype = _cache(kind, case.kv_cache)
+        q, out = case.q.to(q_dtype), torch.empty(1, heads, 512, dtype=q_dtype)
+        block_n, warps, reg_prefetch = TILES[prefetch][(kind, stream_name)]
+        want = (block_n, warps, reg_prefetch, tag, scaled, precision, "float", 8)
+
+        # One split (the interpreter's merge is slow); the LONG plan runs two and the merge.
+        hint = 128 if stream_name == "LONG" else 40
+        plan = _prefetch(plan_mla_decode(1, heads, hint, stream=stream), prefetch, monkeypatch)
+        calls.clear()
+        mla_decode(q, cache, case.block_table, case.seq_lens, out,
+                   SplitWorkspace.allocate(1, heads, plan.num_kv_splits, 512, "cpu"),
+                   plan=plan, sm_scale=SM_SCALE, kv_scale=scale)
+        got = dict(calls)
+        assert tuple(got["_mla_decode_stage1_kernel"][k] for k in RECORDED) == want, \
+            (kind, stream_name)
+        assert got["_mla_decode_stage1_kernel"]["TILE_IN_PAGE"] == (16 % block_n == 0)
+        assert plan.merge_kernel == (stream_name == "LONG")
+        if plan.merge_kernel:
+            assert got["_mla_decode_merge_kernel"]["BLOCK_N"] == block_n, (kind, stream_name)
+
+        plan = _prefetch(plan_balanced_mla_decode(1, heads, stream=stream, programs=2),
+                         prefetch, monkeypatch)
+        calls.clear()
+        mla_decode_balanced(q, cache, case.block_table, case.seq_lens, out,
+                            SplitWorkspace.allocate(1, heads, 1, 512, "cpu",
+                                                    max_items=plan.max_work_items),
+                            plan=plan, sm_scale=SM_SCALE, kv_scale=scale)
+        got = dict(calls)["_balanced_stage1_kernel"]
+        assert tuple(got[k] for k in RECORDED) == want, (kind, stream_name, "balanced")
