@@ -20,21 +20,6 @@ from graphbucket.plan import LaunchPlan
 
 LOG2E = 1.4426950408889634
 
-KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# Per-tensor fp8 caches: every 576-wide row in e4m3 with one float32 scale for the whole
-# cache (value = stored * kv_scale); q and out stay bf16 / fp16.
-FP8_KV_DTYPES = (torch.float8_e4m3fn,)
-# DeepSeek-V3.2 caches ("fp8-v32", graphbucket.fp8): uint8 [num_pages, page_size, 656], per
-# token 512 e4m3 latent values, 4 float32 scales (one per 128 values) and 64 bf16 rope
-# values; no kv_scale, q and out bf16 / fp16.
-V32_KV_DTYPE = torch.uint8
-
-
-def is_v32(kv_cache: torch.Tensor) -> bool:
-    """A uint8 cache is read as the V3.2 format (656-byte rows)."""
-    return kv_cache.dtype == V32_KV_DTYPE
-
-
 @dataclass(frozen=True, slots=True)
 class SplitWorkspace:
     """Persistent stage-1 -> stage-2 buffers, sized once for the largest plan.
@@ -126,12 +111,10 @@ def check_mla_decode_args(q: torch.Tensor, kv_cache: torch.Tensor, block_table: 
     if tuple(q.shape) != (bs, nh, d_qk):
         _fail("q.shape", tuple(q.shape), f"{(bs, nh, d_qk)} from the plan",
               "Plan with this batch size and head count, or pass a view of the static buffer.")
-    if is_v32(kv_cache):
-        check_v32_cache(kv_cache, plan)
-    elif kv_cache.dim() != 3 or kv_cache.shape[2] != d_qk:
-        _fail("kv_cache.shape", tuple(kv_cache.shape), f"[num_pages, page_size, {d_qk}]",
-              "The cache row is the latent (kv_lora_rank) followed by the rope part.")
-    check_kv_dtypes(q, kv_cache, kv_scale)
+    # The cache's format (from its dtype) checks its rows, q's dtype and the scale.
+    fp8.cache_format_of(kv_cache).check_launch(q, kv_cache, kv_scale,
+                                               kv_lora_rank=plan.kv_lora_rank,
+                                               qk_rope_dim=plan.qk_rope_dim)
     if any(cpu_dtype_error(t.device, t.dtype) for t in (q, kv_cache, out)):
         raise ValueError(f"q={q.dtype}, kv_cache={kv_cache.dtype}, out={out.dtype}: "
                          + cpu_dtype_error(q.device, torch.bfloat16))
@@ -165,61 +148,6 @@ def check_mla_decode_args(q: torch.Tensor, kv_cache: torch.Tensor, block_table: 
             want = f"partial_o covering {plan.workspace_shape}"
         _fail("workspace", got, want,
               "Allocate a SplitWorkspace covering every plan you will launch.")
-
-
-def check_v32_cache(kv_cache: torch.Tensor, plan: LaunchPlan) -> None:
-    """A uint8 cache holds V3.2 rows: [num_pages, page_size, 656] for a plan of 512 latent
-    and 64 rope values, 16-byte aligned rows (the kernels read float32 scales and bf16 rope
-    through reinterpreted pointers)."""
-    if kv_cache.dim() != 3 or kv_cache.shape[2] != fp8.V32_BYTES:
-        _fail("kv_cache.shape", f"uint8 {tuple(kv_cache.shape)}",
-              f"[num_pages, page_size, {fp8.V32_BYTES}] for a uint8 cache",
-              f"A uint8 cache is DeepSeek-V3.2's fp8 format, {fp8.V32_BYTES} bytes per token "
-              f"({fp8.V32_LATENT} e4m3 latent, {fp8.V32_GROUPS} float32 scales, "
-              f"{fp8.V32_ROPE} bf16 rope; graphbucket.fp8.pack_v32); a per-tensor fp8 "
-              "cache is torch.float8_e4m3fn.")
-    if (plan.kv_lora_rank, plan.qk_rope_dim) != (fp8.V32_LATENT, fp8.V32_ROPE):
-        _fail("plan", f"kv_lora_rank={plan.kv_lora_rank}, qk_rope_dim={plan.qk_rope_dim}",
-              f"{fp8.V32_LATENT} and {fp8.V32_ROPE} for a V3.2 (uint8) cache",
-              "The V3.2 layout is fixed: 512 latent and 64 rope values per token.")
-    if kv_cache.stride(0) % 16 or kv_cache.stride(1) % 16 or kv_cache.data_ptr() % 16:
-        _fail("kv_cache strides", f"{kv_cache.stride()[:2]} at {kv_cache.data_ptr() % 16} "
-              "bytes past a 16-byte boundary", "multiples of 16 bytes, 16-byte aligned",
-              "Pass a contiguous V3.2 cache (656-byte rows).")
-
-
-def check_kv_dtypes(q: torch.Tensor, kv_cache: torch.Tensor,
-                    kv_scale: torch.Tensor | None) -> None:
-    """q and cache of one dtype, an fp8 cache with a bf16/fp16 q and its scale, or a V3.2
-    (uint8) cache with a bf16/fp16 q and no scale."""
-    if is_v32(kv_cache):
-        if q.dtype not in (torch.bfloat16, torch.float16):
-            _fail("dtypes", f"q={q.dtype}, kv_cache={kv_cache.dtype}", "bf16 or fp16 q",
-                  "A V3.2 fp8 (uint8) cache is attended with a bfloat16 or float16 q.")
-        if kv_scale is not None:
-            _fail("kv_scale", "a tensor", "None for a V3.2 (uint8) cache",
-                  "A V3.2 cache carries its scales in every row (4 per token).")
-        return
-    if kv_cache.dtype in FP8_KV_DTYPES:
-        if q.dtype not in (torch.bfloat16, torch.float16):
-            _fail("dtypes", f"q={q.dtype}, kv_cache={kv_cache.dtype}", "bf16 or fp16 q",
-                  "An fp8 cache is attended with a bfloat16 or float16 q.")
-        if kv_scale is None or not isinstance(kv_scale, torch.Tensor) \
-                or kv_scale.dtype != torch.float32 or kv_scale.numel() != 1 \
-                or kv_scale.device != kv_cache.device:
-            got = None if not isinstance(kv_scale, torch.Tensor) else \
-                f"{kv_scale.dtype} {tuple(kv_scale.shape)} on {kv_scale.device}"
-            _fail("kv_scale", got, f"float32 [1] on {kv_cache.device}",
-                  "An fp8 cache needs its per-tensor scale (value = stored * kv_scale).")
-        return
-    if kv_cache.dtype not in KV_DTYPES or q.dtype != kv_cache.dtype:
-        _fail("dtypes", f"q={q.dtype}, kv_cache={kv_cache.dtype}",
-              "equal dtypes, one of bfloat16/float16/float32, an fp8 (e4m3) cache, or a "
-              "V3.2 fp8 (uint8, 656-byte rows) cache",
-              "Cast q to the cache dtype.")
-    if kv_scale is not None:
-        _fail("kv_scale", "a tensor", "None for a bf16/fp16/fp32 cache",
-              "Only fp8 caches take a scale.")
 
 
 def check_q_len(plan: LaunchPlan, q_len: int) -> None:
@@ -356,43 +284,31 @@ def cache_stream_args(plan: LaunchPlan, kv_cache: torch.Tensor) -> dict:
     """How both stage-1 kernels (split-KV and balanced) read this cache: its format, the
     fp8 register prefetch and dequantization (``plan.fp8``), and the warps that follow."""
     size = kv_cache.element_size()
-    return {"KV_FORMAT": "v32" if is_v32(kv_cache) else "dense",
+    return {"KV_FORMAT": fp8.cache_format_of(kv_cache).kernel_tag,
             "REG_PREFETCH": register_prefetch(plan, size),
             "DEQUANT": fp8_dequant(plan, kv_cache.device), "RAW_VEC": plan.fp8.raw_vec,
             "num_warps": stage1_warps(plan, size)}
 
 
 def tile_tokens(plan: LaunchPlan, element_size: int, *, v32: bool = False) -> int:
-    """Tokens per KV tile for this cache dtype: the plan's, or fewer for wider elements.
+    """``kv_tile_tokens`` of a cache known by its element size (``v32``: V3.2 rows)."""
+    return _tile_tokens(plan, fp8.format_of_size(element_size, v32=v32), element_size)
 
-    Plans are tuned for 2-byte caches (bf16: 64 x 576 x 2 B = 72 KB tiles, 94 KB of shared
-    memory at 3 stages). A 64-token float32 tile needs 233 KB even unpipelined (H200:
-    227 KB per block), so float32 caches stream tiles of the same bytes: half the tokens.
-    Both stages must use the same count (it fixes every split's token range). fp8 caches
-    keep the plan's tokens (half the bytes), except with 64 query rows (below).
-    V3.2 caches (``v32``: 656-byte rows, 0.57x a bf16 row) stream half the plan's tokens:
-    their tile is dequantized into a bf16 tile in shared memory (and its transpose for the
-    head-major layout), so it takes more than its bytes. sm_90 compile with half tiles, no
-    spills: LONG 89 KB, LONG_PAGE_AHEAD 56 KB, WIDE 54 KB, TOKEN_STREAM 56 KB, ROWS_STREAM
-    132 KB, each stream's programs per SM as planned; with the plan's tokens LONG needed
-    159 KB (one program per SM, not two), WIDE 89 KB and TOKEN_STREAM spilled 1232 bytes.
-    """
+
+def kv_tile_tokens(plan: LaunchPlan, kv_cache: torch.Tensor) -> int:
+    """Tokens per KV tile for this cache: the register-prefetched fp8 tile, else its
+    format's (``CacheFormat.tile_tokens``: the plan's for 2-byte rows, fewer for wider
+    elements and V3.2 rows). Both stages must use the same count (it fixes every split's
+    token range)."""
+    return _tile_tokens(plan, fp8.cache_format_of(kv_cache), kv_cache.element_size())
+
+
+def _tile_tokens(plan: LaunchPlan, fmt: fp8.CacheFormat, element_size: int) -> int:
     if register_prefetch(plan, element_size):
         # The next tile lives in registers: the plan's fp8 tile at 16 rows, 16 tokens where
         # the accumulator is larger (32 tokens spill 1-1.3 KB at 32 rows).
         return plan.fp8.tile_tokens if plan.block_h <= 16 else 16
-    if v32:
-        return max(16, plan.block_n // 2)
-    if element_size == 1 and plan.block_h >= 64:
-        # fp8: the latent tile is copied once per dot; 64 query rows also keep q in shared
-        # memory, so half the tokens keep the copies within one SM's shared memory.
-        return max(16, plan.block_n // 2)
-    return max(16, plan.block_n * 2 // max(2, element_size))
-
-
-def kv_tile_tokens(plan: LaunchPlan, kv_cache: torch.Tensor) -> int:
-    """``tile_tokens`` for this cache (its element size and format)."""
-    return tile_tokens(plan, kv_cache.element_size(), v32=is_v32(kv_cache))
+    return fmt.tile_tokens(plan.block_n, plan.block_h, element_size)
 
 
 def launch_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,

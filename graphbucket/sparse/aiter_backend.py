@@ -42,7 +42,7 @@ from graphbucket.backends.aiter import (
     compact_rows,
     work_buffer_shapes,
 )
-from graphbucket.kernels.launch import is_v32
+from graphbucket.fp8 import cache_format_of
 from graphbucket.kernels.verify import flatten_verify
 from graphbucket.sparse.backend import SparseBackend, SparseWorkspaceSpec
 from graphbucket.sparse.decode import SparseWorkspace, check_sparse_args, select_tokens
@@ -200,7 +200,8 @@ class AiterSparseBackend(SparseBackend):
         if not isinstance(workspace, AiterSparseWorkspace):
             raise TypeError("workspace must come from AiterSparseBackend.workspace_spec(...)"
                             f".allocate(...), got {type(workspace).__name__}")
-        if is_v32(kv_cache) or q.dtype != self.q_dtype or kv_cache.dtype != self.kv_dtype:
+        if cache_format_of(kv_cache).kernel_tag != "dense" or q.dtype != self.q_dtype \
+                or kv_cache.dtype != self.kv_dtype:
             raise TypeError(f"q {q.dtype} / kv_cache {kv_cache.dtype}: the work buffers were "
                             f"sized for {self.q_dtype} / {self.kv_dtype} (no V3.2 uint8 cache)")
         if q_len > 1:

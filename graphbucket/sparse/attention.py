@@ -38,7 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from graphbucket.kernels.launch import LOG2E, SplitWorkspace, is_v32
+from graphbucket.fp8 import cache_format_of
+from graphbucket.kernels.launch import LOG2E, SplitWorkspace
 from graphbucket.kernels.mla_decode import (
     _load_kv_rows,
     _load_q,
@@ -174,7 +175,7 @@ def launch_sparse_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
         BLOCK_H=plan.block_h, BLOCK_N=plan.attention_block_n, ONE_SPLIT=one_split,
         WRITE_LSE=lse is not None,
         DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
-        KV_FORMAT="v32" if is_v32(kv_cache) else "dense", GATHER_AHEAD=plan.gather_ahead,
+        KV_FORMAT=cache_format_of(kv_cache).kernel_tag, GATHER_AHEAD=plan.gather_ahead,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     if not one_split:

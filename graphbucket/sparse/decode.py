@@ -13,12 +13,11 @@ flatten_verify``): row r has its own q, block-table row and causal limit ``seq_l
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 
-from graphbucket.fp8 import FP8_DTYPE
-from graphbucket.kernels.launch import SplitWorkspace, check_v32_cache, is_v32
+from graphbucket.fp8 import FP8_DTYPE, cache_format_of
+from graphbucket.kernels.launch import SplitWorkspace
 from graphbucket.sparse.attention import launch_sparse_attention
 from graphbucket.sparse.index_cache import INDEX_DIM
 from graphbucket.sparse.indexer import launch_indexer_logits
@@ -103,10 +102,9 @@ def check_sparse_args(q, kv_cache, index_q, index_weights, index_cache, index_sc
     if tuple(q.shape) != (rows, heads, dim) or q.stride(2) != 1:
         _fail("q", tuple(q.shape), f"{(rows, heads, dim)} with a contiguous last dimension",
               "Pass one row per query token (flatten verify steps with flatten_verify).")
-    if is_v32(kv_cache):
-        # check_v32_cache reads only the plan's two widths.
-        check_v32_cache(kv_cache, SimpleNamespace(kv_lora_rank=KV_LORA_RANK,
-                                                  qk_rope_dim=ROPE_DIM))
+    fmt = cache_format_of(kv_cache)
+    if fmt.kernel_tag == "v32":
+        fmt.check_rows(kv_cache, kv_lora_rank=KV_LORA_RANK, qk_rope_dim=ROPE_DIM)
         if q.dtype not in (torch.bfloat16, torch.float16):
             _fail("q.dtype", q.dtype, "bfloat16 or float16 for a V3.2 (uint8) cache",
                   "Cast q to bf16.")
