@@ -208,7 +208,7 @@ class CacheFormat:
     def _check_scale(self, kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> None:
         if kv_scale is not None:
             raise ValueError(f"kv_scale: got a tensor, expected None for a {self.name} "
-                             f"cache (only {_per_tensor_names()} takes a per-tensor scale)")
+                             f"cache (only {per_tensor_names()} takes a per-tensor scale)")
 
     def check_launch(self, q: torch.Tensor, kv_cache: torch.Tensor,
                      kv_scale: torch.Tensor | None, *, kv_lora_rank: int,
@@ -294,7 +294,7 @@ class V32Fp8(CacheFormat):
         if kv_dim != V32_LATENT + V32_ROPE:
             raise ValueError(f"the {self.name} format holds {V32_LATENT} latent and {V32_ROPE} "
                              f"rope values per token (kv_dim {V32_LATENT + V32_ROPE}), got "
-                             f"kv_dim {kv_dim}; use {_per_tensor_names()} for other shapes")
+                             f"kv_dim {kv_dim}; use {per_tensor_names()} for other shapes")
         return V32_BYTES, torch.uint8
 
     def store(self, rows: torch.Tensor, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -367,7 +367,8 @@ KV_CACHE_FORMATS = tuple(CACHE_FORMATS)
 DEFAULT_FORMAT = KV_CACHE_FORMATS[0]
 
 
-def _per_tensor_names() -> str:
+def per_tensor_names() -> str:
+    """The per-tensor formats' names, for messages ("fp8-tensor")."""
     return " / ".join(f.name for f in CACHE_FORMATS.values() if f.scale == "per-tensor")
 
 

@@ -45,6 +45,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from graphbucket import fp8  # noqa: E402
 from graphbucket.ladder import Bucket  # noqa: E402
 
 # "ladder" is the runner's choice (the shipped tuned ladder of the GPU when there is one);
@@ -65,9 +66,10 @@ POLICY_TEXT = {
               "(the runner's default; the default ladder where none is shipped)",
 }
 
-# Older files name the cache by its dtype in meta["kv_cache"].
-FORMAT_OF_DTYPE = {"bfloat16": "bf16", "float16": "bf16", "float32": "bf16",
-                   "float8_e4m3fn": "fp8-tensor", "uint8": "fp8-v32"}
+# Older files name the cache by its dtype in meta["kv_cache"]: the format a cache of that
+# dtype is read as.
+FORMAT_OF_DTYPE = {str(d).removeprefix("torch."): f.name for f in fp8.CACHE_FORMATS.values()
+                   for d in f.stored_dtypes}
 # The fp8 rows' targets: the ladder at least this many times faster than fixed-1 at 100K.
 FP8_LADDER_SPEEDUP = 30.0
 
@@ -128,7 +130,7 @@ def row_format(row: dict, meta: dict) -> str:
     the meta's dtype)."""
     if "kv_cache" in row:
         return row["kv_cache"]
-    fmt = meta.get("kv_cache") or "bf16"
+    fmt = meta.get("kv_cache") or fp8.DEFAULT_FORMAT
     return FORMAT_OF_DTYPE.get(fmt, fmt)
 
 
@@ -137,7 +139,7 @@ def rows_by_format(data: dict) -> dict[str, list[dict]]:
     out: dict[str, list[dict]] = {}
     for r in data["rows"]:
         out.setdefault(row_format(r, data["meta"]), []).append(r)
-    order = ("bf16", "fp8-tensor", "fp8-v32")
+    order = fp8.KV_CACHE_FORMATS
     return dict(sorted(out.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order
                        else len(order)))
 

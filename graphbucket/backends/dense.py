@@ -81,7 +81,8 @@ class DenseBackend:
         check_mla_decode_args(q, kv_cache, block_table, seq_lens, out, one_split, None, lse,
                               kv_scale)
         check_q_len(one_split, q_len)
-        if fp8.format_of(kv_cache) != "bf16":  # an fp8 cache, dequantized whole (static shapes)
+        # An fp8 cache, dequantized whole (static shapes).
+        if fp8.cache_format_of(kv_cache).quantized:
             kv_cache = fp8.dequantize_cache(kv_cache, kv_scale, torch.float32)
         if q_len > 1:
             q, block_table, seq_lens = flatten_verify(q, block_table, seq_lens[:q.shape[0]],

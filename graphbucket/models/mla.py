@@ -97,17 +97,18 @@ class MLADecoder:
         if weights is None:
             weights = random_weights(config, seed=seed, device=self.device, dtype=dtype)
         self.layers, self.final_norm = weights
-        self.kv_cache_format = _cache_format(kv_cache_format, kv_cache_dtype, dtype)
-        if (self.kv_cache_format == "fp8-tensor") != (kv_scale is not None):
-            raise ValueError("an fp8-tensor cache takes a kv_scale (graphbucket.fp8: value = "
-                             "stored x kv_scale, e.g. amax / 448); other caches take none, "
-                             f"got kv_cache_format {self.kv_cache_format!r} and kv_scale "
-                             f"{kv_scale!r}")
-        if self.kv_cache_format != "bf16" and dtype not in (torch.bfloat16, torch.float16):
+        fmt = _cache_format(kv_cache_format, kv_cache_dtype, dtype)
+        self.kv_cache_format = fmt.name
+        if (fmt.scale == "per-tensor") != (kv_scale is not None):
+            raise ValueError(f"a per-tensor cache ({fp8.per_tensor_names()}) takes a kv_scale "
+                             "(graphbucket.fp8: value = stored x kv_scale, e.g. amax / 448); "
+                             f"other caches take none, got kv_cache_format {fmt.name!r} and "
+                             f"kv_scale {kv_scale!r}")
+        if fmt.quantized and dtype not in fp8.FP8_Q_DTYPES:
             raise ValueError(f"an fp8 cache needs a bf16 or fp16 model, got {dtype}")
         self.kv_scale = None if kv_scale is None else torch.tensor(
             [float(kv_scale)], dtype=torch.float32, device=self.device)
-        width, self.kv_cache_dtype = fp8.cache_row(self.kv_cache_format, config.kv_dim, dtype)
+        width, self.kv_cache_dtype = fmt.cache_row(config.kv_dim, dtype)
         self.kv_caches = [torch.zeros(num_pages, page_size, width,
                                       dtype=self.kv_cache_dtype, device=self.device)
                           for _ in range(config.num_layers)]
@@ -249,26 +250,28 @@ def _default_dtype(device: torch.device | str, kv_cache_format: str | None,
                    kv_cache_dtype: torch.dtype | None) -> torch.dtype:
     if torch.device(device).type != "cpu":
         return torch.bfloat16
-    fp8_cache = kv_cache_format not in (None, "bf16") or kv_cache_dtype in (fp8.FP8_DTYPE,
-                                                                          torch.uint8)
-    return torch.float16 if fp8_cache else torch.float32
+    named = kv_cache_format is not None and fp8.get_cache_format(kv_cache_format).quantized
+    stored = kv_cache_dtype is not None and any(
+        f.quantized and kv_cache_dtype in f.stored_dtypes for f in fp8.CACHE_FORMATS.values())
+    return torch.float16 if named or stored else torch.float32
 
 
 def _cache_format(kv_cache_format: str | None, kv_cache_dtype: torch.dtype | None,
-                  dtype: torch.dtype) -> str:
-    """The format named by ``kv_cache_format``, or by the older ``kv_cache_dtype``."""
+                  dtype: torch.dtype) -> fp8.CacheFormat:
+    """The format named by ``kv_cache_format``, or by the older ``kv_cache_dtype`` (the
+    format that stores a ``dtype`` model's rows as it)."""
     by_dtype = None
     if kv_cache_dtype is not None:
-        by_dtype = {fp8.FP8_DTYPE: "fp8-tensor", torch.uint8: "fp8-v32", dtype: "bf16"}.get(
-            kv_cache_dtype)
+        by_dtype = next((f for f in fp8.CACHE_FORMATS.values()
+                         if f.stored_dtype(dtype) == kv_cache_dtype), None)
         if by_dtype is None:
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype} is not a cache of a {dtype} "
                              f"model; name the format instead: kv_cache_format one of "
                              f"{fp8.KV_CACHE_FORMATS}")
     if kv_cache_format is None:
-        return by_dtype or "bf16"
-    fp8.check_format(kv_cache_format)
-    if by_dtype is not None and by_dtype != kv_cache_format:
-        raise ValueError(f"kv_cache_dtype={kv_cache_dtype} means {by_dtype!r}, but "
+        return by_dtype or fp8.get_cache_format(fp8.DEFAULT_FORMAT)
+    fmt = fp8.get_cache_format(kv_cache_format)
+    if by_dtype is not None and by_dtype != fmt:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype} means {by_dtype.name!r}, but "
                          f"kv_cache_format={kv_cache_format!r}; pass only kv_cache_format")
-    return kv_cache_format
+    return fmt

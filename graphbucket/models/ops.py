@@ -174,15 +174,15 @@ def store_kv(kv_a: torch.Tensor, norm_weight: torch.Tensor, rope: torch.Tensor,
     num_pages, page_size, _ = kv_cache.shape
     r, dim = norm_weight.numel(), kv_a.shape[1]
     half = (dim - r) // 2
-    fmt = fp8.check_format(kv_cache_format or fp8.format_of(kv_cache))
-    fp8.check_cache(kv_cache, fmt, kv_scale, kv_dim=dim)
+    fmt = fp8.get_cache_format(kv_cache_format or fp8.format_of(kv_cache))
+    fmt.check_cache(kv_cache, kv_scale, kv_dim=dim)
     assert kv_a.stride(1) == 1 and kv_cache.stride(2) == 1, "rows must be dense"
-    v32 = fmt == "fp8-v32"
+    v32 = fmt.kernel_tag == "v32"  # the store kernel's V3.2 variant
     if v32 and (r, dim - r) != (fp8.V32_LATENT, fp8.V32_ROPE):
-        raise ValueError(f"an fp8-v32 cache stores {fp8.V32_LATENT} latent and {fp8.V32_ROPE} "
+        raise ValueError(f"an {fmt.name} cache stores {fp8.V32_LATENT} latent and {fp8.V32_ROPE} "
                          f"rope values, got {r} and {dim - r}")
     if v32 and (kv_cache.stride(0) % 16 or kv_cache.stride(1) % 16 or kv_cache.data_ptr() % 16):
-        raise ValueError(f"an fp8-v32 cache needs 16-byte aligned rows (float32 scales), got "
+        raise ValueError(f"an {fmt.name} cache needs 16-byte aligned rows (float32 scales), got "
                          f"strides {kv_cache.stride()[:2]}; pass a contiguous cache")
     _kv_store_kernel[(kv_a.shape[0],)](
         kv_a, norm_weight, rope, positions, slot_mapping, seq_lens, kv_cache,

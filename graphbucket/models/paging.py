@@ -50,16 +50,16 @@ def prefill_random(model: MLADecoder, block_table: np.ndarray, seq_lens, *,
         return
     idx = torch.from_numpy(pages.astype(np.int64)).to(model.device)
     gen = torch.Generator(device=model.device).manual_seed(seed)
+    fmt = fp8.get_cache_format(model.kv_cache_format)
     for cache in model.kv_caches:
         rows = torch.randn(idx.numel(), page, model.config.kv_dim, generator=gen,
                            device=model.device)
         # fp8 caches: stored as their store op would (index_copy_ has no fp8 kernel on the
         # CPU: copy the bytes)
-        if model.kv_cache_format == "fp8-tensor":
-            rows = fp8.quantize(rows, model.kv_scale).view(torch.uint8)
+        if fmt.quantized:
+            rows = torch.cat([fmt.store(rows[i:i + 256], model.kv_scale)
+                              for i in range(0, len(rows), 256)]).view(torch.uint8)
             cache = cache.view(torch.uint8)
-        elif model.kv_cache_format == "fp8-v32":
-            rows = torch.cat([fp8.pack_v32(rows[i:i + 256]) for i in range(0, len(rows), 256)])
         cache.index_copy_(0, idx, rows.to(cache.dtype))
 
 

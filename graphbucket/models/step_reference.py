@@ -89,7 +89,7 @@ def decode_reference(config: MLAConfig, layers: list[MLALayerWeights],
         q_a, kv = (h @ w.w_qkv_a.T).split([cfg.q_lora_rank, cfg.kv_dim], dim=-1)
         row = torch.cat([rms_norm_ref(kv[:, :r], w.kv_a_norm, cfg.rms_eps),
                          rotary_ref(kv[:, r:], positions, cfg.rope_theta)], dim=-1)
-        if fmt != "bf16":
+        if fp8.get_cache_format(fmt).quantized:
             row = fp8.as_stored(row, fmt, kv_scale, dtype)
         cache.view(-1, cfg.kv_dim)[slots[live]] = row[live]
         q = (rms_norm_ref(q_a, w.q_a_norm, cfg.rms_eps) @ w.w_q_b.T).view(bs, heads, -1)

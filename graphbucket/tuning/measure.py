@@ -129,20 +129,20 @@ class Problem:
     for a verify step)."""
 
     def __init__(self, max_tokens: int, num_heads: int = 16, kv_cache: str = "bf16"):
-        self.num_heads, self.kv_cache = num_heads, fp8.check_format(kv_cache)
+        fmt = fp8.get_cache_format(kv_cache)
+        self.num_heads, self.kv_cache = num_heads, fmt.name
         self.num_pages = cdiv(max_tokens, PAGE_SIZE)
-        width, dtype = fp8.cache_row(kv_cache, QK_DIM, torch.bfloat16)
+        width, dtype = fmt.cache_row(QK_DIM, torch.bfloat16)
         self.cache = torch.empty(self.num_pages, PAGE_SIZE, width, dtype=dtype, device="cuda")
         self.kv_scale = None
-        if kv_cache == "bf16":
+        if not fmt.quantized:
             self.cache.normal_()
             return
-        if kv_cache == "fp8-tensor":
+        if fmt.scale == "per-tensor":
             self.kv_scale = torch.tensor([FP8_TENSOR_SCALE], device="cuda")
         for i in range(0, self.num_pages, 1024):  # float32 rows in chunks of 64K tokens
             rows = torch.randn(min(1024, self.num_pages - i), PAGE_SIZE, QK_DIM, device="cuda")
-            self.cache[i:i + 1024] = fp8.pack_v32(rows) if kv_cache == "fp8-v32" else \
-                fp8.quantize(rows, self.kv_scale)
+            self.cache[i:i + 1024] = fmt.store(rows, self.kv_scale)
 
     def inputs(self, context: int, batch: int):
         """(block tables [R, batch, pages], q [R, batch, H, 576], out [R, batch, H, 512],

@@ -10,7 +10,8 @@ fp8 caches get their own ladders (``h200-h16-fp8-tensor.json``, ``h200-h16-fp8-v
 fewer bytes per token move the best split count per context); a bf16 cache's file has
 no suffix. Where no ladder was tuned for the cache format, the lookup falls back to the
 bf16 ladder of the device, logs that once and records it in the ladder's
-``meta['kv_cache_fallback']``. Pure host code; no torch.
+``meta['kv_cache_fallback']``. Pure host code; the format names come from
+``graphbucket.fp8``.
 """
 
 from __future__ import annotations
@@ -19,12 +20,11 @@ import logging
 import re
 from pathlib import Path
 
+from graphbucket.fp8 import DEFAULT_FORMAT, KV_CACHE_FORMATS, check_format
 from graphbucket.ladder import Bucket, BucketLadder
 
 LADDER_DIR = Path(__file__).resolve().parent.parent / "ladders"
 _VENDOR_WORDS = frozenset({"nvidia", "amd", "instinct", "tesla"})
-# The cache formats of graphbucket.fp8 (not imported: this module needs no torch).
-KV_CACHE_FORMATS = ("bf16", "fp8-tensor", "fp8-v32")
 logger = logging.getLogger(__name__)
 _noted: set[tuple[str, int, str]] = set()
 
@@ -39,16 +39,15 @@ def device_slugs(device_name: str) -> list[str]:
     return ["-".join(words[:n]) for n in range(len(words), 0, -1)]
 
 
-def ladder_file_name(slug: str, num_heads: int, kv_cache_format: str = "bf16",
+def ladder_file_name(slug: str, num_heads: int, kv_cache_format: str = DEFAULT_FORMAT,
                      q_len: int = 1) -> str:
     """'h200-h16.json' for a bf16 cache, 'h200-h16-fp8-v32.json' for an fp8-v32 one,
     'h200-h128-q2.json' for verify steps of 2 tokens (``tune_ladder.py --q-len 2``)."""
-    if kv_cache_format not in KV_CACHE_FORMATS:
-        raise ValueError(f"kv_cache_format must be one of {KV_CACHE_FORMATS}, got "
-                         f"{kv_cache_format!r}")
+    check_format(kv_cache_format)
     if isinstance(q_len, bool) or not isinstance(q_len, int) or q_len < 1:
         raise ValueError(f"q_len must be a positive int, got {q_len!r}")
-    suffix = "" if kv_cache_format == "bf16" else f"-{kv_cache_format}"
+    # The default (unquantized) format's file has no suffix.
+    suffix = "" if kv_cache_format == DEFAULT_FORMAT else f"-{kv_cache_format}"
     suffix += "" if q_len == 1 else f"-q{q_len}"
     return f"{slug}-h{num_heads}{suffix}.json"
 
@@ -57,8 +56,9 @@ def parse_ladder_file_name(name: str) -> tuple[str, int, str]:
     """(slug, heads, format) of a shipped ladder's file name (``ladder_file_name``'s inverse;
     a q_len suffix is dropped: ``parse_q_len`` reads it)."""
     stem = re.sub(r"-q\d+$", "", name.removesuffix(".json"))
-    fmt = next((f for f in KV_CACHE_FORMATS[1:] if stem.endswith(f"-{f}")), "bf16")
-    if fmt != "bf16":
+    fmt = next((f for f in KV_CACHE_FORMATS if f != DEFAULT_FORMAT and stem.endswith(f"-{f}")),
+               DEFAULT_FORMAT)
+    if fmt != DEFAULT_FORMAT:
         stem = stem[: -len(fmt) - 1]
     slug, heads = stem.rsplit("-h", 1)
     return slug, int(heads), fmt
@@ -71,7 +71,7 @@ def parse_q_len(name: str) -> int:
 
 
 def find_tuned_ladder(device_name: str, num_heads: int, max_model_len: int, *,
-                      kv_cache_format: str = "bf16",
+                      kv_cache_format: str = DEFAULT_FORMAT,
                       directory: str | Path | None = None) -> BucketLadder | None:
     """The shipped tuned ladder for this device, head count and cache format, or None.
 
@@ -92,7 +92,7 @@ def find_tuned_ladder(device_name: str, num_heads: int, max_model_len: int, *,
         if path.is_file():
             break
     else:
-        if kv_cache_format == "bf16":
+        if kv_cache_format == DEFAULT_FORMAT:
             return None
         ladder = find_tuned_ladder(device_name, num_heads, max_model_len, directory=directory)
         if ladder is None:
@@ -110,7 +110,7 @@ def find_tuned_ladder(device_name: str, num_heads: int, max_model_len: int, *,
     if heads is not None and heads != num_heads:
         raise ValueError(f"{path} is named for {num_heads} heads but its meta says num_heads="
                          f"{heads}; re-run scripts/tune_ladder.py or rename the file")
-    fmt = ladder.meta.get("kv_cache", "bf16")
+    fmt = ladder.meta.get("kv_cache", DEFAULT_FORMAT)
     if fmt != kv_cache_format:
         raise ValueError(f"{path} is named for {kv_cache_format} caches but its meta says "
                          f"kv_cache={fmt!r}; re-run scripts/tune_ladder.py or rename the file")
