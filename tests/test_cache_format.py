@@ -96,14 +96,9 @@ def _cache(kind: str, rows: torch.Tensor):
     return rows.to(getattr(torch, kind)), None, getattr(torch, kind)
 
 
-def _prefetch(plan, on: bool, monkeypatch):
-    """``plan`` with the fp8 register prefetch on or off (the plan's ``fp8`` stream, or
-    the launch module's switch where the plan has none)."""
-    if hasattr(plan, "fp8"):
-        return dataclasses.replace(plan, fp8=dataclasses.replace(plan.fp8,
-                                                                 register_prefetch=on))
-    monkeypatch.setattr(launch, "FP8_REGISTER_PREFETCH", on)
-    return plan
+def _prefetch(plan, on: bool):
+    """``plan`` with the fp8 register prefetch on or off."""
+    return dataclasses.replace(plan, fp8=dataclasses.replace(plan.fp8, register_prefetch=on))
 
 
 @pytest.mark.interpreter
@@ -127,7 +122,7 @@ def test_each_format_launches_the_same_constexprs(monkeypatch, kind, prefetch):
 
         # One split (the interpreter's merge is slow); the LONG plan runs two and the merge.
         hint = 128 if stream_name == "LONG" else 40
-        plan = _prefetch(plan_mla_decode(1, heads, hint, stream=stream), prefetch, monkeypatch)
+        plan = _prefetch(plan_mla_decode(1, heads, hint, stream=stream), prefetch)
         calls.clear()
         mla_decode(q, cache, case.block_table, case.seq_lens, out,
                    SplitWorkspace.allocate(1, heads, plan.num_kv_splits, 512, "cpu"),
@@ -141,7 +136,7 @@ def test_each_format_launches_the_same_constexprs(monkeypatch, kind, prefetch):
             assert got["_mla_decode_merge_kernel"]["BLOCK_N"] == block_n, (kind, stream_name)
 
         plan = _prefetch(plan_balanced_mla_decode(1, heads, stream=stream, programs=2),
-                         prefetch, monkeypatch)
+                         prefetch)
         calls.clear()
         mla_decode_balanced(q, cache, case.block_table, case.seq_lens, out,
                             SplitWorkspace.allocate(1, heads, 1, 512, "cpu",
@@ -149,3 +144,50 @@ def test_each_format_launches_the_same_constexprs(monkeypatch, kind, prefetch):
                             plan=plan, sm_scale=SM_SCALE, kv_scale=scale)
         got = dict(calls)["_balanced_stage1_kernel"]
         assert tuple(got[k] for k in RECORDED) == want, (kind, stream_name, "balanced")
+
+
+# ---- the registry ---------------------------------------------------------------------------
+
+
+@pytest.mark.host
+def test_formats_by_name_with_their_rows_scales_and_kernel_tags():
+    rows = {name: (fmt.scale, fmt.kernel_tag, fmt.row_bytes(576, torch.bfloat16),
+                   fmt.cache_row(576, torch.float16))
+            for name, fmt in fp8.CACHE_FORMATS.items()}
+    assert rows == {
+        "bf16": ("none", "dense", 1152, (576, torch.float16)),
+        "fp8-tensor": ("per-tensor", "dense", 576, (576, torch.float8_e4m3fn)),
+        "fp8-v32": ("per-token-group", "v32", 656, (656, torch.uint8)),
+    }
+    assert fp8.get_cache_format("fp8-v32").quantized and not fp8.get_cache_format("bf16").quantized
+    with pytest.raises(ValueError, match=r"one of \('bf16', 'fp8-tensor', 'fp8-v32'\), got 'fp8'"):
+        fp8.get_cache_format("fp8")
+    with pytest.raises(ValueError, match="scale must be one of"):
+        fp8.CacheFormat("x", "per-row", "dense", (torch.bfloat16,))
+
+
+@pytest.mark.host
+def test_a_cache_dtype_names_its_format():
+    names = {d: fp8.format_of_dtype(d).name for d in
+             (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.uint8)}
+    assert names == {torch.bfloat16: "bf16", torch.float16: "bf16", torch.float32: "bf16",
+                     torch.float8_e4m3fn: "fp8-tensor", torch.uint8: "fp8-v32"}
+    assert fp8.format_of_size(4).name == fp8.format_of_size(2).name == "bf16"
+    assert fp8.format_of_size(1).name == "fp8-tensor"
+    assert fp8.format_of_size(1, v32=True).name == "fp8-v32"
+
+
+@pytest.mark.host
+@pytest.mark.parametrize("name", ["bf16", "fp8-tensor", "fp8-v32"])
+def test_store_then_dequantize_is_what_the_reference_reads(name):
+    fmt = fp8.get_cache_format(name)
+    rows = torch.randn(3, 5, 576, generator=torch.Generator().manual_seed(1))
+    scale = fp8.scale_for(rows.abs().amax()) if fmt.scale == "per-tensor" else None
+    stored = fmt.store(rows, scale)
+    assert stored.dtype == fmt.stored_dtype(torch.float32)
+    assert stored.shape[-1] == fmt.cache_row(576, torch.float32)[0]
+    back = fmt.dequantize(stored, scale)
+    assert back.dtype == torch.float64 and back.shape == rows.shape
+    assert torch.equal(back, fmt.as_stored(rows, scale))
+    # e4m3 keeps 3 mantissa bits: at most 2^-4 of the largest value per row group.
+    assert (back - rows.double()).abs().max() <= rows.abs().max() * 2 ** -4
