@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 
 from bench.ladder_oracle import (
@@ -17,6 +20,8 @@ from bench.ladder_oracle import (
 from graphbucket import get_backend
 from graphbucket.ladder import Bucket, BucketLadder, default_ladder
 from graphbucket.select import GraphSelector
+
+ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.host
 TUNED = [1, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 102400, 131072]
@@ -91,3 +96,16 @@ def test_the_row_takes_the_minimum_and_the_table_lists_rows_above_the_target():
     assert "| 100 | 10.0 |" not in text
     with pytest.raises(KeyError):  # the ladder's plan must have been timed
         oracle_row({fast.describe(): 1.0}, ladder=slow, fixed_max=fixed, **config)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
+                    reason="matplotlib not installed")
+def test_the_committed_oracle_renders_with_every_batch_in_its_panel(tmp_path):
+    import json
+
+    from bench.ladder_oracle import plot
+
+    result = json.loads((ROOT / "bench/results/h200-ladder-oracle.json").read_text())
+    path = tmp_path / "oracle.png"
+    assert plot(result, str(path))
+    assert path.stat().st_size > 10_000
