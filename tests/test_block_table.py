@@ -319,3 +319,23 @@ def test_gpu_1000_block_table_steps_match_the_full_path_without_a_sync():
     assert all(t.is_pinned() for t in inc.buffers.staging_tensors())
     full.close()
     inc.close()
+
+
+@pytest.mark.host
+def test_decode_batch_takes_the_block_table_and_derives_the_same_slots():
+    from graphbucket.models import MLADecoder, decode_batch, random_block_table, tiny
+
+    model = MLADecoder(tiny(), num_pages=64, page_size=16, device="cpu")
+    spec = model.buffer_spec(256)
+    table = BlockTable(spec, 4)
+    pages = random_block_table(3, 256 // 16, model.num_pages, np.random.default_rng(1))
+    lens = [5, 16, 170]
+    for row, n in enumerate(lens):
+        table.assign(row, pages[row, :-(-n // 16)])
+    hidden = torch.zeros(3, model.config.hidden_size)
+    paged = decode_batch(model, lens, table, hidden)
+    plain = decode_batch(model, lens, table.table[:3], hidden)
+    assert paged.block_table_cpu is table
+    assert torch.equal(paged.inputs["slot_mapping"], plain.inputs["slot_mapping"])
+    # the slots name the pages the table holds (token 169 of request 2)
+    assert int(paged.inputs["slot_mapping"][2]) == int(pages[2, 169 // 16]) * 16 + 169 % 16

@@ -14,6 +14,7 @@ import torch
 
 from graphbucket import fp8
 from graphbucket.batch import DecodeBatch
+from graphbucket.block_table import BlockTable
 
 if TYPE_CHECKING:
     from graphbucket.models.mla import MLADecoder
@@ -63,19 +64,21 @@ def prefill_random(model: MLADecoder, block_table: np.ndarray, seq_lens, *,
         cache.index_copy_(0, idx, rows.to(cache.dtype))
 
 
-def decode_batch(model: MLADecoder, seq_lens, block_table: np.ndarray,
+def decode_batch(model: MLADecoder, seq_lens, block_table: np.ndarray | BlockTable,
                  hidden: torch.Tensor, *, q_len: int = 1) -> DecodeBatch:
     """A ``DecodeBatch`` decoding the token at position seq_len - 1 of each request, or
     with ``q_len`` > 1 a verify step of the tokens at seq_len - q_len .. seq_len - 1.
 
     seq_lens [B] ints >= 0 (the new tokens included; 0 = a padding row that stores
-    nothing), block_table int [B, cols] (enough columns for every length), hidden
+    nothing), block_table int [B, cols] (enough columns for every length) or the runner's
+    ``BlockTable`` (rows [0, B) give the slots; the batch then carries it), hidden
     [B * q_len, D] (host or device tensor, the model dtype; row b * q_len + j is request
     b's token j). The slot mapping (one slot per token) is derived on the host; the rest
     is checked by the runner's step.
     """
     lens = np.asarray(seq_lens)
-    table = np.asarray(block_table)
+    paged = block_table if isinstance(block_table, BlockTable) else None
+    table = paged.table[:lens.shape[0]] if paged is not None else np.asarray(block_table)
     if lens.ndim != 1 or lens.dtype.kind not in "iu":
         raise TypeError(f"seq_lens must be 1-D integers, got shape {lens.shape} "
                         f"dtype {lens.dtype}")
@@ -103,6 +106,7 @@ def decode_batch(model: MLADecoder, seq_lens, block_table: np.ndarray,
         positions = np.where(lens[:, None] > 0, positions, -1).reshape(-1)
         slots = slot_mapping_for(np.repeat(table.astype(np.int32), q_len, axis=0), positions,
                                  model.page_size)
-    return DecodeBatch(lens.astype(np.int32), table.astype(np.int32, copy=False),
+    carried = paged if paged is not None else table.astype(np.int32, copy=False)
+    return DecodeBatch(lens.astype(np.int32), carried,
                        {"hidden": hidden, "slot_mapping": torch.from_numpy(slots)},
                        q_len=q_len)
