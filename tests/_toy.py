@@ -73,17 +73,22 @@ def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
 
 
-def toy_reference(model: ToyMLA, batch: DecodeBatch, *, sm_scale: float) -> torch.Tensor:
-    """The toy forward in float64 on the CPU with ``graphbucket.reference`` attention."""
+def toy_reference(model: ToyMLA, batch: DecodeBatch, *, sm_scale: float,
+                  device: str = "cpu") -> torch.Tensor:
+    """The toy forward in float64 with ``graphbucket.reference`` attention, on ``device``.
+
+    The reference widens only each request's own pages, so on "cuda" a step against a
+    large cache costs milliseconds where copying the cache to the CPU would cost seconds.
+    """
     from graphbucket.reference import mla_decode_reference
 
-    x = batch.inputs["hidden"].double().cpu()
+    x = batch.inputs["hidden"].to(device, torch.float64)
     lens = torch.as_tensor(np.asarray(batch.seq_lens_cpu), dtype=torch.int32)
-    table = torch.as_tensor(np.asarray(batch.block_table_cpu))
+    table = torch.as_tensor(np.asarray(batch.block_table_cpu)).to(device)
     bs = x.shape[0]
     for w_q, w_o, kv in zip(model.w_q, model.w_o, model.kv, strict=True):
-        q = (x @ w_q.double().cpu()).view(bs, model.heads, model.d)
-        out, _ = mla_decode_reference(q, kv.double().cpu(), table, lens,
+        q = (x @ w_q.to(device, torch.float64)).view(bs, model.heads, model.d)
+        out, _ = mla_decode_reference(q, kv.to(device), table, lens,
                                       kv_lora_rank=model.rank, sm_scale=sm_scale)
-        x = x + out.reshape(bs, -1) @ w_o.double().cpu()
+        x = x + out.reshape(bs, -1) @ w_o.to(device, torch.float64)
     return x

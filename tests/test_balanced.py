@@ -450,7 +450,7 @@ def test_gpu_random_ragged_steps_through_balanced_graphs_match_eager_and_float64
                   if n != before.get(k, 0)]
         assert key.balanced, (step, lens, key)
         eager = runners["eager"].step(batch).clone()
-        ref = toy_reference(model, batch, sm_scale=SM_SCALE)
+        ref = toy_reference(model, batch, sm_scale=SM_SCALE, device="cuda")
         errs["balanced"].append(rel_l2(got, ref))
         errs["eager"].append(rel_l2(eager, ref))
         assert errs["balanced"][-1] < 1e-2 and rel_l2(got, eager) < 1e-2, (step, lens)

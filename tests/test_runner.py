@@ -281,6 +281,7 @@ def test_lifecycle_errors():
     runner.close()  # idempotent
 
 
+@pytest.mark.interpreter  # the CUDA twin: test_gpu_capture_fault_releases_every_graph_...
 def test_a_forward_fault_in_capture_leaves_a_runner_to_close_and_a_new_one_works():
     model = ToyMLA()
     calls = {"n": 0}
