@@ -58,6 +58,8 @@ from graphbucket.tuning.choose import (  # noqa: E402
     plan_splits,
     plan_variants,
     plans_to_measure,
+    bounds_with_edges,
+    edge_contexts,
     refine_contexts,
     timed_plans,
     times_from_rows,
@@ -95,6 +97,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="measure at most N more contexts, geometric midpoints where the "
                          "best split count changes between measured ones (default: "
                          "%(default)s; 0: the grid only)")
+    ap.add_argument("--no-edges", action="store_true",
+                    help="do not also measure each context + 1 (the first length above a "
+                    "bound); bounds may then fall anywhere and go unscored above")
     ap.add_argument("--dry-run", action="store_true",
                     help="print the plans, the measurement count and the estimated GPU time, "
                          "then exit (no GPU needed; 132 SMs without one)")
@@ -170,6 +175,8 @@ def measurement_plan(args: argparse.Namespace, num_sms: int) -> dict:
     batches = sorted(args.batches or CAPTURE_SIZES)
     contexts = sorted({c for c in args.contexts or CONTEXTS if q_len <= c <= args.max_model_len}
                       | ({args.max_model_len} if args.contexts is None else set()))
+    if not args.no_edges:
+        contexts = sorted(set(contexts) | set(edge_contexts(contexts, args.max_model_len)))
     plan_for = hint_plans(heads, num_sms=num_sms, q_len=q_len)
     hints = hints_to_measure(contexts, args.max_model_len,
                              ladders=[default_ladder(args.max_model_len)])
@@ -242,6 +249,8 @@ def measure(args: argparse.Namespace) -> tuple[dict, dict]:
         new = [c for c in refine_contexts(times, left) if c not in contexts]
         if not new:
             break
+        if not args.no_edges:
+            new = sorted(set(new) | set(edge_contexts(new, args.max_model_len)) - set(contexts))
         contexts = sorted(contexts + new)
         hints = hints_to_measure(contexts, args.max_model_len,
                                  ladders=[default_ladder(args.max_model_len)])
@@ -255,7 +264,7 @@ def measure(args: argparse.Namespace) -> tuple[dict, dict]:
         run([c for c in contexts if c not in new], added)
         plans, left = grown, left - len(new)
     meta.update(num_heads=todo["heads"], q_len=todo["q_len"], batches=batches,
-                contexts=contexts, kv_cache=kv_cache, timed="plans",
+                contexts=contexts, kv_cache=kv_cache, timed="plans", edges=not args.no_edges,
                 estimate_s=round(todo["estimate_s"] + todo["refine_estimate_s"], 1),
                 measured_s=round(time.perf_counter() - progress.start, 1))
     return times, meta
@@ -447,13 +456,16 @@ def main(argv: list[str] | None = None) -> None:
         ladder_meta["kv_cache"] = meta["kv_cache"]
     if q_len != 1:
         ladder_meta["q_len"] = q_len
+    # Where each context + 1 was measured, buckets end only where their next length was.
+    bounds = bounds_with_edges(meta["contexts"]) if meta.get("edges") else None
     result = choose_ladder(times, splits_for, max_model_len=args.max_model_len,
                            max_buckets=args.max_buckets, meta=ladder_meta,
-                           per_batch_hints=not args.shared_hints)
+                           per_batch_hints=not args.shared_hints, bounds_at=bounds)
     print(summary_table(result), flush=True)
     if not args.shared_hints:  # what per-batch hints buy over one hint per bucket
         shared = choose_ladder(times, splits_for, max_model_len=args.max_model_len,
-                               max_buckets=args.max_buckets, per_batch_hints=False)
+                               max_buckets=args.max_buckets, per_batch_hints=False,
+                               bounds_at=bounds)
         result.summary.update(
             shared_mean_over_oracle=shared.summary["tuned_mean_over_oracle"],
             shared_max_over_oracle=shared.summary["tuned_max_over_oracle"])
@@ -461,7 +473,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{shared.summary['tuned_mean_over_oracle']} max x "
               f"{shared.summary['tuned_max_over_oracle']}")
     per_batch = choose_per_batch(times, splits_for, max_model_len=args.max_model_len,
-                                 max_buckets=args.max_buckets, meta=ladder_meta)
+                                 max_buckets=args.max_buckets, meta=ladder_meta,
+                                 bounds_at=bounds)
     for batch, alone in per_batch.items():
         print(f"batch {batch} alone: {alone.ladder!r} mean x "
               f"{alone.summary['tuned_mean_over_oracle']} max x "

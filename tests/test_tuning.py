@@ -12,9 +12,11 @@ import pytest
 from graphbucket.ladder import Bucket, BucketLadder, default_ladder
 from graphbucket.plan import cdiv, pow2_ceil
 from graphbucket.tuning.choose import (
+    bounds_with_edges,
     candidate_hints,
     choose_ladder,
     choose_per_batch,
+    edge_contexts,
     hint_plans,
     hints_to_measure,
     plan_splits,
@@ -540,7 +542,8 @@ def test_dry_run_counts_measurements_for_every_capture_size(capsys):
                  if line.startswith("  batch ")]
     assert len(per_batch) == len(script.CAPTURE_SIZES)
     count = int(out.split(" measurements, about ")[0].rsplit("\n", 1)[-1])
-    assert count == 14 * sum(per_batch)
+    # Each context of the grid and, below max_model_len, its context + 1 (the edges).
+    assert count == (2 * len(script.CONTEXTS) - 1) * sum(per_batch)
     seconds = float(out.split(" measurements, about ")[1].split(" s")[0])
     assert 0 < seconds <= 300  # the 5-minute goal
     script.main(["--dry-run", "--heads", "128", "--q-len", "2", "--batches", "1", "64",
@@ -586,3 +589,35 @@ def test_ladder_file_names_for_128_heads_and_verify_steps_round_trip():
         ladder_file_name("h200", 16, q_len=0)
     for path in LADDER_DIR.glob("*.json"):  # every shipped file still loads
         BucketLadder.load(path)
+
+
+def test_edges_are_each_context_plus_one_and_bounds_keep_to_measured_edges():
+    assert edge_contexts([1, 2, 64, 128, 4096], 4096) == [3, 65, 129]
+    assert bounds_with_edges([1, 2, 3, 64, 65, 128, 4096]) == [1, 2, 64]
+
+
+def test_a_bucket_is_scored_at_its_first_length_where_the_edge_was_measured():
+    # At 512, 8 splits are best and 2 nearly so; at 257, the first length above a bound at
+    # 256, 8 splits take twice the best time and 2 splits 1.1x. Measured at 512 alone, the
+    # bucket above 256 takes 8 splits; with 257 measured too it takes 2.
+    us = {128: {1: 10}, 129: {1: 10}, 256: {1: 10}, 257: {1: 10, 2: 11},
+          512: {8: 10, 2: 10.5, 1: 14}}
+    times = {(c, 1, s): us[c].get(s, 20.0) for c in us for s in SPLITS}
+    grid = {k: v for k, v in times.items() if k[0] in (128, 256, 512)}
+    plain = choose_ladder(grid, capped_splits(), max_model_len=512, max_buckets=2)
+    assert plain.ladder.bounds == (256, 512)
+    top = plain.ladder.hint_for(plain.ladder.bucket_for(257), 1)
+    assert capped_splits()(1, top) == 8  # twice the best time at 257, never measured there
+    edged = choose_ladder(times, capped_splits(), max_model_len=512, max_buckets=2,
+                          bounds_at=bounds_with_edges(us))
+    assert edged.ladder.bounds == (256, 512)
+    row = next(r for r in edged.rows if r["context"] == 257)
+    assert (row["tuned_splits"], row["tuned_over_oracle"]) == (2, 1.1)
+    assert next(r for r in edged.rows if r["context"] == 512)["tuned_over_oracle"] == 1.05
+
+
+def test_bounds_fall_only_where_allowed():
+    best = {64: 1, 128: 1, 256: 1, 512: 16, 1024: 16, 2048: 16}
+    result = choose_ladder(table(best), capped_splits(), max_model_len=2048, max_buckets=3,
+                           bounds_at=[128, 1024])
+    assert set(result.ladder.bounds[:-1]) <= {128, 1024}

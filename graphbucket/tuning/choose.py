@@ -40,7 +40,9 @@ contexts and each context + 1, one per distinct split tuple; for ``plan_mla_deco
 constant between consecutive powers of two, the powers of two already reach every
 split count. The ladder is optimal at the measured contexts only; lengths between them
 take their bucket's hint untested, so measure densely where the oracle's split count
-changes.
+changes. A bound at c leaves c + 1 to the next bucket, whose hint was chosen for lengths
+further up: ``edge_contexts`` lists each c + 1 to measure as well, and ``bounds_at`` keeps
+bounds at contexts whose c + 1 was measured, so each bucket is scored at both its ends.
 """
 
 from __future__ import annotations
@@ -145,6 +147,19 @@ def refine_contexts(times: TimeTable, max_new: int) -> list[int]:
                 table.oracle[(hi, b)][0]) for b in table.batches):
             gaps.append((-hi / lo, mid))
     return sorted(mid for _, mid in sorted(gaps)[:max_new])
+
+
+def edge_contexts(contexts: Iterable[int], max_model_len: int) -> list[int]:
+    """Each context + 1 (up to ``max_model_len``) not already in ``contexts``: the first
+    length of the bucket above a bound at that context."""
+    contexts = set(contexts)
+    return sorted({c + 1 for c in contexts if c < max_model_len} - contexts)
+
+
+def bounds_with_edges(contexts: Iterable[int]) -> list[int]:
+    """The contexts whose next length (context + 1) is among ``contexts`` too."""
+    contexts = set(contexts)
+    return sorted(c for c in contexts if c + 1 in contexts)
 
 
 def hints_to_measure(contexts: Iterable[int], max_model_len: int, *,
@@ -273,7 +288,8 @@ def choose_ladder(times: TimeTable, splits_for: SplitsFn, *, max_model_len: int,
                   max_buckets: int, hints: Iterable[int] | None = None,
                   baseline: BucketLadder | None = None,
                   meta: Mapping[str, Any] | None = None,
-                  per_batch_hints: bool = True) -> TuneResult:
+                  per_batch_hints: bool = True,
+                  bounds_at: Iterable[int] | None = None) -> TuneResult:
     """The ladder of at most ``max_buckets`` buckets minimising summed cost / oracle.
 
     ``times``: ``{(context, batch, splits): us}``; ``splits_for(batch, hint)``: the plan's
@@ -281,7 +297,8 @@ def choose_ladder(times: TimeTable, splits_for: SplitsFn, *, max_model_len: int,
     ``baseline``: the ladder to compare with (default ``default_ladder``); ``meta`` is
     merged into the ladder's meta (device, heads, date: the caller knows them).
     ``per_batch_hints``: each measured batch size gets its own hint per bucket (bounds stay
-    shared); False asks one hint to serve them all.
+    shared); False asks one hint to serve them all. ``bounds_at``: the measured contexts a
+    bucket may end at (default any; ``bounds_with_edges`` where edges were measured).
     Deterministic; see the module docstring for the method and the tie-breaks.
     """
     _check_positive("max_model_len", max_model_len)
@@ -294,7 +311,12 @@ def choose_ladder(times: TimeTable, splits_for: SplitsFn, *, max_model_len: int,
     for h in hints:
         _check_positive("candidate hint", h)
     groups = _GroupCosts(table, splits_for, hints, max_model_len, per_batch=per_batch_hints)
-    best = _partition(len(table.contexts), max_buckets, groups.best)
+    n = len(table.contexts)
+    ends = None
+    if bounds_at is not None:
+        allowed = set(bounds_at)
+        ends = {e for e in range(1, n) if table.contexts[e - 1] in allowed} | {n}
+    best = _partition(n, max_buckets, groups.best, ends=ends)
     bounds = [table.contexts[e - 1] for e in best.ends[:-1]] + [max_model_len]
     buckets = [bucket_with_hints(b, table.batches, h)
                for b, h in zip(bounds, best.hints, strict=True)]
@@ -428,13 +450,17 @@ def bucket_with_hints(max_len: int, batches: Sequence[int], hints: GroupHints) -
 
 
 def _partition(n: int, max_buckets: int,
-               group: Callable[[int, int], tuple[float, float, GroupHints]]) -> _Choice:
-    """Exact DP: best split of contexts[0:n] into <= max_buckets contiguous groups."""
+               group: Callable[[int, int], tuple[float, float, GroupHints]], *,
+               ends: set[int] | None = None) -> _Choice:
+    """Exact DP: best split of contexts[0:n] into <= max_buckets contiguous groups, each
+    group ending at an index in ``ends`` (default any; ``n`` always)."""
     layer = {0: _Choice(0.0, 0.0, (), ())}  # prefix end -> best choice with k groups
     finals = []
     for _ in range(min(max_buckets, n)):
         nxt: dict[int, _Choice] = {}
         for j in range(1, n + 1):
+            if ends is not None and j not in ends:
+                continue
             options = []
             for i, prev in layer.items():
                 if i < j:
