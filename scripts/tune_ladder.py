@@ -51,15 +51,15 @@ from graphbucket.ladder import (  # noqa: E402
 from graphbucket.plan import H200_NUM_SMS  # noqa: E402
 from graphbucket.tuning.choose import (  # noqa: E402
     TuneResult,
+    bounds_with_edges,
     choose_ladder,
     choose_per_batch,
+    edge_contexts,
     hint_plans,
     hints_to_measure,
     plan_splits,
     plan_variants,
     plans_to_measure,
-    bounds_with_edges,
-    edge_contexts,
     refine_contexts,
     timed_plans,
     times_from_rows,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 
 import numpy as np
 import pytest
@@ -486,6 +487,9 @@ def _chain(exc: BaseException) -> list[BaseException]:
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["raise", "oom"])
 def test_gpu_capture_fault_releases_every_graph_and_a_new_runner_replays(gpu_model, mode):
+    if mode == "oom" and os.environ.get("PYTEST_XDIST_WORKER"):
+        pytest.skip("fills the device, which would fail the tests other processes run on it: "
+                    "run it alone, pytest tests/test_runner.py -k 'capture_fault and oom'")
     # A first capture sets up the shared capture stream's per-stream library state (the
     # cuBLAS workspace), which outlives any one capture.
     gpu_runner("fixed-1", gpu_model, sizes=[1]).close()
