@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from graphbucket import fp8
+from graphbucket.token_rows import rope_row, token_slot
 
 
 def rope_cache(rope_dim: int, max_position: int, theta: float, *,
@@ -71,23 +72,6 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     out = torch.empty_like(res)
     _norm_launch(x, delta, res, out, weight, eps)
     return res, out
-
-
-@triton.jit
-def token_slot(SLOT, SEQ_LENS, t, q_len, num_slots):
-    """Cache slot (int64) of token row t, query token t % q_len of request t // q_len, and
-    whether the token stores there: padding (a slot below 0 or at / past ``num_slots``,
-    or a request of seq_len 0) does not. One rule for every per-token cache store."""
-    slot = tl.load(SLOT + t).to(tl.int64)
-    valid = (slot >= 0) & (slot < num_slots) & (tl.load(SEQ_LENS + t // q_len) > 0)
-    return slot, valid
-
-
-@triton.jit
-def rope_row(ROPE, POS, t, stride_rope, max_pos):
-    """Token t's row of the rope table (cos halves, then sin halves), its position
-    clamped to the table."""
-    return ROPE + tl.minimum(tl.maximum(tl.load(POS + t), 0), max_pos - 1) * stride_rope
 
 
 @triton.jit

@@ -37,9 +37,9 @@ import triton
 import triton.language as tl
 
 from graphbucket.fp8 import FP8_DTYPE, FP8_MAX, V32_MIN_SCALE
-from graphbucket.models.ops import rope_row, token_slot
 from graphbucket.sparse.index_cache import INDEX_DIM
 from graphbucket.sparse.rounding import round_to, round_to_e4m3
+from graphbucket.token_rows import rope_row, token_slot
 
 ROPE_DIM = 64       # rotated dims of each index vector (the model's qk_rope_dim)
 Q_HEADS_BLOCK = 16  # index-q heads per program
