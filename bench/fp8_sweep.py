@@ -40,7 +40,8 @@ from bench.kernel_sweep import time_calls  # noqa: E402
 from bench.ragged import inputs, random_cache  # noqa: E402
 from graphbucket import fp8  # noqa: E402
 from graphbucket.kernels import SplitWorkspace, default_sm_scale, mla_decode  # noqa: E402
-from graphbucket.plan import Fp8Stream, LaunchPlan, plan_mla_decode  # noqa: E402
+from graphbucket.plan import LaunchPlan, plan_mla_decode  # noqa: E402
+from graphbucket.plan_streams import Fp8Stream  # noqa: E402
 
 HEADS, PAGE, DIM, RANK = 16, 64, 576, 512
 SHAPES = [(1, 256), (8, 256), (64, 256), (1, 16384), (1, 65536), (1, 131072), (8, 65536),

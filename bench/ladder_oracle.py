@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from graphbucket.ladder import BucketLadder, default_ladder  # noqa: E402
 from graphbucket.plan import LaunchPlan  # noqa: E402
 from graphbucket.select import GraphSelector  # noqa: E402
-from graphbucket.tuning.choose import candidate_hints, hints_to_measure  # noqa: E402
+from graphbucket.tuning.grid import candidate_hints, hints_to_measure  # noqa: E402
 
 CAPTURE_SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
 MAX_MODEL_LEN = 131072

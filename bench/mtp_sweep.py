@@ -30,7 +30,7 @@ from bench.gpu_timing import (  # noqa: E402
     time_replays,
 )
 from bench.ragged import inputs, random_cache  # noqa: E402
-from graphbucket import plan as P  # noqa: E402
+from graphbucket import plan_streams as S  # noqa: E402
 from graphbucket.kernels import SplitWorkspace, default_sm_scale, mla_decode  # noqa: E402
 from graphbucket.kernels.verify import flatten_verify  # noqa: E402
 from graphbucket.plan import plan_mla_decode  # noqa: E402
@@ -44,12 +44,12 @@ SHAPES = [(16, 1, 32768), (16, 1, 131072), (16, 8, 32768), (16, 8, 131072), (128
 # hold one program per SM; 4 warps with shorter tiles fit two (sm_90 compile: 246
 # registers, 75 KB); or 64-row warpgroup-MMA programs with half the rows masked.
 ROW_VARIANTS = {
-    "rows32_n16_w4_ahead": replace(P.LONG_PAGE_AHEAD, block_n=16, block_h=32, num_warps=4,
+    "rows32_n16_w4_ahead": replace(S.LONG_PAGE_AHEAD, block_n=16, block_h=32, num_warps=4,
                                    min_tiles_per_split=4),
-    "rows32_n32_w4_ahead": replace(P.LONG_PAGE_AHEAD, block_h=32, num_warps=4),
-    "rows32_n16_w8_ahead": replace(P.LONG_PAGE_AHEAD, block_n=16, block_h=32,
+    "rows32_n32_w4_ahead": replace(S.LONG_PAGE_AHEAD, block_h=32, num_warps=4),
+    "rows32_n16_w8_ahead": replace(S.LONG_PAGE_AHEAD, block_n=16, block_h=32,
                                    min_tiles_per_split=4),
-    "rows64": P.ROWS_STREAM,
+    "rows64": S.ROWS_STREAM,
 }
 
 

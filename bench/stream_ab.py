@@ -1,7 +1,7 @@
 """A/B of stage-1 stream configurations, same inputs and run (bf16, 16 heads, page 64).
 
 Per shape (uniform batches and the ragged mixes of ``bench/ragged.py``) and per stream of
-``graphbucket.plan`` (``plan_mla_decode(..., stream=S)``; for batches of two or more also
+``graphbucket.plan_streams`` (``plan_mla_decode(..., stream=S)``; for batches of two or more also
 ``plan_balanced_mla_decode(..., stream=S)``): microseconds per call (CUDA-graph replays,
 cold L2), fraction of copy bandwidth over the bytes read, and the output's relative
 difference to the planned plan's. ``--short`` times the short-context variants instead
@@ -34,6 +34,7 @@ from bench.gpu_timing import (  # noqa: E402
 from bench.kernel_sweep import WIDE_HEADS_SHAPES, against_floor, time_calls  # noqa: E402
 from bench.ragged import inputs, mixes, random_cache  # noqa: E402
 from graphbucket import plan as P  # noqa: E402
+from graphbucket import plan_streams as S  # noqa: E402
 from graphbucket.kernels import (  # noqa: E402
     SplitWorkspace,
     default_sm_scale,
@@ -48,29 +49,29 @@ SHORT = [(1, 128), (1, 256), (1, 512), (1, 1024), (8, 128), (8, 256), (8, 512), 
          (64, 128), (64, 256), (64, 1024), (64, 4096)]
 
 
-def streams(short: bool) -> dict[str, P.StreamConfig]:
+def streams(short: bool) -> dict[str, S.StreamConfig]:
     if short:
         fused = {"fused_merge_max_tiles": 16, "merge_chunks": 4, "dependent_merge": False}
-        return {"LONG_FUSED_512": replace(P.LONG_PAGE_AHEAD, **fused),
-                "LONG_FUSED_1K": replace(P.LONG_PAGE_AHEAD, **{**fused,
+        return {"LONG_FUSED_512": replace(S.LONG_PAGE_AHEAD, **fused),
+                "LONG_FUSED_1K": replace(S.LONG_PAGE_AHEAD, **{**fused,
                                                                "fused_merge_max_tiles": 32}),
-                "WIDE_FUSED_64": replace(P.WIDE_FUSED, block_n=64, num_stages=3,
+                "WIDE_FUSED_64": replace(S.WIDE_FUSED, block_n=64, num_stages=3,
                                          min_tiles_per_split=2, fused_merge_max_tiles=64)}
-    named = {n: getattr(P, n) for n in ("LONG_STREAM", "WIDE_STREAM", "LONG_BUFFERED",
+    named = {n: getattr(S, n) for n in ("LONG_STREAM", "WIDE_STREAM", "LONG_BUFFERED",
                                         "WIDE_BUFFERED", "LONG_PAGE_AHEAD", "WIDE_PAGE_AHEAD",
                                         "WIDE_CHUNKED_MERGE", "WIDE_FUSED")}
-    named["LONG_FUSED_CHUNKED"] = replace(P.LONG_STREAM, min_tiles_per_split=2,
+    named["LONG_FUSED_CHUNKED"] = replace(S.LONG_STREAM, min_tiles_per_split=2,
                                           fused_merge_max_tiles=64, merge_chunks=4,
                                           dependent_merge=False)
     return named
 
 
 _N32 = {"block_n": 32, "min_tiles_per_split": 2}
-ROWS = {"rows64_n32_s3": replace(P.ROWS_STREAM, num_stages=3, **_N32),
-        "rows64_n32_s3_ahead": replace(P.ROWS_STREAM, num_stages=3, page_ahead=True, **_N32),
-        "rows64_n32_s5": replace(P.ROWS_STREAM, num_stages=5, **_N32),
-        "rows64_n64_s3": replace(P.ROWS_STREAM, num_stages=3),
-        "rows64_n16_ahead": replace(P.ROWS_STREAM, block_n=16, num_stages=3, page_ahead=True,
+ROWS = {"rows64_n32_s3": replace(S.ROWS_STREAM, num_stages=3, **_N32),
+        "rows64_n32_s3_ahead": replace(S.ROWS_STREAM, num_stages=3, page_ahead=True, **_N32),
+        "rows64_n32_s5": replace(S.ROWS_STREAM, num_stages=5, **_N32),
+        "rows64_n64_s3": replace(S.ROWS_STREAM, num_stages=3),
+        "rows64_n16_ahead": replace(S.ROWS_STREAM, block_n=16, num_stages=3, page_ahead=True,
                                     min_tiles_per_split=4)}
 
 
@@ -80,7 +81,7 @@ def row_variants(lens: list[int], heads: int) -> list[tuple[str, P.LaunchPlan, o
     out += [(n, P.plan_mla_decode(b, heads, ctx, stream=st), mla_decode) for n, st in ROWS.items()]
     out.append(("planned, twice the splits", out[0][1].with_splits(2 * out[0][1].num_kv_splits),
                 mla_decode))
-    old = P.LONG_STREAM if b * heads // 32 < P.H200_NUM_SMS // 4 else P.WIDE_STREAM
+    old = S.LONG_STREAM if b * heads // 32 < P.H200_NUM_SMS // 4 else S.WIDE_STREAM
     out.append(("rows32 (planned before)", P.plan_mla_decode(
         b, heads, ctx, stream=replace(old, block_h=32)), mla_decode))
     return out

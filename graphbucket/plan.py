@@ -17,34 +17,29 @@ Formula (integer arithmetic)::
     fused_merge  = 1 < num_splits and cdiv(hint, stream.block_n) <= stream.fused_merge_max_tiles
     num_splits   = min(num_splits, FUSED_MERGE_MAX_SPLITS) if fused_merge
 
-Where the constants come from (H200 measurements, bench/NOTES.md):
-- The kernel streams roughly 10-12 GB/s per program, so HBM saturates only with
-  several hundred programs resident: the split budget is the largest power of two that
-  fits one wave of resident slots. Filling the wave exactly (264 at batch 1, 33 at
-  batch 8) gained <= 1 % at batch 1 and lost 1-6 % at batch 8, where 33 splits need the
-  64-row merge tile (+1.5 us) instead of the 32-row one (h200-ladder-tune.json).
-- LONG_STREAM (few rows, long splits): 64-token tiles, 3 pipeline stages, 94 KB of
-  shared memory -> 2 programs per SM. Best at batch 1 and 8 (128K: 55 us at 256 splits).
-- WIDE_STREAM (many rows): 32-token tiles, 2 stages, 56 KB -> 4 programs per SM.
-  Best at batch 64 (3 % ahead of LONG_STREAM). Up to 4K tokens (128 tiles) its splits
-  merge in stage 1 (the request's last split merges, no merge kernel): at batch 64 the
-  merge kernel cost 10-18 us, and with it 1 split was best at 256 tokens; with the fused
-  merge 2 splits of 4+ tiles win at 256 tokens (17.5 us against 20.5), 4 at 1K (39.5
-  against 55.0 planned before) and at 4K (103.8 against 112.1). The last split reads
-  every partial of its request alone, so the fused merge is capped at 4 splits; past
-  4K tokens 8 splits and the merge kernel win (16K: 328 us against 345 fused; a batch
-  spread over 1..8K: 151 us against 171).
+Where the constants come from (H200; bench/NOTES.md, topics "split budget and the merge"
+and "stage-1 kernel (split-KV, tiles, streams, pipelining)"):
+- One program streams roughly 10-12 GB/s, so HBM saturates only with several hundred
+  programs resident: the split budget is the largest power of two that fits one wave of
+  resident slots (filling the wave exactly gained little at batch 1 and lost at batch 8,
+  where the larger split count needs a larger merge tile).
+- LONG_STREAM (few rows, long splits; ``graphbucket.plan_streams`` has every stream): best
+  at batch 1 and 8. WIDE_STREAM (many rows, more programs per SM): best at batch 64. Up to
+  4K tokens (128 tiles) WIDE's splits merge in stage 1 (the request's last split merges,
+  no merge kernel): with the merge kernel one split was best there, with the fused merge a
+  few splits win. The last split reads every partial of its request alone, so the fused
+  merge is capped at FUSED_MERGE_MAX_SPLITS; past 4K tokens more splits and the merge
+  kernel win.
 - wanted (LONG): at batch 1 more splits kept paying down to one tile per split at short
-  contexts (256 tokens: 7.2 us at 8 splits against 12.9 us at 2), so the hint asks for
-  one split per tile and the budget caps it; powers of two keep neighbouring hints on
-  one plan, so ladders alias more graphs.
+  contexts, so the hint asks for one split per tile and the budget caps it; powers of two
+  keep neighbouring hints on one plan, so ladders alias more graphs.
 The ladder tuner measures these choices on the GPU at hand and may replace them.
 
 fp8 caches (``graphbucket.fp8``) run the same plans. Plans count tokens; the launcher picks
 the tile for the cache format (``kernels.launch.tile_tokens``: fp8-v32 rows stream half the
 plan's tokens per tile, fp8-tensor the plan's, or half with 64 query rows), and the split
 formula uses that tile, so a split still covers the planned tokens. Each stream keeps its
-programs per SM in those tiles (sm_90 compile, bench/NOTES.md 2026-11-30 21:00), so the
+programs per SM in those tiles (sm_90 compile; bench/NOTES.md, topic "fp8 caches"), so the
 split budget holds. What the smaller rows (0.50x / 0.57x of bf16's bytes) move is the best
 split count per context, which is a hint choice: ``scripts/tune_ladder.py --kv-cache``
 tunes a ladder per format and the ``ladder`` policy looks it up by the format.
@@ -60,20 +55,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from graphbucket.plan_streams import (
+    LONG_PAGE_AHEAD,
+    LONG_STREAM,
+    ROWS32_STREAM,
+    ROWS_STREAM,
+    SEESAW_STREAM,
+    WIDE_FUSED,
+    WIDE_STREAM,
+    Fp8Stream,
+    StreamConfig,
+)
+
 MAX_KV_SPLITS = 512
 H200_NUM_SMS = 132
 # Stage 2 merges up to MERGE_BLOCK_S splits per step, in a tile just large enough for the
-# plan's split count (32, 64, 128 or 256 rows: four compiled merge variants at most).
-# Measured on the H200 at batch 1 (bench/results/archive/h200-kernel-variants-*.md): 64 splits
-# merge in 3.6 us with 64 rows against 4.9 us with 256; 256 splits in 4.3-4.8 us with 256
-# rows against 9.2 us with 32 (8 dependent steps). At batch 64 with 2 live splits a
-# 256-row tile cost ~45 us: 16K programs of mostly masked work.
+# plan's split count (32, 64, 128 or 256 rows: four compiled merge variants at most): a large
+# tile over a few live splits is mostly masked work, a small one over many splits takes many
+# dependent steps (bench/results/archive/h200-kernel-variants-*.md).
 MERGE_BLOCK_S = 256
 MERGE_BLOCK_S_SMALL = 32
 MERGE_BLOCK_DV = 32
 # A fused merge is done by one program per (request, head block), reading every partial
-# alone: cheap for a few splits, a serial tail for many (batch 8 x 4K: 32 fused splits
-# 54 us against 24 us with the merge kernel).
+# alone: cheap for a few splits, a serial tail for many.
 FUSED_MERGE_MAX_SPLITS = 4
 
 
@@ -87,150 +91,6 @@ def pow2_floor(x: int) -> int:
 
 def pow2_ceil(x: int) -> int:
     return 1 << (max(1, x) - 1).bit_length()
-
-
-@dataclass(frozen=True, slots=True)
-class StreamConfig:
-    """Stage-1 tile shape and how many such programs one SM holds at once."""
-
-    block_n: int
-    num_stages: int
-    ctas_per_sm: int
-    min_tiles_per_split: int
-    # Launch the merge with programmatic dependent launch (Hopper+): 1-8 % faster with few
-    # rows (batch 1 and 8); batch 64 +0.5 % at 4K, -1.5 % at 32K
-    # (bench/results/archive/h200-pdl.md).
-    dependent_merge: bool = False
-    # Tokens as the dots' rows (``_attend_tokens``): warpgroup MMAs straight from shared
-    # memory and a double-buffered tile copy on Hopper.
-    token_major: bool = False
-    # Hints of at most this many tiles merge their (at most FUSED_MERGE_MAX_SPLITS) splits
-    # in stage 1; 0: always the merge kernel.
-    fused_merge_max_tiles: int = 0
-    # Look the next tile's pages up one iteration ahead (``_attend_tokens``): the tile then
-    # gets num_stages - 1 shared-memory buffers instead of (num_stages - 1) // 2.
-    page_ahead: bool = False
-    # A fused merge sums the partials in this many column blocks (1: the whole row at once,
-    # a second [block_h, kv_lora_rank] float32 tile: 184 registers for WIDE on sm_90
-    # against 128 without the merge; 4 blocks: 127, so 4 programs per SM fit again).
-    merge_chunks: int = 1
-    # Query rows per program (heads; later heads x query tokens); 0: ``head_block_size``.
-    block_h: int = 0
-    # Warps per stage-1 program; 0: 4 for 16 rows, 8 for more.
-    num_warps: int = 0
-    # Stage 1 by the two-warpgroup seesaw kernel where its inputs allow (LaunchPlan.seesaw).
-    seesaw: bool = False
-
-
-LONG_STREAM = StreamConfig(block_n=64, num_stages=3, ctas_per_sm=2, min_tiles_per_split=1,
-                           dependent_merge=True)
-WIDE_STREAM = StreamConfig(block_n=32, num_stages=2, ctas_per_sm=4, min_tiles_per_split=4,
-                           fused_merge_max_tiles=128)
-# Token-major dots on double-buffered 64-token tiles: 164 KB of shared memory at 16 heads,
-# so one program per SM.
-TOKEN_STREAM = StreamConfig(block_n=64, num_stages=2, ctas_per_sm=1, min_tiles_per_split=1,
-                            dependent_merge=True, token_major=True)
-# Two KV tiles in flight per head-major program (opt-in, not tuned on a GPU yet). Triton
-# gives the paged tile (num_stages - 1) // 2 buffers, the block-table lookup taking half the
-# lookahead, so 5 stages double-buffer it: half the tokens of LONG / WIDE per tile keep the
-# shared memory (and programs per SM) of those streams. sm_90 compile: LONG_BUFFERED 93 KB,
-# 128 registers; WIDE_BUFFERED 56 KB, 126 registers (127 with its fused merge in 4 column
-# blocks, 182 in one). Minimum splits and the fused-merge limit keep LONG's and WIDE's
-# token counts.
-LONG_BUFFERED = StreamConfig(block_n=32, num_stages=5, ctas_per_sm=2, min_tiles_per_split=2,
-                             dependent_merge=True)
-WIDE_BUFFERED = StreamConfig(block_n=16, num_stages=5, ctas_per_sm=4, min_tiles_per_split=8,
-                             fused_merge_max_tiles=256, merge_chunks=4)
-# The same tiles double-buffered through ``page_ahead`` at 3 stages instead: the pages of
-# tile i+1 are read (synchronously) before its copy is issued, not copied ahead like the
-# tiles.
-LONG_PAGE_AHEAD = replace(LONG_BUFFERED, num_stages=3, page_ahead=True)
-WIDE_PAGE_AHEAD = replace(WIDE_BUFFERED, num_stages=3, page_ahead=True)
-# WIDE with its fused merge in 4 column blocks (opt-in; measured: no gain on its own).
-WIDE_CHUNKED_MERGE = replace(WIDE_STREAM, merge_chunks=4)
-# Planned by default where they measured faster (H200, same run; bench/NOTES.md
-# 2026-11-30 "double-buffered stage 1"): LONG plans whose splits hold at most
-# SHORT_SPLIT_TOKENS tokens stream LONG_PAGE_AHEAD (1 x 128K 50.2 us against 53.3, 8 x 16K
-# 50.6 against 54.3; with 4K-token splits, 8 x 128K, it lost: 366 against 311), and fused
-# WIDE plans stream WIDE_FUSED (64 x 4K 91.6 us against 102.5, 64 x 1K 36.2 against
-# 38.4). The split count is the one LONG / WIDE plan; only the stage-1 stream changes.
-SHORT_SPLIT_TOKENS = 2048
-# 64 query rows per program (64 and more heads): both dots run on Hopper's warpgroup MMA
-# (it needs 64-row tiles; 16 and 32 rows compile to mma.sync) and each KV tile feeds 64
-# heads, so 128 heads read the cache twice instead of four times. The 64 x 512 float32
-# accumulator takes 8 warps (255 registers, no spills on sm_90) and shared memory for one
-# program per SM: 64-token tiles, 2 stages (221 KB). Measured at 128 heads (H200, same
-# run, bench/NOTES.md 2026-11-30 20:05): 1.5-3.0x faster than 32-row programs (64 x 4K
-# 290 us against 882), ahead of 32-token tiles with 3 buffers by 10-16 %.
-ROWS_STREAM = StreamConfig(block_n=64, num_stages=2, ctas_per_sm=1, min_tiles_per_split=1,
-                           dependent_merge=True, block_h=64)
-# The same 64-row programs with stage 1 by the Gluon seesaw kernel (kernels/seesaw.py): each
-# warpgroup owns whole rows of S for its own tile and half of O's columns, so the two meet
-# only to hand over the row max and P. Planned from 64 heads; where the inputs do not allow
-# it (launch.runs_seesaw) the Triton kernel runs the same plan. Measured at 128 heads (H200,
-# bench/NOTES.md 2026-12-01 06:35 and 06:45): 1.7-1.85x faster than ROWS_STREAM's Triton
-# stage 1 from 128K x 1 to 4K x 64.
-# Splits of at least one step (two tiles): at 4K x 1, 32 splits took 17.1 us against 23.4
-# with 64 one-tile splits (same run, NOTES 2026-12-01 06:45).
-SEESAW_STREAM = replace(ROWS_STREAM, seesaw=True, min_tiles_per_split=2)
-# 32 query rows per program (17-63 heads; 16 heads x 2 query tokens) on thin grids:
-# 32-token tiles with the pages looked up ahead and 4 warps, so two programs fit per SM
-# (sm_90 compile: 255 registers, 110 KB, no spills; 8 warps take 156-169 registers, one
-# program per SM; LONG_STREAM and WIDE_STREAM spill at 4 warps). Measured (H200, same run,
-# bench/NOTES.md 2026-11-30 23:05, folded q_len 2 at 16 heads): 1 x 128K 64.5 us against
-# 108.1 with 8 warps, 8 x 128K 423 against 589, 8 x 32K 115.5 against 200.3.
-ROWS32_STREAM = replace(LONG_PAGE_AHEAD, block_h=32, num_warps=4)
-WIDE_FUSED = replace(LONG_BUFFERED, min_tiles_per_split=4, fused_merge_max_tiles=128,
-                     merge_chunks=4, dependent_merge=False)
-
-
-FP8_DEQUANT_MODES = ("bits", "cvt", "float")
-
-
-@dataclass(frozen=True, slots=True)
-class Fp8Stream:
-    """How stage 1 streams an fp8 cache (per-tensor and V3.2); a plan field, so a benchmark
-    times another setting with ``dataclasses.replace(plan, fp8=Fp8Stream(...))``.
-
-    ``register_prefetch``: head-major fp8 tiles go through registers: the raw bytes of the
-    next tile load while the current one is dequantized, once, into the bf16 tile both dots
-    read (``REG_PREFETCH`` in mla_decode.py); off, the fp8 tile goes to shared memory as
-    is and the value dot reads it one byte per load.
-
-    ``tile_tokens`` / ``tile_warps``: a register-prefetched tile at <= 16 query rows,
-    whatever the bf16 stream says. The loop carries the dequantized tile, so its registers
-    grow with tokens / warps (sm_90, "bits"): 32 / 4 take 240 registers (two programs per
-    SM), 64 / 8 take 190 (one), 32 / 8 take 128; 64 / 4 spill. Measured: 32 / 4 fastest
-    from 16K on, 64 / 8 15-20 % slower, 32 / 8 30 %, 16 / 4 22-55 % (H200, NOTES "fp8
-    tiles read as float16").
-
-    ``dequant`` on a CUDA GPU (``_dequantize``): "bits" reads e4m3 as float16 with integer
-    instructions and runs both dots in float16; "cvt" does the same with sm_89's e4m3x2 ->
-    f16x2 conversion (within 2 % of "bits"); "float" converts through float32 into q's
-    dtype (1.0-1.3x slower). The interpreter has no inline assembly: it takes "float".
-
-    ``raw_vec``: bytes of an fp8 tile row each thread loads at once (0: the compiler's
-    choice, 16). With 16 a thread holds 32 bytes of the converted f16 row and its shared
-    stores land 6.2-way bank-conflicted; with 8 they are 16 bytes, consecutive across the
-    warp: per-tensor 9-10 % faster, V3.2 3-5 %; 4 bytes lose (H200, NOTES "fp8 tiles
-    loaded 8 bytes a thread").
-    """
-
-    register_prefetch: bool = True
-    tile_tokens: int = 32
-    tile_warps: int = 4
-    dequant: str = "bits"
-    raw_vec: int = 8
-
-    def __post_init__(self) -> None:
-        if self.dequant not in FP8_DEQUANT_MODES:
-            raise ValueError(f"Fp8Stream.dequant={self.dequant!r}; expected one of "
-                             f"{FP8_DEQUANT_MODES}")
-
-    def describe(self) -> str:
-        if not self.register_prefetch:
-            return "noprefetch"
-        return f"{self.dequant}-{self.tile_tokens}x{self.tile_warps}-v{self.raw_vec}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -445,6 +305,14 @@ def plan_mla_decode(
                  seesaw=stream.seesaw and not fused)
 
 
+# LONG plans whose splits hold at most SHORT_SPLIT_TOKENS tokens stream LONG_PAGE_AHEAD, and
+# WIDE plans that merge in stage 1 stream WIDE_FUSED: faster there (splits of thousands of
+# tokens lost with the pages looked up ahead). The split count is the one LONG / WIDE plan;
+# only the stage-1 stream changes (bench/NOTES.md, topic "stage-1 kernel (split-KV, tiles,
+# streams, pipelining)").
+SHORT_SPLIT_TOKENS = 2048
+
+
 def refined_stream(stream: StreamConfig, hint: int, num_splits: int,
                    fused: bool) -> StreamConfig:
     """The stage-1 stream a LONG / WIDE plan runs (see SHORT_SPLIT_TOKENS, WIDE_FUSED)."""
@@ -500,7 +368,7 @@ def plan_balanced_mla_decode(
         min_chunk_tiles = stream.min_tiles_per_split
     _check_positive(programs=programs, min_chunk_tiles=min_chunk_tiles)
     # The merge tile fits the mean items per request: at batch 64 a 256-row tile over
-    # requests of a few items cost ~45 us of masked work (see MERGE_BLOCK_S); a single
+    # requests of a few items is mostly masked work (see MERGE_BLOCK_S); a single
     # long request with every item loops over its items in steps of that tile.
     items_per_request = cdiv(programs + batch_size, batch_size)
     return _plan(batch_size, num_heads, block_h, stream, kv_lora_rank, qk_rope_dim,

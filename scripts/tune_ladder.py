@@ -49,11 +49,9 @@ from graphbucket.ladder import (  # noqa: E402
     default_ladder,
 )
 from graphbucket.plan import H200_NUM_SMS  # noqa: E402
-from graphbucket.tuning.choose import (  # noqa: E402
-    TuneResult,
+from graphbucket.tuning.choose import TuneResult, choose_ladder, choose_per_batch  # noqa: E402
+from graphbucket.tuning.grid import (  # noqa: E402
     bounds_with_edges,
-    choose_ladder,
-    choose_per_batch,
     edge_contexts,
     hint_plans,
     hints_to_measure,

@@ -19,16 +19,8 @@ from graphbucket.backends.triton import TritonBackend
 from graphbucket.kernels import SplitWorkspace, mla_decode, mla_decode_balanced
 from graphbucket.kernels.launch import tile_tokens
 from graphbucket.kernels.launch_balanced import launch_item_planner
-from graphbucket.plan import (
-    LONG_PAGE_AHEAD,
-    LONG_STREAM,
-    TOKEN_STREAM,
-    WIDE_STREAM,
-    LaunchPlan,
-    cdiv,
-    plan_balanced_mla_decode,
-    plan_mla_decode,
-)
+from graphbucket.plan import LaunchPlan, cdiv, plan_balanced_mla_decode, plan_mla_decode
+from graphbucket.plan_streams import LONG_PAGE_AHEAD, LONG_STREAM, TOKEN_STREAM, WIDE_STREAM
 from graphbucket.reference import mla_decode_reference
 from tests._toy import LADDER, ToyMLA, toy_batch, toy_reference, toy_spec
 from tests.kernel_cases import DecodeCase, make_case, rel_l2

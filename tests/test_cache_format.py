@@ -21,15 +21,14 @@ from graphbucket.kernels import (
     mla_decode,
     mla_decode_balanced,
 )
-from graphbucket.plan import (
+from graphbucket.plan import plan_balanced_mla_decode, plan_mla_decode
+from graphbucket.plan_streams import (
     LONG_STREAM,
     ROWS32_STREAM,
     ROWS_STREAM,
     TOKEN_STREAM,
     WIDE_FUSED,
     WIDE_STREAM,
-    plan_balanced_mla_decode,
-    plan_mla_decode,
 )
 from tests.kernel_cases import SM_SCALE, make_case
 

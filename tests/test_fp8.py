@@ -18,13 +18,8 @@ import triton.language as tl
 from graphbucket import fp8
 from graphbucket.kernels import SplitWorkspace, mla_decode, mla_decode_balanced
 from graphbucket.kernels.mla_decode import E4M3_UNIT_BITS, _e4m3_to_f16
-from graphbucket.plan import (
-    LONG_PAGE_AHEAD,
-    TOKEN_STREAM,
-    Fp8Stream,
-    plan_balanced_mla_decode,
-    plan_mla_decode,
-)
+from graphbucket.plan import plan_balanced_mla_decode, plan_mla_decode
+from graphbucket.plan_streams import LONG_PAGE_AHEAD, TOKEN_STREAM, Fp8Stream
 from graphbucket.reference import mla_decode_reference
 from tests.kernel_cases import KV_LORA_RANK, SM_SCALE, make_case, rel_l2
 

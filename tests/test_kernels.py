@@ -13,7 +13,8 @@ import torch
 
 from graphbucket.kernels import SplitWorkspace, mla_decode
 from graphbucket.kernels.launch import tile_tokens
-from graphbucket.plan import (
+from graphbucket.plan import LaunchPlan, plan_mla_decode
+from graphbucket.plan_streams import (
     LONG_BUFFERED,
     LONG_PAGE_AHEAD,
     LONG_STREAM,
@@ -22,8 +23,6 @@ from graphbucket.plan import (
     WIDE_CHUNKED_MERGE,
     WIDE_PAGE_AHEAD,
     WIDE_STREAM,
-    LaunchPlan,
-    plan_mla_decode,
 )
 from graphbucket.reference import mla_decode_reference
 from tests.kernel_cases import KV_LORA_RANK, SM_SCALE, DecodeCase, make_case, rel_l2

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from graphbucket.kernels import SplitWorkspace, mla_decode
-from graphbucket.plan import TOKEN_STREAM, WIDE_BUFFERED, WIDE_STREAM, plan_mla_decode
+from graphbucket.plan import plan_mla_decode
+from graphbucket.plan_streams import TOKEN_STREAM, WIDE_BUFFERED, WIDE_STREAM
 from graphbucket.reference import mla_decode_reference
 from tests.kernel_cases import KV_LORA_RANK, SM_SCALE, make_case, rel_l2
 

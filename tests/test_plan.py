@@ -7,13 +7,8 @@ import random
 
 import pytest
 
-from graphbucket.plan import (
-    LONG_STREAM,
-    MAX_KV_SPLITS,
-    WIDE_STREAM,
-    LaunchPlan,
-    plan_mla_decode,
-)
+from graphbucket.plan import MAX_KV_SPLITS, LaunchPlan, plan_mla_decode
+from graphbucket.plan_streams import LONG_STREAM, WIDE_STREAM
 
 pytestmark = pytest.mark.host  # the fast lane: no kernel launches
 
@@ -81,7 +76,7 @@ def test_partial_head_blocks_are_counted():
 
 
 def test_wide_query_rows_from_64_heads():
-    from graphbucket.plan import LONG_STREAM, ROWS_STREAM
+    from graphbucket.plan_streams import LONG_STREAM, ROWS_STREAM
 
     for heads, rows in ((12, 16), (16, 16), (32, 32), (48, 32), (64, 64), (128, 64)):
         plan = plan_mla_decode(8, heads, 4096)
@@ -151,11 +146,11 @@ def test_dependent_merge_only_for_few_row_plans():
 
 
 def test_buffered_streams_double_buffer_and_are_planned_where_they_won():
-    from graphbucket.plan import (
+    from graphbucket.plan import SHORT_SPLIT_TOKENS
+    from graphbucket.plan_streams import (
         LONG_BUFFERED,
         LONG_PAGE_AHEAD,
         LONG_STREAM,
-        SHORT_SPLIT_TOKENS,
         WIDE_BUFFERED,
         WIDE_FUSED,
         WIDE_PAGE_AHEAD,

@@ -14,7 +14,8 @@ import torch
 
 from graphbucket.kernels import SplitWorkspace, default_sm_scale, mla_decode
 from graphbucket.kernels.launch import runs_seesaw
-from graphbucket.plan import SEESAW_STREAM, plan_mla_decode
+from graphbucket.plan import plan_mla_decode
+from graphbucket.plan_streams import SEESAW_STREAM
 from graphbucket.reference import mla_decode_reference
 from tests.kernel_cases import KV_LORA_RANK, make_case, rel_l2
 

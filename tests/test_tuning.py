@@ -11,11 +11,10 @@ import pytest
 
 from graphbucket.ladder import Bucket, BucketLadder, default_ladder
 from graphbucket.plan import cdiv, pow2_ceil
-from graphbucket.tuning.choose import (
+from graphbucket.tuning.choose import choose_ladder, choose_per_batch
+from graphbucket.tuning.grid import (
     bounds_with_edges,
     candidate_hints,
-    choose_ladder,
-    choose_per_batch,
     edge_contexts,
     hint_plans,
     hints_to_measure,

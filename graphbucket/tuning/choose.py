@@ -1,8 +1,9 @@
 """Ladder tuning, the choosing step: bucket bounds and hints from measured decode times.
 
-Pure host arithmetic (no torch at import). The measuring step that fills the timing table
-on a GPU is ``graphbucket.tuning.measure.measure_split_times``; ``scripts/tune_ladder.py``
-runs both.
+Pure host arithmetic (no torch at import). What to measure (contexts, hints, the variants
+they capture) and the timing table are ``graphbucket.tuning.grid``; the measuring step that
+fills the table on a GPU is ``graphbucket.tuning.measure.measure_split_times``;
+``scripts/tune_ladder.py`` runs them all.
 
 Input: ``times[(context, batch, variant)] -> us`` over measured contexts c_1 < ... < c_n
 and the capture batch sizes, and ``splits_for(batch, hint)``: the variant of the graph
@@ -47,171 +48,21 @@ bounds at contexts whose c + 1 was measured, so each bucket is scored at both it
 
 from __future__ import annotations
 
-import functools
-import itertools
-import math
-import re
-from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from graphbucket.ladder import Bucket, BucketLadder, default_ladder
-from graphbucket.plan import (
-    H200_NUM_SMS,
-    MAX_KV_SPLITS,
-    LaunchPlan,
-    plan_mla_decode,
-    pow2_ceil,
+from graphbucket.tuning.grid import (
+    SplitsFn,
+    TimeTable,
+    TimingTable,
+    candidate_hints,
+    hints_to_measure,
+    variant_splits,
 )
 
-Variant = int | str  # a split count, or a plan's describe()
-TimeKey = tuple[int, int, Variant]  # (context, batch, variant)
-TimeTable = Mapping[TimeKey, float]
-SplitsFn = Callable[[int, int], Variant]  # (batch, hint) -> variant
-PlanFn = Callable[[int, int], LaunchPlan]  # (batch, hint) -> the plan captured
-
 _NDIGITS = 9  # rounding before comparing sums of cost/oracle ratios
-_SPLITS_RE = re.compile(r"splits=(\d+) ")
-
-
-def candidate_hints(max_model_len: int) -> list[int]:
-    """Powers of two 1, 2, 4, ... up to ``max_model_len``, and ``max_model_len``."""
-    _check_positive("max_model_len", max_model_len)
-    return sorted({1 << k for k in range(max_model_len.bit_length())} | {max_model_len})
-
-
-def plan_splits(num_heads: int, *, num_sms: int = H200_NUM_SMS,
-                max_splits: int = MAX_KV_SPLITS) -> SplitsFn:
-    """``splits_for(batch, hint)`` of ``plan_mla_decode`` on a GPU with ``num_sms`` SMs."""
-    @functools.cache
-    def splits_for(batch: int, hint: int) -> int:
-        return plan_mla_decode(batch, num_heads, hint, num_sms=num_sms,
-                               max_splits=max_splits).num_kv_splits
-    return splits_for
-
-
-def hint_plans(num_heads: int, *, num_sms: int = H200_NUM_SMS, q_len: int = 1,
-               max_splits: int = MAX_KV_SPLITS) -> PlanFn:
-    """``plan_for(batch, hint)``: the plan a graph of ``batch`` rows captures at ``hint``,
-    as the runner plans it (``graphs.plan_for_key``: q_len x heads rows, same hint)."""
-    _check_positive("q_len", q_len)
-
-    @functools.cache
-    def plan_for(batch: int, hint: int) -> LaunchPlan:
-        return plan_mla_decode(batch, num_heads * q_len, hint, num_sms=num_sms,
-                               max_splits=max_splits)
-    return plan_for
-
-
-def plan_variants(plan_for: PlanFn) -> SplitsFn:
-    """``splits_for`` whose variants are plans: ``plan_for(batch, hint).describe()``."""
-    return lambda batch, hint: plan_for(batch, hint).describe()
-
-
-def variant_splits(variant: Variant) -> int:
-    """The split count of a variant (a split count, or a split plan's describe())."""
-    if isinstance(variant, int):
-        return variant
-    found = _SPLITS_RE.match(variant)
-    if found is None:
-        raise ValueError(f"variant {variant!r} is not a split plan's describe() "
-                         "('splits=N ...'); time split-KV plans only")
-    return int(found.group(1))
-
-
-def plans_to_measure(batches: Iterable[int], plan_for: PlanFn, hints: Iterable[int]
-                     ) -> dict[int, dict[str, LaunchPlan]]:
-    """Per batch: every distinct plan ``hints`` capture, by ``describe()``, fewest splits
-    first. Only these can be replayed, so only these are timed."""
-    hints = list(hints)
-    out = {}
-    for batch in sorted(set(batches)):
-        plans = {plan_for(batch, h).describe(): plan_for(batch, h) for h in hints}
-        out[batch] = dict(sorted(plans.items(), key=lambda kv: (kv[1].num_kv_splits, kv[0])))
-    return out
-
-
-def refine_contexts(times: TimeTable, max_new: int) -> list[int]:
-    """Contexts to measure next: the geometric midpoint of each pair of neighbouring
-    measured contexts where some batch's best split count changes, at most ``max_new``,
-    widest gaps first (ties: the shorter). The ladder is exact at measured contexts only,
-    so the grid is made dense only where the choice changes."""
-    table = _Table(times)
-    gaps = []
-    for lo, hi in itertools.pairwise(table.contexts):
-        mid = round(math.sqrt(lo * hi))
-        if not lo < mid < hi:
-            continue
-        if any(variant_splits(table.oracle[(lo, b)][0]) != variant_splits(
-                table.oracle[(hi, b)][0]) for b in table.batches):
-            gaps.append((-hi / lo, mid))
-    return sorted(mid for _, mid in sorted(gaps)[:max_new])
-
-
-def edge_contexts(contexts: Iterable[int], max_model_len: int) -> list[int]:
-    """Each context + 1 (up to ``max_model_len``) not already in ``contexts``: the first
-    length of the bucket above a bound at that context."""
-    contexts = set(contexts)
-    return sorted({c + 1 for c in contexts if c < max_model_len} - contexts)
-
-
-def bounds_with_edges(contexts: Iterable[int]) -> list[int]:
-    """The contexts whose next length (context + 1) is among ``contexts`` too."""
-    contexts = set(contexts)
-    return sorted(c for c in contexts if c + 1 in contexts)
-
-
-def hints_to_measure(contexts: Iterable[int], max_model_len: int, *,
-                     ladders: Iterable[BucketLadder] = ()) -> list[int]:
-    """Every hint the chooser may plan with (and the hints of ``ladders`` to compare with)."""
-    contexts = sorted(set(contexts))
-    hints = set(candidate_hints(max_model_len)) | set(contexts)
-    hints |= {c + 1 for c in contexts if c < max_model_len}
-    for ladder in ladders:
-        hints |= {h for bucket in ladder for h in bucket.all_hints()}
-    return sorted(h for h in hints if h <= max_model_len)
-
-
-def splits_to_measure(batches: Iterable[int], splits_for: SplitsFn, hints: Iterable[int], *,
-                      max_splits: int = MAX_KV_SPLITS) -> dict[int, list[int]]:
-    """Per batch: the split counts ``hints`` plan, plus the powers of two up to twice the
-    largest of them (capped at ``max_splits``) so the oracle sees past the plan's budget."""
-    hints = list(hints)
-    out = {}
-    for batch in sorted(set(batches)):
-        planned = {splits_for(batch, h) for h in hints}
-        top = min(max_splits, pow2_ceil(2 * max(planned)))
-        out[batch] = sorted(planned | {1 << k for k in range(top.bit_length())})
-    return out
-
-
-def times_to_rows(times: TimeTable) -> list[dict[str, Any]]:
-    """The timing table as JSON rows ``{"context", "batch", "splits", "us"}`` (and ``plan``
-    where the variant is a plan), sorted."""
-    rows = []
-    for (c, b, v), us in sorted(times.items(), key=_row_order):
-        row = {"context": c, "batch": b, "splits": variant_splits(v), "us": round(float(us), 4)}
-        if isinstance(v, str):
-            row["plan"] = v
-        rows.append(row)
-    return rows
-
-
-def _row_order(item: tuple[TimeKey, float]) -> tuple:
-    (c, b, v), _ = item
-    return (c, b, variant_splits(v), str(v))
-
-
-def times_from_rows(rows: Iterable[Mapping[str, Any]]) -> dict[TimeKey, float]:
-    """Inverse of ``times_to_rows``."""
-    return {(int(r["context"]), int(r["batch"]), r["plan"] if "plan" in r else int(r["splits"])):
-            float(r["us"]) for r in rows}
-
-
-def timed_plans(rows: Iterable[Mapping[str, Any]]) -> bool:
-    """Whether a report's timing rows are keyed by plan (else by split count)."""
-    return any("plan" in r for r in rows)
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,46 +81,6 @@ class TuneResult:
     def to_dict(self) -> dict[str, Any]:
         return {"ladder": self.ladder.to_dict(), "default_ladder": self.baseline.to_dict(),
                 "summary": dict(self.summary), "rows": [dict(r) for r in self.rows]}
-
-
-class _Table:
-    """Times indexed by (context, batch), with the oracle and a loud lookup."""
-
-    def __init__(self, times: TimeTable) -> None:
-        by_shape: dict[tuple[int, int], dict[int, float]] = defaultdict(dict)
-        for key, us in times.items():
-            if len(key) != 3:
-                raise ValueError(f"timing keys are (context, batch, splits), got {key!r}")
-            for name, value in zip(("context", "batch"), key[:2], strict=True):
-                _check_positive(f"timing key {name}", value)
-            if not (isinstance(key[2], str) and key[2]):
-                _check_positive("timing key splits", key[2])
-            if not (isinstance(us, (int, float)) and math.isfinite(us) and us > 0):
-                raise ValueError(f"time for {key} must be a positive finite us, got {us!r}")
-            by_shape[(key[0], key[1])][key[2]] = float(us)
-        if not by_shape:
-            raise ValueError("the timing table is empty; measure some (context, batch, splits)")
-        self.contexts = sorted({c for c, _ in by_shape})
-        self.batches = sorted({b for _, b in by_shape})
-        holes = [(c, b) for c in self.contexts for b in self.batches if (c, b) not in by_shape]
-        if holes:
-            raise ValueError(f"the timing table has no time at all for (context, batch) in "
-                             f"{holes}; every measured context needs every batch")
-        self.by_shape = dict(by_shape)
-        self.oracle = {cb: min(split_us.items(), key=lambda kv: (kv[1], kv[0]))
-                       for cb, split_us in self.by_shape.items()}
-
-    def us(self, context: int, batch: int, splits: int) -> float:
-        measured = self.by_shape[(context, batch)]
-        if splits not in measured:
-            raise ValueError(
-                f"no time measured for context={context} batch={batch} splits={splits} (a "
-                f"hint plans that split count); measured splits: {sorted(measured)}. Measure "
-                "every count splits_to_measure() lists for these hints")
-        return measured[splits]
-
-    def ratio(self, context: int, batch: int, splits: int) -> float:
-        return self.us(context, batch, splits) / self.oracle[(context, batch)][1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,7 +114,7 @@ def choose_ladder(times: TimeTable, splits_for: SplitsFn, *, max_model_len: int,
     """
     _check_positive("max_model_len", max_model_len)
     _check_positive("max_buckets", max_buckets)
-    table = _Table(times)
+    table = TimingTable(times)
     if table.contexts[-1] > max_model_len:
         raise ValueError(f"measured context {table.contexts[-1]} is above max_model_len="
                          f"{max_model_len}; drop it from the table or raise max_model_len")
@@ -349,12 +160,12 @@ def choose_per_batch(times: TimeTable, splits_for: SplitsFn, **kwargs: Any
                              **kwargs) for b in batches}
 
 
-def compare_ladders(times: TimeTable | _Table, splits_for: SplitsFn,
+def compare_ladders(times: TimeTable | TimingTable, splits_for: SplitsFn,
                     ladders: Mapping[str, BucketLadder]) -> list[dict[str, Any]]:
     """Per measured (context, batch): the oracle and, per named ladder, the time of the
     graph that ladder replays there (``{name}_us``, ``{name}_splits``, ``{name}_hint``,
     ``{name}_over_oracle``)."""
-    table = times if isinstance(times, _Table) else _Table(times)
+    table = times if isinstance(times, TimingTable) else TimingTable(times)
     rows = []
     for c in table.contexts:
         for b in table.batches:
@@ -386,7 +197,7 @@ class _GroupCosts:
     ``batch_hints``); without, one hint must serve every batch size.
     """
 
-    def __init__(self, table: _Table, splits_for: SplitsFn, hints: Sequence[int],
+    def __init__(self, table: TimingTable, splits_for: SplitsFn, hints: Sequence[int],
                  max_model_len: int, *, per_batch: bool) -> None:
         self.table, self.splits_for, self.hints = table, splits_for, hints
         self.max_model_len, self.per_batch = max_model_len, per_batch
