@@ -27,7 +27,7 @@ def compile_stage1():
     q = torch.zeros(2, 128, 576, dtype=torch.bfloat16)
     cache = torch.zeros(8, 64, 576, dtype=torch.bfloat16)
     descriptors = dict(zip(("q_desc", "kv_desc"), seesaw.descriptors(q, cache), strict=True))
-    kernel = seesaw._seesaw_stage1_kernel
+    kernel = seesaw.seesaw_stage1_kernel
     pointers = {"BLOCK_TABLE": "*i32", "SEQ_LENS": "*i32", "OUT": "*bf16", "LSE": "*fp32",
                 "PART_O": "*fp32", "PART_LSE": "*fp32"}
     constants = {"PAGE_SIZE": 64, "ONE_SPLIT": False, "WRITE_LSE": True}

@@ -105,9 +105,9 @@ def _prefetch(plan, on: bool):
 @pytest.mark.parametrize("kind", list(FORMAT_ARGS))
 def test_each_format_launches_the_same_constexprs(monkeypatch, kind, prefetch):
     calls: list = []
-    for name, module in (("_mla_decode_stage1_kernel", launch),
-                         ("_mla_decode_merge_kernel", launch),
-                         ("_balanced_stage1_kernel", launch_balanced)):
+    for name, module in (("mla_decode_stage1_kernel", launch),
+                         ("mla_decode_merge_kernel", launch),
+                         ("balanced_stage1_kernel", launch_balanced)):
         monkeypatch.setattr(module, name, _Recorded(getattr(module, name), name, calls))
     tag, scaled, precision = FORMAT_ARGS[kind]
     for stream_name, stream in STREAMS.items():
@@ -127,12 +127,12 @@ def test_each_format_launches_the_same_constexprs(monkeypatch, kind, prefetch):
                    SplitWorkspace.allocate(1, heads, plan.num_kv_splits, 512, "cpu"),
                    plan=plan, sm_scale=SM_SCALE, kv_scale=scale)
         got = dict(calls)
-        assert tuple(got["_mla_decode_stage1_kernel"][k] for k in RECORDED) == want, \
+        assert tuple(got["mla_decode_stage1_kernel"][k] for k in RECORDED) == want, \
             (kind, stream_name)
-        assert got["_mla_decode_stage1_kernel"]["TILE_IN_PAGE"] == (16 % block_n == 0)
+        assert got["mla_decode_stage1_kernel"]["TILE_IN_PAGE"] == (16 % block_n == 0)
         assert plan.merge_kernel == (stream_name == "LONG")
         if plan.merge_kernel:
-            assert got["_mla_decode_merge_kernel"]["BLOCK_N"] == block_n, (kind, stream_name)
+            assert got["mla_decode_merge_kernel"]["BLOCK_N"] == block_n, (kind, stream_name)
 
         plan = _prefetch(plan_balanced_mla_decode(1, heads, stream=stream, programs=2),
                          prefetch)
@@ -141,7 +141,7 @@ def test_each_format_launches_the_same_constexprs(monkeypatch, kind, prefetch):
                             SplitWorkspace.allocate(1, heads, 1, 512, "cpu",
                                                     max_items=plan.max_work_items),
                             plan=plan, sm_scale=SM_SCALE, kv_scale=scale)
-        got = dict(calls)["_balanced_stage1_kernel"]
+        got = dict(calls)["balanced_stage1_kernel"]
         assert tuple(got[k] for k in RECORDED) == want, (kind, stream_name, "balanced")
 
 

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from graphbucket import fp8
 from graphbucket.kernels import SplitWorkspace, mla_decode, mla_decode_balanced
-from graphbucket.kernels.mla_decode import E4M3_UNIT_BITS, _e4m3_to_f16
+from graphbucket.kernels.tiles import E4M3_UNIT_BITS, e4m3_to_f16
 from graphbucket.plan import plan_balanced_mla_decode, plan_mla_decode
 from graphbucket.plan_streams import LONG_PAGE_AHEAD, TOKEN_STREAM, Fp8Stream
 from graphbucket.reference import mla_decode_reference
@@ -600,9 +600,9 @@ def _e4m3_probe_kernel(CODES, SCALES, OUT, MODE: tl.constexpr, SCALED: tl.conste
     offs = tl.arange(0, 256)
     codes = tl.load(CODES + offs)
     if SCALED:
-        out = _e4m3_to_f16(codes, MODE, tl.load(SCALES + offs))
+        out = e4m3_to_f16(codes, MODE, tl.load(SCALES + offs))
     else:
-        out = _e4m3_to_f16(codes, MODE)
+        out = e4m3_to_f16(codes, MODE)
     tl.store(OUT + offs, out)
 
 

@@ -23,7 +23,7 @@ def cdiv(a: int, b: int) -> int:
 
 
 def chunk_attend(torch, q, k, v, start, end, block_n, sm_scale, round_p=True):
-    """Online softmax over tokens [start, end) in tiles of block_n, as ``_softmax_tile``:
+    """Online softmax over tokens [start, end) in tiles of block_n, as ``attend.softmax_tile``:
     (normalised out fp32 [H, R], log2 LSE [H])."""
     s = (q @ k[start:end].T) * (sm_scale * LOG2E)
     tiles, pad = cdiv(end - start, block_n), -(end - start) % block_n

@@ -17,9 +17,9 @@ from graphbucket.kernels.launch import (
     mla_decode,
 )
 from graphbucket.kernels.launch_balanced import mla_decode_balanced
-from graphbucket.kernels.mla_decode import _mla_decode_stage1_kernel
+from graphbucket.kernels.stage1 import mla_decode_stage1_kernel
 
-INTERPRETED = isinstance(_mla_decode_stage1_kernel, InterpretedFunction)
+INTERPRETED = isinstance(mla_decode_stage1_kernel, InterpretedFunction)
 
 
 def kernel_device_error(device: torch.device | str) -> str | None:

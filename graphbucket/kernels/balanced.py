@@ -5,7 +5,7 @@ work items), planned by a kernel instead of the host, so a CUDA graph replays it
 any lengths. Split-KV gives every request the same split count, so one long request
 among short ones sets the step time; here every work item has about the same size.
 
-1. ``_plan_work_items_kernel`` (one program) reads ``seq_lens[B]`` (0 = padding row)::
+1. ``plan_work_items_kernel`` (one program) reads ``seq_lens[B]`` (0 = padding row)::
 
        tiles_b     = cdiv(len_b, BLOCK_N)
        chunk_tiles = max(MIN_CHUNK_TILES, cdiv(sum_b tiles_b, G))
@@ -13,12 +13,12 @@ among short ones sets the step time; here every work item has about the same siz
        item_indptr = [0, items_0, items_0 + items_1, ...]     # B + 1 entries
 
    chunk_tiles >= total / G bounds the item count by G + B (the workspace's size).
-2. ``_balanced_stage1_kernel`` runs G persistent programs per head block; program g
+2. ``balanced_stage1_kernel`` runs G persistent programs per head block; program g
    takes items g, g + G, ...; item i of request b covers tokens
    [(i - indptr[b]) * chunk, min(+chunk, len_b)) with chunk = chunk_tiles * BLOCK_N.
    A request with one item gets its final output (and LSE) here; otherwise the item
    writes a float32 partial (output, log2 LSE) to slot i.
-3. ``_balanced_merge_kernel`` (request, head, dv block) merges slots
+3. ``balanced_merge_kernel`` (request, head, dv block) merges slots
    indptr[b] .. indptr[b + 1] of requests with two or more items, and writes zeros and
    LSE -inf for padding rows (no items); it leaves one-item requests alone.
 """
@@ -28,19 +28,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from graphbucket.kernels.mla_decode import (
-    _attend_tokens,
-    _load_q,
-    _merge_partials,
-    _store_final,
-    _store_merged,
-)
+from graphbucket.kernels.attend import attend_tokens
+from graphbucket.kernels.merge import merge_partials, store_merged
+from graphbucket.kernels.tiles import load_q, store_final
 
 
 @triton.jit
-def _plan_work_items_kernel(SEQ_LENS, ITEM_INDPTR, CHUNK_TILES, batch, num_programs,
-                            BLOCK_N: tl.constexpr, MIN_CHUNK_TILES: tl.constexpr,
-                            BLOCK_B: tl.constexpr):
+def plan_work_items_kernel(SEQ_LENS, ITEM_INDPTR, CHUNK_TILES, batch, num_programs,
+                           BLOCK_N: tl.constexpr, MIN_CHUNK_TILES: tl.constexpr,
+                           BLOCK_B: tl.constexpr):
     total_tiles = 0
     for b0 in range(0, batch, BLOCK_B):
         offs = b0 + tl.arange(0, BLOCK_B)
@@ -72,7 +68,7 @@ def _find_request(ITEM_INDPTR, item, batch, BLOCK_B: tl.constexpr):
 
 
 @triton.jit
-def _balanced_stage1_kernel(
+def balanced_stage1_kernel(
     Q, KV, BLOCK_TABLE, SEQ_LENS, ITEM_INDPTR, CHUNK_TILES, OUT, LSE, PART_O, PART_LSE,
     KV_SCALE,
     batch, num_programs, num_heads, qk_scale_log2,
@@ -119,9 +115,9 @@ def _balanced_stage1_kernel(
         start = (item - first) * chunk
         end = tl.minimum(start + chunk, tl.load(SEQ_LENS + bid))
 
-        q_nope, q_rope = _load_q(Q, bid, offs_h, mask_h, stride_q_b, stride_q_h,
-                                 KV_LORA_RANK, ROPE_DIM)
-        acc, l_i, m_i = _attend_tokens(
+        q_nope, q_rope = load_q(Q, bid, offs_h, mask_h, stride_q_b, stride_q_h,
+                                KV_LORA_RANK, ROPE_DIM)
+        acc, l_i, m_i = attend_tokens(
             q_nope, q_rope, KV, BLOCK_TABLE + bid * stride_bt_b, start, end,
             qk_scale_log2 * kv_scale,
             stride_kv_page, stride_kv_tok, PAGE_SIZE, KV_LORA_RANK, ROPE_DIM, BLOCK_H,
@@ -130,8 +126,8 @@ def _balanced_stage1_kernel(
         lse_log2 = m_i + tl.log2(l_i)
         out = acc * (kv_scale / l_i)[:, None]  # kv_scale: see the split-KV stage 1
         if request_items == 1:
-            _store_final(OUT + bid * stride_o_b + offs_h[:, None] * stride_o_h + offs_c[None, :],
-                         LSE + bid * stride_lse_b + offs_h, out, lse_log2, mask_h, WRITE_LSE)
+            store_final(OUT + bid * stride_o_b + offs_h[:, None] * stride_o_h + offs_c[None, :],
+                        LSE + bid * stride_lse_b + offs_h, out, lse_log2, mask_h, WRITE_LSE)
         else:
             tl.store(PART_O + item * stride_po_i + offs_h[:, None] * stride_po_h
                      + offs_c[None, :], out, mask=mask_h[:, None])
@@ -139,7 +135,7 @@ def _balanced_stage1_kernel(
 
 
 @triton.jit
-def _balanced_merge_kernel(
+def balanced_merge_kernel(
     PART_O, PART_LSE, ITEM_INDPTR, OUT, LSE,
     stride_po_i, stride_po_h,
     stride_pl_i,
@@ -159,9 +155,9 @@ def _balanced_merge_kernel(
     # One item: stage 1 wrote the output. No items (padding): the merge of nothing gives
     # zeros and LSE -inf.
     if request_items != 1:
-        acc, l_i, m_i = _merge_partials(
+        acc, l_i, m_i = merge_partials(
             PART_O + first.to(tl.int64) * stride_po_i + head * stride_po_h,
             PART_LSE + first.to(tl.int64) * stride_pl_i + head,
             stride_po_i, stride_pl_i, request_items, offs_dv, BLOCK_S, BLOCK_DV)
-        _store_merged(OUT + bid * stride_o_b + head * stride_o_h + offs_dv,
-                      LSE + bid * stride_lse_b + head, acc, l_i, m_i, dv_block, WRITE_LSE)
+        store_merged(OUT + bid * stride_o_b + head * stride_o_h + offs_dv,
+                     LSE + bid * stride_lse_b + head, acc, l_i, m_i, dv_block, WRITE_LSE)

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from graphbucket import fp8
-from graphbucket.kernels.mla_decode import _mla_decode_merge_kernel, _mla_decode_stage1_kernel
+from graphbucket.kernels.merge import mla_decode_merge_kernel
+from graphbucket.kernels.stage1 import mla_decode_stage1_kernel
 from graphbucket.plan import LaunchPlan
 
 LOG2E = 1.4426950408889634
@@ -322,7 +323,7 @@ def launch_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
     part_o, part_lse, po_strides, pl_strides = _workspace_args(workspace, out)
     block_n = kv_tile_tokens(plan, kv_cache)
     counters = _merge_counters(workspace, plan, seq_lens)
-    return _mla_decode_stage1_kernel[plan.grid](
+    return mla_decode_stage1_kernel[plan.grid](
         q, kv_cache, block_table, seq_lens, out, out if lse is None else lse, part_o, part_lse,
         counters, seq_lens if kv_scale is None else kv_scale, plan.num_kv_splits, plan.num_heads,
         q_len, plan.num_heads // q_len,
@@ -353,12 +354,12 @@ def launch_seesaw_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     """Stage 1 by the Gluon seesaw kernel (unchecked; where ``runs_seesaw`` holds). One
     split: writes ``out`` (and ``lse``); else the partials the merge kernel reads."""
     # Imported here: Gluon's sm_90 modules load only where the seesaw runs.
-    from graphbucket.kernels.seesaw import ROWS, TILE, _seesaw_stage1_kernel, descriptors
+    from graphbucket.kernels.seesaw import ROWS, TILE, descriptors, seesaw_stage1_kernel
 
     batch, heads, _ = q.shape
     q_desc, kv_desc = descriptors(q, kv_cache)
     part_o, part_lse, po_strides, pl_strides = _workspace_args(workspace, out)
-    _seesaw_stage1_kernel[(heads // ROWS.value, batch, plan.num_kv_splits)](
+    seesaw_stage1_kernel[(heads // ROWS.value, batch, plan.num_kv_splits)](
         q_desc, kv_desc, block_table, seq_lens, out, out if lse is None else lse, part_o,
         part_lse, plan.num_kv_splits, heads, sm_scale * LOG2E,
         block_table.stride(0), out.stride(0), out.stride(1),
@@ -374,7 +375,7 @@ def launch_merge(seq_lens: torch.Tensor, out: torch.Tensor, workspace: SplitWork
     ``block_n``: stage 1's tile (``tile_tokens``; default the plan's, right for 2-byte caches).
     """
     part_o, part_lse, po_strides, pl_strides = _workspace_args(workspace, out)
-    _mla_decode_merge_kernel[plan.merge_grid](
+    mla_decode_merge_kernel[plan.merge_grid](
         part_o, part_lse, seq_lens, out, out if lse is None else lse,
         plan.num_kv_splits,
         *po_strides, *pl_strides,

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from graphbucket.kernels.balanced import (
-    _balanced_merge_kernel,
-    _balanced_stage1_kernel,
-    _plan_work_items_kernel,
+    balanced_merge_kernel,
+    balanced_stage1_kernel,
+    plan_work_items_kernel,
 )
 from graphbucket.kernels.launch import (
     LOG2E,
@@ -56,7 +56,7 @@ def mla_decode_balanced(q: torch.Tensor, kv_cache: torch.Tensor, block_table: to
 def launch_item_planner(seq_lens: torch.Tensor, workspace: SplitWorkspace, *,
                         plan: LaunchPlan, block_n: int) -> None:
     """Writes ``item_indptr[:batch + 1]`` and ``chunk_tiles`` from the live lengths."""
-    _plan_work_items_kernel[(1,)](
+    plan_work_items_kernel[(1,)](
         seq_lens, workspace.item_indptr, workspace.chunk_tiles,
         plan.batch_size, plan.persistent_programs,
         BLOCK_N=block_n, MIN_CHUNK_TILES=plan.min_chunk_tiles,
@@ -71,7 +71,7 @@ def launch_balanced_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table:
                            kv_scale: torch.Tensor | None = None):
     """Persistent stage 1 alone (unchecked); returns Triton's handle of the kernel."""
     part_o, part_lse = workspace.item_o, workspace.item_lse
-    return _balanced_stage1_kernel[plan.grid](
+    return balanced_stage1_kernel[plan.grid](
         q, kv_cache, block_table, seq_lens, workspace.item_indptr, workspace.chunk_tiles,
         out, out if lse is None else lse, part_o, part_lse,
         seq_lens if kv_scale is None else kv_scale,
@@ -96,7 +96,7 @@ def launch_balanced_merge(out: torch.Tensor, workspace: SplitWorkspace, *, plan:
                           lse: torch.Tensor | None) -> None:
     """Merge alone (unchecked): requests of two or more items, and zeros for padding."""
     part_o, part_lse = workspace.item_o, workspace.item_lse
-    _balanced_merge_kernel[plan.merge_grid](
+    balanced_merge_kernel[plan.merge_grid](
         part_o, part_lse, workspace.item_indptr, out, out if lse is None else lse,
         part_o.stride(0), part_o.stride(1),
         part_lse.stride(0),

@@ -28,7 +28,7 @@ while the step's second PVs do. The row statistics are double-buffered by step p
 Shared memory: Q 72 KB + two tiles 144 KB + row statistics 3 KB: 219 KB (of 227).
 The grid is (head blocks, batch, splits): a request's head blocks read its pages side by
 side, the second from L2. Same split formula and partials as the Triton stage 1
-(``_split_range``, BLOCK_N 64), so the Triton merge kernel combines the splits.
+(``tiles.split_range``, BLOCK_N 64), so the Triton merge kernel combines the splits.
 Requirements (``launch.runs_seesaw``): sm_90, bf16 q and cache, 64-token pages, heads a
 multiple of 64, q contiguous. Value rows past a request's length are zeroed in shared
 memory before the PV (unwritten cache rows may hold NaN).
@@ -288,12 +288,12 @@ def _warpgroup_odd(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_log
 
 
 @gluon.jit
-def _seesaw_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, OUT, LSE, PART_O, PART_LSE,
-                          num_kv_splits, num_heads, qk_scale_log2,
-                          stride_bt_b, stride_o_b, stride_o_h, stride_lse_b,
-                          stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h,
-                          PAGE_SIZE: gl.constexpr, ONE_SPLIT: gl.constexpr,
-                          WRITE_LSE: gl.constexpr):
+def seesaw_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, OUT, LSE, PART_O, PART_LSE,
+                         num_kv_splits, num_heads, qk_scale_log2,
+                         stride_bt_b, stride_o_b, stride_o_h, stride_lse_b,
+                         stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h,
+                         PAGE_SIZE: gl.constexpr, ONE_SPLIT: gl.constexpr,
+                         WRITE_LSE: gl.constexpr):
     # Grid (head blocks, batch, splits): the programs of one request's head blocks launch
     # together and read the same pages about together, the second from L2.
     head_block = gl.program_id(0)

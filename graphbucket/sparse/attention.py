@@ -8,11 +8,11 @@ limit), gathering each latent row from the paged cache through the block table
     out[r, h] = softmax_j(q[r, h] . kv[idx_j] * sm_scale) . kv[idx_j, :kv_lora_rank]
 
 Work partition, on the device: split s of row r takes the slots of [0, sparse_lens[r])
-that ``graphbucket.kernels.mla_decode._split_range`` gives it (the grid is fixed by the
+that ``graphbucket.kernels.tiles.split_range`` gives it (the grid is fixed by the
 plan: rows x head blocks x splits; splits past a row's tiles exit at once), so the
 partition follows the live sparse lengths min(len, topk) with no host read. With one
 split stage 1 writes the output; otherwise it writes float32 partials and log2 LSEs to a
-``SplitWorkspace`` and ``_mla_decode_merge_kernel`` (given the sparse lengths and this
+``SplitWorkspace`` and ``mla_decode_merge_kernel`` (given the sparse lengths and this
 kernel's tile) merges them. A -1 below a row's length is skipped like the padding after
 it; rows with no position (length 0, or -1 in every slot) give zeros.
 
@@ -29,7 +29,7 @@ asynchronously at all.
 
 Cache formats as in the dense decode (``KV_FORMAT``): bf16 / fp16 / fp32 rows, or
 DeepSeek-V3.2's 656-byte fp8 rows (uint8 cache, ``graphbucket.fp8.pack_v32``), read by
-``_load_kv_rows`` (the dense kernels' loader, here with gathered row offsets).
+``load_kv_rows`` (the dense kernels' loader, here with gathered row offsets).
 """
 
 from __future__ import annotations
@@ -39,15 +39,15 @@ import triton
 import triton.language as tl
 
 from graphbucket.fp8 import cache_format_of
+from graphbucket.kernels.attend import softmax_tile
 from graphbucket.kernels.launch import LOG2E, SplitWorkspace
-from graphbucket.kernels.mla_decode import (
-    _load_kv_rows,
-    _load_q,
-    _mla_decode_merge_kernel,
-    _softmax_tile,
-    _split_range,
-    _store_final,
-    _store_padding,
+from graphbucket.kernels.merge import mla_decode_merge_kernel
+from graphbucket.kernels.tiles import (
+    load_kv_rows,
+    load_q,
+    split_range,
+    store_final,
+    store_padding,
 )
 from graphbucket.plan import merge_block_s
 from graphbucket.sparse.plan import SparsePlan
@@ -102,10 +102,10 @@ def _sparse_attention_kernel(
     lse_ptr = LSE + row * stride_lse_r + offs_h
 
     n = tl.load(SPARSE_LENS + row)
-    start, end = _split_range(n, split, num_splits, BLOCK_N)
+    start, end = split_range(n, split, num_splits, BLOCK_N)
     if start < end:
-        q_nope, q_rope = _load_q(Q, row, offs_h, mask_h, stride_q_r, stride_q_h,
-                                 KV_LORA_RANK, ROPE_DIM)
+        q_nope, q_rope = load_q(Q, row, offs_h, mask_h, stride_q_r, stride_q_h,
+                                KV_LORA_RANK, ROPE_DIM)
         bt_row = BLOCK_TABLE + row * stride_bt_r
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -125,25 +125,25 @@ def _sparse_attention_kernel(
             else:
                 kv_row, live = _slot_rows(bt_row, _load_positions(idx_row, slot0, end, BLOCK_N),
                                           stride_kv_page, stride_kv_tok, PAGE_SIZE)
-            kv, k_rope = _load_kv_rows(KV, kv_row, live, KV_LORA_RANK, ROPE_DIM, BLOCK_N,
-                                       KV_FORMAT)
+            kv, k_rope = load_kv_rows(KV, kv_row, live, KV_LORA_RANK, ROPE_DIM, BLOCK_N,
+                                      KV_FORMAT)
             kv, k_rope = kv.to(q_nope.dtype), k_rope.to(q_nope.dtype)
             # A tile may hold only -1 slots (padding): its rows may have no live token.
-            acc, l_i, m_i = _softmax_tile(q_nope, q_rope, kv, k_rope, kv, live[None, :], acc,
-                                          l_i, m_i, qk_scale_log2, DOT_PRECISION,
-                                          MAY_BE_EMPTY=True)
+            acc, l_i, m_i = softmax_tile(q_nope, q_rope, kv, k_rope, kv, live[None, :], acc,
+                                         l_i, m_i, qk_scale_log2, DOT_PRECISION,
+                                         MAY_BE_EMPTY=True)
         # A split whose slots are all -1 gives zeros and LSE -inf: the merge weighs it 0.
         lse_log2 = m_i + tl.log2(l_i)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         if ONE_SPLIT:
-            _store_final(o_ptr, lse_ptr, out, lse_log2, mask_h, WRITE_LSE)
+            store_final(o_ptr, lse_ptr, out, lse_log2, mask_h, WRITE_LSE)
         else:
             tl.store(PART_O + row * stride_po_r + offs_h[:, None] * stride_po_h
                      + split * stride_po_s + offs_c[None, :], out, mask=mask_h[:, None])
             tl.store(PART_LSE + row * stride_pl_r + offs_h * stride_pl_h + split, lse_log2,
                      mask=mask_h)
     elif ONE_SPLIT:
-        _store_padding(o_ptr, lse_ptr, mask_h, BLOCK_H, KV_LORA_RANK, WRITE_LSE)
+        store_padding(o_ptr, lse_ptr, mask_h, BLOCK_H, KV_LORA_RANK, WRITE_LSE)
 
 
 def launch_sparse_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -179,8 +179,8 @@ def launch_sparse_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     if not one_split:
-        _mla_decode_merge_kernel[(plan.num_rows, plan.num_heads,
-                                  triton.cdiv(kv_lora_rank, plan.merge_block_dv))](
+        mla_decode_merge_kernel[(plan.num_rows, plan.num_heads,
+                                 triton.cdiv(kv_lora_rank, plan.merge_block_dv))](
             part_o, part_lse, sparse_lens, out, lse_arg,
             plan.attention_splits,
             *po_strides, *pl_strides,

@@ -26,7 +26,7 @@ tile's scales. Here the pages and the scales of tile i + 1 are loaded while tile
 flight, so ``num_stages - 1`` tiles of keys are copied ahead per program.
 
 Grid (rows, splits): split s of row r takes the tiles of [0, len_r) that
-``graphbucket.kernels.mla_decode._split_range`` gives it, so any split count is correct
+``graphbucket.kernels.tiles.split_range`` gives it, so any split count is correct
 for any live length and splits past the row's tiles exit at once. Only positions below the
 row's length are written; the rest of the row is left as it was (the top-k reads the
 length). Lengths are clamped to the logits buffer's width on the device.
@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from graphbucket.fp8 import FP8_MAX, V32_MIN_SCALE
-from graphbucket.kernels.mla_decode import _split_range, _tile_pages
+from graphbucket.kernels.tiles import split_range, tile_pages
 from graphbucket.sparse.plan import SparsePlan
 from graphbucket.sparse.rounding import round_to_e4m3
 
@@ -74,11 +74,11 @@ def _indexer_logits_kernel(
     row = tl.program_id(0)
     split = tl.program_id(1)
     seq_len = tl.minimum(tl.load(SEQ_LENS + row), max_len)
-    start, end = _split_range(seq_len, split, num_splits, BLOCK_N)
+    start, end = split_range(seq_len, split, num_splits, BLOCK_N)
     if start < end:
         bt_row = BLOCK_TABLE + row * stride_bt_r
         # the first lookup before q's load and quantization: their latencies overlap
-        next_pages = _tile_pages(bt_row, start, end, PAGE_SIZE, BLOCK_N, TILE_IN_PAGE)
+        next_pages = tile_pages(bt_row, start, end, PAGE_SIZE, BLOCK_N, TILE_IN_PAGE)
         offs_h = tl.arange(0, BLOCK_H)
         mask_h = offs_h < num_heads
         offs_d = tl.arange(0, HEAD_DIM)
@@ -96,8 +96,8 @@ def _indexer_logits_kernel(
             # The pages of tile i + 1 are looked up during tile i: the lookup is then no
             # stage of the pipeline, and the copies get num_stages - 1 buffers.
             pages = next_pages
-            next_pages = _tile_pages(bt_row, tok0 + BLOCK_N, end, PAGE_SIZE, BLOCK_N,
-                                     TILE_IN_PAGE, PAST_END=True)
+            next_pages = tile_pages(bt_row, tok0 + BLOCK_N, end, PAGE_SIZE, BLOCK_N,
+                                    TILE_IN_PAGE, PAST_END=True)
             offs_n = tok0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
             slot = offs_n % PAGE_SIZE

@@ -1,0 +1,157 @@
+"""Merging stage-1 partials by their log-sum-exps: the split-KV merge kernel (stage 2, a
+blocked merge of BLOCK_S splits per step), and the merge steps that the balanced merge
+kernel and a fused stage 1 reuse.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
+
+from graphbucket.kernels.tiles import active_splits
+
+
+@triton.jit
+def _lse_step(m_i, lse):
+    """One partial's step of an LSE merge: (new max, rescale of the sum so far, weight of
+    the partial). A q_len > 1 row may see no position of a split, or none at all (seq_len
+    < q_len): its LSE is -inf, and a max still at -inf is kept out of the exponents (an
+    exp2 of -inf - -inf is NaN), so such a row merges to zeros and LSE -inf."""
+    m_new = tl.maximum(m_i, lse)
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    return m_new, tl.exp2(m_i - m_ref), tl.exp2(lse - m_ref)
+
+
+@triton.jit
+def merge_head_block(part_o, part_lse, offs_h, mask_h, stride_po_h, stride_po_s,
+                     stride_pl_h, num_active, KV_LORA_RANK: tl.constexpr):
+    """LSE merge of one request's ``num_active`` partials for the heads ``offs_h``:
+    (normalised output [BLOCK_H, R], log2 LSE); rows with no live token give zeros and
+    -inf. Loads bypass L1 (other SMs wrote them)."""
+    offs_c = tl.arange(0, KV_LORA_RANK)
+    lse = tl.load(part_lse + offs_h * stride_pl_h, mask=mask_h, other=0.0, cache_modifier=".cg")
+    m_i = lse
+    l_i = tl.full(lse.shape, 1.0, dtype=tl.float32)
+    acc = tl.load(part_o + offs_h[:, None] * stride_po_h + offs_c[None, :],
+                  mask=mask_h[:, None], other=0.0, cache_modifier=".cg")
+    for s in range(1, num_active):
+        lse = tl.load(part_lse + offs_h * stride_pl_h + s, mask=mask_h, other=0.0,
+                      cache_modifier=".cg")
+        part = tl.load(part_o + offs_h[:, None] * stride_po_h + s * stride_po_s
+                       + offs_c[None, :], mask=mask_h[:, None], other=0.0, cache_modifier=".cg")
+        m_i, alpha, w = _lse_step(m_i, lse)
+        acc = acc * alpha[:, None] + w[:, None] * part
+        l_i = l_i * alpha + w
+    # l == 0 only for a row with no live token (its partials are zeros).
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    return acc / l_safe[:, None], m_i + tl.log2(l_i)
+
+
+@triton.jit
+def merge_head_block_chunked(part_o, part_lse, out_row, lse_ptr, offs_h, mask_h, stride_po_h,
+                             stride_po_s, stride_pl_h, stride_o_h, num_active,
+                             KV_LORA_RANK: tl.constexpr, MERGE_CHUNKS: tl.constexpr,
+                             WRITE_LSE: tl.constexpr):
+    """``merge_head_block`` and its store, MERGE_CHUNKS column blocks at a time: one pass
+    over the LSEs gives every split's weight, then each block of R / MERGE_CHUNKS columns
+    sums the weighted partials and is stored. Holds a [BLOCK_H, R / MERGE_CHUNKS] float32
+    tile instead of two [BLOCK_H, R] ones (the registers of the program that merges)."""
+    m_i = tl.load(part_lse + offs_h * stride_pl_h, mask=mask_h, other=0.0,
+                  cache_modifier=".cg")
+    l_i = tl.full(m_i.shape, 1.0, dtype=tl.float32)
+    for s in range(1, num_active):
+        lse = tl.load(part_lse + offs_h * stride_pl_h + s, mask=mask_h, other=0.0,
+                      cache_modifier=".cg")
+        m_i, alpha, w = _lse_step(m_i, lse)
+        l_i = l_i * alpha + w
+    lse_log2 = m_i + tl.log2(l_i)
+    # A row with no live token (LSE -inf): every weight below is 0, not exp2(NaN).
+    lse_ref = tl.where(lse_log2 == float("-inf"), 0.0, lse_log2)
+    BLOCK_C: tl.constexpr = KV_LORA_RANK // MERGE_CHUNKS
+    for c in tl.static_range(MERGE_CHUNKS):
+        offs_c = c * BLOCK_C + tl.arange(0, BLOCK_C)
+        acc = tl.zeros([offs_h.shape[0], BLOCK_C], dtype=tl.float32)
+        for s in range(0, num_active):
+            lse = tl.load(part_lse + offs_h * stride_pl_h + s, mask=mask_h, other=0.0,
+                          cache_modifier=".cg")
+            part = tl.load(part_o + offs_h[:, None] * stride_po_h + s * stride_po_s
+                           + offs_c[None, :], mask=mask_h[:, None], other=0.0,
+                           cache_modifier=".cg")
+            acc += tl.exp2(lse - lse_ref)[:, None] * part
+        tl.store(out_row + offs_h[:, None] * stride_o_h + offs_c[None, :],
+                 acc.to(out_row.dtype.element_ty), mask=mask_h[:, None])
+    if WRITE_LSE:
+        tl.store(lse_ptr, lse_log2 * 0.6931471805599453, mask=mask_h)
+
+
+@triton.jit
+def merge_partials(o_row, lse_row, stride_o_s, stride_lse_s, num_active, offs_dv,
+                   BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Blocked LSE merge of ``num_active`` partials (log2 LSEs), BLOCK_S per step.
+    Returns the unnormalised (acc [BLOCK_DV], l, m); l == 0 when nothing was live."""
+    m_i = float("-inf")
+    l_i = 0.0
+    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    for s0 in range(0, num_active, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        mask_s = offs_s < num_active
+        lse = tl.load(lse_row + offs_s * stride_lse_s, mask=mask_s, other=float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(lse, 0))
+        # Guard -inf - -inf: a block of only masked splits must not produce NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        w = tl.exp2(lse - m_safe)
+        part = tl.load(o_row + offs_s[:, None] * stride_o_s + offs_dv[None, :],
+                       mask=mask_s[:, None], other=0.0)
+        acc = acc * alpha + tl.sum(w[:, None] * part, 0)
+        l_i = l_i * alpha + tl.sum(w, 0)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def store_merged(o_ptr, lse_ptr, acc, l_i, m_i, dv_block, WRITE_LSE: tl.constexpr):
+    """Normalise a merge into o_ptr (zeros when nothing was live); the LSE when asked
+    (once per head: by the program of the first dv block)."""
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    out = tl.where(l_i > 0.0, acc / l_safe, 0.0)
+    tl.store(o_ptr, out.to(o_ptr.dtype.element_ty))
+    if WRITE_LSE:
+        if dv_block == 0:
+            lse_out = tl.where(l_i > 0.0, (m_i + tl.log2(l_safe)) * 0.6931471805599453,
+                               float("-inf"))
+            tl.store(lse_ptr, lse_out)
+
+
+@triton.jit
+def mla_decode_merge_kernel(
+    PART_O, PART_LSE, SEQ_LENS, OUT, LSE,
+    num_kv_splits,
+    stride_po_b, stride_po_h, stride_po_s,
+    stride_pl_b, stride_pl_h,
+    stride_o_b, stride_o_h,
+    stride_lse_b,
+    BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+    USE_GDC: tl.constexpr = False,
+):
+    bid = tl.program_id(0)
+    head = tl.program_id(1)
+    dv_block = tl.program_id(2)
+    offs_dv = dv_block * BLOCK_DV + tl.arange(0, BLOCK_DV)
+
+    seq_len = tl.load(SEQ_LENS + bid)
+    # Same formula as stage 1: splits past this count got no tokens and wrote nothing.
+    num_active = active_splits(seq_len, num_kv_splits, BLOCK_N)
+
+    if USE_GDC:
+        gdc_wait()  # stage 1's partials are complete and visible past this point
+    acc, l_i, m_i = merge_partials(
+        PART_O + bid * stride_po_b + head * stride_po_h,
+        PART_LSE + bid * stride_pl_b + head * stride_pl_h,
+        stride_po_s, 1, num_active, offs_dv, BLOCK_S, BLOCK_DV)
+    store_merged(OUT + bid * stride_o_b + head * stride_o_h + offs_dv,
+                 LSE + bid * stride_lse_b + head, acc, l_i, m_i, dv_block, WRITE_LSE)
