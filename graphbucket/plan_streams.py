@@ -24,13 +24,13 @@ class StreamConfig:
     # Launch the merge with programmatic dependent launch (Hopper+): faster with few rows
     # (batch 1 and 8), a wash at batch 64 (bench/results/archive/h200-pdl.md).
     dependent_merge: bool = False
-    # Tokens as the dots' rows (``_attend_tokens``): warpgroup MMAs straight from shared
+    # Tokens as the dots' rows (``kernels.attend``): warpgroup MMAs straight from shared
     # memory and a double-buffered tile copy on Hopper.
     token_major: bool = False
     # Hints of at most this many tiles merge their (at most FUSED_MERGE_MAX_SPLITS) splits
     # in stage 1; 0: always the merge kernel.
     fused_merge_max_tiles: int = 0
-    # Look the next tile's pages up one iteration ahead (``_attend_tokens``): the tile then
+    # Look the next tile's pages up one iteration ahead (``kernels.attend``): the tile then
     # gets num_stages - 1 shared-memory buffers instead of (num_stages - 1) // 2.
     page_ahead: bool = False
     # A fused merge sums the partials in this many column blocks (1: the whole row at once,
@@ -113,7 +113,7 @@ class Fp8Stream:
 
     ``register_prefetch``: head-major fp8 tiles go through registers: the raw bytes of the
     next tile load while the current one is dequantized, once, into the bf16 tile both dots
-    read (``REG_PREFETCH`` in mla_decode.py); off, the fp8 tile goes to shared memory as
+    read (``REG_PREFETCH`` of kernels/stage1.py); off, the fp8 tile goes to shared memory as
     is and the value dot reads it one byte per load.
 
     ``tile_tokens`` / ``tile_warps``: a register-prefetched tile at <= 16 query rows,

@@ -40,7 +40,7 @@ from graphbucket.models.config import MLAConfig
 from graphbucket.models.mla import SLOT_INPUT, MLADecoder
 from graphbucket.models.ops import assemble_q, rms_norm, store_kv
 from graphbucket.models.paging import prefill_random
-from graphbucket.models.weights import _Draw
+from graphbucket.models.weights import WeightDraw
 from graphbucket.sparse.backend import IndexInputs, SparseBackend
 from graphbucket.sparse.index_cache import (
     INDEX_DIM,
@@ -99,7 +99,7 @@ class IndexerWeights:
 
 def random_indexers(cfg: SparseMLAConfig, *, seed: int, device: torch.device | str,
                     dtype: torch.dtype) -> list[IndexerWeights]:
-    draw = _Draw(seed, torch.device(device), dtype)
+    draw = WeightDraw(seed, torch.device(device), dtype)
     heads, dim = cfg.index_heads, cfg.index_dim
     return [IndexerWeights(
         w_iq=draw.matrix(heads * dim, cfg.q_lora_rank, fan_in=cfg.q_lora_rank),

@@ -41,7 +41,9 @@ class MLALayerWeights:
         return MLALayerWeights(*(t.to(dtype) for t in self.tensors()))
 
 
-class _Draw:
+class WeightDraw:
+    """Seeded random weights on one device and dtype (scaled by fan-in), drawn in order."""
+
     def __init__(self, seed: int, device: torch.device, dtype: torch.dtype) -> None:
         self.gen = torch.Generator(device=device).manual_seed(seed)
         self.device, self.dtype = device, dtype
@@ -55,7 +57,7 @@ class _Draw:
         return w.mul_(0.1).add_(1.0).to(self.dtype)
 
 
-def random_layer(cfg: MLAConfig, draw: _Draw) -> MLALayerWeights:
+def random_layer(cfg: MLAConfig, draw: WeightDraw) -> MLALayerWeights:
     d, h, r = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank
     return MLALayerWeights(
         attn_norm=draw.norm(d),
@@ -76,6 +78,6 @@ def random_weights(cfg: MLAConfig, *, seed: int, device: torch.device | str,
                    dtype: torch.dtype) -> tuple[list[MLALayerWeights], torch.Tensor]:
     """(per-layer weights, final norm weight [D]) drawn from one seeded generator on
     ``device`` (the same seed gives the same weights on the same device type)."""
-    draw = _Draw(seed, torch.device(device), dtype)
+    draw = WeightDraw(seed, torch.device(device), dtype)
     layers = [random_layer(cfg, draw) for _ in range(cfg.num_layers)]
     return layers, draw.norm(cfg.hidden_size)
