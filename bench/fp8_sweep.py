@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.common import inputs, random_cache, time_calls  # noqa: E402
 from bench.gpu_timing import (  # noqa: E402
     add_out_argument,
     copy_gbps,
@@ -36,8 +37,6 @@ from bench.gpu_timing import (  # noqa: E402
     run_line,
     run_meta,
 )
-from bench.kernel_sweep import time_calls  # noqa: E402
-from bench.ragged import inputs, random_cache  # noqa: E402
 from graphbucket import fp8  # noqa: E402
 from graphbucket.kernels import SplitWorkspace, default_sm_scale, mla_decode  # noqa: E402
 from graphbucket.plan import LaunchPlan, plan_mla_decode  # noqa: E402

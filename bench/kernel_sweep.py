@@ -30,8 +30,20 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import flashinfer_ref, flashmla_ref  # noqa: E402
+from bench.common import (  # noqa: E402
+    DIM,
+    FLOPS_PER_TOKEN_HEAD,
+    HEADS,
+    PAGE,
+    RANK,
+    WIDE_HEADS_SHAPES,
+    against_floor,
+    inputs,
+    mixes,
+    random_cache,
+    time_calls,
+)
 from bench.gpu_timing import copy_gbps, matmul_tflops, run_line, run_meta, time_replays  # noqa: E402
-from bench.ragged import bytes_read, inputs, mixes, random_cache  # noqa: E402
 from graphbucket.kernels import (  # noqa: E402
     SplitWorkspace,
     default_sm_scale,
@@ -47,19 +59,11 @@ from graphbucket.tuning.shipped import find_tuned_ladder  # noqa: E402
 CONTEXTS = [1, 64, 256, 1024, 4096, 16384, 65536, 131072]
 BATCHES = [1, 8, 64]
 SPLITS = [1 << i for i in range(10)]  # 1 .. 512
-HEADS, PAGE, DIM, RANK = 16, 64, 576, 512
 
 
 def kv_bytes(context: int, batch: int) -> int:
     q_and_out = batch * HEADS * (DIM + RANK) * 2
     return batch * context * DIM * 2 + q_and_out
-
-
-# 128 heads (data-parallel attention: every head on one GPU): compute-bound shapes.
-WIDE_HEADS_SHAPES = [(1, 4096), (1, 16384), (1, 65536), (1, 131072), (8, 65536), (8, 131072),
-                     (64, 4096), (64, 131072)]
-# FLOPs per token and head: q.k over 576 columns and p.v over 512, a multiply-add each.
-FLOPS_PER_TOKEN_HEAD = 2 * (DIM + RANK)
 
 
 def shapes(contexts: list[int], batches: list[int],
@@ -76,31 +80,10 @@ def shapes(contexts: list[int], batches: list[int],
     return out
 
 
-def time_calls(launch, plan, cache, tables, q, out, seq_lens, ws, scale) -> float:
-    def call():
-        for r in range(tables.shape[0]):
-            launch(q[r], cache, tables[r], seq_lens, out[r], ws, plan=plan, sm_scale=scale,
-                   check=False)
-    return time_replays(call, calls_per_graph=tables.shape[0])
-
-
 def ladder_picks_balanced(lens: list[int]) -> bool:
     """Whether the shipped H200 16-head ladder replays a balanced graph for ``lens``."""
     ladder = find_tuned_ladder("NVIDIA H200", HEADS, 131072)
     return GraphSelector(ladder, [len(lens)]).choose(lens).balanced
-
-
-def against_floor(gbps: float, lens: list[int], us: float, heads: int = HEADS,
-                  tflops: float | None = None) -> dict:
-    """Time against the copy floor (bytes read) and, with ``tflops``, the compute floor."""
-    floor_us = bytes_read(lens, heads) / (gbps * 1e3)
-    row = {"us": round(us, 3), "floor_us": round(floor_us, 3),
-           "frac_of_copy": round(floor_us / us, 4)}
-    if tflops:
-        compute_us = sum(lens) * heads * FLOPS_PER_TOKEN_HEAD / (tflops * 1e6)
-        row.update(compute_floor_us=round(compute_us, 3),
-                   frac_of_compute=round(compute_us / us, 4))
-    return row
 
 
 def compare(args) -> list[dict]:

@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.common import inputs, random_cache  # noqa: E402
 from bench.gpu_timing import (  # noqa: E402
     add_out_argument,
     copy_gbps,
@@ -29,7 +30,6 @@ from bench.gpu_timing import (  # noqa: E402
     run_meta,
     time_replays,
 )
-from bench.ragged import inputs, random_cache  # noqa: E402
 from graphbucket import plan_streams as S  # noqa: E402
 from graphbucket.kernels import SplitWorkspace, default_sm_scale, mla_decode  # noqa: E402
 from graphbucket.kernels.verify import flatten_verify  # noqa: E402

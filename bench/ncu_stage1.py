@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.ragged import inputs, random_cache  # noqa: E402
+from bench.common import inputs, random_cache  # noqa: E402
 from graphbucket import fp8  # noqa: E402
 from graphbucket.kernels import SplitWorkspace, default_sm_scale, mla_decode  # noqa: E402
 from graphbucket.plan import plan_mla_decode  # noqa: E402

@@ -25,11 +25,11 @@ import os
 import sys
 from dataclasses import replace
 
-import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.common import DIM, HEADS, PAGE, RANK, bytes_read, inputs, mixes  # noqa: E402
 from bench.gpu_timing import (  # noqa: E402
     add_out_argument,
     copy_gbps,
@@ -45,48 +45,8 @@ from graphbucket.kernels import (  # noqa: E402
     mla_decode_balanced,
 )
 from graphbucket.plan import plan_balanced_mla_decode, plan_mla_decode  # noqa: E402
-from graphbucket.tuning.measure import L2_FLUSH_BYTES, MAX_ROTATIONS  # noqa: E402
 
-HEADS, PAGE, DIM, RANK = 16, 64, 576, 512
 SWEEP = [(programs, chunk) for programs in (1, 2, 4) for chunk in (1, 4, 16)]
-
-
-def mixes() -> list[tuple[str, list[int]]]:
-    uniform = [(1, 65536), (1, 131072), (8, 131072), (64, 1024), (64, 4096)]
-    return [("long-among-short", [131072] + [1024] * 63),
-            ("spread-128k", np.linspace(1, 131072, 8).astype(int).tolist()),
-            ("spread-8k", np.linspace(1, 8192, 64).astype(int).tolist()),
-            *(("uniform", [n] * b) for b, n in uniform)]
-
-
-def bytes_read(lens: list[int], heads: int = HEADS) -> int:
-    return sum(lens) * DIM * 2 + len(lens) * heads * (DIM + RANK) * 2
-
-
-def random_cache(pages: int) -> torch.Tensor:
-    """A bf16 N(0, 1) cache 1.5x the largest shape's pages (+64): room for several
-    rotations of scattered pages for the smaller shapes (``inputs``)."""
-    return torch.empty(pages * 3 // 2 + 64, PAGE, DIM, dtype=torch.bfloat16,
-                       device="cuda").normal_()
-
-
-def inputs(lens: list[int], cache: torch.Tensor, heads: int = HEADS):
-    """R rotations of scattered block tables over ``cache`` (each its own pages), q, out,
-    seq_lens: enough distinct KV per graph replay to evict the L2."""
-    pages = [-(-n // PAGE) for n in lens]
-    per_call = sum(pages)
-    rotations = max(1, min(MAX_ROTATIONS, L2_FLUSH_BYTES // bytes_read(lens, heads),
-                           cache.shape[0] // per_call))
-    perm = torch.randperm(cache.shape[0], device="cuda")[: rotations * per_call].int()
-    tables = torch.zeros(rotations, len(lens), max(pages), dtype=torch.int32, device="cuda")
-    for r in range(rotations):
-        chunk = perm[r * per_call:(r + 1) * per_call].split(pages)
-        for b, row in enumerate(chunk):
-            tables[r, b, :row.numel()] = row
-    q = torch.randn(rotations, len(lens), heads, DIM, dtype=torch.bfloat16, device="cuda")
-    out = torch.empty(rotations, len(lens), heads, RANK, dtype=torch.bfloat16, device="cuda")
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    return tables, q, out, seq_lens
 
 
 def measure(gbps: float, sweep: list[tuple[int, int]]) -> list[dict]:

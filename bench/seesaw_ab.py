@@ -16,8 +16,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.common import inputs, random_cache  # noqa: E402
 from bench.gpu_timing import time_replays  # noqa: E402
-from bench.ragged import inputs, random_cache  # noqa: E402
 from graphbucket.kernels import SplitWorkspace, default_sm_scale, mla_decode  # noqa: E402
 from graphbucket.plan import plan_mla_decode  # noqa: E402
 

@@ -24,6 +24,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.common import (  # noqa: E402
+    WIDE_HEADS_SHAPES,
+    against_floor,
+    inputs,
+    mixes,
+    random_cache,
+    time_calls,
+)
 from bench.gpu_timing import (  # noqa: E402
     add_out_argument,
     copy_gbps,
@@ -31,8 +39,6 @@ from bench.gpu_timing import (  # noqa: E402
     out_dir,
     run_meta,
 )
-from bench.kernel_sweep import WIDE_HEADS_SHAPES, against_floor, time_calls  # noqa: E402
-from bench.ragged import inputs, mixes, random_cache  # noqa: E402
 from graphbucket import plan as P  # noqa: E402
 from graphbucket import plan_streams as S  # noqa: E402
 from graphbucket.kernels import (  # noqa: E402
