@@ -24,6 +24,7 @@ NOT_COMMANDS = {
     "scripts/_install.sh": "sourced by the other shell scripts for its functions, not run",
     "bench/__init__.py": "makes bench/ a package",
     "bench/conftest.py": "pytest set-up of the benchmark suites",
+    "bench/common.py": "what the kernel benches import, not run",
 }
 # pytest suites (bench/test_*.py) are run by pytest, not as commands.
 SUITE = re.compile(r"test_.*\.py")
