@@ -1,7 +1,9 @@
 """TPOT suite (pytest-benchmark): one round = one full decode step of one policy.
 
 On CUDA: the DeepSeek-V3 TP8-shaped model (``GRAPHBUCKET_TPOT_LAYERS`` layers, default 4;
-the real model has 61), bf16, page 64, max_model_len 128K, batch {1, 8} x context
+the real model has 61; ``GRAPHBUCKET_TPOT_PRESET=deepseek-v3-dp`` for all 128 heads on one
+GPU), bf16, page 64, max_model_len 128K, batch {1, 8} (``GRAPHBUCKET_TPOT_BATCHES=1,8,32,64,128``
+for others) x context
 {1 .. 128K} x policy {eager, fixed-1, fixed-max, ladder}. Each runner is captured once per
 module. The benchmark's own statistics time one step plus a synchronize per round: the
 latency of an isolated step, host launch and sync included (noisier, ~70 us above TPOT).
@@ -18,6 +20,8 @@ its policy's output: against the float64 reference on CPU, against eager on CUDA
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -31,12 +35,39 @@ from bench.tpot import (
     sync,
     time_tpot,
 )
-from graphbucket.models import deepseek_v3_tp8, tiny, tiny_v32
+from graphbucket.models import PRESETS, tiny, tiny_v32
 from graphbucket.policies import POLICIES
 
 ON_GPU = torch.cuda.is_available()
+BATCHES_ENV, PRESET_ENV = "GRAPHBUCKET_TPOT_BATCHES", "GRAPHBUCKET_TPOT_PRESET"
+
+
+def gpu_batches() -> list[int]:
+    """``$GRAPHBUCKET_TPOT_BATCHES`` (comma-separated capture sizes, e.g. 1,8,32,64,128)."""
+    text = os.environ.get(BATCHES_ENV)
+    if not text:
+        return BATCHES
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise ValueError(f"${BATCHES_ENV}={text!r}: give positive batch sizes separated by "
+                         "commas, e.g. 1,8,32,64,128")
+    return sorted(set(values))
+
+
+def gpu_preset() -> str:
+    """``$GRAPHBUCKET_TPOT_PRESET``: a graphbucket.models.PRESETS name (default the TP8 one;
+    deepseek-v3-dp for 128 heads)."""
+    name = os.environ.get(PRESET_ENV, "deepseek-v3-tp8")
+    if name not in PRESETS:
+        raise ValueError(f"${PRESET_ENV}={name!r}: use one of {sorted(PRESETS)}")
+    return name
+
+
 if ON_GPU:
-    contexts, batches = CONTEXTS, BATCHES
+    contexts, batches = CONTEXTS, gpu_batches()
 else:
     contexts, batches = [1, 40, 100], [1]
 
@@ -44,7 +75,7 @@ else:
 @pytest.fixture(scope="module")
 def bench():
     if ON_GPU:
-        b = TpotBench.build(deepseek_v3_tp8(num_layers=default_layers()),
+        b = TpotBench.build(PRESETS[gpu_preset()](num_layers=default_layers()),
                             max_model_len=MAX_MODEL_LEN, batches=batches)
     else:
         b = TpotBench.build(tiny(), max_model_len=128, batches=batches, page_size=16,
@@ -183,3 +214,20 @@ def test_rows_name_their_format_and_files_both_options():
     assert output_name(preset, ["bf16"], [1, 2, 4]) == "h200-tpot-mtp.json"
     assert output_name(preset, ["bf16", "fp8-v32"], [1, 2]) == "h200-tpot-fp8-mtp.json"
     assert output_name("tiny", ["bf16", "bf16"], [1, 1]) == "h200-tpot-tiny.json"
+
+
+def test_the_gpu_suite_takes_its_batches_and_preset_from_the_environment(monkeypatch):
+    monkeypatch.setenv(BATCHES_ENV, "64,1,8,64")
+    monkeypatch.setenv(PRESET_ENV, "deepseek-v3-dp")
+    assert gpu_batches() == [1, 8, 64]
+    assert PRESETS[gpu_preset()](num_layers=2).num_heads == 128
+    for bad in ("", "0,8", "1;8"):
+        monkeypatch.setenv(BATCHES_ENV, bad)
+        if bad:
+            with pytest.raises(ValueError, match="positive batch sizes"):
+                gpu_batches()
+        else:
+            assert gpu_batches() == BATCHES
+    monkeypatch.setenv(PRESET_ENV, "deepseek-v4")
+    with pytest.raises(ValueError, match="use one of"):
+        gpu_preset()
