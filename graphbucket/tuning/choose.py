@@ -58,6 +58,7 @@ from graphbucket.tuning.grid import (
     TimeTable,
     TimingTable,
     candidate_hints,
+    check_positive,
     hints_to_measure,
     variant_splits,
 )
@@ -112,15 +113,15 @@ def choose_ladder(times: TimeTable, splits_for: SplitsFn, *, max_model_len: int,
     bucket may end at (default any; ``bounds_with_edges`` where edges were measured).
     Deterministic; see the module docstring for the method and the tie-breaks.
     """
-    _check_positive("max_model_len", max_model_len)
-    _check_positive("max_buckets", max_buckets)
+    check_positive("max_model_len", max_model_len)
+    check_positive("max_buckets", max_buckets)
     table = TimingTable(times)
     if table.contexts[-1] > max_model_len:
         raise ValueError(f"measured context {table.contexts[-1]} is above max_model_len="
                          f"{max_model_len}; drop it from the table or raise max_model_len")
     hints = candidate_hints(max_model_len) if hints is None else sorted(set(hints))
     for h in hints:
-        _check_positive("candidate hint", h)
+        check_positive("candidate hint", h)
     groups = _GroupCosts(table, splits_for, hints, max_model_len, per_batch=per_batch_hints)
     n = len(table.contexts)
     ends = None
@@ -288,8 +289,3 @@ def _partition(n: int, max_buckets: int,
 
 def _mean(rows: list[dict[str, Any]], key: str) -> float:
     return round(sum(r[key] for r in rows) / len(rows), 4)
-
-
-def _check_positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")

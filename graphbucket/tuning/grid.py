@@ -44,7 +44,7 @@ _SPLITS_RE = re.compile(r"splits=(\d+) ")
 
 def candidate_hints(max_model_len: int) -> list[int]:
     """Powers of two 1, 2, 4, ... up to ``max_model_len``, and ``max_model_len``."""
-    _check_positive("max_model_len", max_model_len)
+    check_positive("max_model_len", max_model_len)
     return sorted({1 << k for k in range(max_model_len.bit_length())} | {max_model_len})
 
 
@@ -62,7 +62,7 @@ def hint_plans(num_heads: int, *, num_sms: int = H200_NUM_SMS, q_len: int = 1,
                max_splits: int = MAX_KV_SPLITS) -> PlanFn:
     """``plan_for(batch, hint)``: the plan a graph of ``batch`` rows captures at ``hint``,
     as the runner plans it (``graphs.plan_for_key``: q_len x heads rows, same hint)."""
-    _check_positive("q_len", q_len)
+    check_positive("q_len", q_len)
 
     @functools.cache
     def plan_for(batch: int, hint: int) -> LaunchPlan:
@@ -190,9 +190,9 @@ class TimingTable:
             if len(key) != 3:
                 raise ValueError(f"timing keys are (context, batch, splits), got {key!r}")
             for name, value in zip(("context", "batch"), key[:2], strict=True):
-                _check_positive(f"timing key {name}", value)
+                check_positive(f"timing key {name}", value)
             if not (isinstance(key[2], str) and key[2]):
-                _check_positive("timing key splits", key[2])
+                check_positive("timing key splits", key[2])
             if not (isinstance(us, (int, float)) and math.isfinite(us) and us > 0):
                 raise ValueError(f"time for {key} must be a positive finite us, got {us!r}")
             by_shape[(key[0], key[1])][key[2]] = float(us)
@@ -221,6 +221,7 @@ class TimingTable:
         return self.us(context, batch, splits) / self.oracle[(context, batch)][1]
 
 
-def _check_positive(name: str, value: object) -> None:
+def check_positive(name: str, value: object) -> None:
+    """ValueError unless ``value`` is an int >= 1 (bools refused), naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
