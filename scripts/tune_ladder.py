@@ -14,10 +14,13 @@ measurement count and the estimated GPU time, and exits.
         --plot OUT/h200-ladder-tune.png
 
 The balanced topology serves ragged batches only (the selector replays it where a batch's
-imbalance reaches ``--balanced-imbalance``; a uniform batch never does), so it is not
-timed here: uniform batches cannot select it. ``bench/ladder_oracle.py`` times it on the
-ragged mixes against the split plans. ``--q-len N`` tunes for verify steps (q_len x heads
-query rows, as the runner plans them).
+imbalance, longest x live / total tokens, reaches the bucket's threshold; a uniform batch
+never does). After choosing the buckets the tuner times the chosen split-KV plan against
+the balanced one on ragged mixes of its own at every capture size from 2 and picks the
+threshold (``graphbucket.tuning.ragged``; ``--balanced-imbalance X`` sets it instead, 0
+off); ``bench/ladder_oracle.py`` checks it on other mixes. ``--q-len N`` tunes for verify
+steps (q_len x heads query rows, as the runner plans them; balanced graphs decode one
+token per request, so no mixes are timed).
 
 ``--from-times REPORT`` re-chooses from a saved report's timing table, without a GPU (and
 re-plots it: ``--from-times R.json --plot R.png --force``). An output that exists is only
@@ -63,6 +66,11 @@ from graphbucket.tuning.grid import (  # noqa: E402
     times_from_rows,
     times_to_rows,
 )
+from graphbucket.tuning.ragged import (  # noqa: E402
+    RaggedSample,
+    choose_imbalance,
+    tuner_mixes,
+)
 from graphbucket.tuning.shipped import KV_CACHE_FORMATS  # noqa: E402
 
 CONTEXTS = [1, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 102400, 131072]
@@ -78,6 +86,21 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def imbalance_arg(text: str) -> str | float:
+    """argparse type: "auto" or a number (0: off, else > 1)."""
+    if text == "auto":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto, 0 or a number > 1, got {text!r}"
+                                         ) from None
+    if value != 0 and not value > 1:
+        raise argparse.ArgumentTypeError(f"{value}: use auto, 0 (off) or a number > 1 (a "
+                                         "uniform batch has imbalance 1)")
     return value
 
 
@@ -117,10 +140,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--shared-hints", action="store_true",
                     help="one hint per bucket for every batch size (default: each measured "
                          "batch size gets its own hint; bounds are shared either way)")
-    ap.add_argument("--balanced-imbalance", type=float, default=DEFAULT_BALANCED_IMBALANCE,
+    ap.add_argument("--balanced-imbalance", type=imbalance_arg, default="auto",
                     help="ragged batches (longest x live / total tokens at least this) in "
                          f"buckets above {BALANCED_ABOVE} tokens replay a balanced graph; 0: "
-                         "never (default: %(default)s, from bench/results/h200-ragged.md)")
+                         "never; auto (default): chosen from ragged mixes timed after the "
+                         f"buckets (from the report's with --from-times; "
+                         f"{DEFAULT_BALANCED_IMBALANCE} where none were timed)")
     ap.add_argument("--kv-cache", choices=KV_CACHE_FORMATS, default=None,
                     help="latent cache format to time (default: bf16; with --from-times, "
                          "the report's)")
@@ -151,9 +176,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.q_len > min(args.contexts or [args.max_model_len]) and args.contexts:
         ap.error(f"--contexts {args.contexts} has lengths below --q-len {args.q_len}; a "
                  "verify step's length counts its q_len tokens")
-    if args.balanced_imbalance != 0 and not args.balanced_imbalance > 1:
-        ap.error(f"--balanced-imbalance {args.balanced_imbalance}: use 0 (off) or a number "
-                 "> 1 (a uniform batch has imbalance 1)")
     if args.report is not None and args.report.suffix == ".md":
         ap.error(f"--report {args.report}: pass a .json path (its .md is written beside it)")
     outputs = [args.out, args.report, args.report and args.report.with_suffix(".md"), args.plot]
@@ -268,12 +290,68 @@ def measure(args: argparse.Namespace) -> tuple[dict, dict]:
     return times, meta
 
 
+def measure_ragged(args: argparse.Namespace, ladder, meta: dict) -> list[RaggedSample]:
+    """Time the tuned ladder's split-KV plan against the balanced plan on the tuner's ragged
+    mixes at every measured batch size from 2 (``tuner_mixes``)."""
+    from graphbucket.plan import plan_balanced_mla_decode
+    from graphbucket.tuning.measure import PlanTimer, Progress, time_ragged
+
+    heads, num_sms = meta["num_heads"], meta["num_sms"]
+    mixes = [(b, name, lens) for b in meta["batches"]
+             for name, lens in tuner_mixes(b, args.max_model_len, above=BALANCED_ABOVE)]
+    if not mixes:
+        return []
+    plan_for = hint_plans(heads, num_sms=num_sms)
+
+    def split_for(batch: int, lens: list[int]):
+        return plan_for(batch, ladder.hints_for(batch)[ladder.bucket_for(max(lens))])
+
+    def balanced_for(batch: int):
+        return plan_balanced_mla_decode(batch, heads, num_sms=num_sms)
+
+    top = max(b for b, _, _ in mixes)
+    timer = PlanTimer(-(-max(sum(lens) for *_, lens in mixes) // top), top, heads,
+                      kv_cache=meta["kv_cache"],
+                      max_splits=max(split_for(b, lens).num_kv_splits for b, _, lens in mixes),
+                      max_items=max(balanced_for(b).max_work_items for b, _, _ in mixes))
+    print(f"ragged mixes: {len(mixes)} at batches {sorted({b for b, _, _ in mixes})}, split "
+          "against balanced", flush=True)
+    try:
+        return time_ragged(timer, mixes, split_for, balanced_for,
+                           progress=Progress(len(mixes), 0.3 * len(mixes),
+                                             enabled=not args.quiet))
+    except ValueError as e:  # a format the balanced kernels do not decode
+        print(f"balanced plans cannot run here ({e}); the balanced topology stays off",
+              flush=True)
+        return []
+
+
+def ragged_switch(args: argparse.Namespace, ladder, meta: dict,
+                  saved: list[RaggedSample]) -> tuple[float, dict | None]:
+    """The ladder's balanced threshold, and the report's ragged section (or None)."""
+    if args.balanced_imbalance != "auto":
+        return float(args.balanced_imbalance), None
+    samples = saved
+    if not samples and not args.from_times and meta.get("q_len", 1) == 1:
+        samples = measure_ragged(args, ladder, meta)
+    if not samples:
+        print(f"no ragged mixes timed: balanced threshold {DEFAULT_BALANCED_IMBALANCE} "
+              "(the default)")
+        return DEFAULT_BALANCED_IMBALANCE, None
+    threshold, summary = choose_imbalance(samples)
+    print(f"balanced threshold {threshold or 'off'}: worst {summary['worst_over_best']} "
+          f"over the faster plan per mix (off: {summary['off_worst_over_best']}, always: "
+          f"{summary['always_worst_over_best']})", flush=True)
+    return threshold, {"samples": [s.to_dict() for s in samples], "summary": summary}
+
+
 def load_times(args: argparse.Namespace) -> tuple[dict, dict]:
     """The timing table and meta of a saved report, narrowed to ``--batches``/``--contexts``."""
     data = json.loads(args.from_times.read_text())
     if "times" not in data or "meta" not in data:
         sys.exit(f"{args.from_times} has no 'times'/'meta'; pass a report this script wrote")
     meta, times = dict(data["meta"]), times_from_rows(data["times"])
+    meta["ragged_samples"] = data.get("ragged", {}).get("samples", [])
     if timed_plans(data["times"]):
         meta["timed"] = "plans"
     if args.q_len != meta.setdefault("q_len", 1):
@@ -338,6 +416,18 @@ def report_markdown(report: dict) -> str:
                 summary else "") + ".", "",
              "| context | batch | oracle us (splits) | tuned us (splits) | tuned x | "
              "default us (splits) | default x |", "|---|---|---|---|---|---|---|"]
+    ragged = report.get("ragged")
+    if ragged:
+        best = ragged["summary"]
+        lines[-2:-2] = [
+            f"Balanced threshold {best['balanced_imbalance'] or 'off'} (longest x live / "
+            f"total tokens), chosen from {len(ragged['samples'])} ragged mixes: worst "
+            f"{best['worst_over_best']:.3f} over the faster of split-KV and balanced per mix "
+            f"(balanced off: {best['off_worst_over_best']:.3f}, always: "
+            f"{best['always_worst_over_best']:.3f}).", "",
+            "| batch | mix | imbalance | split-KV us | balanced us |", "|---|---|---|---|---|",
+            *(f"| {r['batch']} | {r['mix']} | {r['imbalance']:.2f} | {r['split_us']:.1f} | "
+              f"{r['balanced_us']:.1f} |" for r in ragged["samples"]), ""]
     for r in report["rows"]:
         lines.append(f"| {r['context']} | {r['batch']} | {r['oracle_us']:.1f} "
                      f"({r['oracle_splits']}) | {r['tuned_us']:.1f} ({r['tuned_splits']}) | "
@@ -437,6 +527,7 @@ def main(argv: list[str] | None = None) -> None:
               "timing table; install it with `python3 -m pip install matplotlib` and "
               "re-plot with --from-times)", file=sys.stderr)
     times, meta = load_times(args) if args.from_times else measure(args)
+    saved = [RaggedSample.from_dict(r) for r in meta.pop("ragged_samples", [])]
     too_long = [c for c in meta["contexts"] if c > args.max_model_len]
     if too_long:
         sys.exit(f"measured contexts {too_long} are above --max-model-len "
@@ -478,12 +569,12 @@ def main(argv: list[str] | None = None) -> None:
               f"{alone.summary['tuned_mean_over_oracle']} max x "
               f"{alone.summary['tuned_max_over_oracle']}")
     meta.update(max_model_len=args.max_model_len, max_buckets=args.max_buckets)
+    threshold, ragged = ragged_switch(args, result.ladder, meta, saved)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        # The timing table is of uniform batches; the ragged switch comes from its option.
-        result.ladder.with_balanced_topology(args.balanced_imbalance).save(args.out)
+        result.ladder.with_balanced_topology(threshold).save(args.out)
         print(f"wrote {args.out}")
-    report = {"meta": meta, **result.to_dict(),
+    report = {"meta": meta, **result.to_dict(), **({"ragged": ragged} if ragged else {}),
               "per_batch": {str(b): {"ladder": r.ladder.to_dict(), "summary": r.summary}
                             for b, r in per_batch.items()},
               "times": times_to_rows(times)}

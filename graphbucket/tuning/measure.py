@@ -19,8 +19,14 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 
 from graphbucket import fp8
-from graphbucket.kernels import SplitWorkspace, default_sm_scale, mla_decode
+from graphbucket.kernels import (
+    SplitWorkspace,
+    default_sm_scale,
+    mla_decode,
+    mla_decode_balanced,
+)
 from graphbucket.plan import LaunchPlan, cdiv
+from graphbucket.tuning.ragged import RaggedSample
 
 L2_FLUSH_BYTES = 4 * 60 * 1024 * 1024  # four H200 L2s: enough distinct bytes to evict it
 MAX_ROTATIONS = 32
@@ -161,14 +167,38 @@ class Problem:
         seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
         return tables.contiguous(), q, out, seq_lens
 
+    def ragged_inputs(self, lens: list[int]):
+        """``inputs`` for requests of different lengths: each table row holds its request's
+        pages (the rest of the row page 0, never read)."""
+        pages = [cdiv(n, PAGE_SIZE) for n in lens]
+        per_call, batch = max(1, sum(pages)), len(lens)
+        step_bytes = sum(kv_bytes(n, 1, self.num_heads, self.kv_cache) for n in lens)
+        rotations = max(1, min(MAX_ROTATIONS, L2_FLUSH_BYTES // step_bytes,
+                               self.num_pages // per_call))
+        perm = torch.randperm(self.num_pages, device="cuda")[: rotations * per_call].int()
+        tables = torch.zeros(rotations, batch, max(1, max(pages)), dtype=torch.int32,
+                             device="cuda")
+        for r in range(rotations):
+            for b, row in enumerate(perm[r * per_call:(r + 1) * per_call].split(pages)):
+                tables[r, b, :row.numel()] = row
+        q = torch.randn(rotations, batch, self.num_heads, QK_DIM, dtype=torch.bfloat16,
+                        device="cuda")
+        out = torch.empty(rotations, batch, self.num_heads, KV_LORA_RANK,
+                          dtype=torch.bfloat16, device="cuda")
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        return tables, q, out, seq_lens
+
 
 def rotated_calls(problem: Problem, tables, q, out, seq_lens, ws: SplitWorkspace | None,
                   plan: LaunchPlan, scale: float, q_len: int = 1) -> Callable[[], None]:
     """One decode call per rotation, each over its own pages: what one graph replay runs."""
+    decode = mla_decode_balanced if plan.balanced else mla_decode
+    extra = {} if plan.balanced else {"q_len": q_len}
+
     def call():
         for r in range(tables.shape[0]):
-            mla_decode(q[r], problem.cache, tables[r], seq_lens, out[r], ws, plan=plan,
-                       sm_scale=scale, kv_scale=problem.kv_scale, q_len=q_len, check=False)
+            decode(q[r], problem.cache, tables[r], seq_lens, out[r], ws, plan=plan,
+                   sm_scale=scale, kv_scale=problem.kv_scale, check=False, **extra)
     return call
 
 
@@ -192,11 +222,14 @@ class Progress:
 
 
 class PlanTimer:
-    """Times plans at uniform (context, batch) shapes over one cache allocation (reused
-    by every measurement, refinement rounds included). CUDA only."""
+    """Times plans at uniform (context, batch) shapes, and at ragged lengths (``time_lens``,
+    balanced plans too), over one cache allocation (reused by every measurement, refinement
+    rounds included). ``max_items``: the most balanced work items a plan timed has. CUDA
+    only."""
 
     def __init__(self, max_context: int, max_batch: int, num_heads: int, *, q_len: int = 1,
-                 kv_cache: str = "bf16", max_splits: int = 1, seed: int = 0) -> None:
+                 kv_cache: str = "bf16", max_splits: int = 1, max_items: int = 0,
+                 seed: int = 0) -> None:
         if not torch.cuda.is_available():
             raise RuntimeError("PlanTimer times CUDA-graph replays and needs a CUDA GPU; "
                                "choose from a saved table instead (tune_ladder.py "
@@ -205,16 +238,43 @@ class PlanTimer:
         self.q_len, self.rows = q_len, num_heads * q_len
         self.problem = Problem(max_context * max_batch, self.rows, kv_cache)
         self.ws = SplitWorkspace.allocate(max_batch, self.rows, max(1, max_splits),
-                                          KV_LORA_RANK, "cuda")
+                                          KV_LORA_RANK, "cuda", max_items=max_items)
         self.scale = default_sm_scale()
         warm_gpu()
 
     def time(self, context: int, batch: int, plans: Mapping[str, LaunchPlan]
              ) -> dict[str, float]:
         """``{label: us per call}`` of each plan at ``batch`` requests of ``context``."""
-        tables, q, out, seq_lens = self.problem.inputs(context, batch)
+        return self._time(self.problem.inputs(context, batch), plans)
+
+    def time_lens(self, lens: list[int], plans: Mapping[str, LaunchPlan]) -> dict[str, float]:
+        """``{label: us per call}`` of each plan over requests of lengths ``lens``."""
+        return self._time(self.problem.ragged_inputs(lens), plans)
+
+    def _time(self, inputs, plans: Mapping[str, LaunchPlan]) -> dict[str, float]:
+        tables, q, out, seq_lens = inputs
         return {label: time_replays(
             rotated_calls(self.problem, tables, q, out, seq_lens, self.ws, plan, self.scale,
                           self.q_len),
             calls_per_graph=tables.shape[0], reps=TUNE_REPS, min_ms=SAMPLE_MS)
             for label, plan in plans.items()}
+
+
+def time_ragged(timer: PlanTimer, mixes: Iterable[tuple[int, str, list[int]]],
+                split_for: Callable[[int, list[int]], LaunchPlan],
+                balanced_for: Callable[[int], LaunchPlan], *,
+                progress: Progress | None = None) -> list[RaggedSample]:
+    """Each (batch, mix, lengths) timed with the ladder's split-KV plan (``split_for``) and
+    the balanced plan (``balanced_for``), over ``timer``'s cache."""
+    samples = []
+    for batch, name, lens in mixes:
+        times = timer.time_lens(lens, {"split": split_for(batch, lens),
+                                       "balanced": balanced_for(batch)})
+        sample = RaggedSample(batch, name, tuple(lens), round(times["split"], 3),
+                              round(times["balanced"], 3))
+        samples.append(sample)
+        if progress is not None:
+            progress.step(f"b={batch} {name} (imbalance {sample.imbalance:.2f}): split "
+                          f"{sample.split_us:.1f} us, balanced {sample.balanced_us:.1f} us",
+                          0.3)
+    return samples

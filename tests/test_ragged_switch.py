@@ -1,0 +1,178 @@
+"""CPU tests for the tuner's ragged switch: the balanced threshold chosen from timed mixes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from graphbucket.ladder import BALANCED_ABOVE, BucketLadder, default_ladder
+from graphbucket.select import GraphSelector
+from graphbucket.tuning.grid import hints_to_measure, plan_splits, splits_to_measure, times_to_rows
+from graphbucket.tuning.ragged import (
+    RaggedSample,
+    choose_imbalance,
+    imbalance,
+    ratios_at,
+    threshold_candidates,
+    tuner_mixes,
+)
+
+pytestmark = pytest.mark.host
+
+
+def sample(batch: int, lens: list[int], split_us: float, balanced_us: float) -> RaggedSample:
+    return RaggedSample(batch, f"m{len(lens)}-{max(lens)}", tuple(lens), split_us, balanced_us)
+
+
+def test_imbalance_is_longest_times_live_over_total_and_skips_padding():
+    assert imbalance([100, 100, 100]) == 1.0
+    assert imbalance([300, 100, 0, 0]) == pytest.approx(300 * 2 / 400)
+    assert imbalance([0, 0]) == 1.0
+
+
+@pytest.mark.parametrize("batch", [2, 3, 4, 8, 64, 128])
+def test_tuner_mixes_are_ragged_above_the_balanced_bound_and_out_of_the_oracles_sample(batch):
+    top = 131072
+    mixes = tuner_mixes(batch, top, above=BALANCED_ABOVE)
+    assert mixes and len({tuple(sorted(lens)) for _, lens in mixes}) == len(mixes)
+    for name, lens in mixes:
+        assert len(lens) == batch, name
+        assert max(lens) > BALANCED_ABOVE and imbalance(lens) > 1.0, name
+        # bench/ladder_oracle.py's mixes end at max_model_len or at 8192 tokens.
+        assert max(lens) not in (top, 8192), name
+    assert tuner_mixes(1, top, above=BALANCED_ABOVE) == []
+    assert tuner_mixes(batch, 4096, above=BALANCED_ABOVE) == []  # nothing above the bound
+
+
+def test_threshold_candidates_split_the_samples_every_distinct_way():
+    samples = [sample(4, [4000, 1000, 1000, 1000], 1, 2), sample(4, [8000, 100, 100, 100], 1, 2)]
+    values = sorted(s.imbalance for s in samples)
+    cands = threshold_candidates(samples)
+    assert cands[0] == 0.0
+    assert 1.0 < cands[1] < values[0] < cands[2] < values[1]
+
+
+def test_balanced_chosen_exactly_where_it_wins():
+    rng = random.Random(3)
+    samples = []
+    for _ in range(30):
+        batch = rng.choice([2, 4, 8, 16, 64])
+        long = rng.randrange(10_000, 130_000)
+        lens = [long] + [rng.randrange(1, 4000) for _ in range(batch - 1)]
+        # balanced pays only from imbalance 4 on in this toy cost model
+        wins = imbalance(lens) >= 4
+        samples.append(sample(batch, lens, 100.0, 60.0 if wins else 150.0))
+    assert any(imbalance(s.lens) >= 4 for s in samples)
+    assert any(imbalance(s.lens) < 4 for s in samples)
+    threshold, summary = choose_imbalance(samples)
+    assert summary["worst_over_best"] == 1.0
+    assert all(r == 1.0 for r in ratios_at(samples, threshold))
+    assert summary["off_worst_over_best"] == pytest.approx(100 / 60, abs=1e-3)
+    assert summary["always_worst_over_best"] == 1.5
+    # The selector, built from the chosen threshold, replays balanced exactly on the wins.
+    ladder = BucketLadder.from_dict({"max_model_len": 131072, "buckets": [
+        {"max_len": 4096, "hint": 4096}, {"max_len": 131072, "hint": 131072}]})
+    selector = GraphSelector(ladder.with_balanced_topology(threshold), [2, 4, 8, 16, 64])
+    for s in samples:
+        key = selector.choose(list(s.lens))
+        assert key.balanced == (s.balanced_us < s.split_us), (s, threshold)
+
+
+def test_balanced_off_when_it_never_wins_and_ties_go_to_fewer_balanced_graphs():
+    losing = [sample(8, [100_000] + [1000] * 7, 100.0, 130.0),
+              sample(8, [50_000] * 4 + [2000] * 4, 100.0, 180.0)]
+    assert choose_imbalance(losing)[0] == 0.0
+    tied = [sample(8, [100_000] + [1000] * 7, 100.0, 100.0)]
+    assert choose_imbalance(tied)[0] == 0.0
+    winning = [sample(8, [100_000] + [1000] * 7, 100.0, 50.0),
+               sample(8, [50_000] * 4 + [2000] * 4, 100.0, 90.0)]
+    threshold, _ = choose_imbalance(winning)
+    assert 1.0 < threshold < min(s.imbalance for s in winning)
+    with pytest.raises(ValueError, match="at least one"):
+        choose_imbalance([])
+
+
+def test_samples_round_trip_through_json():
+    s = sample(4, [9000, 10, 10, 10], 12.5, 7.25)
+    assert RaggedSample.from_dict(json.loads(json.dumps(s.to_dict()))) == s
+
+
+def _tune_script():
+    path = Path(__file__).resolve().parents[1] / "scripts" / "tune_ladder.py"
+    spec = importlib.util.spec_from_file_location("tune_ladder", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def _report_with_mixes(tmp_path: Path, samples: list[RaggedSample] | None) -> Path:
+    contexts, top = [64, 1024, 8192, 16384], 16384
+    splits_for = plan_splits(16, num_sms=132)
+    hints = hints_to_measure(contexts, top, ladders=[default_ladder(top)])
+    per_batch = splits_to_measure([1, 8], splits_for, hints)
+    times = {(c, b, s): c / min(s, c // 64 + 1) + 5 * s
+             for b in (1, 8) for c in contexts for s in per_batch[b]}
+    meta = {"gpu": "NVIDIA H200", "num_sms": 132, "num_heads": 16, "batches": [1, 8],
+            "contexts": contexts, "command": "x", "date": "2026-12-02 01:00 UTC",
+            "torch": "t", "triton": "t", "kv_cache": "bf16"}
+    data = {"meta": meta, "times": times_to_rows(times)}
+    if samples is not None:
+        data["ragged"] = {"samples": [s.to_dict() for s in samples]}
+    path = tmp_path / "saved.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_tune_ladder_rechooses_the_threshold_from_a_reports_mixes(tmp_path: Path, capsys):
+    script = _tune_script()
+    samples = [sample(8, [12_000] + [500] * 7, 100.0, 40.0),     # imbalance ~5.8: balanced
+               sample(8, [12_000] * 4 + [3000] * 4, 100.0, 170.0)]  # ~1.6: split-KV
+    saved = _report_with_mixes(tmp_path, samples)
+    out, report = tmp_path / "ladder.json", tmp_path / "report.json"
+    script.main(["--from-times", str(saved), "--max-model-len", "16384", "--out", str(out),
+                 "--report", str(report), "--quiet"])
+    threshold = BucketLadder.load(out)[-1].balanced_imbalance
+    assert samples[1].imbalance < threshold <= samples[0].imbalance
+    again = json.loads(report.read_text())
+    assert again["ragged"]["summary"]["balanced_imbalance"] == threshold
+    assert f"Balanced threshold {threshold}" in report.with_suffix(".md").read_text()
+    # A threshold given on the command line wins; an old report without mixes keeps 1.5.
+    script.main(["--from-times", str(saved), "--max-model-len", "16384", "--out", str(out),
+                 "--balanced-imbalance", "0", "--quiet", "--force"])
+    assert BucketLadder.load(out)[-1].balanced_imbalance == 0.0
+    old = _report_with_mixes(tmp_path, None)
+    script.main(["--from-times", str(old), "--max-model-len", "16384", "--out", str(out),
+                 "--quiet", "--force"])
+    assert BucketLadder.load(out)[-1].balanced_imbalance == 1.5
+
+
+@pytest.mark.parametrize("value", ["1", "0.5", "-2", "often"])
+def test_tune_ladder_rejects_a_threshold_that_cannot_be_one(value, capsys):
+    with pytest.raises(SystemExit) as e:
+        _tune_script().parse_args(["--balanced-imbalance", value])
+    assert e.value.code == 2
+    assert "--balanced-imbalance" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_gpu_ragged_timing_sees_balanced_win_where_one_split_serialises():
+    # One 64K request among short ones on a one-split plan runs the long request on one
+    # program per head block; the balanced plan spreads it over the machine.
+    from graphbucket.plan import plan_balanced_mla_decode, plan_mla_decode
+    from graphbucket.tuning.measure import PlanTimer, time_ragged
+
+    lens = [65536] + [256] * 7
+    one_split = plan_mla_decode(8, 16, 1, num_sms=132)
+    balanced = plan_balanced_mla_decode(8, 16, num_sms=132)
+    assert one_split.num_kv_splits == 1
+    timer = PlanTimer(-(-sum(lens) // 8), 8, 16, max_items=balanced.max_work_items)
+    (s,) = time_ragged(timer, [(8, "one-long", lens)], lambda b, _: one_split,
+                       lambda b: balanced)
+    assert s.lens == tuple(lens) and s.split_us > 0 and s.balanced_us > 0
+    assert s.balanced_us * 3 < s.split_us, s
+    threshold, summary = choose_imbalance([s])
+    assert 1.0 < threshold <= s.imbalance and summary["worst_over_best"] == 1.0
