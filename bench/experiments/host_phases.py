@@ -1,11 +1,14 @@
-"""Where a host step's time goes: the BlockTable step at batch 1 and at batch 64 x 128K.
+"""Where a host step's time goes: the BlockTable step at batch 1 x 64K-128K, and at the
+largest capture size (64) at about 1K and at 120K-128K tokens (batch apart from context).
 
 Runs the capture bench's model and runner (``bench/capture_dispatch.py``), steps requests
 that grow one token a step through the runner's ``BlockTable``, and reports the median
 host time of a whole step (the table verbs included, the GPU idle before each step), then
 the same steps under cProfile: the cumulative time of each phase of ``runner.step``
 (validate, select, stage, replay) and the functions that take the most time themselves.
-cProfile inflates every call, so read its column as shares, the first as the time.
+cProfile inflates every call, so read its column as shares, the first as the time; the
+same phases are then timed apart by the wall clock (``wall_us_median``), the runner's calls
+made one by one.
 
     python3 bench/experiments/host_phases.py                 # H200, about 1 minute
     python3 bench/experiments/host_phases.py --cpu-smoke     # Triton's interpreter, small
@@ -92,7 +95,44 @@ def cell(runner, cfg, bs: int, lo: int, hi: int, steps: int, cuda: bool) -> dict
             "step_us_median": round(times[len(times) // 2], 2),
             "step_us_p90": round(times[int(len(times) * 0.9)], 2),
             "profiled_us_per_step": phase_times(stats, steps),
+            "wall_us_median": wall_split(runner, traj, steps, cuda),
             "top_functions": top_functions(profile)}
+
+
+def wall_split(runner, traj, steps: int, cuda: bool) -> dict[str, float]:
+    """Median wall-clock us of each phase of a step, timed apart without a profiler: the
+    runner's own calls in its order (validate, select, stage, replay), the GPU idle before
+    each step as in ``cell``; ``stage`` also split into the slot fill and the copies."""
+    import torch
+
+    from graphbucket.batch import BatchValidator
+
+    validate = BatchValidator(runner.spec, max_q_len=runner.selector.max_q_len,
+                              block_table=runner.block_table)
+    buffers, selector, graphs = runner.buffers, runner.selector, runner.graphs
+    names = ("table_verbs", "validate", "select", "stage", "replay", "total")
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    clock = time.perf_counter
+    for _ in range(steps):
+        lens = traj.advance()
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = clock()
+        traj.advance_table()
+        t1 = clock()
+        host = validate(traj.table_batch(lens))
+        t2 = clock()
+        key = selector.key_for(host.batch_size, host.min_len, host.max_len, host.seq_lens,
+                               host.q_len)
+        t3 = clock()
+        buffers.stage(host, key.batch_size)
+        t4 = clock()
+        graphs.replay(key)
+        t5 = clock()
+        for name, a, b in zip(names, (t0, t1, t2, t3, t4, t0), (t1, t2, t3, t4, t5, t5),
+                              strict=True):
+            samples[name].append((b - a) * 1e6)
+    return {n: round(sorted(v)[len(v) // 2], 2) for n, v in samples.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -114,12 +154,17 @@ def main(argv: list[str] | None = None) -> None:
     runner.capture()
     # Lengths that stay below max_model_len over every step (warm-up and profile included).
     hi = cfg.max_model_len - 3 * steps - 20
+    # Batch 1 long, the largest batch short (batch without context) and long (both).
+    big = max(cfg.batch_sizes)
+    short_hi = min(hi, 4 * cfg.page + 3 * steps + 20)
     cells = [cell(runner, cfg, 1, hi // 2, hi, steps, cuda),
-             cell(runner, cfg, max(cfg.batch_sizes), hi - hi // 16, hi, steps, cuda)]
+             cell(runner, cfg, big, short_hi // 2, short_hi, steps, cuda),
+             cell(runner, cfg, big, hi - hi // 16, hi, steps, cuda)]
     runner.close()
     for c in cells:
         print(f"batch {c['batch_size']} x {c['lengths']}: step median {c['step_us_median']} us "
-              f"(p90 {c['step_us_p90']}); profiled us per step {c['profiled_us_per_step']}")
+              f"(p90 {c['step_us_p90']}); profiled us per step {c['profiled_us_per_step']}"
+              f"; wall us per phase {c['wall_us_median']}")
         print("\n".join("    " + line for line in c["top_functions"]))
     if args.out:
         from bench.gpu_timing import run_meta
