@@ -6,7 +6,7 @@
 # steps: any of tests gputests sweep fisweep capture tune tunefp8 tunemtp tpot tpotfp8 tpotmtp
 #        ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp hostphases
 #        (tpotdp: TPOT of the 128-head deepseek-v3-dp preset, the compute-bound decode)
-#        (tune: 16-, 128- and 12-head ladders tuned at every capture size, each copied
+#        (tune: 16-, 128- and 12-head ladders (TUNE_HEADS) tuned at every capture size, each copied
 #        into graphbucket/ladders/ so that the TPOT steps after it run it, and checked by
 #        bench/ladder_oracle.py; tunefp8: 16-head ladders over fp8-tensor and fp8-v32
 #        caches, likewise; tunemtp: 16- and 128-head ladders for q_len 2 and 4; tpotfp8: TPOT of bf16, fp8-tensor and fp8-v32
@@ -108,7 +108,7 @@ for step in $steps; do
                   > "$R/tpot-sparse.log" 2>&1; tail -30 "$R/tpot-sparse.log" ;;
     capture) timeout 120 python3 bench/capture_dispatch.py --out "$R" > "$R/capture.log" 2>&1
              tail -20 "$R/capture.log" ;;
-    tune) for h in 16 128 12; do tune_one "$h" bf16 1; done ;;
+    tune) for h in ${TUNE_HEADS:-16 128 12}; do tune_one "$h" bf16 1; done ;;
     tunefp8) for fmt in fp8-tensor fp8-v32; do tune_one 16 "$fmt" 1; done ;;
     tunemtp) for q in 2 4; do tune_one 16 bf16 "$q"; tune_one 128 bf16 "$q"; done ;;
     tpotfp8) timeout 420 python3 bench/tpot.py --layers "${TPOT_LAYERS:-4}" --out "$R" \
