@@ -129,11 +129,33 @@ def shapes(batches: list[int], max_model_len: int, tuned: list[int], q_len: int
     return out
 
 
+def config_of(row: dict) -> tuple:
+    return row["heads"], row["kv_format"], row["q_len"]
+
+
+def merged(old: dict, new: dict) -> dict:
+    """``new``'s rows added to ``old``'s, replacing the rows of any (heads, format, q_len)
+    that ``new`` measured again; ``runs`` keeps the meta of every run whose rows remain."""
+    again = {config_of(r) for r in new["rows"]}
+    rows = [r for r in old["rows"] if config_of(r) not in again] + new["rows"]
+    runs = old.get("runs") or [{**old["meta"],
+                                "configs": sorted({config_of(r) for r in old["rows"]})}]
+    runs = [{**m, "configs": [c for c in map(tuple, m["configs"]) if c not in again]}
+            for m in runs]
+    return {"meta": new["meta"], "runs": [m for m in runs if m["configs"]] + [new["meta"]],
+            "rows": rows}
+
+
 def markdown(result: dict) -> str:
     meta, rows = result["meta"], result["rows"]
-    lines = [f"# Ladder against the oracle ({meta['gpu']})", "",
-             f"{meta['date']}, torch {meta['torch']}, triton {meta['triton']}. Command: "
-             f"`{meta['command']}`. Ladder: {meta['ladder_source']}.", "",
+    runs = result.get("runs", [meta])
+    lines = [f"# Ladder against the oracle ({meta['gpu']})", ""]
+    for entry in runs:
+        what = ", ".join(f"{h} heads {f} q_len {q}" for h, f, q in entry.get("configs", []))
+        lines += [f"{entry['date']}, torch {entry['torch']}, triton "
+                  f"{entry['triton']}{': ' + what if what else ''}. Command: "
+                  f"`{entry['command']}`. Ladder: {entry['ladder_source']}.", ""]
+    lines += [
              "Worst ladder / oracle per (heads, format, q_len, batch):", "",
              "| heads | format | q_len | batch | rows | worst ladder / oracle | at | "
              "worst fixed-max / oracle |", "|---|---|---|---|---|---|---|---|"]
@@ -406,12 +428,13 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{count} measurements, about {seconds:.0f} s of GPU time", flush=True)
     torch.manual_seed(0)
     rows = run(args, ladder, backend, device, dims)
-    result = {"meta": {**run_meta(), "ladder_source": source, "ladder": ladder.to_dict()},
+    result = {"meta": {**run_meta(), "ladder_source": source, "ladder": ladder.to_dict(),
+                       "configs": sorted({config_of(r) for r in rows})},
               "rows": rows}
     path = os.path.join(out, NAME) if out else None
     if path and args.append and os.path.exists(path + ".json"):
         with open(path + ".json") as f:
-            result["rows"] = json.load(f)["rows"] + rows
+            result = merged(json.load(f), result)
     print(markdown(result))
     if path:
         with open(path + ".json", "w") as f:

@@ -62,7 +62,8 @@ def top_functions(profile: cProfile.Profile, n: int = 12) -> list[str]:
     return [line for line in buf.getvalue().splitlines() if line.strip()][-n:]
 
 
-def cell(runner, cfg, bs: int, lo: int, hi: int, steps: int, cuda: bool) -> dict:
+def cell(runner, cfg, bs: int, lo: int, hi: int, steps: int, cuda: bool, *,
+         idle: str = "", idle_ms: float = 0.0) -> dict:
     import numpy as np
     import torch
 
@@ -76,6 +77,7 @@ def cell(runner, cfg, bs: int, lo: int, hi: int, steps: int, cuda: bool) -> dict
         lens = traj.advance()  # the scheduler's own bookkeeping: outside the timing
         if cuda:
             torch.cuda.synchronize()
+        host_idle(idle, idle_ms)
         t0 = time.perf_counter()
         traj.advance_table()
         runner.step(traj.table_batch(lens))
@@ -91,15 +93,28 @@ def cell(runner, cfg, bs: int, lo: int, hi: int, steps: int, cuda: bool) -> dict
         one_step()
     profile.disable()
     stats = pstats.Stats(profile)
-    return {"batch_size": bs, "lengths": [lo, hi], "steps": steps,
+    return {"batch_size": bs, "lengths": [lo, hi], "steps": steps, "idle": idle,
+            "idle_ms": idle_ms,
             "step_us_median": round(times[len(times) // 2], 2),
             "step_us_p90": round(times[int(len(times) * 0.9)], 2),
             "profiled_us_per_step": phase_times(stats, steps),
-            "wall_us_median": wall_split(runner, traj, steps, cuda),
+            "wall_us_median": wall_split(runner, traj, steps, cuda, idle, idle_ms),
             "top_functions": top_functions(profile)}
 
 
-def wall_split(runner, traj, steps: int, cuda: bool) -> dict[str, float]:
+def host_idle(how: str, ms: float) -> None:
+    """What the host does while a long GPU step runs, emulated on a short one: sleep (the
+    thread blocks, the core may idle) or spin (the core stays busy), for ``ms``."""
+    if how == "sleep":
+        time.sleep(ms / 1e3)
+    elif how == "spin":
+        end = time.perf_counter() + ms / 1e3
+        while time.perf_counter() < end:
+            pass
+
+
+def wall_split(runner, traj, steps: int, cuda: bool, idle: str = "", idle_ms: float = 0.0
+               ) -> dict[str, float]:
     """Median wall-clock us of each phase of a step, timed apart without a profiler: the
     runner's own calls in its order (validate, select, stage, replay), the GPU idle before
     each step as in ``cell``; ``stage`` also split into the slot fill and the copies."""
@@ -117,6 +132,7 @@ def wall_split(runner, traj, steps: int, cuda: bool) -> dict[str, float]:
         lens = traj.advance()
         if cuda:
             torch.cuda.synchronize()
+        host_idle(idle, idle_ms)
         t0 = clock()
         traj.advance_table()
         t1 = clock()
@@ -160,9 +176,16 @@ def main(argv: list[str] | None = None) -> None:
     cells = [cell(runner, cfg, 1, hi // 2, hi, steps, cuda),
              cell(runner, cfg, big, short_hi // 2, short_hi, steps, cuda),
              cell(runner, cfg, big, hi - hi // 16, hi, steps, cuda)]
+    # Is the long step's host time the code or the host after a long wait? The short batch
+    # again, the host first waiting as long as a 64 x 128K step runs (sleeping, spinning).
+    wait = 0.0 if not cuda else 6.5
+    cells += [cell(runner, cfg, big, short_hi // 2, short_hi, steps, cuda, idle=how,
+                   idle_ms=wait) for how in ("sleep", "spin")]
     runner.close()
     for c in cells:
-        print(f"batch {c['batch_size']} x {c['lengths']}: step median {c['step_us_median']} us "
+        wait = f" after {c['idle']} {c['idle_ms']} ms" if c["idle"] else ""
+        print(f"batch {c['batch_size']} x {c['lengths']}{wait}: step median "
+              f"{c['step_us_median']} us "
               f"(p90 {c['step_us_p90']}); profiled us per step {c['profiled_us_per_step']}"
               f"; wall us per phase {c['wall_us_median']}")
         print("\n".join("    " + line for line in c["top_functions"]))
