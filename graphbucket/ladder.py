@@ -11,7 +11,8 @@ given padded batch size up, plan with another hint (``Bucket.hint_for``). A buck
 also carry ``balanced_imbalance``: a batch in it whose lengths are that ragged (longest
 length x live requests >= balanced_imbalance x total tokens) replays a balanced split-KV
 graph instead (device-partitioned equal chunks, ``plan_balanced_mla_decode``): with one
-split count per row, one long request among short ones sets the step time. A
+split count per row, one long request among short ones sets the step time; like hints, the
+threshold may change with the batch size (``batch_imbalance``, ``Bucket.imbalance_for``). A
 ``BucketLadder`` is an ordered list of buckets that covers ``1..max_model_len`` exactly,
 with no gaps and no overlaps; every graph of one bucket serves the same lengths.
 
@@ -44,7 +45,7 @@ BALANCED_ABOVE = 4096
 
 _JSON_KEYS = frozenset({"max_model_len", "buckets", "meta"})
 _BUCKET_KEYS = frozenset({"max_len", "hint"})
-_BUCKET_OPTIONAL_KEYS = frozenset({"batch_hints", "balanced_imbalance"})
+_BUCKET_OPTIONAL_KEYS = frozenset({"batch_hints", "balanced_imbalance", "batch_imbalance"})
 
 
 def _as_int(name: str, value: object) -> int:
@@ -68,13 +69,16 @@ class Bucket:
     ``balanced_imbalance``: 0 (never), or the imbalance ``max_len x live / total`` (1.0 for
     a uniform batch) from which a batch of this bucket runs the balanced topology; exactly
     1.0 means every batch of one query token, uniform and single-request ones included
-    (the ``balanced-only`` policy).
+    (the ``balanced-only`` policy). ``batch_imbalance``: ``{batch_size: threshold}`` (or
+    pairs), from that padded batch size up, as ``batch_hints`` are for hints
+    (``imbalance_for``).
     """
 
     max_len: int
     hint: int
     batch_hints: tuple[tuple[int, int], ...] = ()
     balanced_imbalance: float = 0.0
+    batch_imbalance: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         # Normalise numpy / torch integers to int so buckets hash, compare and serialise
@@ -89,14 +93,47 @@ class Bucket:
                     f"Bucket(max_len={self.max_len}) has {name}={h}; a hint is a context "
                     "length the kernel plans with and must be >= 1 (use the bucket's max_len)"
                 )
-        threshold = self.balanced_imbalance
+        object.__setattr__(self, "balanced_imbalance",
+                           self._threshold("balanced_imbalance", self.balanced_imbalance))
+        object.__setattr__(self, "batch_imbalance", self._thresholds())
+
+    def _threshold(self, name: str, threshold: object) -> float:
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not (
                 threshold == 0 or threshold >= 1):
             raise ValueError(
-                f"Bucket(max_len={self.max_len}).balanced_imbalance={threshold!r}: use 0 "
+                f"Bucket(max_len={self.max_len}).{name}={threshold!r}: use 0 "
                 "(never balanced), 1 (always) or a number > 1 (a uniform batch has "
                 "imbalance 1.0)")
-        object.__setattr__(self, "balanced_imbalance", float(threshold))
+        return float(threshold)
+
+    def _thresholds(self) -> tuple[tuple[int, float], ...]:
+        raw = self.batch_imbalance
+        items = raw.items() if isinstance(raw, Mapping) else raw
+        try:
+            pairs = [(_as_int("batch_imbalance batch size", b),
+                      self._threshold(f"batch_imbalance[{b}]", t)) for b, t in items]
+        except TypeError as err:
+            raise TypeError(f"Bucket(max_len={self.max_len}).batch_imbalance must map batch "
+                            f"sizes to thresholds, got {raw!r}: {err}") from None
+        sizes = [b for b, _ in pairs]
+        if len(set(sizes)) != len(sizes) or any(b < 1 for b in sizes):
+            raise ValueError(f"Bucket(max_len={self.max_len}).batch_imbalance needs distinct "
+                             f"batch sizes >= 1, got {sorted(sizes)}")
+        return tuple(sorted(pairs))
+
+    def imbalance_for(self, batch_size: int) -> float:
+        """The balanced threshold of a graph of ``batch_size`` (padded) rows (0: never)."""
+        threshold = self.balanced_imbalance
+        for size, t in self.batch_imbalance:
+            if size > batch_size:
+                break
+            threshold = t
+        return threshold
+
+    @property
+    def has_balanced(self) -> bool:
+        """Whether some batch size of this bucket replays a balanced graph."""
+        return bool(self.balanced_imbalance or any(t for _, t in self.batch_imbalance))
 
     def _pairs(self) -> tuple[tuple[int, int], ...]:
         raw = self.batch_hints
@@ -131,12 +168,16 @@ class Bucket:
             out["batch_hints"] = {str(b): h for b, h in self.batch_hints}
         if self.balanced_imbalance:
             out["balanced_imbalance"] = self.balanced_imbalance
+        if self.batch_imbalance:
+            out["batch_imbalance"] = {str(b): t for b, t in self.batch_imbalance}
         return out
 
     def __repr__(self) -> str:
         extra = f", batch_hints={dict(self.batch_hints)}" if self.batch_hints else ""
         if self.balanced_imbalance:
             extra += f", balanced_imbalance={self.balanced_imbalance:g}"
+        if self.batch_imbalance:
+            extra += f", batch_imbalance={dict(self.batch_imbalance)}"
         return f"Bucket(max_len={self.max_len}, hint={self.hint}{extra})"
 
 
@@ -241,15 +282,19 @@ class BucketLadder:
                             self.max_model_len, meta={**self.meta, "hints": "bucket tops"})
 
     def with_balanced_topology(self, imbalance: float = DEFAULT_BALANCED_IMBALANCE, *,
-                               above: int = BALANCED_ABOVE) -> BucketLadder:
-        """The same ladder, with ``balanced_imbalance=imbalance`` in every bucket that ends
-        above ``above`` tokens (0 turns the balanced topology off there)."""
-        buckets = tuple(Bucket(b.max_len, b.hint, b.batch_hints,
-                               imbalance if b.max_len > above else b.balanced_imbalance)
+                               above: int = BALANCED_ABOVE,
+                               by_batch: Mapping[int, float] | None = None) -> BucketLadder:
+        """The same ladder, with ``balanced_imbalance=imbalance`` (and ``batch_imbalance=
+        by_batch``, none if not given) in every bucket that ends above ``above`` tokens (0
+        turns the balanced topology off there)."""
+        pairs = tuple(sorted((by_batch or {}).items()))
+        buckets = tuple(b if b.max_len <= above else
+                        Bucket(b.max_len, b.hint, b.batch_hints, imbalance, pairs)
                         for b in self.buckets)
-        return BucketLadder(buckets, self.max_model_len,
-                            meta={**self.meta, "balanced_imbalance": imbalance,
-                                  "balanced_above": above})
+        meta = {**self.meta, "balanced_imbalance": imbalance, "balanced_above": above}
+        if pairs:
+            meta["batch_imbalance"] = {str(b): t for b, t in pairs}
+        return BucketLadder(buckets, self.max_model_len, meta=meta)
 
     @property
     def ranges(self) -> tuple[tuple[int, int], ...]:
@@ -301,7 +346,8 @@ class BucketLadder:
                     or set(entry) - _BUCKET_KEYS - _BUCKET_OPTIONAL_KEYS:
                 raise ValueError(
                     f"ladder bucket {i} must be an object with keys 'max_len' and 'hint' "
-                    f"(optionally 'batch_hints', 'balanced_imbalance'), got {entry!r}"
+                    f"(optionally 'batch_hints', 'balanced_imbalance', 'batch_imbalance'), "
+                    f"got {entry!r}"
                 )
             extra = entry.get("batch_hints", {})
             if not isinstance(extra, Mapping):
@@ -312,9 +358,19 @@ class BucketLadder:
             except ValueError:
                 raise ValueError(f"ladder bucket {i}: 'batch_hints' keys must be batch "
                                  f"sizes, got {sorted(extra)}") from None
+            thresholds = entry.get("batch_imbalance", {})
+            if not isinstance(thresholds, Mapping):
+                raise ValueError(f"ladder bucket {i}: 'batch_imbalance' must map batch sizes "
+                                 f"to thresholds, got {thresholds!r}")
+            try:
+                by_batch = {int(b): t for b, t in thresholds.items()}
+            except ValueError:
+                raise ValueError(f"ladder bucket {i}: 'batch_imbalance' keys must be batch "
+                                 f"sizes, got {sorted(thresholds)}") from None
             buckets.append(Bucket(max_len=entry["max_len"], hint=entry["hint"],
                                   batch_hints=pairs,
-                                  balanced_imbalance=entry.get("balanced_imbalance", 0.0)))
+                                  balanced_imbalance=entry.get("balanced_imbalance", 0.0),
+                                  batch_imbalance=by_batch))
         return cls(tuple(buckets), data["max_model_len"], meta=data.get("meta"))
 
     @classmethod

@@ -14,8 +14,10 @@ with its own graph runner does the same with the same object (build its attentio
 metadata with ``key.hint``, capture under ``key``). Pure host arithmetic (a ``bisect``
 over the bucket bounds): nothing here reads device memory, so it is safe on every step.
 
-Ragged batches: in a bucket with ``balanced_imbalance`` > 0, a batch of two or more rows
-whose ``max_len x live requests >= balanced_imbalance x total tokens`` gets the key with
+Ragged batches: in a bucket whose threshold at the padded batch size is above 0
+(``Bucket.imbalance_for``: ``balanced_imbalance``, or ``batch_imbalance`` from some
+batch size up), a batch of two or more rows whose ``max_len x live requests >= threshold x
+total tokens`` gets the key with
 ``balanced=True`` (a balanced split-KV graph; one per batch size, since a balanced plan
 ignores the hint and its keys alias). One sum over the host lengths, only in such buckets.
 A bucket with ``balanced_imbalance`` 1 replays its balanced graph for every batch of one
@@ -77,7 +79,9 @@ class GraphSelector:
         # Precomputed so that a step allocates nothing: padded size per batch size, and the
         # key of every (q_len, capture size, bucket).
         self._padded = [0] + [sizes[bisect_left(sizes, n)] for n in range(1, sizes[-1] + 1)]
-        self._imbalance = tuple(b.balanced_imbalance for b in ladder.buckets)
+        # The balanced threshold of every (capture size, bucket).
+        self._imbalance = {bs: tuple(b.imbalance_for(bs) for b in ladder.buckets)
+                           for bs in sizes}
         self._keys: dict[int, dict[int, tuple[GraphKey, ...]]] = {}
         self._balanced_keys: dict[int, dict[int, tuple[GraphKey | None, ...]]] = {}
         for q in self.q_lens:
@@ -88,7 +92,8 @@ class GraphSelector:
             # a bucket balanced always (imbalance 1) has them at one row too.
             self._balanced_keys[q] = {
                 bs: tuple(k._replace(balanced=True) if q == 1 and (
-                    self._imbalance[k.bucket] == 1 or self._imbalance[k.bucket] and bs > 1)
+                    self._imbalance[bs][k.bucket] == 1
+                    or self._imbalance[bs][k.bucket] and bs > 1)
                     else None for k in keys[bs]) for bs in sizes}
 
     def __repr__(self) -> str:
@@ -110,7 +115,7 @@ class GraphSelector:
         # A bucket balanced always (imbalance 1) never replays its q_len-1 split graph.
         return [key for bs in reversed(self.capture_sizes) for q in reversed(self.q_lens)
                 for key in (*(k for k in self._keys[q][bs]
-                              if q != 1 or self._imbalance[k.bucket] != 1),
+                              if q != 1 or self._imbalance[bs][k.bucket] != 1),
                             *filter(None, self._balanced_keys[q][bs]))]
 
     def key(self, batch_size: int, bucket: int, *, balanced: bool = False,
@@ -174,7 +179,7 @@ class GraphSelector:
             length = min_len if min_len > 0 else _min_positive(lens)
         bucket = bisect_left(self._bounds, length)
         padded = self._padded[batch_size]
-        threshold = self._imbalance[bucket]
+        threshold = self._imbalance[padded][bucket]
         if threshold == 1 and q_len == 1:
             return self._balanced_keys[1][padded][bucket]
         if threshold and q_len == 1 and padded > 1 and lens is not None and min_len < max_len:

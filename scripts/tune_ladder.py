@@ -68,7 +68,7 @@ from graphbucket.tuning.grid import (  # noqa: E402
 )
 from graphbucket.tuning.ragged import (  # noqa: E402
     RaggedSample,
-    choose_imbalance,
+    choose_by_batch,
     tuner_mixes,
 )
 from graphbucket.tuning.shipped import KV_CACHE_FORMATS  # noqa: E402
@@ -326,23 +326,26 @@ def measure_ragged(args: argparse.Namespace, ladder, meta: dict) -> list[RaggedS
         return []
 
 
-def ragged_switch(args: argparse.Namespace, ladder, meta: dict,
-                  saved: list[RaggedSample]) -> tuple[float, dict | None]:
-    """The ladder's balanced threshold, and the report's ragged section (or None)."""
+def ragged_switch(args: argparse.Namespace, ladder, meta: dict, saved: list[RaggedSample]
+                  ) -> tuple[float, dict[int, float], dict | None]:
+    """The ladder's balanced threshold, its changes by batch size, and the report's ragged
+    section (or None)."""
     if args.balanced_imbalance != "auto":
-        return float(args.balanced_imbalance), None
+        return float(args.balanced_imbalance), {}, None
     samples = saved
     if not samples and not args.from_times and meta.get("q_len", 1) == 1:
         samples = measure_ragged(args, ladder, meta)
     if not samples:
         print(f"no ragged mixes timed: balanced threshold {DEFAULT_BALANCED_IMBALANCE} "
               "(the default)")
-        return DEFAULT_BALANCED_IMBALANCE, None
-    threshold, summary = choose_imbalance(samples)
-    print(f"balanced threshold {threshold or 'off'}: worst {summary['worst_over_best']} "
-          f"over the faster plan per mix (off: {summary['off_worst_over_best']}, always: "
-          f"{summary['always_worst_over_best']})", flush=True)
-    return threshold, {"samples": [s.to_dict() for s in samples], "summary": summary}
+        return DEFAULT_BALANCED_IMBALANCE, {}, None
+    threshold, by_batch, summary = choose_by_batch(samples)
+    print(f"balanced threshold {threshold or 'off'}, from batch sizes {by_batch or '-'}: worst "
+          f"{summary['worst_over_best']} over the faster plan per mix (one threshold for "
+          f"every batch, {summary['single_threshold'] or 'off'}: "
+          f"{summary['single_worst_over_best']}; off: {summary['off_worst_over_best']}, "
+          f"always: {summary['always_worst_over_best']})", flush=True)
+    return threshold, by_batch, {"samples": [s.to_dict() for s in samples], "summary": summary}
 
 
 def load_times(args: argparse.Namespace) -> tuple[dict, dict]:
@@ -395,6 +398,18 @@ def bucket_text(bucket: dict) -> str:
     return f"<={bucket['max_len']}: hint {bucket['hint']}" + (f" ({extra[2:]})" if extra else "")
 
 
+def by_batch_text(summary: dict) -> str:
+    changes = summary.get("batch_imbalance") or {}
+    return "".join(f", from batch {b}: {t or 'off'}" for b, t in changes.items())
+
+
+def single_text(summary: dict) -> str:
+    if "single_threshold" not in summary:
+        return ""
+    return (f"one threshold for every batch size, {summary['single_threshold'] or 'off'}: "
+            f"{summary['single_worst_over_best']:.3f}; ")
+
+
 def report_markdown(report: dict) -> str:
     """The report as a short markdown table (written beside the report JSON)."""
     meta, summary = report["meta"], report["summary"]
@@ -421,9 +436,10 @@ def report_markdown(report: dict) -> str:
         best = ragged["summary"]
         lines[-2:-2] = [
             f"Balanced threshold {best['balanced_imbalance'] or 'off'} (longest x live / "
-            f"total tokens), chosen from {len(ragged['samples'])} ragged mixes: worst "
-            f"{best['worst_over_best']:.3f} over the faster of split-KV and balanced per mix "
-            f"(balanced off: {best['off_worst_over_best']:.3f}, always: "
+            f"total tokens){by_batch_text(best)}, chosen from {len(ragged['samples'])} ragged "
+            f"mixes: worst {best['worst_over_best']:.3f} over the faster of split-KV and "
+            f"balanced per mix ({single_text(best)}balanced off: "
+            f"{best['off_worst_over_best']:.3f}, always: "
             f"{best['always_worst_over_best']:.3f}).", "",
             "| batch | mix | imbalance | split-KV us | balanced us |", "|---|---|---|---|---|",
             *(f"| {r['batch']} | {r['mix']} | {r['imbalance']:.2f} | {r['split_us']:.1f} | "
@@ -569,10 +585,10 @@ def main(argv: list[str] | None = None) -> None:
               f"{alone.summary['tuned_mean_over_oracle']} max x "
               f"{alone.summary['tuned_max_over_oracle']}")
     meta.update(max_model_len=args.max_model_len, max_buckets=args.max_buckets)
-    threshold, ragged = ragged_switch(args, result.ladder, meta, saved)
+    threshold, by_batch, ragged = ragged_switch(args, result.ladder, meta, saved)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        result.ladder.with_balanced_topology(threshold).save(args.out)
+        result.ladder.with_balanced_topology(threshold, by_batch=by_batch).save(args.out)
         print(f"wrote {args.out}")
     report = {"meta": meta, **result.to_dict(), **({"ragged": ragged} if ragged else {}),
               "per_batch": {str(b): {"ladder": r.ladder.to_dict(), "summary": r.summary}

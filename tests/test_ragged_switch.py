@@ -14,6 +14,7 @@ from graphbucket.select import GraphSelector
 from graphbucket.tuning.grid import hints_to_measure, plan_splits, splits_to_measure, times_to_rows
 from graphbucket.tuning.ragged import (
     RaggedSample,
+    choose_by_batch,
     choose_imbalance,
     imbalance,
     ratios_at,
@@ -176,3 +177,65 @@ def test_gpu_ragged_timing_sees_balanced_win_where_one_split_serialises():
     assert s.balanced_us * 3 < s.split_us, s
     threshold, summary = choose_imbalance([s])
     assert 1.0 < threshold <= s.imbalance and summary["worst_over_best"] == 1.0
+
+
+def test_bucket_thresholds_by_batch_step_like_batch_hints_and_round_trip(tmp_path: Path):
+    from graphbucket.ladder import Bucket
+    from graphbucket.tuning.shipped import clip_ladder
+
+    b = Bucket(131072, 8192, balanced_imbalance=6.0, batch_imbalance={32: 2.5, 128: 0})
+    assert [b.imbalance_for(n) for n in (2, 16, 32, 64, 128, 256)] == [6, 6, 2.5, 2.5, 0, 0]
+    assert b.has_balanced and not Bucket(64, 64).has_balanced
+    assert Bucket(64, 64, batch_imbalance={8: 3}).has_balanced
+    ladder = BucketLadder((Bucket(4096, 4096), b), 131072)
+    path = tmp_path / "l.json"
+    ladder.save(path)
+    back = BucketLadder.load(path)
+    assert back == ladder and back[1].batch_imbalance == ((32, 2.5), (128, 0.0))
+    assert "batch_imbalance" in repr(back)
+    assert clip_ladder(ladder, 65536)[1].batch_imbalance == b.batch_imbalance
+    for bad in ({8: 0.5}, {0: 2.0}, [(8, 2.0), (8, 3.0)]):
+        with pytest.raises(ValueError, match="batch_imbalance"):
+            Bucket(4096, 4096, batch_imbalance=bad)
+    with pytest.raises(ValueError, match="batch_imbalance"):
+        BucketLadder.from_dict({"max_model_len": 64, "buckets": [
+            {"max_len": 64, "hint": 64, "batch_imbalance": {"eight": 2}}]})
+
+
+def test_selector_applies_each_capture_sizes_threshold():
+    lens_of = {n: [60_000] * (n // 4) + [2000] * (n - n // 4) for n in (8, 64)}
+    assert all(3.5 < imbalance(v) < 3.7 for v in lens_of.values())
+    ladder = BucketLadder.from_dict({"max_model_len": 131072, "buckets": [
+        {"max_len": 4096, "hint": 4096}, {"max_len": 131072, "hint": 131072}]})
+    tuned = ladder.with_balanced_topology(6.0, by_batch={32: 2.5, 128: 0})
+    selector = GraphSelector(tuned, [8, 64, 128])
+    assert not selector.choose(lens_of[8]).balanced    # 3.6 < 6
+    assert selector.choose(lens_of[64]).balanced       # 3.6 >= 2.5 from batch 32 up
+    assert not selector.choose(lens_of[64] + [2000] * 60).balanced  # batch 128: off
+    one_long = [120_000] + [500] * 7
+    assert selector.choose(one_long).balanced
+    keys = selector.keys()
+    assert not any(k.balanced and k.batch_size == 128 for k in keys)
+    assert any(k.balanced and k.batch_size == 64 for k in keys)
+
+
+def test_thresholds_by_batch_follow_a_crossover_that_moves_with_the_batch():
+    rng = random.Random(5)
+    samples = []
+    for batch, crossover in ((4, 8.0), (16, 5.0), (64, 2.5)):
+        for _ in range(12):
+            long = rng.randrange(10_000, 130_000)
+            lens = [long] * rng.randrange(1, batch) + [rng.randrange(100, 4000)] * batch
+            lens = lens[:batch]
+            wins = imbalance(lens) >= crossover
+            samples.append(sample(batch, lens, 100.0, 70.0 if wins else 130.0))
+    base, by_batch, summary = choose_by_batch(samples)
+    assert summary["worst_over_best"] == 1.0
+    assert summary["single_worst_over_best"] > 1.0  # one threshold cannot follow it
+    ladder = BucketLadder.from_dict({"max_model_len": 131072, "buckets": [
+        {"max_len": 4096, "hint": 4096}, {"max_len": 131072, "hint": 131072}]})
+    selector = GraphSelector(ladder.with_balanced_topology(base, by_batch=by_batch),
+                             [4, 16, 64])
+    for s in samples:
+        assert selector.choose(list(s.lens)).balanced == (s.balanced_us < s.split_us), s
+

@@ -5,8 +5,10 @@ when ``max_len x live >= t x total tokens`` (``imbalance`` below; a uniform batc
 Whether balanced beats the ladder's split-KV graph depends on the kernels at hand (the
 heads, the cache format, the GPU), so the tuner times both on ragged mixes of its own and
 ``choose_imbalance`` picks the threshold with the smallest worst ratio to the faster of the
-two (0: balanced never pays). The mixes differ from ``bench/ladder_oracle.py``'s, which then
-checks the choice out of sample. Host arithmetic only.
+two (0: balanced never pays), for all batch sizes at once or per capture size
+(``choose_by_batch``: which plan wins changes with the rows). The mixes differ from
+``bench/ladder_oracle.py``'s, which then checks the choice out of sample. Host arithmetic
+only.
 """
 
 from __future__ import annotations
@@ -75,7 +77,8 @@ def threshold_candidates(samples: Iterable[RaggedSample]) -> list[float]:
     samples into split-KV and balanced."""
     values = sorted({round(s.imbalance, 4) for s in samples})
     below = [1.0, *values[:-1]]
-    return [0.0] + [round((lo + hi) / 2, 3) for lo, hi in zip(below, values, strict=True)]
+    # Geometric midpoints: imbalance spans 1 to the batch size, the gaps grow with it.
+    return [0.0] + [round((lo * hi) ** 0.5, 3) for lo, hi in zip(below, values, strict=True)]
 
 
 def ratios_at(samples: Sequence[RaggedSample], threshold: float) -> list[float]:
@@ -106,3 +109,28 @@ def choose_imbalance(samples: Sequence[RaggedSample]) -> tuple[float, dict[str, 
                   "mean_over_best": round(sum(chosen) / len(chosen), 4),
                   "off_worst_over_best": round(max(off), 4),
                   "always_worst_over_best": round(max(always), 4)}
+
+
+def choose_by_batch(samples: Sequence[RaggedSample]
+                    ) -> tuple[float, dict[int, float], dict[str, Any]]:
+    """``choose_imbalance`` per capture size: (the smallest batch size's threshold, the
+    batch sizes from which it changes -> their thresholds, summary). The summary compares
+    the per-batch choice with one threshold for every batch size."""
+    if not samples:
+        raise ValueError("choose_by_batch needs at least one timed ragged mix")
+    batches = sorted({s.batch for s in samples})
+    chosen = {b: choose_imbalance([s for s in samples if s.batch == b])[0] for b in batches}
+    base, changes, last = chosen[batches[0]], {}, chosen[batches[0]]
+    for b in batches[1:]:
+        if chosen[b] != last:
+            changes[b] = last = chosen[b]
+    ratios = [r for b in batches
+              for r in ratios_at([s for s in samples if s.batch == b], chosen[b])]
+    single, summary = choose_imbalance(samples)
+    summary = {**summary, "single_threshold": single,
+               "single_worst_over_best": summary["worst_over_best"],
+               "balanced_imbalance": base, "batch_imbalance": {str(b): t for b, t in
+                                                               changes.items()},
+               "worst_over_best": round(max(ratios), 4),
+               "mean_over_best": round(sum(ratios) / len(ratios), 4)}
+    return base, changes, summary

@@ -138,7 +138,8 @@ def clip_ladder(ladder: BucketLadder, max_model_len: int) -> BucketLadder:
         top = min(bucket.max_len, max_model_len)
         buckets.append(Bucket(max_len=top, hint=min(bucket.hint, max_model_len), batch_hints={
             size: min(h, max_model_len) for size, h in bucket.batch_hints},
-            balanced_imbalance=bucket.balanced_imbalance))
+            balanced_imbalance=bucket.balanced_imbalance,
+            batch_imbalance=bucket.batch_imbalance))
         lower = bucket.max_len
     meta = {**ladder.meta, "clipped_from": ladder.max_model_len}
     return BucketLadder(buckets, max_model_len, meta=meta)
