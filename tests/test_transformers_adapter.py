@@ -1,0 +1,299 @@
+"""``DeepseekDecoder`` (graphbucket.integrations.transformers) against transformers' forward.
+
+The reference is an implementation no one here wrote: transformers' own
+``DeepseekV3ForCausalLM`` / ``DeepseekV32ForCausalLM``, built from small random configs
+(float32, yarn rope whose mscale changes both the softmax scale and the rope table, MoE
+with groups), stepping with its own cache. graphbucket prefills with that forward, then
+decodes a ragged batch through ``GraphBucketRunner`` (paged latent cache, one graph per
+bucket of a small ladder, the batch crossing bucket bounds) while transformers decodes
+each request alone; every step's logits must agree within 1e-4 (relative L2) and give
+the same greedy token. V3.2 runs with top-k below the context, so the indexer's choice
+matters, and its reference keeps index keys rounded as the e4m3 index cache holds them
+(``round_new_index_keys``: transformers' indexer scores unrounded keys).
+
+Mutation tests break one rule through a clearly named function (softmax scale, rope
+layout, kv_b split, index rope) and assert that the same check fails. Host tests check
+the pieces in float64: the rope permutation, the absorption, the optional import.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import (  # noqa: E402  (after the importorskip)
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    DeepseekV32Config,
+    DeepseekV32ForCausalLM,
+    DynamicCache,
+)
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import (  # noqa: E402
+    apply_rotary_pos_emb_interleave,
+)
+
+from graphbucket import Bucket, BucketLadder, GraphBucketRunner  # noqa: E402
+from graphbucket.integrations import hf_indexer, hf_mla  # noqa: E402
+from graphbucket.integrations.transformers import DeepseekDecoder  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGE, MAX_LEN = 8, 2048
+# Hints above their buckets' tops (any hint is correct; it only changes speed) give each
+# bucket its own topology at these short contexts: 1, 2 and 4 KV splits (V3), 1, 2 and 4
+# indexer splits (V3.2).
+DENSE_LADDER = BucketLadder((Bucket(32, 32), Bucket(40, 128), Bucket(64, 256),
+                             Bucket(MAX_LEN, 256)), MAX_LEN)
+SPARSE_LADDER = BucketLadder((Bucket(16, 16), Bucket(32, 512), Bucket(64, 1024),
+                              Bucket(MAX_LEN, 2048)), MAX_LEN)
+TOLERANCE = 1e-4
+# mscale != mscale_all_dim: the rope table carries an attention factor (1.04) and the
+# softmax scale mscale_all_dim's mscale^2 (1.36), so neither is the plain one.
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
+        "original_max_position_embeddings": MAX_LEN // 8, "mscale": 1.0, "mscale_all_dim": 0.7,
+        "beta_fast": 32, "beta_slow": 1}
+# Tiny dims keep the interpreter quick; the V3.2 latent, rope and indexer widths are the
+# sparse kernels' (512, 64, 64 x 128). initializer_range 0.3 keeps greedy tokens clear.
+COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+              n_shared_experts=1, n_routed_experts=8, n_group=2, topk_group=1,
+              num_experts_per_tok=2, first_k_dense_replace=1, q_lora_rank=32,
+              qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=MAX_LEN,
+              rope_parameters=YARN, initializer_range=0.3)
+
+
+def v3_model(seed: int = 0, **overrides) -> DeepseekV3ForCausalLM:
+    torch.manual_seed(seed)
+    config = DeepseekV3Config(**{**COMMON, "kv_lora_rank": 64, "qk_rope_head_dim": 16,
+                                 **overrides})
+    return DeepseekV3ForCausalLM(config).eval()
+
+
+def v32_model(seed: int = 0, topk: int = 16) -> DeepseekV32ForCausalLM:
+    torch.manual_seed(seed)
+    config = DeepseekV32Config(**COMMON, kv_lora_rank=512, qk_rope_head_dim=64,
+                               index_topk=topk, index_head_dim=128, index_n_heads=64)
+    return DeepseekV32ForCausalLM(config).eval()
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """A decode run against transformers: the worst step's relative L2 error of the
+    logits, whether every greedy token agreed, and the graphs it replayed."""
+
+    worst: float
+    tokens_agree: bool
+    steps: int
+    plans: frozenset
+
+    @property
+    def equivalent(self) -> bool:
+        return self.worst <= TOLERANCE and self.tokens_agree
+
+
+def decode_against_transformers(model, prompt_lens, steps: int, *, seed: int = 0,
+                                round_index_keys: bool = False) -> Comparison:
+    """Prefill each prompt with the model's forward, then decode all of them as one batch
+    through the runner while transformers decodes each alone with its own cache; both
+    continue with transformers' greedy token."""
+    rng = np.random.default_rng(seed)
+    per_request = MAX_LEN // PAGE
+    num_pages = len(prompt_lens) * per_request
+    pages = rng.permutation(num_pages).astype(np.int32).reshape(len(prompt_lens), -1)
+    decoder = DeepseekDecoder(model, num_pages=num_pages, page_size=PAGE)
+    gen = torch.Generator().manual_seed(seed)
+    caches, tokens = [], []
+    for row, n in enumerate(prompt_lens):
+        cache = DynamicCache(config=model.config)
+        if round_index_keys:
+            hf_indexer.round_new_index_keys(cache)
+        logits, cache = decoder.prefill(torch.randint(0, model.config.vocab_size, (n,),
+                                                      generator=gen), pages[row], cache=cache)
+        caches.append(cache)
+        tokens.append(int(logits.argmax()))
+    worst, agree, lens = 0.0, True, list(prompt_lens)
+    ladder = SPARSE_LADDER if decoder.config.sparse else DENSE_LADDER
+    with GraphBucketRunner.for_model(decoder, max_model_len=MAX_LEN, batch_sizes=[1, 2, 3],
+                                     ladder=ladder, warmup_iters=0, progress=False) as runner:
+        runner.capture()
+        for _ in range(steps):
+            lens = [n + 1 for n in lens]
+            out = runner.step(decoder.decode_batch(lens, pages, tokens)).clone()
+            with torch.no_grad():
+                ref = torch.stack([model(torch.tensor([[t]]), cache=c, use_cache=True)
+                                   .logits[0, -1] for t, c in zip(tokens, caches, strict=True)])
+            worst = max(worst, ((out - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item())
+            agree &= bool(torch.equal(out.argmax(-1), ref.argmax(-1)))
+            tokens = ref.argmax(-1).tolist()
+        plans = frozenset(runner.plan_for(key) for key in runner.stats().replays)
+    return Comparison(worst, agree, steps, plans)
+
+
+# ---- host: the pieces, in float64 -------------------------------------------------------------
+
+
+@pytest.mark.host
+def test_permuted_rope_rows_make_half_split_rotation_equal_transformers_interleaved():
+    rope, positions = 16, torch.arange(7)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, rope, 2, dtype=torch.float64) / rope)
+    angles = positions[:, None].double() * inv_freq
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    q, k = torch.randn(2, 1, 7, rope, dtype=torch.float64).unbind(0)
+    want_q, want_k = apply_rotary_pos_emb_interleave(q[None], k[None], cos[None], sin[None])
+    order = hf_mla.rope_channel_order(rope, interleaved=True)
+
+    def half_split(x):
+        x1, x2 = x[..., :rope // 2], x[..., rope // 2:]
+        c, s = angles.cos(), angles.sin()
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+
+    assert torch.allclose(half_split(q[..., order]), want_q[0], atol=1e-12)
+    assert torch.allclose(half_split(k[..., order]), want_k[0], atol=1e-12)
+    assert torch.equal(hf_mla.rope_channel_order(rope, interleaved=False), torch.arange(rope))
+
+
+@pytest.mark.host
+def test_absorbed_kv_b_gives_the_expanded_attention_logits_and_output():
+    heads, nope, v, latent, tokens = 3, 5, 4, 8, 6
+    kv_b = torch.randn(heads * (nope + v), latent, dtype=torch.float64)
+    cached = torch.randn(tokens, latent, dtype=torch.float64)
+    q_nope = torch.randn(heads, nope, dtype=torch.float64)
+    weights = torch.randn(heads, tokens, dtype=torch.float64)
+    expanded = (cached @ kv_b.T).view(tokens, heads, nope + v)
+    k_nope, values = expanded[..., :nope], expanded[..., nope:]
+    w_uk, w_uv = hf_mla.absorb_kv_b(kv_b, heads, nope, v)
+    absorbed_logits = torch.einsum("hr,tr->ht", torch.einsum("hn,hnr->hr", q_nope, w_uk), cached)
+    assert torch.allclose(absorbed_logits, torch.einsum("hn,thn->ht", q_nope, k_nope))
+    absorbed_out = torch.einsum("hr,hrv->hv", weights @ cached, w_uv)
+    assert torch.allclose(absorbed_out, torch.einsum("ht,thv->hv", weights, values))
+
+
+@pytest.mark.host
+def test_the_softmax_scale_and_rope_table_are_the_models_yarn_ones():
+    model = v3_model()
+    decoder = DeepseekDecoder(model, num_pages=2, page_size=PAGE)
+    attention = model.model.layers[0].self_attn
+    assert decoder.config.sm_scale == attention.scaling
+    assert decoder.config.sm_scale == pytest.approx(32 ** -0.5 * (0.07 * np.log(8) + 1) ** 2)
+    factor = model.model.rotary_emb.attention_scaling
+    assert factor != 1.0  # yarn's attention factor scales cos and sin
+    cos_sin = decoder.rope[5]
+    assert torch.allclose(cos_sin[:8] ** 2 + cos_sin[8:] ** 2, torch.full((8,), factor ** 2))
+
+
+@pytest.mark.host
+def test_a_sequence_dependent_rope_and_wrong_sparse_widths_are_refused():
+    with pytest.raises(ValueError, match="dynamic"):
+        DeepseekDecoder(v3_model(rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                  "rope_theta": 10000.0}),
+                        num_pages=2, page_size=PAGE)
+    torch.manual_seed(0)
+    narrow = DeepseekV32ForCausalLM(DeepseekV32Config(
+        **COMMON, kv_lora_rank=64, qk_rope_head_dim=16, index_topk=8, index_head_dim=128,
+        index_n_heads=64))
+    with pytest.raises(ValueError, match="sparse kernels take"):
+        DeepseekDecoder(narrow, num_pages=2, page_size=PAGE)
+
+
+@pytest.mark.host
+def test_graphbucket_imports_without_transformers_and_the_adapter_says_what_to_install():
+    code = ("import sys; sys.modules['transformers'] = None\n"
+            "import graphbucket, graphbucket.models, graphbucket.integrations\n"
+            "try:\n    import graphbucket.integrations.transformers\n"
+            "except ImportError as e:\n    print('ImportError:', e)\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "pip install 'graphbucket[hf]'" in done.stdout
+
+
+# ---- interpreter: decode steps against transformers -------------------------------------------
+
+
+@pytest.mark.interpreter
+def test_deepseek_v3_decodes_like_transformers_across_buckets():
+    # Lengths 3, 9 and 16 grow to 33, 39 and 46: the batch's longest crosses 32 and 40.
+    result = decode_against_transformers(v3_model(), (3, 9, 16), steps=30)
+    assert result.equivalent, result
+    assert len(result.plans) == 3  # three buckets, each its own split topology
+
+
+@pytest.mark.interpreter
+def test_deepseek_v32_sparse_decode_picks_transformers_top_k():
+    # top-k 16 below the longest context throughout (28 -> 36, crossing the bound at 32);
+    # the short request (9 -> 17) crosses top-k on the last step.
+    result = decode_against_transformers(v32_model(topk=16), (28, 9), steps=8,
+                                         round_index_keys=True)
+    assert result.equivalent, result
+    assert len(result.plans) == 2
+
+
+def scale_without_mscale(attention) -> float:
+    return attention.qk_head_dim ** -0.5
+
+
+def pairs_read_as_halves(rope_dim: int, interleaved: bool) -> torch.Tensor:
+    return torch.arange(rope_dim)
+
+
+def values_before_keys(kv_b_weight, num_heads, nope_dim, v_dim):
+    per_head = kv_b_weight.view(num_heads, nope_dim + v_dim, -1)
+    return (per_head[:, v_dim:].contiguous(),
+            per_head[:, :v_dim].transpose(1, 2).contiguous())
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("name, broken", [("softmax_scale", scale_without_mscale),
+                                          ("rope_channel_order", pairs_read_as_halves),
+                                          ("absorb_kv_b", values_before_keys)])
+def test_a_broken_mla_rule_fails_the_equivalence_check(monkeypatch, name, broken):
+    monkeypatch.setattr(hf_mla, name, broken)
+    result = decode_against_transformers(v3_model(), (9,), steps=2)
+    assert not result.equivalent
+    assert result.worst > 100 * TOLERANCE, result
+
+
+def index_rope_interleaved(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """The attention's layout where the indexer's is half-split."""
+    half = cos_sin.shape[1] // 2
+    order = hf_mla.rope_channel_order(2 * half, interleaved=True)
+    rotated = hf_indexer.rope_first(x[..., torch.cat([order, torch.arange(2 * half,
+                                                                          x.shape[-1])])],
+                                    cos_sin)
+    return rotated
+
+
+@pytest.mark.interpreter
+def test_a_broken_index_rope_picks_other_tokens_and_fails_the_check(monkeypatch):
+    monkeypatch.setattr(hf_indexer, "index_rope", index_rope_interleaved)
+    result = decode_against_transformers(v32_model(topk=16), (24,), steps=1,
+                                         round_index_keys=True)
+    assert not result.equivalent
+    assert result.worst > 100 * TOLERANCE, result
+
+
+# ---- the README section ---------------------------------------------------------------------
+
+
+def readme_block() -> str:
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Wrap a transformers DeepSeek model", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```py\n(.*?)```", section, re.S)[0]
+
+
+@pytest.mark.interpreter
+def test_the_readme_section_runs_as_written(capsys):
+    exec(compile(readme_block(), "README.md", "exec"), {"__name__": "__readme__"})
+    printed = capsys.readouterr().out
+    error = float(re.search(r"relative L2 error against transformers (\S+)", printed)[1])
+    assert error <= TOLERANCE, printed
