@@ -199,8 +199,9 @@ class LaunchPlan:
         fp8 = "" if self.fp8 == Fp8Stream() else f" fp8={self.fp8.describe()}"
         if self.balanced:
             return (f"balanced programs={self.persistent_programs} grid={self.grid} "
-                    f"block_h={self.block_h} block_n={self.block_n}{self._layout} "
-                    f"min_chunk={self.min_chunk_tiles} +merge(bs={self.merge_block_s}){fp8}")
+                    f"block_h={self.block_h} block_n={self.block_n}{self._layout}"
+                    f"{' seesaw' if self.seesaw else ''} min_chunk={self.min_chunk_tiles} "
+                    f"+merge(bs={self.merge_block_s}){fp8}")
         stage2 = f"+merge(bs={self.merge_block_s})" if self.use_stage2 else " one-split"
         if self.merges_in_stage1:
             chunks = f", {self.merge_chunks} column blocks" if self.merge_chunks > 1 else ""
@@ -355,6 +356,8 @@ def plan_balanced_mla_decode(
     hint: the device picks the chunk from the live lengths, so one plan serves every
     context. ``min_chunk_tiles`` defaults to the stream's minimum tiles per split
     (a sweep of programs and minimum chunks: bench/results/h200-ragged-balanced-sweep.md).
+    ``stream=SEESAW_STREAM`` (64-row programs) runs stage 1 by the Gluon seesaw, one program
+    per work item, where ``kernels.launch.runs_seesaw`` holds.
     """
     _check_positive(batch_size=batch_size, num_heads=num_heads, num_sms=num_sms)
     block_h = stream.block_h if stream is not None and stream.block_h else \
@@ -373,4 +376,5 @@ def plan_balanced_mla_decode(
     items_per_request = cdiv(programs + batch_size, batch_size)
     return _plan(batch_size, num_heads, block_h, stream, kv_lora_rank, qk_rope_dim,
                  num_kv_splits=1, merge_block_s=merge_block_s(items_per_request),
-                 persistent_programs=programs, min_chunk_tiles=min_chunk_tiles)
+                 persistent_programs=programs, min_chunk_tiles=min_chunk_tiles,
+                 seesaw=stream.seesaw)

@@ -1,5 +1,5 @@
-"""Compile the Gluon seesaw stage 1 for sm_90 without a GPU and print what it asks for, as
-one JSON line (run by tests/test_seesaw.py in a process without Triton's interpreter):
+"""Compile the Gluon seesaw stage 1 (split-KV, and over balanced work items) for sm_90
+without a GPU and print what each asks for, as one JSON line (run by tests/test_seesaw.py in a process without Triton's interpreter):
 
     python3 -m tests.seesaw_compile [--dump DIR]
 
@@ -23,14 +23,23 @@ from triton.runtime.jit import mangle_type
 from graphbucket.kernels import seesaw
 
 
-def compile_stage1():
+POINTERS = {"BLOCK_TABLE": "*i32", "SEQ_LENS": "*i32", "OUT": "*bf16", "LSE": "*fp32",
+            "PART_O": "*fp32", "PART_LSE": "*fp32", "ITEM_INDPTR": "*i32",
+            "CHUNK_TILES": "*i32"}
+
+
+def compile_stage1(balanced: bool = False):
+    """The split-KV seesaw, or (``balanced``) the one over balanced work items."""
     q = torch.zeros(2, 128, 576, dtype=torch.bfloat16)
     cache = torch.zeros(8, 64, 576, dtype=torch.bfloat16)
     descriptors = dict(zip(("q_desc", "kv_desc"), seesaw.descriptors(q, cache), strict=True))
-    kernel = seesaw.seesaw_stage1_kernel
-    pointers = {"BLOCK_TABLE": "*i32", "SEQ_LENS": "*i32", "OUT": "*bf16", "LSE": "*fp32",
-                "PART_O": "*fp32", "PART_LSE": "*fp32"}
-    constants = {"PAGE_SIZE": 64, "ONE_SPLIT": False, "WRITE_LSE": True}
+    if balanced:
+        kernel = seesaw.seesaw_balanced_stage1_kernel
+        constants = {"PAGE_SIZE": 64, "BLOCK_B": 128}
+    else:
+        kernel = seesaw.seesaw_stage1_kernel
+        constants = {"PAGE_SIZE": 64, "ONE_SPLIT": False, "WRITE_LSE": True}
+    pointers = POINTERS
     signature = {}
     for p in kernel.params:
         if p.name in descriptors:
@@ -53,19 +62,25 @@ def main() -> None:
                         help="also write seesaw.ttgir and seesaw.ptx into DIR")
     args = parser.parse_args()
     compiled = compile_stage1()
+    balanced = compile_stage1(balanced=True)
     if args.dump:
         args.dump.mkdir(parents=True, exist_ok=True)
         for kind in ("ttgir", "ptx"):
             (args.dump / f"seesaw.{kind}").write_text(compiled.asm[kind])
+            (args.dump / f"seesaw-balanced.{kind}").write_text(balanced.asm[kind])
+    print(json.dumps({**summary(compiled), "balanced": summary(balanced)}))
+
+
+def summary(compiled) -> dict:
     registers = re.search(r"requestedRegisters = array<i32: ([\d, ]+)>", compiled.asm["ttgir"])
     ptx = compiled.asm["ptx"]
-    print(json.dumps({
+    return {
         "shared_bytes": compiled.metadata.shared,
         "requested_registers": [int(r) for r in registers.group(1).split(",")] if registers
         else None,
         "wgmma": ptx.count("wgmma.mma_async"),
         "tma_copies": ptx.count("cp.async.bulk.tensor"),
-    }))
+    }
 
 
 if __name__ == "__main__":

@@ -12,9 +12,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-from graphbucket.kernels import SplitWorkspace, default_sm_scale, mla_decode
+from graphbucket.kernels import (
+    SplitWorkspace,
+    default_sm_scale,
+    mla_decode,
+    mla_decode_balanced,
+)
 from graphbucket.kernels.launch import runs_seesaw
-from graphbucket.plan import plan_mla_decode
+from graphbucket.plan import plan_balanced_mla_decode, plan_mla_decode
 from graphbucket.plan_streams import SEESAW_STREAM
 from graphbucket.reference import mla_decode_reference
 from tests.kernel_cases import KV_LORA_RANK, make_case, rel_l2
@@ -84,6 +89,79 @@ def test_seesaw_compiles_for_sm90_within_shared_memory():
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert report["shared_bytes"] <= 227 * 1024, report
-    assert report["requested_registers"] == [240, 24], report
-    assert report["wgmma"] > 0 and report["tma_copies"] > 0, report
+    for kernel in (report, report["balanced"]):  # split-KV, and over balanced work items
+        assert kernel["shared_bytes"] <= 227 * 1024, report
+        assert kernel["requested_registers"] == [240, 24], report
+        assert kernel["wgmma"] > 0 and kernel["tma_copies"] > 0, report
+
+
+def _balanced_case(lens, heads, gen):
+    case = make_case(lens, heads, page_size=64, dtype=torch.bfloat16, device="cuda", gen=gen)
+    for b, n in enumerate(lens):  # unwritten rows past each length: NaN must not leak
+        if n % 64:
+            case.kv_cache[case.block_table[b, n // 64], n % 64:] = float("nan")
+    return case
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens", [[1], [63, 64, 65, 0], [70000] + [1000] * 15,
+                                  [1, 31, 0, 4095, 128, 129], [20000, 3, 9000, 64] * 4])
+@pytest.mark.parametrize("heads", [64, 128])
+def test_gpu_balanced_seesaw_matches_float64(lens, heads, seeded):
+    gen = torch.Generator().manual_seed(seeded)
+    case = _balanced_case(lens, heads, gen)
+    plan = plan_balanced_mla_decode(len(lens), heads, stream=SEESAW_STREAM)
+    assert plan.seesaw and runs_seesaw(plan, case.q, case.kv_cache), plan.describe()
+    sm_scale = default_sm_scale()
+    ws = SplitWorkspace.allocate(len(lens), heads, 1, KV_LORA_RANK, "cuda",
+                                 max_items=plan.max_work_items)
+    out = torch.full((len(lens), heads, KV_LORA_RANK), float("nan"), dtype=torch.bfloat16,
+                     device="cuda")
+    lse = torch.full((len(lens), heads), float("nan"), device="cuda")
+    mla_decode_balanced(case.q, case.kv_cache, case.block_table, case.seq_lens, out, ws,
+                        plan=plan, sm_scale=sm_scale, lse=lse)
+    want, want_lse = mla_decode_reference(case.q, case.kv_cache, case.block_table,
+                                          case.seq_lens, kv_lora_rank=KV_LORA_RANK,
+                                          sm_scale=sm_scale)
+    for b, n in enumerate(lens):
+        if n == 0:
+            assert (out[b] == 0).all() and (lse[b] == float("-inf")).all()
+            continue
+        assert rel_l2(out[b].double(), want[b].to(out.device)) < 1e-2, (b, n, plan.describe())
+        assert torch.allclose(lse[b].double(), want_lse[b].to(lse.device), atol=2e-2), (b, n)
+
+
+@pytest.mark.gpu
+def test_gpu_balanced_seesaw_graph_repartitions_new_lengths(seeded):
+    """Captured once, replayed with other lengths: the device partition follows them, and
+    the result matches the Triton balanced kernel on the same lengths."""
+    gen = torch.Generator().manual_seed(seeded)
+    lens_a, lens_b = [9000, 64, 0, 1] * 2, [64, 30000, 300, 0] * 2
+    case = _balanced_case([max(a, b) for a, b in zip(lens_a, lens_b, strict=True)], 128, gen)
+    plan = plan_balanced_mla_decode(len(lens_a), 128, stream=SEESAW_STREAM)
+    ws = SplitWorkspace.allocate(len(lens_a), 128, 1, KV_LORA_RANK, "cuda",
+                                 max_items=plan.max_work_items)
+    out = torch.empty(len(lens_a), 128, KV_LORA_RANK, dtype=torch.bfloat16, device="cuda")
+    seq_lens = torch.tensor(lens_a, dtype=torch.int32, device="cuda")
+    sm_scale = default_sm_scale()
+
+    def step():
+        mla_decode_balanced(case.q, case.kv_cache, case.block_table, seq_lens, out, ws,
+                            plan=plan, sm_scale=sm_scale)
+
+    step()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for lens in (lens_b, lens_a):
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        graph.replay()
+        want = torch.empty_like(out)
+        mla_decode_balanced(case.q, case.kv_cache, case.block_table, seq_lens, want, ws,
+                            plan=replace(plan, seesaw=False), sm_scale=sm_scale)
+        torch.cuda.synchronize()
+        for b, n in enumerate(lens):
+            if n:
+                assert rel_l2(out[b].float(), want[b].float()) < 5e-3, (lens, b)
+            else:
+                assert (out[b] == 0).all()

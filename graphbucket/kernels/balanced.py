@@ -20,7 +20,8 @@ among short ones sets the step time; here every work item has about the same siz
    writes a float32 partial (output, log2 LSE) to slot i.
 3. ``balanced_merge_kernel`` (request, head, dv block) merges slots
    indptr[b] .. indptr[b + 1] of requests with two or more items, and writes zeros and
-   LSE -inf for padding rows (no items); it leaves one-item requests alone.
+   LSE -inf for padding rows (no items); it leaves one-item requests alone, except after
+   a stage 1 that writes every item as a partial (the Gluon seesaw's, ``MERGE_SINGLE``).
 """
 
 from __future__ import annotations
@@ -144,6 +145,7 @@ def balanced_merge_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     WRITE_LSE: tl.constexpr,
+    MERGE_SINGLE: tl.constexpr = False,
 ):
     bid = tl.program_id(0)
     head = tl.program_id(1)
@@ -152,9 +154,9 @@ def balanced_merge_kernel(
 
     first = tl.load(ITEM_INDPTR + bid)
     request_items = tl.load(ITEM_INDPTR + bid + 1) - first
-    # One item: stage 1 wrote the output. No items (padding): the merge of nothing gives
-    # zeros and LSE -inf.
-    if request_items != 1:
+    # One item: stage 1 wrote the output (unless it writes partials only: MERGE_SINGLE).
+    # No items (padding): the merge of nothing gives zeros and LSE -inf.
+    if request_items != 1 or MERGE_SINGLE:
         acc, l_i, m_i = merge_partials(
             PART_O + first.to(tl.int64) * stride_po_i + head * stride_po_h,
             PART_LSE + first.to(tl.int64) * stride_pl_i + head,

@@ -20,6 +20,7 @@ from graphbucket.kernels.launch import (
     cache_stream_args,
     check_mla_decode_args,
     kv_tile_tokens,
+    runs_seesaw,
 )
 from graphbucket.plan import LaunchPlan, pow2_ceil
 
@@ -39,7 +40,8 @@ def mla_decode_balanced(q: torch.Tensor, kv_cache: torch.Tensor, block_table: to
                         check: bool = True) -> torch.Tensor:
     """``mla_decode`` for a balanced plan (``plan_balanced_mla_decode``): same arguments,
     same result; the workspace needs item buffers for ``plan.max_work_items`` items.
-    Three launches on fixed grids: item planner, persistent stage 1, merge."""
+    Three launches on fixed grids: item planner, persistent stage 1 (the Gluon seesaw's,
+    one program per item, where the plan asks for it and ``runs_seesaw`` holds), merge."""
     if not plan.balanced:
         raise ValueError(f"{plan.describe()} is a split-KV plan: launch it with mla_decode")
     if check:
@@ -47,9 +49,14 @@ def mla_decode_balanced(q: torch.Tensor, kv_cache: torch.Tensor, block_table: to
                               kv_scale)
     block_n = kv_tile_tokens(plan, kv_cache)
     launch_item_planner(seq_lens, workspace, plan=plan, block_n=block_n)
-    launch_balanced_stage1(q, kv_cache, block_table, seq_lens, out, workspace, plan=plan,
-                           sm_scale=sm_scale, lse=lse, block_n=block_n, kv_scale=kv_scale)
-    launch_balanced_merge(out, workspace, plan=plan, lse=lse)
+    seesaw = runs_seesaw(plan, q, kv_cache, kv_scale=kv_scale)
+    if seesaw:
+        launch_seesaw_balanced_stage1(q, kv_cache, block_table, seq_lens, workspace,
+                                      plan=plan, sm_scale=sm_scale)
+    else:
+        launch_balanced_stage1(q, kv_cache, block_table, seq_lens, out, workspace, plan=plan,
+                               sm_scale=sm_scale, lse=lse, block_n=block_n, kv_scale=kv_scale)
+    launch_balanced_merge(out, workspace, plan=plan, lse=lse, merge_single=seesaw)
     return out
 
 
@@ -92,9 +99,33 @@ def launch_balanced_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table:
     )
 
 
+def launch_seesaw_balanced_stage1(q: torch.Tensor, kv_cache: torch.Tensor,
+                                  block_table: torch.Tensor, seq_lens: torch.Tensor,
+                                  workspace: SplitWorkspace, *, plan: LaunchPlan,
+                                  sm_scale: float) -> None:
+    """Stage 1 by the Gluon seesaw over the step's items (unchecked; where ``runs_seesaw``
+    holds): every item's partial into the workspace, for the merge to combine."""
+    # Imported here: Gluon's sm_90 modules load only where the seesaw runs.
+    from graphbucket.kernels.seesaw import (
+        ROWS,
+        descriptors,
+        seesaw_balanced_stage1_kernel,
+    )
+
+    batch, heads, _ = q.shape
+    q_desc, kv_desc = descriptors(q, kv_cache)
+    part_o, part_lse = workspace.item_o, workspace.item_lse
+    seesaw_balanced_stage1_kernel[(heads // ROWS.value, plan.max_work_items)](
+        q_desc, kv_desc, block_table, seq_lens, workspace.item_indptr, workspace.chunk_tiles,
+        part_o, part_lse, batch, heads, sm_scale * LOG2E,
+        block_table.stride(0), part_o.stride(0), part_o.stride(1), part_lse.stride(0),
+        PAGE_SIZE=kv_cache.shape[1], BLOCK_B=max(128, scan_block(batch)), num_warps=4)
+
+
 def launch_balanced_merge(out: torch.Tensor, workspace: SplitWorkspace, *, plan: LaunchPlan,
-                          lse: torch.Tensor | None) -> None:
-    """Merge alone (unchecked): requests of two or more items, and zeros for padding."""
+                          lse: torch.Tensor | None, merge_single: bool = False) -> None:
+    """Merge alone (unchecked): requests of two or more items (every request with items
+    after a stage 1 that writes only partials: ``merge_single``), and zeros for padding."""
     part_o, part_lse = workspace.item_o, workspace.item_lse
     balanced_merge_kernel[plan.merge_grid](
         part_o, part_lse, workspace.item_indptr, out, out if lse is None else lse,
@@ -103,5 +134,5 @@ def launch_balanced_merge(out: torch.Tensor, workspace: SplitWorkspace, *, plan:
         out.stride(0), out.stride(1),
         0 if lse is None else lse.stride(0),
         BLOCK_S=plan.merge_block_s, BLOCK_DV=plan.merge_block_dv,
-        WRITE_LSE=lse is not None, num_warps=plan.merge_num_warps,
+        WRITE_LSE=lse is not None, MERGE_SINGLE=merge_single, num_warps=plan.merge_num_warps,
     )

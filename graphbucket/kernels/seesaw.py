@@ -29,6 +29,8 @@ Shared memory: Q 72 KB + two tiles 144 KB + row statistics 3 KB: 219 KB (of 227)
 The grid is (head blocks, batch, splits): a request's head blocks read its pages side by
 side, the second from L2. Same split formula and partials as the Triton stage 1
 (``tiles.split_range``, BLOCK_N 64), so the Triton merge kernel combines the splits.
+``seesaw_balanced_stage1_kernel`` runs the same partitions over balanced work items
+instead of splits (one long request among short ones), merged by the balanced merge.
 Requirements (``launch.runs_seesaw``): sm_90, bf16 q and cache, 64-token pages, heads a
 multiple of 64, q contiguous. Value rows past a request's length are zeroed in shared
 memory before the PV (unwritten cache rows may hold NaN).
@@ -346,6 +348,59 @@ def seesaw_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, OUT, LSE, PART_
         if WRITE_LSE:
             gl.store(LSE + bid * stride_lse_b + offs_h,
                      gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, pad)))
+
+
+@gluon.jit
+def _item_owner(ITEM_INDPTR, item, batch, BLOCK_B: gl.constexpr):
+    """The request owning work ``item``: #{j in 1..B : indptr[j] <= item}."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    owner = 0
+    for b0 in range(0, batch, BLOCK_B):
+        offs = b0 + gl.arange(0, BLOCK_B, layout)
+        ends = gl.load(ITEM_INDPTR + 1 + offs, mask=offs < batch, other=2147483647)
+        owner += gl.sum((ends <= item).to(gl.int32), axis=0)
+    return owner
+
+
+@gluon.jit
+def seesaw_balanced_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, ITEM_INDPTR,
+                                  CHUNK_TILES, PART_O, PART_LSE, batch, num_heads,
+                                  qk_scale_log2, stride_bt_b, stride_po_i, stride_po_h,
+                                  stride_pl_i, PAGE_SIZE: gl.constexpr,
+                                  BLOCK_B: gl.constexpr):
+    """The seesaw over balanced work items (``kernels/balanced.py``'s partition of the
+    step's tiles, computed on the device): grid (head blocks, most items), program i takes
+    item i when the step has that many. Every item writes a float32 partial (log2 LSE); the
+    balanced merge combines them, one-item requests included."""
+    head_block = gl.program_id(0)
+    item = gl.program_id(1)
+    if item < gl.load(ITEM_INDPTR + batch):
+        bid = _item_owner(ITEM_INDPTR, item, batch, BLOCK_B)
+        chunk = gl.load(CHUNK_TILES) * TILE
+        start = (item - gl.load(ITEM_INDPTR + bid)) * chunk
+        end = gl.minimum(start + chunk, gl.load(SEQ_LENS + bid))  # items are non-empty
+        num_steps = gl.cdiv(gl.cdiv(end - start, TILE), 2)
+        q_s = gl.allocate_shared_memory(gl.bfloat16, [CHUNKS, ROWS, BOX], q_desc.layout)
+        kv_s = gl.allocate_shared_memory(gl.bfloat16, [2 * CHUNKS, TILE, BOX], kv_desc.layout)
+        stats_s = gl.allocate_shared_memory(
+            gl.float32, [2 * NUM_STATS, ROWS],
+            gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
+        bars = gl.allocate_shared_memory(gl.int64, [NUM_BARRIERS, 1],
+                                         mbarrier.MBarrierLayout())
+        for i in gl.static_range(NUM_BARRIERS):
+            mbarrier.init(bars.index(i), count=1)
+        fence_async_shared()
+        h0 = head_block * ROWS
+        o_ptr = PART_O + item * stride_po_i + h0 * stride_po_h
+        lse_ptr = PART_LSE + item * stride_pl_i + h0
+        gl.warp_specialize([
+            (_warpgroup_even, (q_s, kv_s, stats_s, bars, start, end, num_steps,
+                               qk_scale_log2, o_ptr, lse_ptr, stride_po_h, 1, False, False)),
+            (_warpgroup_odd, (q_s, kv_s, stats_s, bars, start, end, num_steps,
+                              qk_scale_log2, o_ptr, lse_ptr, stride_po_h, 1, False, False)),
+            (_loader, (q_desc, kv_desc, BLOCK_TABLE + bid * stride_bt_b, q_s, kv_s, bars,
+                       bid * num_heads + h0, start, end, num_steps, PAGE_SIZE)),
+        ], [4, 4], [240, 24])
 
 
 def descriptors(q: torch.Tensor, kv_cache: torch.Tensor):
