@@ -23,6 +23,13 @@ run (other heads, format or q_len) into the same DIR adds its rows to the JSON w
     python3 bench/ladder_oracle.py --heads 16 --out OUT            # the shipped ladder
     python3 bench/ladder_oracle.py --heads 128 --ladder OUT/h200-h128.json --out OUT
     python3 bench/ladder_oracle.py --dry-run                       # count and estimate
+    python3 bench/ladder_oracle.py --sparse --out OUT              # the sparse decoder's
+
+``--sparse`` checks the sparse decoder's ladder (DeepSeek-V3.2, ``--topk``; default: the
+one shipped for this GPU, else ``sparse_ladder``): its oracle is every distinct
+``plan_sparse_decode`` plan a hint captures (no balanced topology), each timed as one
+sparse decode layer (``graphbucket.tuning.measure_sparse``); it writes
+h200-ladder-oracle-sparse.{json,md,png}.
     python3 bench/ladder_oracle.py --cpu-smoke                     # interpreter, toy sizes
 """
 
@@ -149,7 +156,9 @@ def merged(old: dict, new: dict) -> dict:
 def markdown(result: dict) -> str:
     meta, rows = result["meta"], result["rows"]
     runs = result.get("runs", [meta])
-    lines = [f"# Ladder against the oracle ({meta['gpu']})", ""]
+    what = (f"Sparse decoder's ladder (top-k {meta['topk']})" if meta.get("decoder") == "sparse"
+            else "Ladder")
+    lines = [f"# {what} against the oracle ({meta['gpu']})", ""]
     for entry in runs:
         what = ", ".join(f"{h} heads {f} q_len {q}" for h, f, q in entry.get("configs", []))
         lines += [f"{entry['date']}, torch {entry['torch']}, triton "
@@ -232,7 +241,9 @@ def plot(result: dict, path: str) -> bool:
     fig.legend(handles, labels, loc="upper center", ncol=3, fontsize=8, frameon=False,
                bbox_to_anchor=(0.5, 0.93 if grid_rows > 1 else 0.90))
     title = "; ".join(f"{h} heads, {f} cache, q_len {q}" for h, f, q in configs)
-    fig.suptitle(f"Ladder over the exhaustive oracle (MLA decode 576/512), uniform batches "
+    kernel = (f"sparse MLA decode, top-k {result['meta']['topk']}"
+              if result["meta"].get("decoder") == "sparse" else "MLA decode 576/512")
+    fig.suptitle(f"Ladder over the exhaustive oracle ({kernel}), uniform batches "
                  f"(ragged mixes: the table): {title}\n"
                  f"{result['meta']['gpu']}, {result['meta']['date']}")
     fig.subplots_adjust(top=0.70 if grid_rows == 1 else 0.84, bottom=0.14 / grid_rows,
@@ -324,6 +335,17 @@ class Cases:
         return statistics.median(samples)
 
 
+def sparse_timer(args, per_batch: dict, max_tokens: int):
+    """``time_lens(lens, plans)`` of the sparse decode layer over one pair of caches."""
+    from graphbucket.tuning.measure_sparse import SparsePlanTimer
+
+    timer = SparsePlanTimer(args.max_model_len, max(args.batches), args.heads, topk=args.topk,
+                            q_len=args.q_len, kv_cache=args.kv_cache, max_tokens=max_tokens,
+                            max_splits=max(p.attention_splits for ps in per_batch.values()
+                                           for p in ps.values()))
+    return timer.time_lens
+
+
 def run(args, ladder: BucketLadder, backend, device: str, dims: dict) -> list[dict]:
     batches, heads, q_len = args.batches, args.heads, args.q_len
     tuned = ladder.meta.get("contexts", [])
@@ -335,19 +357,22 @@ def run(args, ladder: BucketLadder, backend, device: str, dims: dict) -> list[di
                           batches, q_lens=(q_len,))
     per_batch = {b: exhaustive_plans(backend, b, heads, args.max_model_len, q_len=q_len)
                  for b in batches}
-    max_splits = max(p.num_kv_splits for ps in per_batch.values() for p in ps.values())
-    max_items = max(p.max_work_items for ps in per_batch.values() for p in ps.values())
     max_tokens = max(sum(lens) for _, _, lens in todo)
-    cases = Cases(max_tokens, heads * q_len, args.kv_cache, q_len=q_len,
-                  max_batch=max(batches), max_splits=max_splits, max_items=max_items,
-                  device=device, **dims)
+    if args.sparse:
+        time_lens = sparse_timer(args, per_batch, max_tokens)
+    else:
+        max_splits = max(p.num_kv_splits for ps in per_batch.values() for p in ps.values())
+        max_items = max(p.max_work_items for ps in per_batch.values() for p in ps.values())
+        time_lens = Cases(max_tokens, heads * q_len, args.kv_cache, q_len=q_len,
+                          max_batch=max(batches), max_splits=max_splits, max_items=max_items,
+                          device=device, **dims).time
     rows, start = [], time.perf_counter()
     for i, (batch, mix, lens) in enumerate(todo):
         ladder_p = ladder_plan(selector, backend, heads, lens, q_len)
         fixed_p = ladder_plan(fixed, backend, heads, lens, q_len)
         plans = {**per_batch[batch], ladder_p.describe(): ladder_p,
                  fixed_p.describe(): fixed_p}
-        rows.append(oracle_row(cases.time(lens, plans), ladder=ladder_p, fixed_max=fixed_p,
+        rows.append(oracle_row(time_lens(lens, plans), ladder=ladder_p, fixed_max=fixed_p,
                                heads=heads, kv_format=args.kv_cache, q_len=q_len,
                                batch=batch, context=max(lens), mix=mix))
         r, elapsed = rows[-1], time.perf_counter() - start
@@ -366,6 +391,12 @@ def estimate(args, backend) -> tuple[int, float]:
                                       q_len=args.q_len)) + 1 for b in args.batches}
     est = [(math.ceil(sum(lens) / b), b, counts[b]) for b, _, lens in todo]
     pages = -(-max(sum(lens) for *_, lens in todo) // 64)
+    if args.sparse:
+        from graphbucket.tuning.measure_sparse import estimate_sparse_seconds
+
+        return sum(n for *_, n in est), estimate_sparse_seconds(
+            est, args.heads, topk=args.topk, num_pages=pages, q_len=args.q_len,
+            kv_cache=args.kv_cache)
     return sum(n for *_, n in est), estimate_seconds(
         est, args.heads * args.q_len, args.kv_cache, num_pages=pages)
 
@@ -385,6 +416,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ladder", metavar="PATH",
                     help="ladder JSON to check (default: the one shipped for this GPU, heads "
                          "and format; else default_ladder)")
+    ap.add_argument("--sparse", action="store_true",
+                    help="check the sparse decoder's ladder (DeepSeek-V3.2) against every "
+                         "sparse plan a hint captures; writes h200-ladder-oracle-sparse.*")
+    ap.add_argument("--topk", type=int, default=None,
+                    help="the sparse decoder's top-k (--sparse only; default 2048)")
     ap.add_argument("--append", action="store_true",
                     help=f"add the rows to an existing {NAME}.json in --out")
     ap.add_argument("--dry-run", action="store_true",
@@ -397,6 +433,15 @@ def main(argv: list[str] | None = None) -> None:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if min(args.batches) < 1:
         ap.error(f"--batches must be >= 1, got {args.batches}")
+    if args.sparse:
+        from graphbucket.sparse.plan import DEFAULT_TOPK
+
+        args.topk = args.topk or DEFAULT_TOPK
+        if args.cpu_smoke or args.kv_cache == "fp8-tensor" or args.topk < 1:
+            ap.error("--sparse times bf16 or fp8-v32 caches on a GPU, top-k >= 1 (no "
+                     "--cpu-smoke, no fp8-tensor)")
+    elif args.topk is not None:
+        ap.error("--topk applies to the sparse decoder; pass --sparse too")
     import torch
 
     from graphbucket import get_backend
@@ -410,8 +455,11 @@ def main(argv: list[str] | None = None) -> None:
         backend = get_backend("triton", num_sms=2, kv_lora_rank=64, qk_rope_dim=16)
     else:
         device = "cuda"
-        backend = get_backend("triton", num_sms=torch.cuda.get_device_properties(
-            0).multi_processor_count if torch.cuda.is_available() else 132)
+        num_sms = torch.cuda.get_device_properties(
+            0).multi_processor_count if torch.cuda.is_available() else 132
+        backend = get_backend("sparse", num_heads=args.heads, max_len=args.max_model_len,
+                              topk=args.topk, num_sms=num_sms) if args.sparse else \
+            get_backend("triton", num_sms=num_sms)
     if args.dry_run:
         count, seconds = estimate(args, backend)
         print(f"{count} measurements, about {seconds:.0f} s of GPU time")
@@ -428,10 +476,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{count} measurements, about {seconds:.0f} s of GPU time", flush=True)
     torch.manual_seed(0)
     rows = run(args, ladder, backend, device, dims)
+    sparse = {"decoder": "sparse", "topk": args.topk} if args.sparse else {}
     result = {"meta": {**run_meta(), "ladder_source": source, "ladder": ladder.to_dict(),
-                       "configs": sorted({config_of(r) for r in rows})},
+                       "configs": sorted({config_of(r) for r in rows}), **sparse},
               "rows": rows}
-    path = os.path.join(out, NAME) if out else None
+    path = os.path.join(out, NAME + "-sparse" * args.sparse) if out else None
     if path and args.append and os.path.exists(path + ".json"):
         with open(path + ".json") as f:
             result = merged(json.load(f), result)
@@ -452,6 +501,9 @@ def load_ladder(args, device: str) -> tuple[BucketLadder, str]:
         if ladder.max_model_len != args.max_model_len:
             sys.exit(f"--ladder {args.ladder} covers 1..{ladder.max_model_len}, not "
                      f"--max-model-len {args.max_model_len}")
+        if args.sparse and any(b.balanced_imbalance or b.batch_imbalance for b in ladder):
+            sys.exit(f"--ladder {args.ladder} has balanced buckets; the sparse decoder has no "
+                     "balanced topology (tune it with scripts/tune_ladder.py --sparse)")
         return ladder, args.ladder
     if device == "cuda":
         import torch
@@ -459,9 +511,14 @@ def load_ladder(args, device: str) -> tuple[BucketLadder, str]:
         from graphbucket.tuning.shipped import find_tuned_ladder
 
         tuned = find_tuned_ladder(torch.cuda.get_device_name(0), args.heads,
-                                  args.max_model_len, kv_cache_format=args.kv_cache)
+                                  args.max_model_len, kv_cache_format=args.kv_cache,
+                                  sparse_topk=args.topk if args.sparse else None)
         if tuned is not None:
             return tuned, "shipped for this GPU"
+    if args.sparse:
+        from graphbucket.sparse.backend import sparse_ladder
+
+        return sparse_ladder(args.max_model_len, topk=args.topk), "sparse_ladder"
     return default_ladder(args.max_model_len), "default_ladder"
 
 

@@ -3,13 +3,16 @@
 #
 # GPU evidence in one call: GPU tests, kernel sweep, capture/dispatch bench, ladder tune,
 # TPOT per policy, and the demo's GPU path. Run it on a CUDA machine.
-# steps: any of tests gputests sweep fisweep capture tune tunefp8 tunemtp tpot tpotfp8 tpotmtp
-#        ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp hostphases
+# steps: any of tests gputests sweep fisweep capture tune tunefp8 tunemtp tunesparse tpot tpotfp8
+#        tpotmtp ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp hostphases
 #        (tpotdp: TPOT of the 128-head deepseek-v3-dp preset, the compute-bound decode)
 #        (tune: 16-, 128- and 12-head ladders (TUNE_HEADS) tuned at every capture size, each copied
 #        into graphbucket/ladders/ so that the TPOT steps after it run it, and checked by
 #        bench/ladder_oracle.py; tunefp8: 16-head ladders over fp8-tensor and fp8-v32
-#        caches, likewise; tunemtp: 16- and 128-head ladders for q_len 2 and 4; tpotfp8: TPOT of bf16, fp8-tensor and fp8-v32
+#        caches, likewise; tunemtp: 16- and 128-head ladders for q_len 2 and 4; tunesparse: the
+#        16-head sparse decoder's ladder (tune_ladder.py --sparse, top-k 2048), copied in as
+#        h200-h16-sparse.json (tpotsparse after it runs it) and checked by ladder_oracle.py
+#        --sparse into h200-ladder-oracle-sparse.*; tpotfp8: TPOT of bf16, fp8-tensor and fp8-v32
 #        caches in one table, fixed-1 and the ladder, after tunefp8)
 #        (tpotmtp: TPOT of verify steps at q_len 1, 2, 4 on fewer contexts)
 #        (l2: decode time with the KV in HBM against L2-resident, 16 and 128 heads)
@@ -27,8 +30,8 @@
 # TPOT_LAYERS sets the tpot model's layer count (default 4).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-STEPS="tests gputests sweep fisweep capture tune tunefp8 tunemtp tpot tpotfp8 tpotmtp ragged demo tp
-       fp8 mtp sparse sparseab tpotsparse l2 tpotdp hostphases"
+STEPS="tests gputests sweep fisweep capture tune tunefp8 tunemtp tunesparse tpot tpotfp8 tpotmtp
+       ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp hostphases"
 usage() { sed -n '2,/^set /{/^set /d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"; }
 for arg in "$@"; do
   case $arg in
@@ -50,19 +53,22 @@ steps=${*:-tests sweep capture tune tpot}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$R/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 # One tuned ladder, every capture size: tune, copy into graphbucket/ladders/ (so that the
-# TPOT steps after it run it), then its out-of-sample oracle, appended to one file.
+# TPOT steps after it run it), then its out-of-sample oracle, appended to one file (the
+# sparse decoder's, with a 4th argument --sparse, to its own).
 tune_one() {
-  local heads=$1 fmt=$2 q=$3 name
+  local heads=$1 fmt=$2 q=$3 sparse=${4:-} name oracle=h200-ladder-oracle limit=200
+  # The sparse layer's grid: about 190 s of GPU time (tune_ladder.py --dry-run --sparse).
+  [ -n "$sparse" ] && oracle=h200-ladder-oracle-sparse limit=300
   name=$(python3 -c "from graphbucket.tuning.shipped import ladder_file_name as n
-print(n('h200', $heads, '$fmt', q_len=$q))")
-  timeout 200 python3 scripts/tune_ladder.py --heads "$heads" --kv-cache "$fmt" --q-len "$q" \
-    --max-buckets 10 --max-model-len 131072 --out "$R/$name" \
+print(n('h200', $heads, '$fmt', q_len=$q, sparse=bool('$sparse')))")
+  timeout $limit python3 scripts/tune_ladder.py --heads "$heads" --kv-cache "$fmt" --q-len "$q" \
+    $sparse --max-buckets 10 --max-model-len 131072 --out "$R/$name" \
     --report "$R/tune-${name%.json}.json" --plot "$R/tune-${name%.json}.png" --force \
     > "$R/tune-${name%.json}.log" 2>&1; tail -2 "$R/tune-${name%.json}.log"
   cp "$R/$name" "graphbucket/ladders/$name" 2>/dev/null || return
-  local append=""; [ -f "$R/h200-ladder-oracle.json" ] && append=--append
-  timeout 200 python3 bench/ladder_oracle.py --heads "$heads" --kv-cache "$fmt" --q-len "$q" \
-    --ladder "$R/$name" --out "$R" $append > "$R/oracle-${name%.json}.log" 2>&1
+  local append=""; [ -f "$R/$oracle.json" ] && append=--append
+  timeout $limit python3 bench/ladder_oracle.py --heads "$heads" --kv-cache "$fmt" --q-len "$q" \
+    $sparse --ladder "$R/$name" --out "$R" $append > "$R/oracle-${name%.json}.log" 2>&1
   grep -A12 "^Worst" "$R/oracle-${name%.json}.log" | tail -10
 }
 for step in $steps; do
@@ -111,6 +117,7 @@ for step in $steps; do
     tune) for h in ${TUNE_HEADS:-16 128 12}; do tune_one "$h" bf16 1; done ;;
     tunefp8) for fmt in fp8-tensor fp8-v32; do tune_one 16 "$fmt" 1; done ;;
     tunemtp) for q in 2 4; do tune_one 16 bf16 "$q"; tune_one 128 bf16 "$q"; done ;;
+    tunesparse) tune_one 16 bf16 1 --sparse ;;
     tpotfp8) timeout 420 python3 bench/tpot.py --layers "${TPOT_LAYERS:-4}" --out "$R" \
                --kv-cache bf16 fp8-tensor fp8-v32 --policies fixed-1 ladder \
                > "$R/tpot-fp8.log" 2>&1; tail -5 "$R/tpot-fp8.log"

@@ -7,7 +7,8 @@
   step's tiles into equal chunks, whatever the lengths); verify steps (q_len > 1), which
   the balanced kernels do not decode, replay fixed-max's graph;
 - ``ladder``: one graph per (batch size, bucket) of the tuned ladder shipped for this GPU
-  and head count, else ``default_ladder``.
+  and head count, else ``default_ladder`` (the sparse backend's: its own tuned ladder, else
+  ``sparse_ladder``).
 
 All run the same kernels; only what is frozen at capture differs.
 """
@@ -29,13 +30,19 @@ POLICIES: tuple[str, ...] = get_args(Policy)
 def device_ladder(spec: BufferSpec, max_model_len: int) -> BucketLadder:
     """The ladder tuned for this GPU, head count and cache format when one ships (an fp8
     format without one: the bf16 ladder, ``find_tuned_ladder``), else the default."""
-    if spec.device.type == "cuda" and torch.cuda.is_available():
-        name = torch.cuda.get_device_name(spec.device)
-        tuned = find_tuned_ladder(name, spec.num_heads, max_model_len,
-                                  kv_cache_format=spec.kv_cache_format)
-        if tuned is not None:
-            return tuned
-    return default_ladder(max_model_len)
+    tuned = tuned_device_ladder(spec, max_model_len)
+    return tuned if tuned is not None else default_ladder(max_model_len)
+
+
+def tuned_device_ladder(spec: BufferSpec, max_model_len: int, *,
+                        sparse_topk: int | None = None) -> BucketLadder | None:
+    """The ladder shipped for ``spec``'s GPU, head count and cache format (``sparse_topk``:
+    the sparse decoder's for that top-k), or None (no CUDA device, or none ships)."""
+    if spec.device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return find_tuned_ladder(torch.cuda.get_device_name(spec.device), spec.num_heads,
+                             max_model_len, kv_cache_format=spec.kv_cache_format,
+                             sparse_topk=sparse_topk)
 
 
 def policy_ladder(policy: Policy, max_model_len: int, ladder: BucketLadder | None = None, *,

@@ -28,12 +28,17 @@ replaced with ``--force``.
 ``--kv-cache fp8-tensor|fp8-v32`` times the kernel over a cache in that format (fewer bytes
 per token move the best split count per context); the shipped name of such a ladder is
 ``graphbucket/ladders/h200-h16-fp8-v32.json`` (``graphbucket.tuning.shipped``).
+``--sparse`` tunes the sparse decoder's ladder (DeepSeek-V3.2: ``--topk``, default 2048):
+each hint's ``plan_sparse_decode`` plan, timed as one sparse decode layer (indexer, top-k,
+sparse attention and merge: ``graphbucket.tuning.measure_sparse``) against
+``sparse_ladder``; no balanced topology (threshold 0). Shipped as ``h200-h16-sparse.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import importlib.util
 import itertools
 import json
@@ -52,7 +57,7 @@ from graphbucket.ladder import (  # noqa: E402
     default_ladder,
 )
 from graphbucket.plan import H200_NUM_SMS  # noqa: E402
-from graphbucket.tuning.choose import TuneResult, choose_ladder, choose_per_batch  # noqa: E402
+from graphbucket.tuning.choose import choose_ladder, choose_per_batch  # noqa: E402
 from graphbucket.tuning.grid import (  # noqa: E402
     bounds_with_edges,
     edge_contexts,
@@ -62,6 +67,7 @@ from graphbucket.tuning.grid import (  # noqa: E402
     plan_variants,
     plans_to_measure,
     refine_contexts,
+    sparse_hint_plans,
     timed_plans,
     times_from_rows,
     times_to_rows,
@@ -71,7 +77,13 @@ from graphbucket.tuning.ragged import (  # noqa: E402
     choose_by_batch,
     tuner_mixes,
 )
-from graphbucket.tuning.shipped import KV_CACHE_FORMATS  # noqa: E402
+from graphbucket.tuning.report import (  # noqa: E402, F401 (plot_figure: tests draw it)
+    plot_figure,
+    render_png,
+    report_markdown,
+    summary_table,
+)
+from graphbucket.tuning.shipped import KV_CACHE_FORMATS, SPARSE_DECODER  # noqa: E402
 
 CONTEXTS = [1, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 102400, 131072]
 CAPTURE_SIZES = [1, 2, 4, 8, 16, 32, 64, 128]  # the runner's capture sizes by default
@@ -149,6 +161,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--kv-cache", choices=KV_CACHE_FORMATS, default=None,
                     help="latent cache format to time (default: bf16; with --from-times, "
                          "the report's)")
+    ap.add_argument("--sparse", action="store_true",
+                    help="tune the sparse decoder's ladder (DeepSeek-V3.2: indexer, top-k, "
+                         "sparse attention; no balanced topology; with --from-times, the "
+                         "report's)")
+    ap.add_argument("--topk", type=positive_int, default=None,
+                    help="positions the sparse decoder attends per token (--sparse only; "
+                         "default 2048)")
     ap.add_argument("--quiet", action="store_true", help="no progress line per measurement")
     ap.add_argument("--force", action="store_true",
                     help="replace output files (--out, --report and its .md, --plot) that "
@@ -176,6 +195,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.q_len > min(args.contexts or [args.max_model_len]) and args.contexts:
         ap.error(f"--contexts {args.contexts} has lengths below --q-len {args.q_len}; a "
                  "verify step's length counts its q_len tokens")
+    if args.topk is not None and not args.sparse:
+        ap.error(f"--topk {args.topk} applies to the sparse decoder; pass --sparse too")
+    if args.sparse and args.kv_cache not in (None, "bf16", "fp8-v32"):
+        ap.error(f"--kv-cache {args.kv_cache}: the sparse decoder reads bf16 or fp8-v32 "
+                 "latent caches")
+    if args.sparse and args.balanced_imbalance not in ("auto", 0):
+        ap.error(f"--balanced-imbalance {args.balanced_imbalance}: sparse decode has no "
+                 "balanced topology; leave it out (the ladder has it off)")
     if args.report is not None and args.report.suffix == ".md":
         ap.error(f"--report {args.report}: pass a .json path (its .md is written beside it)")
     outputs = [args.out, args.report, args.report and args.report.with_suffix(".md"), args.plot]
@@ -189,7 +216,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def measurement_plan(args: argparse.Namespace, num_sms: int) -> dict:
     """What the tuner will time (host arithmetic): contexts, plans per batch, the count of
     measurements and their estimated GPU seconds, refinement included at its most."""
-    from graphbucket.tuning.measure import PAGE_SIZE, estimate_seconds
+    from graphbucket.tuning.measure import PAGE_SIZE
 
     heads, q_len = args.heads or 16, args.q_len
     batches = sorted(args.batches or CAPTURE_SIZES)
@@ -197,34 +224,70 @@ def measurement_plan(args: argparse.Namespace, num_sms: int) -> dict:
                       | ({args.max_model_len} if args.contexts is None else set()))
     if not args.no_edges:
         contexts = sorted(set(contexts) | set(edge_contexts(contexts, args.max_model_len)))
-    plan_for = hint_plans(heads, num_sms=num_sms, q_len=q_len)
-    hints = hints_to_measure(contexts, args.max_model_len,
-                             ladders=[default_ladder(args.max_model_len)])
-    plans = plans_to_measure(batches, plan_for, hints)
     num_pages = -(-contexts[-1] * batches[-1] // PAGE_SIZE)
-    kv_cache, rows = args.kv_cache or "bf16", heads * q_len
+    kv_cache = args.kv_cache or "bf16"
+    kind = (sparse_kind if args.sparse else dense_kind)(args, num_sms, kv_cache, num_pages)
+    plan_for = kind["plan_for"]
+    hints = hints_to_measure(contexts, args.max_model_len, ladders=[kind["baseline"]])
+    plans = plans_to_measure(batches, plan_for, hints)
     shapes = [(c, b, len(plans[b])) for c in contexts for b in batches]
     # Refinement points are geometric midpoints of the grid: at most, the costliest ones.
     mids = sorted(({round((lo * hi) ** 0.5) for lo, hi in itertools.pairwise(contexts)}
                    - set(contexts)), reverse=True)[: args.refine]
     extra = [(c, b, len(plans[b])) for c in mids for b in batches]
     # One Triton compile per kernel configuration, whatever the batch.
-    compiles = len({replace(p, batch_size=1) for by in plans.values() for p in by.values()})
-    est = estimate_seconds(shapes, rows, kv_cache, num_pages=num_pages, compiles=compiles)
-    est_extra = estimate_seconds(extra, rows, kv_cache, num_pages=num_pages)
+    compiles = len({kind["compile_key"](p) for by in plans.values() for p in by.values()})
+    est = kind["estimate"](shapes, compiles=compiles)
     return {"heads": heads, "q_len": q_len, "batches": batches, "contexts": contexts,
-            "kv_cache": kv_cache, "plans": plans, "plan_for": plan_for,
+            "kv_cache": kv_cache, "plans": plans, **kind,
             "count": sum(n for *_, n in shapes), "refine_count": sum(n for *_, n in extra),
-            "estimate_s": est, "refine_estimate_s": est_extra}
+            "estimate_s": est, "refine_estimate_s": kind["estimate"](extra)}
+
+
+def dense_kind(args: argparse.Namespace, num_sms: int, kv_cache: str, num_pages: int) -> dict:
+    """What tuning the split-KV decoder times: its plans, the ladder compared with, the
+    GPU-time estimate, the timer and the largest plan's split count."""
+    from graphbucket.tuning.measure import PlanTimer, estimate_seconds
+
+    heads, q_len = args.heads or 16, args.q_len
+    plan_for = hint_plans(heads, num_sms=num_sms, q_len=q_len)
+    return {"plan_for": plan_for, "baseline": default_ladder(args.max_model_len),
+            "estimate": functools.partial(estimate_seconds, num_heads=heads * q_len,
+                                          kv_cache=kv_cache, num_pages=num_pages),
+            "compile_key": lambda p: replace(p, batch_size=1),
+            "splits": lambda p: p.num_kv_splits, "workspace_splits": lambda p: p.num_kv_splits,
+            "timer": functools.partial(PlanTimer, num_heads=heads, q_len=q_len,
+                                       kv_cache=kv_cache), "meta": {}}
+
+
+def sparse_kind(args: argparse.Namespace, num_sms: int, kv_cache: str, num_pages: int) -> dict:
+    """``dense_kind`` for the sparse decoder: ``plan_sparse_decode`` per hint against
+    ``sparse_ladder``, timed as one sparse decode layer."""
+    from graphbucket.sparse.backend import sparse_ladder
+    from graphbucket.sparse.plan import DEFAULT_TOPK
+    from graphbucket.tuning.measure_sparse import SparsePlanTimer, estimate_sparse_seconds
+
+    heads, q_len, topk = args.heads or 16, args.q_len, args.topk or DEFAULT_TOPK
+    return {"plan_for": sparse_hint_plans(heads, topk=topk, num_sms=num_sms, q_len=q_len),
+            "baseline": sparse_ladder(args.max_model_len, topk=topk),
+            "estimate": functools.partial(estimate_sparse_seconds, num_heads=heads, topk=topk,
+                                          q_len=q_len, kv_cache=kv_cache, num_pages=num_pages),
+            "compile_key": lambda p: replace(p, num_rows=1),
+            "splits": lambda p: (p.indexer_splits, p.attention_splits),
+            "workspace_splits": lambda p: p.attention_splits,
+            "timer": functools.partial(SparsePlanTimer, num_heads=heads, topk=topk,
+                                       q_len=q_len, kv_cache=kv_cache),
+            "meta": {"decoder": SPARSE_DECODER, "topk": topk}}
 
 
 def print_plan(todo: dict, gpu: str, num_sms: int) -> None:
+    sparse = f", sparse decode (top-k {todo['meta']['topk']})" if todo["meta"] else ""
     print(f"{gpu} ({num_sms} SMs), {todo['heads']} heads, q_len {todo['q_len']}, "
-          f"{todo['kv_cache']} cache: {len(todo['contexts'])} contexts "
+          f"{todo['kv_cache']} cache{sparse}: {len(todo['contexts'])} contexts "
           f"{todo['contexts']}", flush=True)
     for batch, plans in todo["plans"].items():
         print(f"  batch {batch}: {len(plans)} plans, splits "
-              f"{[p.num_kv_splits for p in plans.values()]}")
+              f"{[todo['splits'](p) for p in plans.values()]}")
     print(f"{todo['count']} measurements, about {todo['estimate_s']:.0f} s of GPU time; "
           f"refinement: at most {todo['refine_count']} more, about "
           f"{todo['refine_estimate_s']:.0f} s", flush=True)
@@ -236,7 +299,7 @@ def measure(args: argparse.Namespace) -> tuple[dict, dict]:
     import torch
 
     from bench.gpu_timing import run_meta
-    from graphbucket.tuning.measure import PlanTimer, Progress, estimate_seconds
+    from graphbucket.tuning.measure import Progress
 
     if not torch.cuda.is_available():
         sys.exit("measuring needs a CUDA GPU; without one pass --from-times REPORT "
@@ -245,10 +308,10 @@ def measure(args: argparse.Namespace) -> tuple[dict, dict]:
     todo = measurement_plan(args, meta["num_sms"])
     print_plan(todo, meta["gpu"], meta["num_sms"])
     batches, plan_for, plans = todo["batches"], todo["plan_for"], todo["plans"]
-    rows, kv_cache = todo["heads"] * todo["q_len"], todo["kv_cache"]
-    max_splits = max(plan_for(b, args.max_model_len).num_kv_splits for b in batches)
-    timer = PlanTimer(todo["contexts"][-1], batches[-1], todo["heads"], q_len=todo["q_len"],
-                      kv_cache=kv_cache, max_splits=max_splits)
+    # Split counts grow with the hint: the top one plans the most partials to hold.
+    max_splits = max(todo["workspace_splits"](plan_for(b, args.max_model_len))
+                     for b in batches)
+    timer = todo["timer"](todo["contexts"][-1], batches[-1], max_splits=max_splits)
     progress = Progress(todo["count"], todo["estimate_s"], enabled=not args.quiet)
     times: dict = {}
 
@@ -257,8 +320,7 @@ def measure(args: argparse.Namespace) -> tuple[dict, dict]:
             for batch in batches:
                 if not by_batch[batch]:
                     continue
-                one = estimate_seconds([(context, batch, 1)], rows, kv_cache,
-                                       num_pages=timer.problem.num_pages)
+                one = todo["estimate"]([(context, batch, 1)])
                 for label, us in timer.time(context, batch, by_batch[batch]).items():
                     times[(context, batch, label)] = us
                     progress.step(f"ctx={context} b={batch} {label}: {us:.2f} us", one)
@@ -272,8 +334,7 @@ def measure(args: argparse.Namespace) -> tuple[dict, dict]:
         if not args.no_edges:
             new = sorted(set(new) | set(edge_contexts(new, args.max_model_len)) - set(contexts))
         contexts = sorted(contexts + new)
-        hints = hints_to_measure(contexts, args.max_model_len,
-                                 ladders=[default_ladder(args.max_model_len)])
+        hints = hints_to_measure(contexts, args.max_model_len, ladders=[todo["baseline"]])
         grown = plans_to_measure(batches, plan_for, hints)
         # A plan only the new contexts' hints capture is timed at every context.
         added = {b: {k: p for k, p in grown[b].items() if k not in plans[b]} for b in batches}
@@ -284,7 +345,8 @@ def measure(args: argparse.Namespace) -> tuple[dict, dict]:
         run([c for c in contexts if c not in new], added)
         plans, left = grown, left - len(new)
     meta.update(num_heads=todo["heads"], q_len=todo["q_len"], batches=batches,
-                contexts=contexts, kv_cache=kv_cache, timed="plans", edges=not args.no_edges,
+                contexts=contexts, kv_cache=todo["kv_cache"], **todo["meta"], timed="plans",
+                edges=not args.no_edges,
                 estimate_s=round(todo["estimate_s"] + todo["refine_estimate_s"], 1),
                 measured_s=round(time.perf_counter() - progress.start, 1))
     return times, meta
@@ -330,6 +392,11 @@ def ragged_switch(args: argparse.Namespace, ladder, meta: dict, saved: list[Ragg
                   ) -> tuple[float, dict[int, float], dict | None]:
     """The ladder's balanced threshold, its changes by batch size, and the report's ragged
     section (or None)."""
+    if meta.get("decoder") == SPARSE_DECODER:  # no balanced topology to switch to
+        if args.balanced_imbalance not in ("auto", 0):
+            sys.exit(f"--balanced-imbalance {args.balanced_imbalance}: the report is the sparse"
+                     " decoder's, which has no balanced topology; leave it out")
+        return 0.0, {}, None
     if args.balanced_imbalance != "auto":
         return float(args.balanced_imbalance), {}, None
     samples = saved
@@ -363,6 +430,13 @@ def load_times(args: argparse.Namespace) -> tuple[dict, dict]:
     if args.heads is not None and args.heads != meta["num_heads"]:
         sys.exit(f"{args.from_times} was measured with {meta['num_heads']} heads, not "
                  f"--heads {args.heads}; re-measure on the GPU for another head count")
+    sparse = meta.get("decoder") == SPARSE_DECODER
+    if args.sparse and not sparse:
+        sys.exit(f"{args.from_times} times the dense decoder, not --sparse; re-measure on the "
+                 "GPU with --sparse")
+    if args.topk is not None and args.topk != meta.get("topk"):
+        sys.exit(f"{args.from_times} was measured at top-k {meta['topk']}, not --topk "
+                 f"{args.topk}; re-measure on the GPU for another top-k")
     measured = meta.setdefault("kv_cache", "bf16")  # reports before fp8 ladders: bf16
     if args.kv_cache is not None and args.kv_cache != measured:
         sys.exit(f"{args.from_times} was measured over a {measured} cache, not --kv-cache "
@@ -378,152 +452,6 @@ def load_times(args: argparse.Namespace) -> tuple[dict, dict]:
                 command=shlex.join(["python3", *sys.argv]),
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
     return times, meta
-
-
-def summary_table(result: TuneResult) -> str:
-    lines = [f"tuned: {result.ladder!r}",
-             "context batch | oracle us (splits) | tuned us (splits) x | default us (splits) x"]
-    for r in result.rows:
-        lines.append(f"{r['context']:>7} {r['batch']:>5} | {r['oracle_us']:9.2f} "
-                     f"({r['oracle_splits']:>3}) | {r['tuned_us']:9.2f} ({r['tuned_splits']:>3}) "
-                     f"{r['tuned_over_oracle']:.3f} | {r['default_us']:9.2f} "
-                     f"({r['default_splits']:>3}) {r['default_over_oracle']:.3f}")
-    lines.append(", ".join(f"{k} {v}" for k, v in result.summary.items()))
-    return "\n".join(lines)
-
-
-def bucket_text(bucket: dict) -> str:
-    """``<=4096: hint 4096 (batch >= 8: 2048)`` from a bucket's JSON."""
-    extra = "".join(f", batch >= {b}: {h}" for b, h in bucket.get("batch_hints", {}).items())
-    return f"<={bucket['max_len']}: hint {bucket['hint']}" + (f" ({extra[2:]})" if extra else "")
-
-
-def by_batch_text(summary: dict) -> str:
-    changes = summary.get("batch_imbalance") or {}
-    return "".join(f", from batch {b}: {t or 'off'}" for b, t in changes.items())
-
-
-def single_text(summary: dict) -> str:
-    if "single_threshold" not in summary:
-        return ""
-    return (f"one threshold for every batch size, {summary['single_threshold'] or 'off'}: "
-            f"{summary['single_worst_over_best']:.3f}; ")
-
-
-def report_markdown(report: dict) -> str:
-    """The report as a short markdown table (written beside the report JSON)."""
-    meta, summary = report["meta"], report["summary"]
-    bounds = ", ".join(bucket_text(b) for b in report["ladder"]["buckets"])
-    fmt = meta.get("kv_cache", "bf16")
-    q_len = meta.get("q_len", 1)
-    lines = [f"# Tuned ladder, {meta['num_heads']} heads"
-             + ("" if fmt == "bf16" else f", {fmt} cache")
-             + ("" if q_len == 1 else f", q_len {q_len}") + f" ({meta['gpu']})", "",
-             f"{meta['date']}, torch {meta['torch']}, triton {meta['triton']}. "
-             f"Command: `{meta['command']}`", "", f"Tuned buckets: {bounds}", "",
-             f"Time over the best measured split count (mean / worst): tuned "
-             f"{summary['tuned_mean_over_oracle']:.3f} / {summary['tuned_max_over_oracle']:.3f},"
-             f" default ladder {summary['default_mean_over_oracle']:.3f} / "
-             f"{summary['default_max_over_oracle']:.3f}"
-             + (f"; one hint shared by all batch sizes (same bucket limit) "
-                f"{summary['shared_mean_over_oracle']:.3f} / "
-                f"{summary['shared_max_over_oracle']:.3f}" if "shared_mean_over_oracle" in
-                summary else "") + ".", "",
-             "| context | batch | oracle us (splits) | tuned us (splits) | tuned x | "
-             "default us (splits) | default x |", "|---|---|---|---|---|---|---|"]
-    ragged = report.get("ragged")
-    if ragged:
-        best = ragged["summary"]
-        lines[-2:-2] = [
-            f"Balanced threshold {best['balanced_imbalance'] or 'off'} (longest x live / "
-            f"total tokens){by_batch_text(best)}, chosen from {len(ragged['samples'])} ragged "
-            f"mixes: worst {best['worst_over_best']:.3f} over the faster of split-KV and "
-            f"balanced per mix ({single_text(best)}balanced off: "
-            f"{best['off_worst_over_best']:.3f}, always: "
-            f"{best['always_worst_over_best']:.3f}).", "",
-            "| batch | mix | imbalance | split-KV us | balanced us |", "|---|---|---|---|---|",
-            *(f"| {r['batch']} | {r['mix']} | {r['imbalance']:.2f} | {r['split_us']:.1f} | "
-              f"{r['balanced_us']:.1f} |" for r in ragged["samples"]), ""]
-    for r in report["rows"]:
-        lines.append(f"| {r['context']} | {r['batch']} | {r['oracle_us']:.1f} "
-                     f"({r['oracle_splits']}) | {r['tuned_us']:.1f} ({r['tuned_splits']}) | "
-                     f"{r['tuned_over_oracle']:.3f} | {r['default_us']:.1f} "
-                     f"({r['default_splits']}) | {r['default_over_oracle']:.3f} |")
-    return "\n".join(lines) + "\n"
-
-
-def figure_title(meta: dict) -> str:
-    """What a tuning figure shows: the kernel shape, heads, cache format, q_len, batches,
-    the GPU and when it was measured."""
-    batches = " and ".join(str(b) for b in meta["batches"])
-    return (f"Ladder tuning: MLA decode attention (576/512), {meta['num_heads']} heads, "
-            f"{meta.get('kv_cache', 'bf16')} cache, q_len {meta.get('q_len', 1)}, batch {batches}\n"
-            f"{meta['gpu']}, measured {meta.get('measured_date', meta['date'])}")
-
-
-def plot_figure(report: dict, plt):
-    """The tuning figure of a report (``--report``'s JSON): per batch, kernel time against
-    context (oracle, tuned and default ladders) and each ladder's time over the oracle's."""
-    meta, rows = report["meta"], report["rows"]
-    bounds = [b["max_len"] for b in report["ladder"]["buckets"]][:-1]
-    batches = sorted({r["batch"] for r in rows})
-    fig, axes = plt.subplots(2, len(batches), figsize=(6 * len(batches), 7.6), squeeze=False,
-                             sharex=True, gridspec_kw={"height_ratios": [2, 1]})
-    styles = {"oracle": ("k", "o", "oracle: the best measured split count per context"),
-              "tuned": ("tab:blue", "s",
-                        f"tuned ladder ({len(report['ladder']['buckets'])} buckets)"),
-              "default": ("tab:orange", "^", f"default ladder "
-                          f"({len(report['default_ladder']['buckets'])} buckets)")}
-    for col, batch in enumerate(batches):
-        mine = [r for r in rows if r["batch"] == batch]
-        ctx = [r["context"] for r in mine]
-        top, bottom = axes[0][col], axes[1][col]
-        for name, (color, marker, label) in styles.items():
-            top.loglog(ctx, [r[f"{name}_us"] for r in mine], color=color, marker=marker,
-                       label=label, lw=1.2, ms=4)
-            if name != "oracle":
-                bottom.semilogx(ctx, [r[f"{name}_over_oracle"] for r in mine], color=color,
-                                marker=marker, lw=1.2, ms=4)
-        for i, bound in enumerate(bounds):
-            for ax in (top, bottom):
-                ax.axvline(bound, color="tab:blue", alpha=0.45, lw=1.0, ls="-.",
-                           label="tuned bucket bounds" if i == 0 and ax is top else None)
-        bottom.axhline(1.03, color="grey", ls="--", lw=0.8, label="3 % above the oracle")
-        top.set_title(f"batch {batch}")
-        top.set_ylabel("decode attention, us (log)")
-        bottom.set_ylabel("time / oracle time")
-        bottom.set_xlabel("context length (tokens)")
-        for ax in (top, bottom):  # minor x lines would look like bucket bounds
-            ax.grid(True, which="major", alpha=0.3)
-            ax.grid(True, which="minor", axis="y", alpha=0.15)
-    handles = {}
-    for ax in axes.flat:
-        for h, label in zip(*ax.get_legend_handles_labels(), strict=True):
-            handles.setdefault(label, h)
-    fig.suptitle(figure_title(meta))
-    fig.legend(list(handles.values()), list(handles), loc="upper center", ncol=3,
-               bbox_to_anchor=(0.5, 0.925), frameon=False, fontsize=9)
-    fig.subplots_adjust(left=0.07, right=0.985, bottom=0.075, top=0.80, hspace=0.06,
-                        wspace=0.18)
-    return fig
-
-
-def render_png(report: dict, path: Path) -> bool:
-    """Write the tuning figure; False (and a note on stderr) without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: skipped the PNG plot (pip install matplotlib; "
-              "re-plot later with --from-times)", file=sys.stderr)
-        return False
-    fig = plot_figure(report, plt)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -549,7 +477,14 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"measured contexts {too_long} are above --max-model-len "
                  f"{args.max_model_len}; raise it or pass --contexts up to it")
     q_len = meta.setdefault("q_len", 1)
-    if meta.get("timed") == "plans":  # keyed by the plan each hint captures
+    sparse, baseline = meta.get("decoder") == SPARSE_DECODER, None
+    if sparse:  # keyed by the sparse plan each hint captures, compared with sparse_ladder
+        from graphbucket.sparse.backend import sparse_ladder
+
+        splits_for = plan_variants(sparse_hint_plans(meta["num_heads"], topk=meta["topk"],
+                                                     num_sms=meta["num_sms"], q_len=q_len))
+        baseline = sparse_ladder(args.max_model_len, topk=meta["topk"])
+    elif meta.get("timed") == "plans":  # keyed by the plan each hint captures
         splits_for = plan_variants(hint_plans(meta["num_heads"], num_sms=meta["num_sms"],
                                               q_len=q_len))
     else:  # reports before 2026-12: split counts forced on each context's plan
@@ -561,16 +496,18 @@ def main(argv: list[str] | None = None) -> None:
         ladder_meta["kv_cache"] = meta["kv_cache"]
     if q_len != 1:
         ladder_meta["q_len"] = q_len
+    if sparse:
+        ladder_meta.update(decoder=SPARSE_DECODER, topk=meta["topk"])
     # Where each context + 1 was measured, buckets end only where their next length was.
     bounds = bounds_with_edges(meta["contexts"]) if meta.get("edges") else None
     result = choose_ladder(times, splits_for, max_model_len=args.max_model_len,
-                           max_buckets=args.max_buckets, meta=ladder_meta,
+                           max_buckets=args.max_buckets, meta=ladder_meta, baseline=baseline,
                            per_batch_hints=not args.shared_hints, bounds_at=bounds)
     print(summary_table(result), flush=True)
     if not args.shared_hints:  # what per-batch hints buy over one hint per bucket
         shared = choose_ladder(times, splits_for, max_model_len=args.max_model_len,
                                max_buckets=args.max_buckets, per_batch_hints=False,
-                               bounds_at=bounds)
+                               baseline=baseline, bounds_at=bounds)
         result.summary.update(
             shared_mean_over_oracle=shared.summary["tuned_mean_over_oracle"],
             shared_max_over_oracle=shared.summary["tuned_max_over_oracle"])
@@ -579,7 +516,7 @@ def main(argv: list[str] | None = None) -> None:
               f"{shared.summary['tuned_max_over_oracle']}")
     per_batch = choose_per_batch(times, splits_for, max_model_len=args.max_model_len,
                                  max_buckets=args.max_buckets, meta=ladder_meta,
-                                 bounds_at=bounds)
+                                 baseline=baseline, bounds_at=bounds)
     for batch, alone in per_batch.items():
         print(f"batch {batch} alone: {alone.ladder!r} mean x "
               f"{alone.summary['tuned_mean_over_oracle']} max x "

@@ -9,9 +9,10 @@ top-k, so buckets above it differ only where the indexer's split count does, and
 indexer's budget caps that count too (for one row at 132 SMs: 512 splits from 128K).
 
 The model calls ``ctx.attend(q, kv_cache, out, index=IndexInputs(...))`` like any
-backend's: the indexer's inputs travel as ``index``. ``default_ladder`` (``sparse_ladder``)
-gives the ``ladder`` policy's buckets for this backend: doubling bounds from top-k up,
-where each bucket buys the indexer more splits. There is no balanced topology.
+backend's: the indexer's inputs travel as ``index``. ``default_ladder`` gives the ``ladder``
+policy's buckets for this backend: the sparse ladder tuned for the GPU where one ships,
+else ``sparse_ladder``, doubling bounds from top-k up, where each bucket buys the indexer
+more splits. There is no balanced topology.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from graphbucket.backends.triton import device_num_sms
 from graphbucket.kernels.verify import flatten_verify
 from graphbucket.ladder import Bucket, BucketLadder
+from graphbucket.policies import tuned_device_ladder
 from graphbucket.sparse.decode import SparseWorkspace, sparse_mla_decode
 from graphbucket.sparse.plan import DEFAULT_TOPK, SparsePlan, plan_sparse_decode
 from graphbucket.sparse.topk import TopkScratch
@@ -110,8 +112,12 @@ class SparseBackend:
 
     def default_ladder(self, max_model_len: int, spec: BufferSpec | None = None
                        ) -> BucketLadder:
-        """``sparse_ladder`` at this backend's top-k (the spec does not change it)."""
-        return sparse_ladder(max_model_len, topk=self.topk)
+        """The sparse ladder tuned for ``spec``'s GPU, heads, cache format and this top-k
+        when one ships (``h200-h16-sparse.json``: ``tune_ladder.py --sparse``), else
+        ``sparse_ladder`` at this backend's top-k."""
+        tuned = None if spec is None else tuned_device_ladder(spec, max_model_len,
+                                                              sparse_topk=self.topk)
+        return tuned if tuned is not None else sparse_ladder(max_model_len, topk=self.topk)
 
     def workspace_spec(self, plans: Iterable[SparsePlan]) -> SparseWorkspaceSpec:
         """One workspace for every plan: the most rows and attention splits."""

@@ -9,7 +9,8 @@ the grid on a GPU is ``graphbucket.tuning.measure.measure_split_times``.
   changes (``refine_contexts``);
 - hints: every hint the chooser may plan with (``hints_to_measure``);
 - variants: per batch, the split counts (``splits_to_measure``) or the plans
-  (``plans_to_measure``) those hints capture;
+  (``plans_to_measure``) those hints capture: split-KV plans (``hint_plans``) or sparse
+  decode plans (``sparse_hint_plans``);
 - the timing table, ``{(context, batch, variant): us}``, to and from JSON rows
   (``times_to_rows``, ``times_from_rows``) and indexed with its oracle (``TimingTable``).
 """
@@ -22,7 +23,7 @@ import math
 import re
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from graphbucket.ladder import BucketLadder
 from graphbucket.plan import (
@@ -33,13 +34,17 @@ from graphbucket.plan import (
     pow2_ceil,
 )
 
+if TYPE_CHECKING:  # annotations only: sparse plans are imported where they are made
+    from graphbucket.sparse.plan import SparsePlan
+
 Variant = int | str  # a split count, or a plan's describe()
 TimeKey = tuple[int, int, Variant]  # (context, batch, variant)
 TimeTable = Mapping[TimeKey, float]
 SplitsFn = Callable[[int, int], Variant]  # (batch, hint) -> variant
-PlanFn = Callable[[int, int], LaunchPlan]  # (batch, hint) -> the plan captured
+PlanFn = Callable[[int, int], "LaunchPlan | SparsePlan"]  # (batch, hint) -> the plan captured
 
 _SPLITS_RE = re.compile(r"splits=(\d+) ")
+_SPARSE_SPLITS_RE = re.compile(r"sparse .*\bindexer_splits=(\d+) attention_splits=(\d+) ")
 
 
 def candidate_hints(max_model_len: int) -> list[int]:
@@ -71,20 +76,46 @@ def hint_plans(num_heads: int, *, num_sms: int = H200_NUM_SMS, q_len: int = 1,
     return plan_for
 
 
+def sparse_hint_plans(num_heads: int, *, topk: int, num_sms: int = H200_NUM_SMS,
+                      q_len: int = 1) -> PlanFn:
+    """``plan_for(batch, hint)``: the sparse decode plan a graph of ``batch`` requests
+    captures at ``hint``, as ``SparseBackend.plan`` plans it (batch x q_len flat rows of
+    ``num_heads`` heads each)."""
+    from graphbucket.sparse.plan import plan_sparse_decode  # the sparse package loads torch
+
+    check_positive("q_len", q_len)
+
+    @functools.cache
+    def plan_for(batch: int, hint: int) -> SparsePlan:
+        return plan_sparse_decode(batch * q_len, num_heads, hint, topk=topk, num_sms=num_sms)
+    return plan_for
+
+
 def plan_variants(plan_for: PlanFn) -> SplitsFn:
     """``splits_for`` whose variants are plans: ``plan_for(batch, hint).describe()``."""
     return lambda batch, hint: plan_for(batch, hint).describe()
 
 
 def variant_splits(variant: Variant) -> int:
-    """The split count of a variant (a split count, or a split plan's describe())."""
+    """The split count of a variant (a split count, or a split plan's describe()); of a
+    sparse plan, its indexer's (the count that keeps growing with the context past top-k)."""
+    return variant_split_counts(variant)[0]
+
+
+def variant_split_counts(variant: Variant) -> tuple[int, ...]:
+    """Every split count a variant fixes: ``(splits,)`` for split-KV, ``(indexer,
+    attention)`` for a sparse plan's describe()."""
     if isinstance(variant, int):
-        return variant
+        return (variant,)
     found = _SPLITS_RE.match(variant)
+    if found is not None:
+        return (int(found.group(1)),)
+    found = _SPARSE_SPLITS_RE.match(variant)
     if found is None:
         raise ValueError(f"variant {variant!r} is not a split plan's describe() "
-                         "('splits=N ...'); time split-KV plans only")
-    return int(found.group(1))
+                         "('splits=N ...') nor a sparse plan's ('sparse ... indexer_splits=N "
+                         "attention_splits=M ...'); time split-KV or sparse plans only")
+    return int(found.group(1)), int(found.group(2))
 
 
 def plans_to_measure(batches: Iterable[int], plan_for: PlanFn, hints: Iterable[int]
@@ -95,13 +126,14 @@ def plans_to_measure(batches: Iterable[int], plan_for: PlanFn, hints: Iterable[i
     out = {}
     for batch in sorted(set(batches)):
         plans = {plan_for(batch, h).describe(): plan_for(batch, h) for h in hints}
-        out[batch] = dict(sorted(plans.items(), key=lambda kv: (kv[1].num_kv_splits, kv[0])))
+        out[batch] = dict(sorted(plans.items(),
+                                 key=lambda kv: (variant_split_counts(kv[0]), kv[0])))
     return out
 
 
 def refine_contexts(times: TimeTable, max_new: int) -> list[int]:
     """Contexts to measure next: the geometric midpoint of each pair of neighbouring
-    measured contexts where some batch's best split count changes, at most ``max_new``,
+    measured contexts where some batch's best split counts change, at most ``max_new``,
     widest gaps first (ties: the shorter). The ladder is exact at measured contexts only,
     so the grid is made dense only where the choice changes."""
     table = TimingTable(times)
@@ -110,7 +142,7 @@ def refine_contexts(times: TimeTable, max_new: int) -> list[int]:
         mid = round(math.sqrt(lo * hi))
         if not lo < mid < hi:
             continue
-        if any(variant_splits(table.oracle[(lo, b)][0]) != variant_splits(
+        if any(variant_split_counts(table.oracle[(lo, b)][0]) != variant_split_counts(
                 table.oracle[(hi, b)][0]) for b in table.batches):
             gaps.append((-hi / lo, mid))
     return sorted(mid for _, mid in sorted(gaps)[:max_new])
@@ -167,7 +199,7 @@ def times_to_rows(times: TimeTable) -> list[dict[str, Any]]:
 
 def _row_order(item: tuple[TimeKey, float]) -> tuple:
     (c, b, v), _ = item
-    return (c, b, variant_splits(v), str(v))
+    return (c, b, variant_split_counts(v), str(v))
 
 
 def times_from_rows(rows: Iterable[Mapping[str, Any]]) -> dict[TimeKey, float]:
