@@ -1,5 +1,6 @@
 """Compile the Gluon seesaw stage 1 (split-KV, and over balanced work items) for sm_90
-without a GPU and print what each asks for, as one JSON line (run by tests/test_seesaw.py in a process without Triton's interpreter):
+without a GPU and print what each asks for, as one JSON line (run by tests/test_seesaw.py
+in a process without Triton's interpreter):
 
     python3 -m tests.seesaw_compile [--dump DIR]
 
@@ -21,7 +22,6 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
 
 from graphbucket.kernels import seesaw
-
 
 POINTERS = {"BLOCK_TABLE": "*i32", "SEQ_LENS": "*i32", "OUT": "*bf16", "LSE": "*fp32",
             "PART_O": "*fp32", "PART_LSE": "*fp32", "ITEM_INDPTR": "*i32",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 from pathlib import Path
@@ -21,6 +20,7 @@ from graphbucket.tuning.ragged import (
     threshold_candidates,
     tuner_mixes,
 )
+from tests.script_modules import load_script
 
 pytestmark = pytest.mark.host
 
@@ -103,11 +103,7 @@ def test_samples_round_trip_through_json():
 
 
 def _tune_script():
-    path = Path(__file__).resolve().parents[1] / "scripts" / "tune_ladder.py"
-    spec = importlib.util.spec_from_file_location("tune_ladder", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
+    return load_script("tune_ladder")
 
 
 def _report_with_mixes(tmp_path: Path, samples: list[RaggedSample] | None) -> Path:

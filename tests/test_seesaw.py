@@ -25,6 +25,15 @@ from graphbucket.reference import mla_decode_reference
 from tests.kernel_cases import KV_LORA_RANK, make_case, rel_l2
 
 
+def nan_tailed_case(lens, heads, gen):
+    """A bf16 case of 64-token pages whose cache rows past each length hold NaN (unwritten
+    rows may hold anything: none may leak into the output)."""
+    case = make_case(lens, heads, page_size=64, dtype=torch.bfloat16, device="cuda", gen=gen)
+    for b, n in enumerate(lens):
+        if n % 64:
+            case.kv_cache[case.block_table[b, n // 64], n % 64:] = float("nan")
+    return case
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("lens", [[1], [63, 64, 65], [127, 128, 129, 0], [4113], [70000, 17],
                                   [2048] * 8])
@@ -32,10 +41,7 @@ from tests.kernel_cases import KV_LORA_RANK, make_case, rel_l2
 @pytest.mark.parametrize("splits", [1, 3, 0])  # 0: the planned count
 def test_gpu_seesaw_matches_float64(lens, heads, splits, seeded):
     gen = torch.Generator().manual_seed(seeded)
-    case = make_case(lens, heads, page_size=64, dtype=torch.bfloat16, device="cuda", gen=gen)
-    for b, n in enumerate(lens):  # unwritten rows past each length: NaN must not leak
-        if n % 64:
-            case.kv_cache[case.block_table[b, n // 64], n % 64:] = float("nan")
+    case = nan_tailed_case(lens, heads, gen)
     if splits:
         plan = plan_mla_decode(len(lens), heads, max(lens), stream=SEESAW_STREAM)
         plan = plan.with_splits(splits)
@@ -50,6 +56,11 @@ def test_gpu_seesaw_matches_float64(lens, heads, splits, seeded):
     lse = torch.full((len(lens), heads), float("nan"), device="cuda")
     mla_decode(q, case.kv_cache, case.block_table, case.seq_lens, out, ws, plan=plan,
                sm_scale=sm_scale, lse=lse)
+    assert_matches_float64(case, lens, out, lse, sm_scale, plan)
+
+
+def assert_matches_float64(case, lens, out, lse, sm_scale, plan):
+    """Each request's output and LSE against the float64 reference; padding rows zero."""
     want, want_lse = mla_decode_reference(case.q, case.kv_cache, case.block_table,
                                           case.seq_lens, kv_lora_rank=KV_LORA_RANK,
                                           sm_scale=sm_scale)
@@ -58,7 +69,7 @@ def test_gpu_seesaw_matches_float64(lens, heads, splits, seeded):
             assert (out[b] == 0).all() and (lse[b] == float("-inf")).all()
             continue
         assert rel_l2(out[b].double(), want[b].to(out.device)) < 1e-2, (b, n, plan.describe())
-        assert torch.allclose(lse[b].double(), want_lse[b].to(lse.device), atol=2e-2)
+        assert torch.allclose(lse[b].double(), want_lse[b].to(lse.device), atol=2e-2), (b, n)
 
 
 @pytest.mark.gpu
@@ -95,21 +106,13 @@ def test_seesaw_compiles_for_sm90_within_shared_memory():
         assert kernel["wgmma"] > 0 and kernel["tma_copies"] > 0, report
 
 
-def _balanced_case(lens, heads, gen):
-    case = make_case(lens, heads, page_size=64, dtype=torch.bfloat16, device="cuda", gen=gen)
-    for b, n in enumerate(lens):  # unwritten rows past each length: NaN must not leak
-        if n % 64:
-            case.kv_cache[case.block_table[b, n // 64], n % 64:] = float("nan")
-    return case
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("lens", [[1], [63, 64, 65, 0], [70000] + [1000] * 15,
                                   [1, 31, 0, 4095, 128, 129], [20000, 3, 9000, 64] * 4])
 @pytest.mark.parametrize("heads", [64, 128])
 def test_gpu_balanced_seesaw_matches_float64(lens, heads, seeded):
     gen = torch.Generator().manual_seed(seeded)
-    case = _balanced_case(lens, heads, gen)
+    case = nan_tailed_case(lens, heads, gen)
     plan = plan_balanced_mla_decode(len(lens), heads, stream=SEESAW_STREAM)
     assert plan.seesaw and runs_seesaw(plan, case.q, case.kv_cache), plan.describe()
     sm_scale = default_sm_scale()
@@ -120,15 +123,7 @@ def test_gpu_balanced_seesaw_matches_float64(lens, heads, seeded):
     lse = torch.full((len(lens), heads), float("nan"), device="cuda")
     mla_decode_balanced(case.q, case.kv_cache, case.block_table, case.seq_lens, out, ws,
                         plan=plan, sm_scale=sm_scale, lse=lse)
-    want, want_lse = mla_decode_reference(case.q, case.kv_cache, case.block_table,
-                                          case.seq_lens, kv_lora_rank=KV_LORA_RANK,
-                                          sm_scale=sm_scale)
-    for b, n in enumerate(lens):
-        if n == 0:
-            assert (out[b] == 0).all() and (lse[b] == float("-inf")).all()
-            continue
-        assert rel_l2(out[b].double(), want[b].to(out.device)) < 1e-2, (b, n, plan.describe())
-        assert torch.allclose(lse[b].double(), want_lse[b].to(lse.device), atol=2e-2), (b, n)
+    assert_matches_float64(case, lens, out, lse, sm_scale, plan)
 
 
 @pytest.mark.gpu
@@ -137,7 +132,7 @@ def test_gpu_balanced_seesaw_graph_repartitions_new_lengths(seeded):
     the result matches the Triton balanced kernel on the same lengths."""
     gen = torch.Generator().manual_seed(seeded)
     lens_a, lens_b = [9000, 64, 0, 1] * 2, [64, 30000, 300, 0] * 2
-    case = _balanced_case([max(a, b) for a, b in zip(lens_a, lens_b, strict=True)], 128, gen)
+    case = nan_tailed_case([max(a, b) for a, b in zip(lens_a, lens_b, strict=True)], 128, gen)
     plan = plan_balanced_mla_decode(len(lens_a), 128, stream=SEESAW_STREAM)
     ws = SplitWorkspace.allocate(len(lens_a), 128, 1, KV_LORA_RANK, "cuda",
                                  max_items=plan.max_work_items)

@@ -34,6 +34,7 @@ from graphbucket.tuning.shipped import (
     ladder_file_name,
     parse_ladder_file_name,
 )
+from tests.script_modules import load_script
 
 pytestmark = pytest.mark.host
 
@@ -370,12 +371,7 @@ def test_find_tuned_ladder_rejects_a_file_of_another_cache_format(tmp_path: Path
 
 
 def test_tune_ladder_from_times_keeps_the_cache_format(tmp_path: Path, capsys):
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "tune_ladder.py"
-    spec = importlib.util.spec_from_file_location("tune_ladder", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("tune_ladder")
     contexts = [64, 1024, 4096]
     splits_for = plan_splits(16, num_sms=132)
     hints = hints_to_measure(contexts, 4096, ladders=[default_ladder(4096)])
@@ -400,13 +396,7 @@ def test_tune_ladder_from_times_keeps_the_cache_format(tmp_path: Path, capsys):
 
 
 def _tune_script():
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "tune_ladder.py"
-    spec = importlib.util.spec_from_file_location("tune_ladder", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
+    return load_script("tune_ladder")
 
 
 def _saved_report(tmp_path: Path, kv_cache: str) -> Path:

@@ -290,6 +290,21 @@ def _warpgroup_odd(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_log
 
 
 @gluon.jit
+def _shared_state(q_desc, kv_desc):
+    """Q, the two KV tiles, the row statistics and the barriers (initialised) of a program."""
+    q_s = gl.allocate_shared_memory(gl.bfloat16, [CHUNKS, ROWS, BOX], q_desc.layout)
+    kv_s = gl.allocate_shared_memory(gl.bfloat16, [2 * CHUNKS, TILE, BOX], kv_desc.layout)
+    stats_s = gl.allocate_shared_memory(
+        gl.float32, [2 * NUM_STATS, ROWS],
+        gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
+    bars = gl.allocate_shared_memory(gl.int64, [NUM_BARRIERS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_BARRIERS):
+        mbarrier.init(bars.index(i), count=1)
+    fence_async_shared()
+    return q_s, kv_s, stats_s, bars
+
+
+@gluon.jit
 def seesaw_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, OUT, LSE, PART_O, PART_LSE,
                          num_kv_splits, num_heads, qk_scale_log2,
                          stride_bt_b, stride_o_b, stride_o_h, stride_lse_b,
@@ -308,16 +323,7 @@ def seesaw_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, OUT, LSE, PART_
     end = gl.minimum(start + per * TILE, seq_len)
     if start < end:
         num_steps = gl.cdiv(gl.cdiv(end - start, TILE), 2)
-        q_s = gl.allocate_shared_memory(gl.bfloat16, [CHUNKS, ROWS, BOX], q_desc.layout)
-        kv_s = gl.allocate_shared_memory(gl.bfloat16, [2 * CHUNKS, TILE, BOX], kv_desc.layout)
-        stats_s = gl.allocate_shared_memory(
-            gl.float32, [2 * NUM_STATS, ROWS],
-            gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
-        bars = gl.allocate_shared_memory(gl.int64, [NUM_BARRIERS, 1],
-                                         mbarrier.MBarrierLayout())
-        for i in gl.static_range(NUM_BARRIERS):
-            mbarrier.init(bars.index(i), count=1)
-        fence_async_shared()
+        q_s, kv_s, stats_s, bars = _shared_state(q_desc, kv_desc)
         h0 = head_block * ROWS
         if ONE_SPLIT:
             o_ptr = OUT + bid * stride_o_b + h0 * stride_o_h
@@ -380,16 +386,7 @@ def seesaw_balanced_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, ITEM_I
         start = (item - gl.load(ITEM_INDPTR + bid)) * chunk
         end = gl.minimum(start + chunk, gl.load(SEQ_LENS + bid))  # items are non-empty
         num_steps = gl.cdiv(gl.cdiv(end - start, TILE), 2)
-        q_s = gl.allocate_shared_memory(gl.bfloat16, [CHUNKS, ROWS, BOX], q_desc.layout)
-        kv_s = gl.allocate_shared_memory(gl.bfloat16, [2 * CHUNKS, TILE, BOX], kv_desc.layout)
-        stats_s = gl.allocate_shared_memory(
-            gl.float32, [2 * NUM_STATS, ROWS],
-            gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
-        bars = gl.allocate_shared_memory(gl.int64, [NUM_BARRIERS, 1],
-                                         mbarrier.MBarrierLayout())
-        for i in gl.static_range(NUM_BARRIERS):
-            mbarrier.init(bars.index(i), count=1)
-        fence_async_shared()
+        q_s, kv_s, stats_s, bars = _shared_state(q_desc, kv_desc)
         h0 = head_block * ROWS
         o_ptr = PART_O + item * stride_po_i + h0 * stride_po_h
         lse_ptr = PART_LSE + item * stride_pl_i + h0
