@@ -45,13 +45,14 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (  # noqa: E402
 from graphbucket import Bucket, BucketLadder, GraphBucketRunner  # noqa: E402
 from graphbucket.integrations import hf_indexer, hf_mla  # noqa: E402
 from graphbucket.integrations.transformers import DeepseekDecoder  # noqa: E402
+from graphbucket.models.sparse_mla import rope_first  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE, MAX_LEN = 8, 2048
 # Hints above their buckets' tops (any hint is correct; it only changes speed) give each
 # bucket its own topology at these short contexts: 1, 2 and 4 KV splits (V3), 1, 2 and 4
 # indexer splits (V3.2).
-DENSE_LADDER = BucketLadder((Bucket(32, 32), Bucket(40, 128), Bucket(64, 256),
+DENSE_LADDER = BucketLadder((Bucket(40, 40), Bucket(44, 128), Bucket(64, 256),
                              Bucket(MAX_LEN, 256)), MAX_LEN)
 SPARSE_LADDER = BucketLadder((Bucket(16, 16), Bucket(32, 512), Bucket(64, 1024),
                               Bucket(MAX_LEN, 2048)), MAX_LEN)
@@ -88,11 +89,12 @@ def v32_model(seed: int = 0, topk: int = 16) -> DeepseekV32ForCausalLM:
 @dataclass(frozen=True)
 class Comparison:
     """A decode run against transformers: the worst step's relative L2 error of the
-    logits, whether every greedy token agreed, and the graphs it replayed."""
+    logits, whether every greedy token agreed, and the buckets and plans it replayed."""
 
     worst: float
     tokens_agree: bool
     steps: int
+    buckets: frozenset
     plans: frozenset
 
     @property
@@ -122,6 +124,7 @@ def decode_against_transformers(model, prompt_lens, steps: int, *, seed: int = 0
         tokens.append(int(logits.argmax()))
     worst, agree, lens = 0.0, True, list(prompt_lens)
     ladder = SPARSE_LADDER if decoder.config.sparse else DENSE_LADDER
+    # warmup_iters=0: on the CPU a captured graph is the recorded call, nothing to warm
     with GraphBucketRunner.for_model(decoder, max_model_len=MAX_LEN, batch_sizes=[1, 2, 3],
                                      ladder=ladder, warmup_iters=0, progress=False) as runner:
         runner.capture()
@@ -134,8 +137,10 @@ def decode_against_transformers(model, prompt_lens, steps: int, *, seed: int = 0
             worst = max(worst, ((out - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item())
             agree &= bool(torch.equal(out.argmax(-1), ref.argmax(-1)))
             tokens = ref.argmax(-1).tolist()
-        plans = frozenset(runner.plan_for(key) for key in runner.stats().replays)
-    return Comparison(worst, agree, steps, plans)
+        keys = runner.stats().replays
+        buckets = frozenset(key.bucket for key in keys)
+        plans = frozenset(runner.plan_for(key) for key in keys)
+    return Comparison(worst, agree, steps, buckets, plans)
 
 
 # ---- host: the pieces, in float64 -------------------------------------------------------------
@@ -205,6 +210,15 @@ def test_a_sequence_dependent_rope_and_wrong_sparse_widths_are_refused():
 
 
 @pytest.mark.host
+def test_the_v32_indexer_q_is_rounded_to_e4m3_only_when_asked():
+    model = v32_model()
+    exact = DeepseekDecoder(model, num_pages=2, page_size=PAGE).decode_backend(64)
+    rounded = DeepseekDecoder(model, num_pages=2, page_size=PAGE, fp8_index_q=True)
+    assert not exact.plan(2, 4, 64).indexer_fp8_q
+    assert rounded.decode_backend(64).plan(2, 4, 64).indexer_fp8_q
+
+
+@pytest.mark.host
 def test_graphbucket_imports_without_transformers_and_the_adapter_says_what_to_install():
     code = ("import sys; sys.modules['transformers'] = None\n"
             "import graphbucket, graphbucket.models, graphbucket.integrations\n"
@@ -222,10 +236,10 @@ def test_graphbucket_imports_without_transformers_and_the_adapter_says_what_to_i
 
 @pytest.mark.interpreter
 def test_deepseek_v3_decodes_like_transformers_across_buckets():
-    # Lengths 3, 9 and 16 grow to 33, 39 and 46: the batch's longest crosses 32 and 40.
+    # Lengths 3, 9 and 16 grow to 33, 39 and 46: the batch's longest crosses 40 and 44.
     result = decode_against_transformers(v3_model(), (3, 9, 16), steps=30)
     assert result.equivalent, result
-    assert len(result.plans) == 3  # three buckets, each its own split topology
+    assert len(result.buckets) == len(result.plans) == 3  # each its own split count
 
 
 @pytest.mark.interpreter
@@ -235,7 +249,7 @@ def test_deepseek_v32_sparse_decode_picks_transformers_top_k():
     result = decode_against_transformers(v32_model(topk=16), (28, 9), steps=8,
                                          round_index_keys=True)
     assert result.equivalent, result
-    assert len(result.plans) == 2
+    assert len(result.buckets) == len(result.plans) == 2  # 1 and 2 indexer splits
 
 
 def scale_without_mscale(attention) -> float:
@@ -264,13 +278,11 @@ def test_a_broken_mla_rule_fails_the_equivalence_check(monkeypatch, name, broken
 
 
 def index_rope_interleaved(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-    """The attention's layout where the indexer's is half-split."""
-    half = cos_sin.shape[1] // 2
-    order = hf_mla.rope_channel_order(2 * half, interleaved=True)
-    rotated = hf_indexer.rope_first(x[..., torch.cat([order, torch.arange(2 * half,
-                                                                          x.shape[-1])])],
-                                    cos_sin)
-    return rotated
+    """The attention's interleaved pairs where the indexer rotates half-split ones."""
+    rope = cos_sin.shape[1]
+    order = torch.cat([hf_mla.rope_channel_order(rope, interleaved=True),
+                       torch.arange(rope, x.shape[-1])])
+    return rope_first(x[..., order], cos_sin)
 
 
 @pytest.mark.interpreter

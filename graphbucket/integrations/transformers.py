@@ -101,9 +101,9 @@ class DeepseekDecoder:
         cfg = model.config
         self.model, self.hf_config = model, cfg
         self.device, self.dtype = model.device, model.dtype
-        error = kernel_device_error(self.device) or cpu_dtype_error(self.device, self.dtype)
-        if error:
-            raise ValueError(error)
+        # Raised by forward, not here: prefill, the cache copy and the shapes need no kernel.
+        self._kernel_error = (kernel_device_error(self.device)
+                              or cpu_dtype_error(self.device, self.dtype))
         self.num_pages, self.page_size, self.fp8_index_q = num_pages, page_size, fp8_index_q
         self.decoder_layers = list(model.model.layers[:cfg.num_hidden_layers])
         attentions = [layer.self_attn for layer in self.decoder_layers]
@@ -179,6 +179,8 @@ class DeepseekDecoder:
 
     def forward(self, ctx: DecodeContext) -> torch.Tensor:
         """One decode step -> logits [B x q_len, vocab] in the model dtype."""
+        if self._kernel_error:
+            raise ValueError(self._kernel_error)
         with torch.no_grad():
             x = self.model.model.embed_tokens(ctx.inputs[TOKEN_INPUT])
             cos_sin = None
