@@ -42,6 +42,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 if "--cpu-smoke" in sys.argv:  # before triton is imported: it reads the flag then
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -52,6 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from graphbucket.ladder import BucketLadder, default_ladder  # noqa: E402
 from graphbucket.plan import LaunchPlan  # noqa: E402
+from graphbucket.plan_streams import SEESAW_STREAM  # noqa: E402
 from graphbucket.select import GraphSelector  # noqa: E402
 from graphbucket.tuning.grid import candidate_hints, hints_to_measure  # noqa: E402
 
@@ -89,7 +91,8 @@ def ragged_mixes(batch: int, max_model_len: int) -> list[tuple[str, list[int]]]:
 def exhaustive_plans(backend, batch: int, num_heads: int, max_model_len: int, *,
                      q_len: int = 1) -> dict[str, LaunchPlan]:
     """Every distinct plan a graph of ``batch`` rows could capture, by ``describe()``:
-    split-KV at every hint that plans differently, and balanced at q_len 1."""
+    split-KV at every hint that plans differently, and balanced at q_len 1 (at 64-row
+    programs with either stage 1: Triton's, and the seesaw's)."""
     hints = hints_to_measure(candidate_hints(max_model_len), max_model_len)
     plans = {p.describe(): p for p in (backend.plan(batch, num_heads * q_len, h)
                                         for h in hints)}
@@ -99,6 +102,10 @@ def exhaustive_plans(backend, batch: int, num_heads: int, max_model_len: int, *,
         except ValueError:  # a backend without the balanced topology says so
             return plans
         plans[balanced.describe()] = balanced
+        if getattr(balanced, "block_h", 0) == SEESAW_STREAM.block_h:  # the seesaw's too
+            seesaw = replace(balanced, seesaw=True,
+                             min_chunk_tiles=SEESAW_STREAM.min_tiles_per_split)
+            plans[seesaw.describe()] = seesaw
     return plans
 
 
