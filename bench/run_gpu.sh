@@ -5,6 +5,7 @@
 # TPOT per policy, and the demo's GPU path. Run it on a CUDA machine.
 # steps: any of tests gputests sweep fisweep capture tune tunefp8 tunemtp tunesparse tpot tpotfp8
 #        tpotmtp ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp hostphases
+#        balancedseesaw
 #        (tpotdp: TPOT of the 128-head deepseek-v3-dp preset, the compute-bound decode)
 #        (tune: 16-, 128- and 12-head ladders (TUNE_HEADS) tuned at every capture size, each copied
 #        into graphbucket/ladders/ so that the TPOT steps after it run it, and checked by
@@ -17,6 +18,8 @@
 #        (tpotmtp: TPOT of verify steps at q_len 1, 2, 4 on fewer contexts)
 #        (l2: decode time with the KV in HBM against L2-resident, 16 and 128 heads)
 #        (hostphases: where a BlockTable host step's time goes, batch 1 and 64 x 128K)
+#        (balancedseesaw: the balanced seesaw's GPU tests, then its timing against the
+#        Triton balanced kernel and the ladder's split plan, 128 heads, ragged mixes)
 #        (fp8: FP8_AB="float-32x4 ..." adds stage-1 variants, bench/fp8_sweep.py --ab)
 #        (fisweep: the sweep with FlashInfer rows, wheels installed from .whl/ if present)
 #        (sparseab: the indexer and sparse-attention A/Bs, each checked against float64)
@@ -31,7 +34,7 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 STEPS="tests gputests sweep fisweep capture tune tunefp8 tunemtp tunesparse tpot tpotfp8 tpotmtp
-       ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp hostphases"
+       ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp hostphases balancedseesaw"
 usage() { sed -n '2,/^set /{/^set /d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"; }
 for arg in "$@"; do
   case $arg in
@@ -94,6 +97,11 @@ for step in $steps; do
                > "$R/sweep.log" 2>&1; tail -60 "$R/sweep.log" ;;
     fp8) timeout 300 python3 bench/fp8_sweep.py --out "$R" --ab ${FP8_AB:-} > "$R/fp8.log" 2>&1
          tail -40 "$R/fp8.log" ;;
+    balancedseesaw) timeout 150 python3 -m pytest -q tests/test_seesaw.py -k balanced \
+                      -p no:cacheprovider > "$R/balanced-seesaw-tests.log" 2>&1
+                    tail -3 "$R/balanced-seesaw-tests.log"
+                    timeout 200 python3 bench/experiments/balanced_seesaw.py --out "$R" \
+                      > "$R/balanced-seesaw.log" 2>&1; tail -32 "$R/balanced-seesaw.log" ;;
     hostphases) timeout 200 python3 bench/experiments/host_phases.py --out "$R" \
                   > "$R/host-phases.log" 2>&1; tail -30 "$R/host-phases.log" ;;
     l2) timeout 200 python3 bench/l2_resident.py --out "$R" > "$R/l2.log" 2>&1
