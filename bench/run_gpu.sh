@@ -5,7 +5,7 @@
 # TPOT per policy, and the demo's GPU path. Run it on a CUDA machine.
 # steps: any of tests gputests sweep fisweep capture tune tunefp8 tunemtp tunesparse tpot tpotfp8
 #        tpotmtp ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp hostphases
-#        balancedseesaw
+#        balancedseesaw tpotbatches
 #        (tpotdp: TPOT of the 128-head deepseek-v3-dp preset, the compute-bound decode)
 #        (tune: 16-, 128- and 12-head ladders (TUNE_HEADS) tuned at every capture size, each copied
 #        into graphbucket/ladders/ so that the TPOT steps after it run it, and checked by
@@ -18,6 +18,9 @@
 #        (tpotmtp: TPOT of verify steps at q_len 1, 2, 4 on fewer contexts)
 #        (l2: decode time with the KV in HBM against L2-resident, 16 and 128 heads)
 #        (hostphases: where a BlockTable host step's time goes, batch 1 and 64 x 128K)
+#        (tpotbatches: TPOT at batch 1, 8, 32, 64 and 128 with fixed-1, fixed-max,
+#        balanced-only and the ladder, 16 heads then 128 (2 layers), each into its
+#        own folder)
 #        (balancedseesaw: the balanced seesaw's GPU tests, then its timing against the
 #        Triton balanced kernel and the ladder's split plan, 128 heads, ragged mixes)
 #        (fp8: FP8_AB="float-32x4 ..." adds stage-1 variants, bench/fp8_sweep.py --ab)
@@ -34,7 +37,7 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 STEPS="tests gputests sweep fisweep capture tune tunefp8 tunemtp tunesparse tpot tpotfp8 tpotmtp
-       ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp hostphases balancedseesaw"
+       ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp hostphases balancedseesaw tpotbatches"
 usage() { sed -n '2,/^set /{/^set /d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"; }
 for arg in "$@"; do
   case $arg in
@@ -130,6 +133,13 @@ for step in $steps; do
                --kv-cache bf16 fp8-tensor fp8-v32 --policies fixed-1 ladder \
                > "$R/tpot-fp8.log" 2>&1; tail -5 "$R/tpot-fp8.log"
              python3 scripts/tpot_report.py --json "$R/h200-tpot-fp8.json" --force ;;
+    tpotbatches) for preset in deepseek-v3-tp8 deepseek-v3-dp; do
+                   mkdir -p "$R/$preset"
+                   timeout 280 python3 bench/tpot.py --preset "$preset" --layers 2 \
+                     --batches 1 8 32 64 128 --contexts 256 4096 32768 131072 \
+                     --policies fixed-1 fixed-max balanced-only ladder --out "$R/$preset" \
+                     > "$R/tpot-batches-$preset.log" 2>&1; tail -3 "$R/tpot-batches-$preset.log"
+                 done ;;
     tpotdp) timeout 480 python3 bench/tpot.py --preset deepseek-v3-dp --layers "${TPOT_LAYERS:-4}" \
               --contexts 1 1024 16384 65536 102400 131072 --batches 1 8 --out "$R" \
               > "$R/tpot-dp.log" 2>&1; tail -5 "$R/tpot-dp.log"
