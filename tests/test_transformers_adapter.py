@@ -252,6 +252,19 @@ def test_deepseek_v32_sparse_decode_picks_transformers_top_k():
     assert len(result.buckets) == len(result.plans) == 2  # 1 and 2 indexer splits
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("variant", [{"q_lora_rank": None}, {"rope_interleave": False},
+                                     {"attention_bias": True}], ids=str)
+def test_config_variants_decode_like_transformers(variant):
+    model = v3_model(**variant)
+    with torch.no_grad():  # transformers initialises biases to zero; these must count
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, 0.3)
+    result = decode_against_transformers(model, (9,), steps=3)
+    assert result.equivalent, result
+
+
 def scale_without_mscale(attention) -> float:
     return attention.qk_head_dim ** -0.5
 
