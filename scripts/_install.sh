@@ -4,7 +4,8 @@
 #   use_python          # sets PY: the project environment .venv/, made on first use
 #   install_runtime     # torch, triton, numpy at versions the kernels are known to work with
 #   upgrade_runtime     # triton and numpy: the newest in range where torch pins no triton
-#   install_test        # pytest, pytest-benchmark, ruff (ruff may be skipped offline)
+#   install_test        # pytest, pytest-benchmark, ruff (ruff may be skipped offline),
+#                       # transformers (optional: skipped offline)
 #   install_plot        # matplotlib (not installed by the two set-up commands)
 #   install_package     # this checkout, editable, without pip (a .pth file)
 #   setup_demo          # what scripts/demo.sh runs: use_python, runtime, package
@@ -302,6 +303,24 @@ install_test() {
         echo "install: ${want[*]}"
         _pip "${want[@]}" || return 1
     fi
+    _install_adapter_reference
+}
+
+# transformers, the independent implementation the model adapter's equivalence tests compare
+# against (setup.cfg's extra hf). Optional: without it those tests skip, so offline (or when
+# pip cannot install it) it is left out with one line, never a failure.
+_install_adapter_reference() {
+    if _have transformers "v >= (5, 24) and v < (6,)"; then
+        return
+    fi
+    if ! _index_reachable; then
+        echo "install: transformers is missing and the package index is unreachable" \
+             "($INDEX_STATUS): the transformers adapter's tests skip"
+        return
+    fi
+    echo "install: transformers (the adapter's equivalence tests)"
+    _pip "transformers>=5.24,<6" || echo "install: transformers did not install: the" \
+        "adapter's tests skip"
 }
 
 # For the plotting scripts (scripts/tpot_report.py, scripts/tune_ladder.py --plot).

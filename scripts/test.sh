@@ -9,7 +9,9 @@ if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
     cat <<'USAGE'
 usage: bash scripts/test.sh [PYTEST_ARGS...]
 
-Installs what the tests need, lints with ruff, then runs the host-only tests (pytest -m host)
+Installs what the tests need (pytest, pytest-benchmark, ruff, and transformers for the model
+adapter's equivalence tests, which skip without it), lints with ruff, then runs the host-only
+tests (pytest -m host)
 and everything else (Triton's interpreter where there is no GPU; tests marked gpu need CUDA).
 Extra arguments go to both pytest runs.
 
@@ -18,7 +20,8 @@ installed torch is reused); PYTHON=/path/to/python uses that interpreter's envir
 Where torch pins no triton (a CPU build) and the package index answers, triton and numpy are
 upgraded to the newest releases within setup.cfg's bounds, as a fresh install resolves them;
 a triton that a CUDA torch pins is never replaced. Offline, nothing is downloaded: what is
-installed is tested if it fits, and the lint is skipped if ruff is missing.
+installed is tested if it fits, the lint is skipped if ruff is missing and the adapter's
+tests if transformers is.
 USAGE
     exit 0
 fi
