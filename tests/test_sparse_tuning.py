@@ -3,7 +3,6 @@ the shipped sparse ladders and their lookup, and (GPU) the sparse layer's timing
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -31,18 +30,12 @@ from graphbucket.tuning.shipped import (
     parse_q_len,
     parse_sparse,
 )
+from tests.script_modules import load_script
 
 pytestmark = pytest.mark.host
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
 def _tune_script():
-    spec = importlib.util.spec_from_file_location("tune_ladder", ROOT / "scripts" /
-                                                  "tune_ladder.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
+    return load_script("tune_ladder")
 
 
 def distinct_sparse_plans(batch: int, hints: list[int], topk: int) -> set[str]:
