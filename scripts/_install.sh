@@ -290,14 +290,14 @@ install_test() {
     _have pytest_benchmark || want+=(pytest-benchmark)
     _have ruff || want+=(ruff)
     if ((${#want[@]})) && ! _index_reachable; then
-        if [[ "${want[*]}" == ruff ]]; then
-            echo "install: ruff is missing and the package index is unreachable" \
-                 "($INDEX_STATUS): lint skipped"
-            LINT=0
-            return
+        if [[ "${want[*]}" != ruff ]]; then
+            _online_for "${want[*]}"
+            return 1
         fi
-        _online_for "${want[*]}"
-        return 1
+        echo "install: ruff is missing and the package index is unreachable" \
+             "($INDEX_STATUS): lint skipped"
+        LINT=0
+        want=()
     fi
     if ((${#want[@]})); then
         echo "install: ${want[*]}"

@@ -138,7 +138,8 @@ def test_newest_leaves_a_pinned_triton_alone(tmp_path):
 # install resolves (module name -> distribution name, version).
 FITS = {"torch": ("torch", "2.13.0+cpu"), "triton": ("triton", "3.9.0"),
         "numpy": ("numpy", "2.4.6"), "pytest": ("pytest", "9.0.0"),
-        "pytest_benchmark": ("pytest-benchmark", "5.1.0"), "ruff": ("ruff", "0.15.0")}
+        "pytest_benchmark": ("pytest-benchmark", "5.1.0"), "ruff": ("ruff", "0.15.0"),
+        "transformers": ("transformers", "5.24.0")}
 UNREACHABLE = {"PIP_INDEX_URL": "http://127.0.0.1:9/simple"}  # the discard port: refused
 
 
@@ -239,6 +240,19 @@ def test_offline_without_ruff_skips_the_lint_and_says_so(tmp_path):
     assert pip_calls(wrapper) == ""
     assert "install: ruff is missing and the package index is unreachable" in done.stdout
     assert done.stdout.splitlines()[-1] == "LINT=0"
+
+
+@pytest.mark.host
+@pytest.mark.parametrize("ruff", [True, False], ids=["with-ruff", "without-ruff"])
+def test_offline_without_transformers_the_adapter_tests_skip_and_it_says_so(tmp_path, ruff):
+    wrapper = fake_environment(tmp_path, {m: v for m, v in FITS.items()
+                                          if m != "transformers" and (ruff or m != "ruff")})
+    done = set_up(wrapper, "setup_test", UNREACHABLE)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert pip_calls(wrapper) == ""
+    said = [line for line in done.stdout.splitlines() if "transformers" in line]
+    assert len(said) == 1 and "the transformers adapter's tests skip" in said[0], said
+    assert done.stdout.splitlines()[-1] == ("LINT=1" if ruff else "LINT=0")
 
 
 @pytest.mark.host
