@@ -500,7 +500,14 @@ def test_store_kv_writes_v32_rows_as_pack_v32(seeded):
     # Below e4m3's smallest normal (2^-6) the interpreter's cast truncates: one subnormal
     # step (2^-9) toward zero (a few seeds in a hundred have such a value).
     subnormal = (exact.abs() < 2 ** -6) & ((stored_got - stored_want).abs() <= 2 ** -9)
-    exempt = carry | subnormal
+    # A value at a rounding midpoint up to float32's last bit (the kernel scales by the
+    # reciprocal, pack_v32 divides): one e4m3 step either way (a seed in a few hundred).
+    top = torch.maximum(stored_got.abs(), stored_want.abs())
+    step = 2 ** (torch.floor(torch.log2(top.clamp_min(2 ** -6))) - 3)
+    midpoint = (stored_got.abs() + stored_want.abs()) / 2
+    tie = ((stored_got - stored_want).abs() <= step) \
+        & ((exact.abs() - midpoint).abs() <= exact.abs() * 2 ** -20)
+    exempt = carry | subnormal | tie
     assert torch.equal(stored_got[~exempt], stored_want[~exempt])
     assert exempt.float().mean() < 0.1
 
