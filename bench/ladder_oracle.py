@@ -102,7 +102,7 @@ def exhaustive_plans(backend, batch: int, num_heads: int, max_model_len: int, *,
         except ValueError:  # a backend without the balanced topology says so
             return plans
         plans[balanced.describe()] = balanced
-        if getattr(balanced, "block_h", 0) == SEESAW_STREAM.block_h:  # the seesaw's too
+        if balanced.block_h == SEESAW_STREAM.block_h:  # 64-row programs: the seesaw's too
             seesaw = replace(balanced, seesaw=True,
                              min_chunk_tiles=SEESAW_STREAM.min_tiles_per_split)
             plans[seesaw.describe()] = seesaw

@@ -107,28 +107,30 @@ class Bucket:
         return float(threshold)
 
     def _thresholds(self) -> tuple[tuple[int, float], ...]:
-        raw = self.batch_imbalance
+        return self._by_batch("batch_imbalance", self.batch_imbalance, "thresholds",
+                              lambda b, t: self._threshold(f"batch_imbalance[{b}]", t),
+                              TypeError)
+
+    def _by_batch(self, name: str, raw: Any, what: str, value_of: Any,
+                  errors: type[Exception] | tuple[type[Exception], ...]
+                  ) -> tuple[tuple[int, Any], ...]:
+        """``{batch_size: value}`` (or pairs) as sorted pairs, each value through
+        ``value_of(batch_size, value)``; ``errors`` from it become a TypeError naming ``name``."""
         items = raw.items() if isinstance(raw, Mapping) else raw
         try:
-            pairs = [(_as_int("batch_imbalance batch size", b),
-                      self._threshold(f"batch_imbalance[{b}]", t)) for b, t in items]
-        except TypeError as err:
-            raise TypeError(f"Bucket(max_len={self.max_len}).batch_imbalance must map batch "
-                            f"sizes to thresholds, got {raw!r}: {err}") from None
+            pairs = [(_as_int(f"{name} batch size", b), value_of(b, v)) for b, v in items]
+        except errors as err:
+            raise TypeError(f"Bucket(max_len={self.max_len}).{name} must map batch sizes to "
+                            f"{what}, got {raw!r}: {err}") from None
         sizes = [b for b, _ in pairs]
         if len(set(sizes)) != len(sizes) or any(b < 1 for b in sizes):
-            raise ValueError(f"Bucket(max_len={self.max_len}).batch_imbalance needs distinct "
-                             f"batch sizes >= 1, got {sorted(sizes)}")
+            raise ValueError(f"Bucket(max_len={self.max_len}).{name} needs distinct batch "
+                             f"sizes >= 1, got {sorted(sizes)}")
         return tuple(sorted(pairs))
 
     def imbalance_for(self, batch_size: int) -> float:
         """The balanced threshold of a graph of ``batch_size`` (padded) rows (0: never)."""
-        threshold = self.balanced_imbalance
-        for size, t in self.batch_imbalance:
-            if size > batch_size:
-                break
-            threshold = t
-        return threshold
+        return _from_batch(self.batch_imbalance, self.balanced_imbalance, batch_size)
 
     @property
     def has_balanced(self) -> bool:
@@ -136,28 +138,13 @@ class Bucket:
         return bool(self.balanced_imbalance or any(t for _, t in self.batch_imbalance))
 
     def _pairs(self) -> tuple[tuple[int, int], ...]:
-        raw = self.batch_hints
-        items = raw.items() if isinstance(raw, Mapping) else raw
-        try:
-            pairs = [(_as_int("batch_hints batch size", b), _as_int("batch_hints hint", h))
-                     for b, h in items]
-        except (TypeError, ValueError) as err:
-            raise TypeError(f"Bucket(max_len={self.max_len}).batch_hints must map batch "
-                            f"sizes to hints, got {raw!r}: {err}") from None
-        sizes = [b for b, _ in pairs]
-        if len(set(sizes)) != len(sizes) or any(b < 1 for b in sizes):
-            raise ValueError(f"Bucket(max_len={self.max_len}).batch_hints needs distinct "
-                             f"batch sizes >= 1, got {sorted(sizes)}")
-        return tuple(sorted(pairs))
+        return self._by_batch("batch_hints", self.batch_hints, "hints",
+                              lambda b, h: _as_int("batch_hints hint", h),
+                              (TypeError, ValueError))
 
     def hint_for(self, batch_size: int) -> int:
         """The hint a graph of ``batch_size`` (padded) rows is planned with."""
-        hint = self.hint
-        for size, h in self.batch_hints:
-            if size > batch_size:
-                break
-            hint = h
-        return hint
+        return _from_batch(self.batch_hints, self.hint, batch_size)
 
     def all_hints(self) -> tuple[int, ...]:
         return (self.hint, *(h for _, h in self.batch_hints))
@@ -179,6 +166,17 @@ class Bucket:
         if self.batch_imbalance:
             extra += f", batch_imbalance={dict(self.batch_imbalance)}"
         return f"Bucket(max_len={self.max_len}, hint={self.hint}{extra})"
+
+
+def _from_batch(pairs: tuple[tuple[int, Any], ...], default: Any, batch_size: int) -> Any:
+    """The value of the largest listed batch size <= ``batch_size`` (``default`` below the
+    smallest): how ``batch_hints`` and ``batch_imbalance`` step with the batch."""
+    value = default
+    for size, v in pairs:
+        if size > batch_size:
+            break
+        value = v
+    return value
 
 
 def _validate(buckets: tuple[Bucket, ...], max_model_len: int) -> None:
@@ -349,28 +347,11 @@ class BucketLadder:
                     f"(optionally 'batch_hints', 'balanced_imbalance', 'batch_imbalance'), "
                     f"got {entry!r}"
                 )
-            extra = entry.get("batch_hints", {})
-            if not isinstance(extra, Mapping):
-                raise ValueError(f"ladder bucket {i}: 'batch_hints' must map batch sizes "
-                                 f"to hints, got {extra!r}")
-            try:
-                pairs = {int(b): h for b, h in extra.items()}
-            except ValueError:
-                raise ValueError(f"ladder bucket {i}: 'batch_hints' keys must be batch "
-                                 f"sizes, got {sorted(extra)}") from None
-            thresholds = entry.get("batch_imbalance", {})
-            if not isinstance(thresholds, Mapping):
-                raise ValueError(f"ladder bucket {i}: 'batch_imbalance' must map batch sizes "
-                                 f"to thresholds, got {thresholds!r}")
-            try:
-                by_batch = {int(b): t for b, t in thresholds.items()}
-            except ValueError:
-                raise ValueError(f"ladder bucket {i}: 'batch_imbalance' keys must be batch "
-                                 f"sizes, got {sorted(thresholds)}") from None
             buckets.append(Bucket(max_len=entry["max_len"], hint=entry["hint"],
-                                  batch_hints=pairs,
+                                  batch_hints=_json_batch_map(entry, "batch_hints", i, "hints"),
                                   balanced_imbalance=entry.get("balanced_imbalance", 0.0),
-                                  batch_imbalance=by_batch))
+                                  batch_imbalance=_json_batch_map(entry, "batch_imbalance", i,
+                                                                  "thresholds")))
         return cls(tuple(buckets), data["max_model_len"], meta=data.get("meta"))
 
     @classmethod
@@ -380,6 +361,19 @@ class BucketLadder:
     @classmethod
     def load(cls, path: str | Path) -> BucketLadder:
         return cls.from_json(Path(path).read_text())
+
+
+def _json_batch_map(entry: Mapping[str, Any], key: str, index: int, what: str) -> dict:
+    """A bucket's ``{"batch size": value}`` JSON object with int keys (empty if absent)."""
+    raw = entry.get(key, {})
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"ladder bucket {index}: {key!r} must map batch sizes to {what}, "
+                         f"got {raw!r}")
+    try:
+        return {int(b): v for b, v in raw.items()}
+    except ValueError:
+        raise ValueError(f"ladder bucket {index}: {key!r} keys must be batch sizes, got "
+                         f"{sorted(raw)}") from None
 
 
 def above_top_error(length: int, max_model_len: int) -> ValueError:
