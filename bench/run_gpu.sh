@@ -30,7 +30,8 @@
 #        (tp needs 2 GPUs: TP=2 decode, numerics vs TP=1, TPOT ladder vs fixed-1)
 #        (default: tests sweep capture tune tpot).
 # Every step has a time limit so one hang cannot eat the rest. Everything is written under
-# $OUT/r and packed into $OUT/gpu-results.tgz (the device tool returns at most 8 files);
+# $OUT/r and packed into $OUT/gpu-results.tgz after every step (the device tool returns at
+# most 8 files);
 # OUT defaults to a new temporary folder, printed first. Besides $OUT, only the tune
 # steps write into the checkout (graphbucket/ladders/).
 # TPOT_LAYERS sets the tpot model's layer count (default 4).
@@ -76,6 +77,16 @@ print(n('h200', $heads, '$fmt', q_len=$q, sparse=bool('$sparse')))")
   timeout $limit python3 bench/ladder_oracle.py --heads "$heads" --kv-cache "$fmt" --q-len "$q" \
     $sparse --ladder "$R/$name" --out "$R" $append > "$R/oracle-${name%.json}.log" 2>&1
   grep -A12 "^Worst" "$R/oracle-${name%.json}.log" | tail -10
+  pack
+}
+# Packed after every step (to a temporary name, then moved), so that a call stopped at its
+# limit still returns what the steps before it wrote. PACK_TO names a second folder that
+# gets the same archive (the device tool's $OUT when OUT is a work folder outside it).
+pack() {
+  tar czf "$OUT/.gpu-results.tgz" -C "$R" . && mv "$OUT/.gpu-results.tgz" "$OUT/gpu-results.tgz"
+  [ -n "${PACK_TO:-}" ] && cp "$OUT/gpu-results.tgz" "$PACK_TO/.gpu-results.tgz" \
+    && mv "$PACK_TO/.gpu-results.tgz" "$PACK_TO/gpu-results.tgz"
+  return 0
 }
 for step in $steps; do
   echo "== $step $(date -u +%H:%M:%S)"
@@ -90,8 +101,14 @@ for step in $steps; do
              timeout 90 python3 -m pytest -q tests/test_runner.py -k "capture_fault and oom" \
                -p no:cacheprovider > "$R/tests-oom.log" 2>&1; tail -2 "$R/tests-oom.log"
            fi ;;
-    gputests) timeout 240 python3 -m pytest -q -m gpu tests -p no:cacheprovider \
-                > "$R/tests.log" 2>&1; tail -15 "$R/tests.log" ;;
+    gputests) workers=(); python3 -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-14}")
+              timeout 240 python3 -m pytest -q "${workers[@]}" -m gpu tests bench/test_tpot.py \
+                bench/test_tpot_sparse.py -p no:cacheprovider > "$R/tests.log" 2>&1
+              tail -15 "$R/tests.log"
+              if ((${#workers[@]})); then
+                timeout 90 python3 -m pytest -q tests/test_runner.py -k "capture_fault and oom" \
+                  -p no:cacheprovider > "$R/tests-oom.log" 2>&1; tail -2 "$R/tests-oom.log"
+              fi ;;
     sweep) timeout 240 python3 bench/kernel_sweep.py --out "$R" > "$R/sweep.log" 2>&1
            tail -42 "$R/sweep.log" ;;
     fisweep) [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile \
@@ -160,5 +177,6 @@ for step in $steps; do
             tail -8 "$R/h200-ragged.md" ;;
     demo) timeout 240 python3 scripts/demo.py 2>&1 | tee "$R/demo.log" ;;
   esac
+  pack
 done
-tar czf "$OUT/gpu-results.tgz" -C "$R" .
+pack
