@@ -35,14 +35,15 @@ def device_ladder(spec: BufferSpec, max_model_len: int) -> BucketLadder:
 
 
 def tuned_device_ladder(spec: BufferSpec, max_model_len: int, *,
-                        sparse_topk: int | None = None) -> BucketLadder | None:
-    """The ladder shipped for ``spec``'s GPU, head count and cache format (``sparse_topk``:
-    the sparse decoder's for that top-k), or None (no CUDA device, or none ships)."""
+                        sparse_topk: int | None = None, q_len: int = 1) -> BucketLadder | None:
+    """The ladder shipped for ``spec``'s GPU, head count, cache format and ``q_len``
+    (``sparse_topk``: the sparse decoder's for that top-k), or None (no CUDA device, or
+    none ships)."""
     if spec.device.type != "cuda" or not torch.cuda.is_available():
         return None
     return find_tuned_ladder(torch.cuda.get_device_name(spec.device), spec.num_heads,
                              max_model_len, kv_cache_format=spec.kv_cache_format,
-                             sparse_topk=sparse_topk)
+                             sparse_topk=sparse_topk, q_len=q_len)
 
 
 def policy_ladder(policy: Policy, max_model_len: int, ladder: BucketLadder | None = None, *,

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -71,8 +72,11 @@ class GraphBucketRunner:
     ``kv_lora_rank``/``qk_rope_dim`` (those of the model, which ``for_model`` reads).
     ``q_lens``: the query tokens per request steps may have (default 1; e.g. (1, 2, 4)
     for a verify step of up to 3 draft tokens), each captured; the static buffers hold
-    the largest. ``block_table``: the persistent host table (one row per batch slot, up to
-    the largest capture size) a ``DecodeBatch`` may carry instead of an array;
+    the largest; ``q_ladders``: ladders of their own for some q_lens above 1 (the
+    ``ladder`` policy's default: each q_len's tuned ladder where one ships,
+    ``backend.default_q_ladder``). ``block_table``: the persistent host table (one row
+    per batch slot, up to the largest capture size) a ``DecodeBatch`` may carry instead
+    of an array;
     ``max_table_changes``: the entries one such step stages as a list (more are copied
     row by row; default ``buffers.default_max_table_changes``).
     Graph-safe: ``step`` is host-only selection, one pinned non-blocking copy and a replay.
@@ -83,6 +87,7 @@ class GraphBucketRunner:
                  backend: DecodeBackend | None = None, kv_lora_rank: int = 512,
                  qk_rope_dim: int = 64, rule: SelectRule = "max", warmup_iters: int = 1,
                  progress: bool = True, q_lens: tuple[int, ...] = (1,),
+                 q_ladders: Mapping[int, BucketLadder] | None = None,
                  max_table_changes: int | None = None) -> None:
         if ladder is None and max_model_len is None:
             raise ValueError("an eager runner (ladder=None) needs max_model_len")
@@ -101,8 +106,11 @@ class GraphBucketRunner:
             spec, kv_lora_rank, qk_rope_dim)
         # An eager runner still validates lengths against max_model_len: a one-bucket
         # selector whose keys it never captures.
+        if q_ladders and ladder is None:
+            raise ValueError("q_ladders needs a ladder: an eager runner captures no graphs")
         self.selector = GraphSelector(ladder or BucketLadder((Bucket(top, top),), top),
-                                      batch_sizes, rule=rule, q_lens=q_lens)
+                                      batch_sizes, rule=rule, q_lens=q_lens,
+                                      q_ladders=q_ladders)
         self.graphs = None if ladder is None else GraphTable(self.selector, self.backend,
                                                              spec.num_heads)
         max_q = self.selector.max_q_len
@@ -130,6 +138,10 @@ class GraphBucketRunner:
             spec, kwargs.pop("kv_lora_rank", 512), kwargs.pop("qk_rope_dim", 64))
         if policy == "ladder" and ladder is None:
             ladder = backend.default_ladder(max_model_len, spec)
+            if "q_ladders" not in kwargs:  # each q_len's tuned ladder, where one ships
+                found = {q: backend.default_q_ladder(max_model_len, spec, q)
+                         for q in kwargs.get("q_lens", (1,)) if q > 1}
+                kwargs["q_ladders"] = {q: lad for q, lad in found.items() if lad is not None}
         return cls(forward, spec=spec, batch_sizes=batch_sizes, sm_scale=sm_scale,
                    backend=backend,
                    ladder=policy_ladder(policy, max_model_len, ladder, spec=spec),

@@ -25,7 +25,9 @@ query token, one row included (the ``balanced-only`` policy).
 
 Multi-token steps (MTP / speculative verification, ``q_len`` query tokens per request):
 every (capture size, bucket) has one key per captured q_len, hinted as at q_len 1 (the
-plan folds the tokens into q_len x heads rows, ``graphs.plan_for_key``). A q_len the
+plan folds the tokens into q_len x heads rows, ``graphs.plan_for_key``), unless
+``q_ladders`` gives that q_len a ladder of its own (bounds and hints tuned for q_len x
+heads rows, ``tune_ladder.py --q-len``); its keys' bucket indices are that ladder's. A q_len the
 selector was not built with raises ValueError (no graph can serve it, and a verify step
 cannot be padded to more tokens: each token's causal limit depends on q_len). Balanced
 keys exist at q_len 1 only (the balanced kernels decode one token per request); ragged
@@ -36,7 +38,7 @@ from __future__ import annotations
 
 import sys
 from bisect import bisect_left
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal, get_args
 
 import numpy as np
@@ -55,10 +57,13 @@ class GraphSelector:
     ``capture_sizes``: the padded batch sizes graphs exist for (e.g. 1, 2, 4, ..., 64);
     a batch above the largest one has no graph (``choose`` returns None: the eager path).
     ``q_lens``: the query tokens per request graphs exist for (default: 1, plain decode).
+    ``q_ladders``: ladders for some q_lens above 1 (same max_model_len); the others use
+    ``ladder``.
     """
 
     def __init__(self, ladder: BucketLadder, capture_sizes: Iterable[int], *,
-                 rule: SelectRule = "max", q_lens: Iterable[int] = (1,)) -> None:
+                 rule: SelectRule = "max", q_lens: Iterable[int] = (1,),
+                 q_ladders: Mapping[int, BucketLadder] | None = None) -> None:
         if not isinstance(ladder, BucketLadder):
             raise TypeError(f"ladder must be a BucketLadder, got {type(ladder).__name__}")
         given = list(capture_sizes)
@@ -75,7 +80,9 @@ class GraphSelector:
                              f"got {q_given}")
         self.ladder, self.capture_sizes, self.rule = ladder, tuple(sizes), rule
         self.q_lens = tuple(sorted(set(q_given)))
-        self._bounds, self._top = ladder.bounds, ladder.max_model_len
+        self.q_ladders = checked_q_ladders(q_ladders or {}, ladder, self.q_lens)
+        self._top = ladder.max_model_len
+        self._bounds = {q: self.ladder_for(q).bounds for q in self.q_lens}
         # Precomputed so that a step allocates nothing: padded size per batch size, and the
         # key of every (q_len, capture size, bucket).
         self._padded = [0] + [sizes[bisect_left(sizes, n)] for n in range(1, sizes[-1] + 1)]
@@ -86,7 +93,8 @@ class GraphSelector:
         self._balanced_keys: dict[int, dict[int, tuple[GraphKey | None, ...]]] = {}
         for q in self.q_lens:
             keys = {bs: tuple(GraphKey(bs, i, h, False, q)
-                              for i, h in enumerate(ladder.hints_for(bs))) for bs in sizes}
+                              for i, h in enumerate(self.ladder_for(q).hints_for(bs)))
+                    for bs in sizes}
             self._keys[q] = keys
             # Balanced keys exist from two rows up (one row is never ragged), at q_len 1;
             # a bucket balanced always (imbalance 1) has them at one row too.
@@ -100,6 +108,10 @@ class GraphSelector:
         q = "" if self.q_lens == (1,) else f", q_lens={list(self.q_lens)}"
         return (f"GraphSelector({len(self.ladder)} buckets, capture_sizes="
                 f"{list(self.capture_sizes)}, rule={self.rule!r}{q})")
+
+    def ladder_for(self, q_len: int) -> BucketLadder:
+        """The ladder whose buckets the keys of ``q_len`` index."""
+        return self.q_ladders.get(q_len, self.ladder)
 
     @property
     def max_batch_size(self) -> int:
@@ -177,8 +189,10 @@ class GraphSelector:
         length = max_len
         if self.rule == "min":
             length = min_len if min_len > 0 else _min_positive(lens)
-        bucket = bisect_left(self._bounds, length)
+        bucket = bisect_left(self._bounds[q_len], length)
         padded = self._padded[batch_size]
+        if q_len != 1:  # balanced graphs decode one token per request
+            return by_size[padded][bucket]
         threshold = self._imbalance[padded][bucket]
         if threshold == 1 and q_len == 1:
             return self._balanced_keys[1][padded][bucket]
@@ -187,6 +201,27 @@ class GraphSelector:
             if max_len * live >= threshold * total:
                 return self._balanced_keys[1][padded][bucket]
         return by_size[padded][bucket]
+
+
+def checked_q_ladders(q_ladders: Mapping[int, BucketLadder], ladder: BucketLadder,
+                      q_lens: tuple[int, ...]) -> dict[int, BucketLadder]:
+    """``q_ladders`` as a dict, each for a captured q_len above 1 and ending where
+    ``ladder`` ends (ValueError / TypeError otherwise)."""
+    checked = {}
+    for q, q_ladder in q_ladders.items():
+        if not isinstance(q_ladder, BucketLadder):
+            raise TypeError(f"q_ladders[{q!r}] must be a BucketLadder, got "
+                            f"{type(q_ladder).__name__}")
+        if q not in q_lens or q == 1:
+            raise ValueError(f"q_ladders has a ladder for q_len {q!r}; it takes captured "
+                             f"q_lens above 1 ({[x for x in q_lens if x > 1]}); the q_len 1 "
+                             "ladder is the ladder argument")
+        if q_ladder.max_model_len != ladder.max_model_len:
+            raise ValueError(f"q_ladders[{q}] covers 1..{q_ladder.max_model_len} but the "
+                             f"ladder 1..{ladder.max_model_len}; every q_len's ladder ends at "
+                             "max_model_len")
+        checked[q] = q_ladder
+    return checked
 
 
 def short_for_q_len_error(length: int, q_len: int) -> ValueError:

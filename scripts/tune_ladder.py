@@ -220,7 +220,10 @@ def measurement_plan(args: argparse.Namespace, num_sms: int) -> dict:
 
     heads, q_len = args.heads or 16, args.q_len
     batches = sorted(args.batches or CAPTURE_SIZES)
-    contexts = sorted({c for c in args.contexts or CONTEXTS if q_len <= c <= args.max_model_len}
+    # The default grid's shortest context is the shortest a q_len step can have (1 is
+    # raised to q_len, not dropped): the first bucket's hint must be timed where it is short.
+    grid = args.contexts or [max(q_len, c) for c in CONTEXTS]
+    contexts = sorted({c for c in grid if q_len <= c <= args.max_model_len}
                       | ({args.max_model_len} if args.contexts is None else set()))
     if not args.no_edges:
         contexts = sorted(set(contexts) | set(edge_contexts(contexts, args.max_model_len)))

@@ -85,3 +85,45 @@ def test_balanced_only_runner_matches_the_reference_on_uniform_and_single_rows(d
         want = toy_reference(model, batch, sm_scale=0.125)
         assert rel_l2(runner.step(batch), want) < (1e-2 if device == "cuda" else 1e-5), lens
     runner.close()
+
+
+def test_a_q_len_ladder_of_its_own_reaches_the_runners_keys_and_plans():
+    from graphbucket import Bucket, BucketLadder, GraphBucketRunner, get_backend
+    from tests._toy import ToyMLA
+
+    top = 320
+    own = BucketLadder((Bucket(40, 1), Bucket(top, top)), top)
+    runner = GraphBucketRunner.for_policy(
+        "ladder", ToyMLA(), spec=toy_spec(), batch_sizes=[1], max_model_len=top,
+        sm_scale=0.125, ladder=LADDER, q_lens=(1, 2), q_ladders={2: own},
+        backend=get_backend("triton", num_sms=8, kv_lora_rank=64, qk_rope_dim=16),
+        progress=False)
+    keys = runner.selector.keys()
+    assert sorted((k.bucket, k.hint) for k in keys if k.q_len == 2) == [(0, 1), (1, top)]
+    assert sorted(k.hint for k in keys if k.q_len == 1) == [32, 64, 320]  # LADDER's
+    assert runner.selector.choose([30], q_len=2).hint == 1
+    assert runner.plan_for(runner.selector.choose([30], q_len=2)).num_kv_splits == 1
+    assert runner.plan_for(runner.selector.choose([300], q_len=2)).num_kv_splits > 1
+    runner.close()
+
+
+@pytest.mark.gpu
+def test_the_ladder_policy_takes_each_q_lens_shipped_ladder_on_the_h200():
+    import torch
+
+    from graphbucket import GraphBucketRunner
+    from graphbucket.tuning.shipped import find_tuned_ladder
+
+    name = torch.cuda.get_device_name(0)
+    spec = toy_spec(device="cuda", heads=16, max_pages=64)
+    top = spec.max_context_len
+    runner = GraphBucketRunner.for_policy("ladder", lambda ctx: None, spec=spec,
+                                          batch_sizes=[1], max_model_len=top, sm_scale=0.125,
+                                          q_lens=(1, 2, 4), progress=False)
+    for q in (2, 4):
+        want = find_tuned_ladder(name, 16, top, q_len=q)
+        if want is None:
+            pytest.skip(f"no {q}-token ladder ships for {name}")
+        assert runner.selector.ladder_for(q) == want
+    assert runner.selector.ladder_for(1) == find_tuned_ladder(name, 16, top)
+    runner.close()

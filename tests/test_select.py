@@ -428,3 +428,34 @@ def test_ragged_verify_steps_replay_split_kv_graphs():
     assert all(not k.balanced for k in s.keys() if k.q_len == 2)
     with pytest.raises(KeyError, match="more than one query token"):
         s.key(4, 1, balanced=True, q_len=2)
+
+
+def test_a_q_len_with_a_ladder_of_its_own_takes_its_bounds_and_hints(ladder):
+    own = BucketLadder([Bucket(16, 1), Bucket(300, 2048, batch_hints={4: 256}),
+                        Bucket(MAX, MAX)], MAX)
+    s = GraphSelector(ladder, capture_sizes=[1, 4], q_lens=(1, 2, 4), q_ladders={2: own})
+    assert s.ladder_for(2) is own and s.ladder_for(4) is ladder and s.ladder_for(1) is ladder
+    rng = np.random.default_rng()
+    for _ in range(200):
+        lens = rng.integers(2, MAX + 1, size=int(rng.integers(1, 5))).tolist()
+        pad = s.pad(len(lens))
+        for q, lad in ((1, ladder), (2, own), (4, ladder)):
+            if min(lens) < q:
+                continue
+            key = s.choose(lens, q_len=q)
+            bucket = lad.bucket_for(max(lens))  # brute force: the longest request's bucket
+            assert (key.batch_size, key.bucket, key.q_len) == (pad, bucket, q), (lens, q)
+            assert key.hint == lad.hint_for(bucket, pad)
+    assert {k.bucket for k in s.keys() if k.q_len == 2} == {0, 1, 2}
+    assert s.key(4, 1, q_len=2).hint == 256 and s.key(1, 1, q_len=2).hint == 2048
+
+
+@pytest.mark.parametrize("q_ladders, match", [
+    ({1: "own"}, "captured q_lens above 1"), ({3: "own"}, "captured q_lens above 1"),
+    ({2: "short"}, r"covers 1..4096 but the ladder"), ({2: [1, 2]}, "must be a BucketLadder")])
+def test_bad_q_ladders_raise(ladder, q_ladders, match):
+    made = {"own": BucketLadder([Bucket(MAX, MAX)], MAX),
+            "short": BucketLadder([Bucket(4096, 4096)], 4096)}
+    given = {q: made.get(v, v) if isinstance(v, str) else v for q, v in q_ladders.items()}
+    with pytest.raises((ValueError, TypeError), match=match):
+        GraphSelector(ladder, capture_sizes=[1], q_lens=(1, 2), q_ladders=given)

@@ -219,3 +219,29 @@ def test_gpu_sparse_layer_timing_runs_verify_steps_and_ragged_lengths():
                             max_splits=plan.attention_splits)
     (us,) = timer.time_lens([4096, 300], {"p": plan}).values()
     assert us > 0
+
+
+def test_a_shape_needing_more_pages_than_the_timing_cache_is_refused():
+    from graphbucket.tuning.measure import check_pages
+
+    check_pages(256, 256)
+    with pytest.raises(ValueError, match="need 257 pages and the timing cache holds 256"):
+        check_pages(257, 256)
+
+
+@pytest.mark.gpu
+def test_gpu_timers_hold_requests_that_each_round_up_to_a_whole_page():
+    # 4 x 4033 tokens fill 253 pages, but each request takes 64 pages: 256.
+    from graphbucket.plan import plan_mla_decode
+    from graphbucket.tuning.measure import PlanTimer
+    from graphbucket.tuning.measure_sparse import SparsePlanTimer
+
+    lens = [4033] * 4
+    dense = plan_mla_decode(4, 16, 4033)
+    (us,) = PlanTimer(4033, 4, 16, max_splits=dense.num_kv_splits).time_lens(
+        lens, {"p": dense}).values()
+    assert us > 0
+    sparse = plan_sparse_decode(4, 16, 4033)
+    timer = SparsePlanTimer(4033, 4, 16, topk=DEFAULT_TOPK, max_splits=sparse.attention_splits)
+    (us,) = timer.time_lens(lens, {"p": sparse}).values()
+    assert us > 0

@@ -33,6 +33,8 @@ from graphbucket.tuning.shipped import (
     find_tuned_ladder,
     ladder_file_name,
     parse_ladder_file_name,
+    parse_q_len,
+    parse_sparse,
 )
 from tests.script_modules import load_script
 
@@ -323,9 +325,14 @@ def test_shipped_ladders_load_and_match_their_names():
     for path in shipped:
         ladder = BucketLadder.load(path)
         slug, heads, fmt = parse_ladder_file_name(path.name)
+        q_len, sparse = parse_q_len(path.name), parse_sparse(path.name)
         assert ladder.meta["num_heads"] == heads
         assert ladder.meta.get("kv_cache", "bf16") == fmt
-        found = find_tuned_ladder(slug, heads, ladder.max_model_len, kv_cache_format=fmt)
+        assert ladder.meta.get("q_len", 1) == q_len
+        assert (ladder.meta.get("decoder") == "sparse") == sparse
+        found = find_tuned_ladder(slug, heads, ladder.max_model_len, kv_cache_format=fmt,
+                                  q_len=q_len,
+                                  sparse_topk=ladder.meta["topk"] if sparse else None)
         assert found == ladder and "kv_cache_fallback" not in found.meta
 
 

@@ -63,7 +63,7 @@ from dataclasses import dataclass
 
 import torch
 
-from graphbucket.backends.triton import split_kv_ladder
+from graphbucket.backends.triton import split_kv_ladder, split_kv_q_ladder
 from graphbucket.ladder import BucketLadder
 from graphbucket.plan import H200_NUM_SMS, LaunchPlan, plan_mla_decode
 from graphbucket.spec import BufferSpec
@@ -314,6 +314,11 @@ class AiterBackend:
                        ) -> BucketLadder:
         """As the Triton backend's (``backends.triton.split_kv_ladder``)."""
         return split_kv_ladder(max_model_len, spec)
+
+    def default_q_ladder(self, max_model_len: int, spec: BufferSpec | None, q_len: int
+                         ) -> BucketLadder | None:
+        """As the Triton backend's (``backends.triton.split_kv_q_ladder``)."""
+        return split_kv_q_ladder(max_model_len, spec, q_len)
 
     def workspace_spec(self, plans: Iterable[LaunchPlan]
                        ) -> TokenTableSpec | PersistentWorkspaceSpec:

@@ -79,6 +79,12 @@ class DecodeBackend(Protocol):
         tuned ladder)."""
         ...
 
+    def default_q_ladder(self, max_model_len: int, spec: BufferSpec | None, q_len: int
+                         ) -> BucketLadder | None:
+        """The ladder tuned for verify steps of ``q_len`` tokens with this backend, or None
+        (the ``default_ladder`` then serves that q_len too)."""
+        ...
+
     def workspace_spec(self, plans: Iterable[Plan]) -> WorkspaceSpec:
         """The persistent workspace that serves every plan in ``plans``."""
         ...

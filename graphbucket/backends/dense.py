@@ -16,7 +16,7 @@ import torch
 
 from graphbucket import fp8
 from graphbucket.backends.base import NoWorkspace
-from graphbucket.backends.triton import split_kv_ladder
+from graphbucket.backends.triton import split_kv_ladder, split_kv_q_ladder
 from graphbucket.kernels import check_mla_decode_args
 from graphbucket.kernels.launch import check_q_len
 from graphbucket.kernels.verify import flatten_verify
@@ -60,6 +60,11 @@ class DenseBackend:
                        ) -> BucketLadder:
         """As the Triton backend's (``backends.triton.split_kv_ladder``)."""
         return split_kv_ladder(max_model_len, spec)
+
+    def default_q_ladder(self, max_model_len: int, spec: BufferSpec | None, q_len: int
+                         ) -> BucketLadder | None:
+        """As the Triton backend's (``backends.triton.split_kv_q_ladder``)."""
+        return split_kv_q_ladder(max_model_len, spec, q_len)
 
     def _plan_uncached(self, batch_size: int, num_heads: int, hint: int) -> LaunchPlan:
         return plan_mla_decode(batch_size, num_heads, hint, num_sms=self.num_sms,

@@ -23,7 +23,7 @@ from graphbucket.plan import (
     plan_balanced_mla_decode,
     plan_mla_decode,
 )
-from graphbucket.policies import device_ladder
+from graphbucket.policies import device_ladder, tuned_device_ladder
 from graphbucket.spec import BufferSpec
 
 _PLAN_CACHE_SIZE = 8192
@@ -37,6 +37,13 @@ def device_num_sms(device: torch.device | str | None = None, default: int = H200
         return default
     return torch.cuda.get_device_properties(device or torch.cuda.current_device()
                                             ).multi_processor_count
+
+
+def split_kv_q_ladder(max_model_len: int, spec: BufferSpec | None, q_len: int
+                      ) -> BucketLadder | None:
+    """The split-KV backends' ladder for verify steps of ``q_len`` tokens: the one tuned
+    for ``spec``'s GPU, heads, cache format and q_len when one ships, else None."""
+    return None if spec is None else tuned_device_ladder(spec, max_model_len, q_len=q_len)
 
 
 def split_kv_ladder(max_model_len: int, spec: BufferSpec | None = None) -> BucketLadder:
@@ -112,6 +119,11 @@ class TritonBackend:
                        ) -> BucketLadder:
         """See ``split_kv_ladder``."""
         return split_kv_ladder(max_model_len, spec)
+
+    def default_q_ladder(self, max_model_len: int, spec: BufferSpec | None, q_len: int
+                         ) -> BucketLadder | None:
+        """See ``split_kv_q_ladder``."""
+        return split_kv_q_ladder(max_model_len, spec, q_len)
 
     def _plan_uncached(self, batch_size: int, num_heads: int, hint: int) -> LaunchPlan:
         if self.balanced or hint == 0:  # hint 0: plan_balanced's cache slot

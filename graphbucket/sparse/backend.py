@@ -119,6 +119,13 @@ class SparseBackend:
                                                               sparse_topk=self.topk)
         return tuned if tuned is not None else sparse_ladder(max_model_len, topk=self.topk)
 
+    def default_q_ladder(self, max_model_len: int, spec: BufferSpec | None, q_len: int
+                         ) -> BucketLadder | None:
+        """The sparse ladder tuned for verify steps of ``q_len`` tokens at this top-k when
+        one ships, else None."""
+        return None if spec is None else tuned_device_ladder(
+            spec, max_model_len, sparse_topk=self.topk, q_len=q_len)
+
     def workspace_spec(self, plans: Iterable[SparsePlan]) -> SparseWorkspaceSpec:
         """One workspace for every plan: the most rows and attention splits."""
         plans = list(plans)

@@ -44,6 +44,13 @@ def kv_bytes(context: int, batch: int, num_heads: int = 16, kv_cache: str = "bf1
     return batch * context * fp8.row_bytes(kv_cache, QK_DIM, torch.bfloat16) + q_and_out
 
 
+def check_pages(needed: int, num_pages: int) -> None:
+    """Refuse a timed shape whose requests need more pages than the timing cache holds."""
+    if needed > num_pages:
+        raise ValueError(f"the requests need {needed} pages and the timing cache holds "
+                         f"{num_pages}: build the timer for longer contexts or more requests")
+
+
 def rotations_for(context: int, batch: int, num_heads: int, kv_cache: str, num_pages: int
                   ) -> int:
     """Decode calls one timing graph holds: enough distinct KV to evict the L2, as many
@@ -155,6 +162,7 @@ class Problem:
         seq_lens [batch]) for R rotations, each over pages no other rotation reads."""
         pages_per_req = cdiv(context, PAGE_SIZE)
         per_call = max(1, batch * pages_per_req)
+        check_pages(per_call, self.num_pages)
         rotations = rotations_for(context, batch, self.num_heads, self.kv_cache,
                                   self.num_pages)
         perm = torch.randperm(self.num_pages, device="cuda", dtype=torch.int64)
@@ -172,6 +180,7 @@ class Problem:
         pages (the rest of the row page 0, never read)."""
         pages = [cdiv(n, PAGE_SIZE) for n in lens]
         per_call, batch = max(1, sum(pages)), len(lens)
+        check_pages(per_call, self.num_pages)
         step_bytes = sum(kv_bytes(n, 1, self.num_heads, self.kv_cache) for n in lens)
         rotations = max(1, min(MAX_ROTATIONS, L2_FLUSH_BYTES // step_bytes,
                                self.num_pages // per_call))
@@ -236,7 +245,8 @@ class PlanTimer:
                                "--from-times)")
         torch.manual_seed(seed)
         self.q_len, self.rows = q_len, num_heads * q_len
-        self.problem = Problem(max_context * max_batch, self.rows, kv_cache)
+        # One page per request beyond the tokens: each request rounds up to whole pages.
+        self.problem = Problem((max_context + PAGE_SIZE) * max_batch, self.rows, kv_cache)
         self.ws = SplitWorkspace.allocate(max_batch, self.rows, max(1, max_splits),
                                           KV_LORA_RANK, "cuda", max_items=max_items)
         self.scale = default_sm_scale()

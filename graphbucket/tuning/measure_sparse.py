@@ -36,6 +36,7 @@ from graphbucket.tuning.measure import (
     SAMPLE_MS,
     TUNE_REPS,
     Problem,
+    check_pages,
     time_replays,
     warm_gpu,
 )
@@ -121,7 +122,9 @@ class SparsePlanTimer:
                                "--from-times)")
         torch.manual_seed(seed)
         self.num_heads, self.topk, self.q_len, self.kv_cache = num_heads, topk, q_len, kv_cache
-        self.caches = SparseCaches(max_tokens or max_len * max_batch, kv_cache)
+        # One page per request beyond the tokens: each request rounds up to whole pages.
+        self.caches = SparseCaches((max_tokens or max_len * max_batch) + PAGE_SIZE * max_batch,
+                                   kv_cache)
         self.backend = SparseBackend(num_heads=num_heads, max_len=max_len, topk=topk)
         self.workspace = SparseWorkspace.allocate(max_batch * q_len, num_heads, max_len,
                                                   topk=topk, max_splits=max(1, max_splits),
@@ -147,6 +150,7 @@ class SparsePlanTimer:
         pages = [cdiv(n, PAGE_SIZE) for n in lens]
         step = sparse_bytes(lens, self.num_heads, topk=self.topk, q_len=self.q_len,
                             kv_cache=self.kv_cache)
+        check_pages(sum(pages), self.caches.num_pages)
         rotations = rotations_for(step, sum(pages), self.caches.num_pages)
         perm = torch.randperm(self.caches.num_pages, device="cuda")[: rotations * sum(pages)]
         rows, heads = len(lens) * self.q_len, self.num_heads

@@ -84,7 +84,7 @@ def parse_sparse(name: str) -> bool:
 def find_tuned_ladder(device_name: str, num_heads: int, max_model_len: int, *,
                       kv_cache_format: str = DEFAULT_FORMAT,
                       directory: str | Path | None = None,
-                      sparse_topk: int | None = None) -> BucketLadder | None:
+                      sparse_topk: int | None = None, q_len: int = 1) -> BucketLadder | None:
     """The shipped tuned ladder for this device, head count and cache format, or None.
 
     An fp8 format without a tuned file gets the device's bf16 ladder instead (logged once,
@@ -92,6 +92,9 @@ def find_tuned_ladder(device_name: str, num_heads: int, max_model_len: int, *,
     ``sparse_topk``: the sparse decoder's ladder for that top-k (its ``-sparse`` file); one
     tuned for another top-k gives None (logged once), as its hints were chosen for
     another attention.
+
+    ``q_len``: the ladder tuned for verify steps of q_len tokens (its ``-q{q_len}`` file;
+    the runner's q_len 1 ladder serves a q_len without one, so None here).
 
     ``directory`` defaults to the package's ``ladders/``. A ladder tuned for a larger
     ``max_model_len`` is clipped (``clip_ladder``): its buckets below the new top were
@@ -104,14 +107,15 @@ def find_tuned_ladder(device_name: str, num_heads: int, max_model_len: int, *,
     sparse = sparse_topk is not None
     for slug in device_slugs(device_name):
         path = Path(directory or LADDER_DIR) / ladder_file_name(slug, num_heads,
-                                                                kv_cache_format, sparse=sparse)
+                                                                kv_cache_format, q_len,
+                                                                sparse=sparse)
         if path.is_file():
             break
     else:
         if kv_cache_format == DEFAULT_FORMAT:
             return None
         ladder = find_tuned_ladder(device_name, num_heads, max_model_len, directory=directory,
-                                   sparse_topk=sparse_topk)
+                                   sparse_topk=sparse_topk, q_len=q_len)
         if ladder is None:
             return None
         _note_once((device_name, num_heads, kv_cache_format, sparse),
@@ -130,6 +134,10 @@ def find_tuned_ladder(device_name: str, num_heads: int, max_model_len: int, *,
     if fmt != kv_cache_format:
         raise ValueError(f"{path} is named for {kv_cache_format} caches but its meta says "
                          f"kv_cache={fmt!r}; re-run scripts/tune_ladder.py or rename the file")
+    if ladder.meta.get("q_len", 1) != q_len:
+        raise ValueError(f"{path} is named for q_len {q_len} but its meta says q_len="
+                         f"{ladder.meta.get('q_len', 1)}; re-run scripts/tune_ladder.py or "
+                         "rename the file")
     if (ladder.meta.get("decoder") == SPARSE_DECODER) != sparse:
         raise ValueError(f"{path} is named for the {'sparse' if sparse else 'dense'} decoder "
                          f"but its meta says decoder={ladder.meta.get('decoder')!r}; re-run "
