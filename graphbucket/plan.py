@@ -230,13 +230,12 @@ class LaunchPlan:
         return layout
 
 
-def stream_config(rows: int, num_sms: int, block_h: int = 16, *,
-                  balanced: bool = False) -> StreamConfig:
-    """64-row programs stream SEESAW_STREAM (ROWS_STREAM for balanced plans, whose stage 1
-    is the Triton kernel); otherwise long streams while the grid is thin (ROWS32_STREAM for
-    32-row programs), shorter tiles and more residents when it is wide."""
+def stream_config(rows: int, num_sms: int, block_h: int = 16) -> StreamConfig:
+    """64-row programs stream SEESAW_STREAM (split-KV and balanced plans alike); otherwise
+    long streams while the grid is thin (ROWS32_STREAM for 32-row programs), shorter tiles
+    and more residents when it is wide."""
     if block_h >= ROWS_STREAM.block_h:
-        return ROWS_STREAM if balanced else SEESAW_STREAM
+        return SEESAW_STREAM
     if rows < num_sms // 4:
         return ROWS32_STREAM if block_h == ROWS32_STREAM.block_h else LONG_STREAM
     return WIDE_STREAM
@@ -356,15 +355,15 @@ def plan_balanced_mla_decode(
     hint: the device picks the chunk from the live lengths, so one plan serves every
     context. ``min_chunk_tiles`` defaults to the stream's minimum tiles per split
     (a sweep of programs and minimum chunks: bench/results/h200-ragged-balanced-sweep.md).
-    ``stream=SEESAW_STREAM`` (64-row programs) runs stage 1 by the Gluon seesaw, one program
-    per work item, where ``kernels.launch.runs_seesaw`` holds.
+    64-row programs (the default from 64 heads, SEESAW_STREAM) run stage 1 by the Gluon
+    seesaw, one program per work item, where ``kernels.launch.runs_seesaw`` holds (else the
+    Triton kernel runs the same plan); ``stream=ROWS_STREAM`` keeps the Triton stage 1.
     """
     _check_positive(batch_size=batch_size, num_heads=num_heads, num_sms=num_sms)
     block_h = stream.block_h if stream is not None and stream.block_h else \
         head_block_size(num_heads)
     head_blocks = cdiv(num_heads, block_h)
-    stream = stream or stream_config(batch_size * head_blocks, num_sms, block_h,
-                                     balanced=True)
+    stream = stream or stream_config(batch_size * head_blocks, num_sms, block_h)
     if programs is None:
         programs = max(1, stream.ctas_per_sm * num_sms // head_blocks)
     if min_chunk_tiles is None:

@@ -120,7 +120,8 @@ def test_balanced_plan_shape():
     assert plan.workspace_shape == (0, 0, 0, 0)  # no split partials
     assert plan.merge_grid == (64, 16, 512 // plan.merge_block_dv)
     one = plan_balanced_mla_decode(1, 128, num_sms=132)  # 2 blocks of 64 rows, 1 per SM
-    assert one.block_h == 64 and one.grid == (132 // 2, 2, 1) and one.min_chunk_tiles == 1
+    assert one.block_h == 64 and one.grid == (132 // 2, 2, 1)
+    assert one.min_chunk_tiles == 2 and one.seesaw  # the Gluon seesaw from 64 rows
     assert "balanced" in one.describe()
     # No hint: one plan serves every context, so ladders alias one graph per batch size.
     backend = TritonBackend(num_sms=132, balanced=True, **DIMS)

@@ -96,8 +96,9 @@ def test_wide_query_rows_from_64_heads():
     assert narrow.block_h == 32 and narrow.num_head_blocks == 4
 
 
-def test_seesaw_planned_for_64_row_split_plans_only():
+def test_seesaw_planned_for_64_row_plans_only_balanced_ones_too():
     from graphbucket.plan import plan_balanced_mla_decode
+    from graphbucket.plan_streams import ROWS_STREAM
 
     for heads in (64, 128):
         for batch, context in ((1, 131072), (8, 65536), (64, 4096)):
@@ -105,7 +106,10 @@ def test_seesaw_planned_for_64_row_split_plans_only():
             assert plan.seesaw and "seesaw" in plan.describe(), plan.describe()
     assert not plan_mla_decode(8, 16, 65536).seesaw
     assert not plan_mla_decode(8, 32, 65536).seesaw
-    assert not plan_balanced_mla_decode(8, 128).seesaw
+    balanced = plan_balanced_mla_decode(8, 128)
+    assert balanced.seesaw and balanced.balanced and balanced.min_chunk_tiles == 2
+    assert not plan_balanced_mla_decode(8, 128, stream=ROWS_STREAM).seesaw
+    assert not plan_balanced_mla_decode(8, 16).seesaw
     # Splits hold at least one seesaw step (two tiles): 4K x 1 is 64 tiles, 32 splits.
     assert plan_mla_decode(1, 128, 4096).num_kv_splits == 32
     assert plan_mla_decode(1, 128, 131072).num_kv_splits == 64
