@@ -5,7 +5,7 @@
 # TPOT per policy, and the demo's GPU path. Run it on a CUDA machine.
 # steps: any of tests gputests sweep fisweep capture tune tunefp8 tunemtp tunesparse tpot tpotfp8
 #        tpotmtp ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp hostphases
-#        balancedseesaw tpotbatches
+#        balancedseesaw tpotbatches tpothf
 #        (tpotdp: TPOT of the 128-head deepseek-v3-dp preset, the compute-bound decode)
 #        (tune: 16-, 128- and 12-head ladders (TUNE_HEADS) tuned at every capture size, each copied
 #        into graphbucket/ladders/ so that the TPOT steps after it run it, and checked by
@@ -21,6 +21,9 @@
 #        (tpotbatches: TPOT at batch 1, 8, 32, 64 and 128 with fixed-1, fixed-max,
 #        balanced-only and the ladder, 16 heads then 128 (2 layers), each into its
 #        own folder)
+#        (tpothf: transformers' DeepSeek-V3 through graphbucket: the bf16 equivalence test at
+#        TP8 attention shapes, then TPOT of fixed-1, fixed-max and the ladder on it, batch 1
+#        and 8; a transformers wheel in .whl/hf/ is installed first where present)
 #        (balancedseesaw: the balanced seesaw's GPU tests, then its timing against the
 #        Triton balanced kernel and the ladder's split plan, 128 heads, ragged mixes)
 #        (fp8: FP8_AB="float-32x4 ..." adds stage-1 variants, bench/fp8_sweep.py --ab)
@@ -34,11 +37,14 @@
 # most 8 files);
 # OUT defaults to a new temporary folder, printed first. Besides $OUT, only the tune
 # steps write into the checkout (graphbucket/ladders/).
-# TPOT_LAYERS sets the tpot model's layer count (default 4).
+# TPOT_LAYERS sets the tpot model's layer count (default 4). On the device tool, work outside
+# its $OUT and pack into it: `PACK_TO="$OUT" OUT=/tmp/w bash bench/run_gpu.sh ...` (in this
+# order: `OUT=/tmp/w PACK_TO=$OUT` would expand $OUT after it was reassigned).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 STEPS="tests gputests sweep fisweep capture tune tunefp8 tunemtp tunesparse tpot tpotfp8 tpotmtp
-       ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp hostphases balancedseesaw tpotbatches"
+       ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp hostphases balancedseesaw tpotbatches
+       tpothf"
 usage() { sed -n '2,/^set /{/^set /d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"; }
 for arg in "$@"; do
   case $arg in
@@ -122,6 +128,16 @@ for step in $steps; do
                     tail -3 "$R/balanced-seesaw-tests.log"
                     timeout 200 python3 bench/experiments/balanced_seesaw.py --out "$R" \
                       > "$R/balanced-seesaw.log" 2>&1; tail -32 "$R/balanced-seesaw.log" ;;
+    tpothf) if [ -d .whl/hf ]; then
+              python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+                --upgrade --target /tmp/hf .whl/hf/*.whl > /dev/null 2>&1
+              export PYTHONPATH=/tmp/hf${PYTHONPATH:+:$PYTHONPATH}
+            fi
+            timeout 200 python3 -m pytest -q tests/test_transformers_adapter.py -m gpu \
+              -p no:cacheprovider > "$R/hf-tests.log" 2>&1; tail -3 "$R/hf-tests.log"
+            timeout 300 python3 bench/tpot.py --model bench.hf_tpot:deepseek_v3 --layers 4 \
+              --batches 1 8 --contexts 1024 4096 16384 65536 100000 --policies fixed-1 \
+              fixed-max ladder --out "$R" > "$R/tpot-hf.log" 2>&1; tail -4 "$R/tpot-hf.log" ;;
     hostphases) timeout 200 python3 bench/experiments/host_phases.py --out "$R" \
                   > "$R/host-phases.log" 2>&1; tail -30 "$R/host-phases.log" ;;
     l2) timeout 200 python3 bench/l2_resident.py --out "$R" > "$R/l2.log" 2>&1

@@ -3,7 +3,8 @@
 On CUDA: the DeepSeek-V3 TP8-shaped model (``GRAPHBUCKET_TPOT_LAYERS`` layers, default 4;
 the real model has 61; ``GRAPHBUCKET_TPOT_PRESET=deepseek-v3-dp`` for all 128 heads on one
 GPU), bf16, page 64, max_model_len 128K, batch {1, 8} (``GRAPHBUCKET_TPOT_BATCHES=1,8,32,64,128``
-for others) x context
+for others; ``GRAPHBUCKET_TPOT_MODEL=bench.hf_tpot:deepseek_v3`` for a user's model,
+``bench/tpot_model.py``) x context
 {1 .. 128K} x policy {eager, fixed-1, fixed-max, ladder}. Each runner is captured once per
 module. The benchmark's own statistics time one step plus a synchronize per round: the
 latency of an isolated step, host launch and sync included (noisier, ~70 us above TPOT).
@@ -35,11 +36,13 @@ from bench.tpot import (
     sync,
     time_tpot,
 )
+from bench.tpot_model import build_model, check_model, load_factory
 from graphbucket.models import PRESETS, tiny, tiny_v32
 from graphbucket.policies import POLICIES
 
 ON_GPU = torch.cuda.is_available()
 BATCHES_ENV, PRESET_ENV = "GRAPHBUCKET_TPOT_BATCHES", "GRAPHBUCKET_TPOT_PRESET"
+MODEL_ENV = "GRAPHBUCKET_TPOT_MODEL"  # module:factory of a user's TpotModel (GPU)
 
 
 def gpu_batches() -> list[int]:
@@ -74,7 +77,13 @@ else:
 
 @pytest.fixture(scope="module")
 def bench():
-    if ON_GPU:
+    if ON_GPU and os.environ.get(MODEL_ENV):
+        pages = -(-MAX_MODEL_LEN // 64)
+        b = TpotBench.for_user(build_model(os.environ[MODEL_ENV], num_pages=max(batches) * pages,
+                                           page_size=64, device="cuda",
+                                           num_layers=default_layers()),
+                               max_model_len=MAX_MODEL_LEN, batches=batches)
+    elif ON_GPU:
         b = TpotBench.build(PRESETS[gpu_preset()](num_layers=default_layers()),
                             max_model_len=MAX_MODEL_LEN, batches=batches)
     else:
@@ -97,7 +106,7 @@ def want_output(bench: TpotBench, context: int, batch: int) -> torch.Tensor:
     a reference cached from an earlier cache state would compare different attention inputs.
     """
     decode = bench.batch(context, batch)
-    if ON_GPU:
+    if ON_GPU or bench.user is not None:
         return bench.runners["eager"].step(decode).clone()
     lens = np.asarray(decode.seq_lens_cpu)
     return bench.model.forward_reference(
@@ -231,3 +240,45 @@ def test_the_gpu_suite_takes_its_batches_and_preset_from_the_environment(monkeyp
     monkeypatch.setenv(PRESET_ENV, "deepseek-v4")
     with pytest.raises(ValueError, match="use one of"):
         gpu_preset()
+
+
+def test_a_users_transformers_model_replays_every_policy_like_eager():
+    # The TPOT suite's entry for a model it did not build (bench/tpot_model.py), with
+    # transformers' DeepSeek-V3 (tiny, float32) behind it: each policy's graphs must give
+    # the eager step's logits, and a step's bytes count each token's experts.
+    pytest.importorskip("transformers")
+    if ON_GPU:
+        pytest.skip("the CPU check of the entry; on CUDA set GRAPHBUCKET_TPOT_MODEL")
+    model = build_model("bench.hf_tpot:deepseek_v3_small", num_pages=16, page_size=16,
+                        device="cpu")
+    b = TpotBench.for_user(model, max_model_len=128, batches=[2], policies=POLICIES)
+    try:
+        for context in (1, 40, 100):
+            want = b.runners["eager"].step(b.batch(context, 2)).clone()
+            assert want.shape == (2, model.hf_model.config.vocab_size)
+            for policy in POLICIES:
+                got = b.runners[policy].step(b.batch(context, 2))
+                assert rel_l2(got, want) < 1e-5, (policy, context)
+        assert {b.plan(p, 100, 2).num_kv_splits for p in ("fixed-1", "fixed-max")} != {1}
+    finally:
+        b.close()
+    params = sum(p.numel() * p.element_size() for p in model.hf_model.parameters())
+    assert model.step_bytes(1) < model.step_bytes(2) < params == model.step_bytes(64)
+    assert model.kv_row_bytes() == (64 + 16) * 4 * 2  # latent + rope, float32, 2 layers
+    assert b.floor_bytes(100, 2) == model.step_bytes(2) + 2 * 100 * model.kv_row_bytes()
+
+
+def test_a_bad_model_entry_names_the_fix():
+    for bad in ("bench.hf_tpot", "no_such_module:f", "bench.hf_tpot:nothing",
+                "bench.hf_tpot:NAME"):
+        with pytest.raises(ValueError, match="--model"):
+            load_factory(bad)
+    with pytest.raises(TypeError, match="without .*fill_cache.*step_bytes"):
+        check_model(tiny_model_without_feed(), "bench.test_tpot:tiny_model_without_feed")
+
+
+def tiny_model_without_feed():
+    """graphbucket's own decoder: a runner forward, but not a TpotModel (no fill_cache)."""
+    from graphbucket.models import MLADecoder
+
+    return MLADecoder(tiny(), num_pages=4, page_size=16, dtype=torch.float32, device="cpu")

@@ -37,6 +37,8 @@ a note says which were skipped.
     python3 bench/tpot.py --kv-cache bf16 fp8-tensor fp8-v32 --policies fixed-1 ladder \
         --out DIR                                             # writes h200-tpot-fp8.json
     python3 bench/tpot.py --layers 4 --q-len 1 2 4 --out DIR  # writes h200-tpot-mtp.json
+    python3 bench/tpot.py --model bench.hf_tpot:deepseek_v3 --batches 1 8 --policies \
+        fixed-1 fixed-max ladder --out DIR   # a user's model: h200-tpot-transformers.json
     python3 bench/tpot.py --layers 2 --batches 1 8 32 64 128 --contexts 256 4096 32768 \
         131072 --policies fixed-1 fixed-max balanced-only ladder --out DIR
 """
@@ -50,12 +52,14 @@ import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.tpot_model import build_model, check_model  # noqa: E402
 from graphbucket import fp8  # noqa: E402
 from graphbucket.backends import get_backend  # noqa: E402
 from graphbucket.batch import DecodeBatch  # noqa: E402
@@ -116,6 +120,32 @@ class TpotBench:
     block_table: np.ndarray           # int32 [max batch, max pages per request]
     hidden: dict[int, torch.Tensor]   # tokens (B x q_len) -> seeded inputs on the device
     max_model_len: int
+    user: Any = None                  # a user's TpotModel (bench/tpot_model.py), or None
+
+    @classmethod
+    def for_user(cls, model, *, max_model_len: int = MAX_MODEL_LEN,
+                 batches: list[int] = BATCHES, policies: tuple[str, ...] = POLICIES,
+                 q_lens: tuple[int, ...] = (1,), seed: int = 0) -> TpotBench:
+        """The bench over a user's ``TpotModel``: its cache filled by ``fill_cache`` over
+        one scattered table, one runner per policy on its own ``decode_backend``."""
+        check_model(model)
+        pages = model.num_pages // max(batches)
+        if pages * model.page_size < max_model_len:
+            raise ValueError(f"{model.num_pages} pages of {model.page_size} hold "
+                             f"{pages * model.page_size} tokens per request at batch "
+                             f"{max(batches)}, below max_model_len={max_model_len}")
+        table = random_block_table(max(batches), pages, model.num_pages,
+                                   np.random.default_rng(seed))
+        model.fill_cache(table, [pages * model.page_size] * max(batches), seed=seed)
+        runners = {}
+        for policy in policies:
+            which = "ladder" if policy == "default-ladder" else policy
+            runners[policy] = GraphBucketRunner.for_model(
+                model, policy=which, max_model_len=max_model_len, batch_sizes=batches,
+                progress=False, q_lens=tuple(q_lens),
+                ladder=default_ladder(max_model_len) if policy == "default-ladder" else None)
+            runners[policy].capture()
+        return cls(model, runners, table, {}, max_model_len, user=model)
 
     @classmethod
     def build(cls, config: MLAConfig, *, max_model_len: int = MAX_MODEL_LEN,
@@ -155,6 +185,9 @@ class TpotBench:
     def batch(self, context: int, batch: int, q_len: int = 1) -> DecodeBatch:
         """``batch`` requests at ``context`` tokens each (the q_len decoded tokens included)."""
         cols = -(-context // self.model.page_size)
+        if self.user is not None:
+            return self.user.step_batch([context] * batch, self.block_table[:batch, :cols],
+                                        q_len)
         return decode_batch(self.model, [context] * batch, self.block_table[:batch, :cols],
                             self.hidden[batch * q_len], q_len=q_len)
 
@@ -171,6 +204,8 @@ class TpotBench:
         Activations per layer and query token: the hidden state in and out, the MLA query
         and the attention output; split-KV partials are not counted (an algorithm's choice).
         """
+        if self.user is not None:  # the model says what a step reads beside the KV
+            return self.user.step_bytes(batch * q_len) + self.kv_bytes(context, batch)
         cfg, elt = self.model.config, self.model.dtype.itemsize
         act = cfg.num_layers * (2 * cfg.hidden_size + cfg.num_heads * (cfg.kv_dim
                                                                        + cfg.kv_lora_rank))
@@ -284,6 +319,17 @@ def meta_for(bench: TpotBench, args, copy_gbps: float) -> dict:
 
     cfg, ladder = bench.model.config, bench.runners.get("ladder")
     captures = {p: r.capture().describe() for p, r in bench.runners.items() if not r.is_eager}
+    if bench.user is not None:
+        return {**run_meta(), **bench.user.describe(), "model_factory": args.model,
+                "num_heads": cfg.num_heads, "layers": cfg.num_layers,
+                "copy_gbps": round(copy_gbps, 1), "page_size": bench.model.page_size,
+                "kv_cache": bench.model.kv_cache_format,
+                "kv_row_bytes": bench.model.kv_row_bytes(),
+                "max_model_len": bench.max_model_len,
+                "ladder": ladder.ladder.to_dict()["buckets"] if ladder else None,
+                "ladder_source": ladder_source(ladder.ladder) if ladder else None,
+                "captures": captures, "q_lens": [1],
+                "timing": "CUDA events over back-to-back runner.step calls, median of 5 runs"}
     return {**run_meta(), "model": cfg.name, "num_heads": cfg.num_heads,
             "layers": cfg.num_layers,
             "copy_gbps": round(copy_gbps, 1), "dtype": "bfloat16", "page_size": PAGE_SIZE,
@@ -330,7 +376,13 @@ def main() -> None:
                     help="query tokens per request (verify steps), e.g. 1 2 4; other than "
                          "1 alone writes h200-tpot-mtp.json (h200-tpot-fp8-mtp.json with "
                          "several cache formats)")
+    ap.add_argument("--model", metavar="MODULE:FACTORY",
+                    help="time a user's model instead of the preset: a factory returning a "
+                         "TpotModel (bench/tpot_model.py), e.g. bench.hf_tpot:deepseek_v3 "
+                         "(writes h200-tpot-transformers.json); bf16, q_len 1")
     args = ap.parse_args()
+    if args.model and (args.kv_cache != ["bf16"] or args.q_lens != [1]):
+        ap.error("--model times the model's own cache at q_len 1: drop --kv-cache / --q-len")
     if any(q < 1 for q in args.q_lens):
         ap.error(f"--q-len takes positive ints, got {args.q_lens}")
     if not torch.cuda.is_available():
@@ -343,6 +395,9 @@ def main() -> None:
     print(f"copy bandwidth {gbps:.0f} GB/s", flush=True)
     formats = list(dict.fromkeys(args.kv_cache))
     q_lens = list(dict.fromkeys(args.q_lens))
+    if args.model:
+        run_user_model(args, out, gbps)
+        return
     rows, metas = [], []
     for kv_cache in formats:  # one model at a time: each holds max batch x 128K tokens
         config = PRESETS[args.preset](num_layers=args.layers)
@@ -375,6 +430,26 @@ def main() -> None:
     path = os.path.join(out, output_name(args.preset, formats, q_lens))
     with open(path, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    print(f"wrote {path}")
+
+
+def run_user_model(args, out: str | None, gbps: float) -> None:
+    """``--model``: the policies over the user's model, into h200-tpot-{slug}.json."""
+    pages = -(-MAX_MODEL_LEN // PAGE_SIZE)
+    model = build_model(args.model, num_pages=max(args.batches) * pages, page_size=PAGE_SIZE,
+                        device="cuda", num_layers=args.layers)
+    print(f"{model.describe()['model']}: capturing {', '.join(args.policies)}", flush=True)
+    bench = TpotBench.for_user(model, batches=args.batches, policies=tuple(args.policies))
+    rows = run(bench, policies=args.policies, contexts=args.contexts, batches=args.batches,
+               copy_gbps=gbps)
+    result = {"meta": meta_for(bench, args, gbps), "rows": rows}
+    bench.close()
+    if out is None:
+        print(json.dumps(result, indent=1))
+        return
+    path = os.path.join(out, f"h200-tpot-{model.describe().get('slug', 'user')}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
     print(f"wrote {path}")
 
 
