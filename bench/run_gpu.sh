@@ -24,8 +24,9 @@
 #        (tpothf: transformers' DeepSeek-V3 through graphbucket: the bf16 equivalence test at
 #        TP8 attention shapes, then TPOT of fixed-1, fixed-max and the ladder on it, batch 1
 #        and 8; a transformers wheel in .whl/hf/ is installed first where present)
-#        (balancedseesaw: the balanced seesaw's GPU tests, then its timing against the
-#        Triton balanced kernel and the ladder's split plan, 128 heads, ragged mixes)
+#        (balancedseesaw: the seesaw's GPU tests, then the seesaw (split-KV and balanced)
+#        against the Triton stage 1 on ragged mixes and uniform batches, 128 heads, then 16
+#        heads on 64-row programs)
 #        (fp8: FP8_AB="float-32x4 ..." adds stage-1 variants, bench/fp8_sweep.py --ab)
 #        (fisweep: the sweep with FlashInfer rows, wheels installed from .whl/ if present)
 #        (sparseab: the indexer and sparse-attention A/Bs, each checked against float64)
@@ -123,11 +124,14 @@ for step in $steps; do
                > "$R/sweep.log" 2>&1; tail -60 "$R/sweep.log" ;;
     fp8) timeout 300 python3 bench/fp8_sweep.py --out "$R" --ab ${FP8_AB:-} > "$R/fp8.log" 2>&1
          tail -40 "$R/fp8.log" ;;
-    balancedseesaw) timeout 150 python3 -m pytest -q tests/test_seesaw.py -k balanced \
+    balancedseesaw) timeout 200 python3 -m pytest -q tests/test_seesaw.py -m gpu \
                       -p no:cacheprovider > "$R/balanced-seesaw-tests.log" 2>&1
                     tail -3 "$R/balanced-seesaw-tests.log"
-                    timeout 200 python3 bench/experiments/balanced_seesaw.py --out "$R" \
-                      > "$R/balanced-seesaw.log" 2>&1; tail -32 "$R/balanced-seesaw.log" ;;
+                    for h in 128 16; do
+                      timeout 240 python3 bench/experiments/balanced_seesaw.py --heads "$h" \
+                        --out "$R" > "$R/balanced-seesaw-h$h.log" 2>&1
+                      tail -36 "$R/balanced-seesaw-h$h.log"; pack
+                    done ;;
     tpothf) if [ -d .whl/hf ]; then
               python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
                 --upgrade --target /tmp/hf .whl/hf/*.whl > /dev/null 2>&1

@@ -37,14 +37,14 @@ def nan_tailed_case(lens, heads, gen):
 @pytest.mark.gpu
 @pytest.mark.parametrize("lens", [[1], [63, 64, 65], [127, 128, 129, 0], [4113], [70000, 17],
                                   [2048] * 8])
-@pytest.mark.parametrize("heads", [64, 128])
+@pytest.mark.parametrize("heads", [16, 32, 64, 128])  # below 64: one program, rows unstored
 @pytest.mark.parametrize("splits", [1, 3, 0])  # 0: the planned count
 def test_gpu_seesaw_matches_float64(lens, heads, splits, seeded):
     gen = torch.Generator().manual_seed(seeded)
     case = nan_tailed_case(lens, heads, gen)
-    if splits:
+    if splits or heads < 64:  # the seesaw below 64 heads only when the plan asks for it
         plan = plan_mla_decode(len(lens), heads, max(lens), stream=SEESAW_STREAM)
-        plan = plan.with_splits(splits)
+        plan = plan.with_splits(splits) if splits else plan
     else:
         plan = plan_mla_decode(len(lens), heads, max(lens))
     q = case.q.contiguous()
@@ -109,7 +109,7 @@ def test_seesaw_compiles_for_sm90_within_shared_memory():
 @pytest.mark.gpu
 @pytest.mark.parametrize("lens", [[1], [63, 64, 65, 0], [70000] + [1000] * 15,
                                   [1, 31, 0, 4095, 128, 129], [20000, 3, 9000, 64] * 4])
-@pytest.mark.parametrize("heads", [64, 128])
+@pytest.mark.parametrize("heads", [16, 64, 128])
 def test_gpu_balanced_seesaw_matches_float64(lens, heads, seeded):
     gen = torch.Generator().manual_seed(seeded)
     case = nan_tailed_case(lens, heads, gen)
@@ -160,3 +160,31 @@ def test_gpu_balanced_seesaw_graph_repartitions_new_lengths(seeded):
                 assert rel_l2(out[b].float(), want[b].float()) < 5e-3, (lens, b)
             else:
                 assert (out[b] == 0).all()
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("heads", [16, 32])
+def test_seesaw_plans_below_64_heads_run_the_triton_64_row_kernel_where_gluon_cannot(heads):
+    # A plan of 64-row programs for fewer heads (stream=SEESAW_STREAM): where the Gluon
+    # kernel cannot run (here Triton's interpreter) the Triton kernel runs the same plan,
+    # its rows past the head count masked; float32 against float64, split and balanced.
+    gen = torch.Generator().manual_seed(7)
+    lens = [1, 65, 0, 200]
+    case = make_case(lens, heads, page_size=64, dtype=torch.float32, device="cpu", gen=gen)
+    want, _ = mla_decode_reference(case.q, case.kv_cache, case.block_table, case.seq_lens,
+                                   kv_lora_rank=KV_LORA_RANK, sm_scale=0.1)
+    split = plan_mla_decode(len(lens), heads, 200, stream=SEESAW_STREAM, num_sms=4)
+    balanced = plan_balanced_mla_decode(len(lens), heads, stream=SEESAW_STREAM, num_sms=4)
+    for plan, decode in ((split, mla_decode), (balanced, mla_decode_balanced)):
+        assert plan.block_h == 64 and plan.num_head_blocks == 1 and plan.seesaw
+        assert not runs_seesaw(plan, case.q, case.kv_cache)
+        ws = SplitWorkspace.allocate(len(lens), heads, plan.num_kv_splits, KV_LORA_RANK, "cpu",
+                                     max_items=plan.max_work_items)
+        out = torch.full((len(lens), heads, KV_LORA_RANK), float("nan"))
+        decode(case.q, case.kv_cache, case.block_table, case.seq_lens, out, ws, plan=plan,
+               sm_scale=0.1)
+        for b, n in enumerate(lens):
+            if n == 0:
+                assert (out[b] == 0).all(), plan.describe()
+            else:
+                assert rel_l2(out[b].double(), want[b]) < 1e-5, (b, plan.describe())

@@ -236,7 +236,8 @@ def runs_seesaw(plan: LaunchPlan, q: torch.Tensor, kv_cache: torch.Tensor, *, q_
                 kv_scale: torch.Tensor | None = None) -> bool:
     """Whether a ``plan.seesaw`` launch runs the Gluon seesaw stage 1: on sm_90 (compiled,
     not interpreted), one query token per request, bf16 q and cache, a contiguous cache of
-    64-token pages 576 wide, contiguous q with heads a multiple of 64. Otherwise the
+    64-token pages 576 wide, contiguous q with heads a multiple of 64 or fewer than 64
+    (64-row programs, ``block_h`` 64). Otherwise the
     Triton 64-row kernel runs the same plan. Static properties only: capture and replay
     take the same path."""
     return (plan.seesaw and q_len == 1 and kv_scale is None
@@ -244,7 +245,8 @@ def runs_seesaw(plan: LaunchPlan, q: torch.Tensor, kv_cache: torch.Tensor, *, q_
             and _warpgroup_mma_capable(q.device)
             and q.dtype == kv_cache.dtype == torch.bfloat16
             and plan.kv_lora_rank + plan.qk_rope_dim == 576 == kv_cache.shape[2]
-            and kv_cache.shape[1] == 64 and plan.num_heads % 64 == 0
+            and kv_cache.shape[1] == 64 and plan.block_h == 64
+            and (plan.num_heads % 64 == 0 or plan.num_heads < 64)
             and q.is_contiguous() and kv_cache.is_contiguous())
 
 
@@ -359,7 +361,7 @@ def launch_seesaw_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     batch, heads, _ = q.shape
     q_desc, kv_desc = descriptors(q, kv_cache)
     part_o, part_lse, po_strides, pl_strides = _workspace_args(workspace, out)
-    seesaw_stage1_kernel[(heads // ROWS.value, batch, plan.num_kv_splits)](
+    seesaw_stage1_kernel[(-(-heads // ROWS.value), batch, plan.num_kv_splits)](
         q_desc, kv_desc, block_table, seq_lens, out, out if lse is None else lse, part_o,
         part_lse, plan.num_kv_splits, heads, sm_scale * LOG2E,
         block_table.stride(0), out.stride(0), out.stride(1),

@@ -115,7 +115,7 @@ def launch_seesaw_balanced_stage1(q: torch.Tensor, kv_cache: torch.Tensor,
     batch, heads, _ = q.shape
     q_desc, kv_desc = descriptors(q, kv_cache)
     part_o, part_lse = workspace.item_o, workspace.item_lse
-    seesaw_balanced_stage1_kernel[(heads // ROWS.value, plan.max_work_items)](
+    seesaw_balanced_stage1_kernel[(-(-heads // ROWS.value), plan.max_work_items)](
         q_desc, kv_desc, block_table, seq_lens, workspace.item_indptr, workspace.chunk_tiles,
         part_o, part_lse, batch, heads, sm_scale * LOG2E,
         block_table.stride(0), part_o.stride(0), part_o.stride(1), part_lse.stride(0),

@@ -32,8 +32,10 @@ side, the second from L2. Same split formula and partials as the Triton stage 1
 ``seesaw_balanced_stage1_kernel`` runs the same partitions over balanced work items
 instead of splits (one long request among short ones), merged by the balanced merge.
 Requirements (``launch.runs_seesaw``): sm_90, bf16 q and cache, 64-token pages, heads a
-multiple of 64, q contiguous. Value rows past a request's length are zeroed in shared
-memory before the PV (unwritten cache rows may hold NaN).
+multiple of 64 or fewer than 64 (one program's 64 rows then hold the request's heads and
+rows no one stores: the wgmma's M is 64 whatever the head count), q contiguous. Value
+rows past a request's length are zeroed in shared memory before the PV (unwritten cache
+rows may hold NaN).
 """
 
 from __future__ import annotations
@@ -176,7 +178,7 @@ def _pv(p, kv_s, slot, o0, o1, o2, o3, FIRST_CHUNK: gl.constexpr):
 
 @gluon.jit
 def _compute(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
-             o_ptr, lse_ptr, stride_o_h, stride_lse_h, WRITE_LSE: gl.constexpr,
+             o_ptr, lse_ptr, stride_o_h, stride_lse_h, num_rows, WRITE_LSE: gl.constexpr,
              ONE_SPLIT: gl.constexpr, PARITY: gl.constexpr):
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, 64, 16])
@@ -258,35 +260,38 @@ def _compute(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
     offs_h = gl.arange(0, ROWS, rows)
     offs_c = gl.arange(0, BOX, gl.SliceLayout(0, mma))
     base = o_ptr + offs_h[:, None] * stride_o_h + PARITY * HALF_CHUNKS * BOX + offs_c[None, :]
-    gl.store(base, (o0 * inv_l[:, None]).to(o_ptr.dtype.element_ty))
-    gl.store(base + BOX, (o1 * inv_l[:, None]).to(o_ptr.dtype.element_ty))
-    gl.store(base + 2 * BOX, (o2 * inv_l[:, None]).to(o_ptr.dtype.element_ty))
-    gl.store(base + 3 * BOX, (o3 * inv_l[:, None]).to(o_ptr.dtype.element_ty))
+    # Rows past num_rows (fewer than 64 heads) are other requests' q or TMA's zero fill:
+    # each row's scores and output depend on that row alone, so they are only not stored.
+    real = (offs_h < num_rows)[:, None]
+    gl.store(base, (o0 * inv_l[:, None]).to(o_ptr.dtype.element_ty), mask=real)
+    gl.store(base + BOX, (o1 * inv_l[:, None]).to(o_ptr.dtype.element_ty), mask=real)
+    gl.store(base + 2 * BOX, (o2 * inv_l[:, None]).to(o_ptr.dtype.element_ty), mask=real)
+    gl.store(base + 3 * BOX, (o3 * inv_l[:, None]).to(o_ptr.dtype.element_ty), mask=real)
     # A split's partial LSE always (the merge weighs by it); the final one when asked.
     if PARITY == 0 and (WRITE_LSE or not ONE_SPLIT):
         # log2 units between the stages (the merge's); natural log as the final LSE.
         lse = m_i + gl.log2(l_i)
         if ONE_SPLIT:
             lse = lse * 0.6931471805599453
-        gl.store(lse_ptr + offs_h * stride_lse_h, lse)
+        gl.store(lse_ptr + offs_h * stride_lse_h, lse, mask=offs_h < num_rows)
 
 
 # One entry per partition (PARITY fixed). Passing PARITY straight to _compute in
 # warp_specialize compiles too, to differently scheduled code (not measured).
 @gluon.jit
 def _warpgroup_even(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
-                    o_ptr, lse_ptr, stride_o_h, stride_lse_h, WRITE_LSE: gl.constexpr,
+                    o_ptr, lse_ptr, stride_o_h, stride_lse_h, num_rows, WRITE_LSE: gl.constexpr,
                     ONE_SPLIT: gl.constexpr):
     _compute(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_log2, o_ptr,
-             lse_ptr, stride_o_h, stride_lse_h, WRITE_LSE, ONE_SPLIT, 0)
+             lse_ptr, stride_o_h, stride_lse_h, num_rows, WRITE_LSE, ONE_SPLIT, 0)
 
 
 @gluon.jit
 def _warpgroup_odd(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
-                   o_ptr, lse_ptr, stride_o_h, stride_lse_h, WRITE_LSE: gl.constexpr,
+                   o_ptr, lse_ptr, stride_o_h, stride_lse_h, num_rows, WRITE_LSE: gl.constexpr,
                    ONE_SPLIT: gl.constexpr):
     _compute(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_log2, o_ptr,
-             lse_ptr, stride_o_h, stride_lse_h, WRITE_LSE, ONE_SPLIT, 1)
+             lse_ptr, stride_o_h, stride_lse_h, num_rows, WRITE_LSE, ONE_SPLIT, 1)
 
 
 @gluon.jit
@@ -335,13 +340,14 @@ def seesaw_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, OUT, LSE, PART_
             stride_rows = stride_po_h
             lse_ptr = PART_LSE + bid * stride_pl_b + h0 * stride_pl_h + split
             stride_lse_rows = stride_pl_h
+        num_rows = gl.minimum(num_heads - h0, ROWS)
         gl.warp_specialize([
             (_warpgroup_even, (q_s, kv_s, stats_s, bars, start, end, num_steps,
                                qk_scale_log2, o_ptr, lse_ptr, stride_rows, stride_lse_rows,
-                               WRITE_LSE, ONE_SPLIT)),
+                               num_rows, WRITE_LSE, ONE_SPLIT)),
             (_warpgroup_odd, (q_s, kv_s, stats_s, bars, start, end, num_steps,
                               qk_scale_log2, o_ptr, lse_ptr, stride_rows, stride_lse_rows,
-                              WRITE_LSE, ONE_SPLIT)),
+                              num_rows, WRITE_LSE, ONE_SPLIT)),
             (_loader, (q_desc, kv_desc, BLOCK_TABLE + bid * stride_bt_b, q_s, kv_s, bars,
                        bid * num_heads + h0, start, end, num_steps, PAGE_SIZE)),
         ], [4, 4], [240, 24])
@@ -350,10 +356,12 @@ def seesaw_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, OUT, LSE, PART_
         offs_h = head_block * ROWS + gl.arange(0, ROWS, gl.SliceLayout(1, pad))
         offs_c = gl.arange(0, 8 * BOX, gl.SliceLayout(0, pad))
         gl.store(OUT + bid * stride_o_b + offs_h[:, None] * stride_o_h + offs_c[None, :],
-                 gl.zeros([ROWS, 8 * BOX], OUT.dtype.element_ty, pad))
+                 gl.zeros([ROWS, 8 * BOX], OUT.dtype.element_ty, pad),
+                 mask=(offs_h < num_heads)[:, None])
         if WRITE_LSE:
             gl.store(LSE + bid * stride_lse_b + offs_h,
-                     gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, pad)))
+                     gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, pad)),
+                     mask=offs_h < num_heads)
 
 
 @gluon.jit
@@ -390,11 +398,14 @@ def seesaw_balanced_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, ITEM_I
         h0 = head_block * ROWS
         o_ptr = PART_O + item * stride_po_i + h0 * stride_po_h
         lse_ptr = PART_LSE + item * stride_pl_i + h0
+        num_rows = gl.minimum(num_heads - h0, ROWS)
         gl.warp_specialize([
             (_warpgroup_even, (q_s, kv_s, stats_s, bars, start, end, num_steps,
-                               qk_scale_log2, o_ptr, lse_ptr, stride_po_h, 1, False, False)),
+                               qk_scale_log2, o_ptr, lse_ptr, stride_po_h, 1, num_rows, False,
+                               False)),
             (_warpgroup_odd, (q_s, kv_s, stats_s, bars, start, end, num_steps,
-                              qk_scale_log2, o_ptr, lse_ptr, stride_po_h, 1, False, False)),
+                              qk_scale_log2, o_ptr, lse_ptr, stride_po_h, 1, num_rows, False,
+                              False)),
             (_loader, (q_desc, kv_desc, BLOCK_TABLE + bid * stride_bt_b, q_s, kv_s, bars,
                        bid * num_heads + h0, start, end, num_steps, PAGE_SIZE)),
         ], [4, 4], [240, 24])
