@@ -25,6 +25,8 @@ NOT_COMMANDS = {
     "bench/__init__.py": "makes bench/ a package",
     "bench/conftest.py": "pytest set-up of the benchmark suites",
     "bench/common.py": "what the kernel benches import, not run",
+    "bench/tpot_model.py": "the TPOT suite's entry for a user's model, imported by bench/tpot.py",
+    "bench/hf_tpot.py": "a TpotModel factory (transformers' DeepSeek-V3), named by --model",
 }
 # pytest suites (bench/test_*.py) are run by pytest, not as commands.
 SUITE = re.compile(r"test_.*\.py")
