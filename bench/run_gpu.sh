@@ -141,7 +141,8 @@ for step in $steps; do
               -p no:cacheprovider > "$R/hf-tests.log" 2>&1; tail -3 "$R/hf-tests.log"
             timeout 300 python3 bench/tpot.py --model bench.hf_tpot:deepseek_v3 --layers 4 \
               --batches 1 8 --contexts 1024 4096 16384 65536 100000 --policies fixed-1 \
-              fixed-max ladder --out "$R" > "$R/tpot-hf.log" 2>&1; tail -4 "$R/tpot-hf.log" ;;
+              fixed-max ladder --out "$R" > "$R/tpot-hf.log" 2>&1; tail -4 "$R/tpot-hf.log"
+            python3 scripts/tpot_report.py --json "$R/h200-tpot-transformers.json" --force ;;
     hostphases) timeout 200 python3 bench/experiments/host_phases.py --out "$R" \
                   > "$R/host-phases.log" 2>&1; tail -30 "$R/host-phases.log" ;;
     l2) timeout 200 python3 bench/l2_resident.py --out "$R" > "$R/l2.log" 2>&1

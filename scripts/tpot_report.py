@@ -209,6 +209,14 @@ def worst_short(by_ctx: dict[int, dict[str, dict]], limit: int = SHORT
     return max(short, key=lambda cr: cr[1]) if short else None
 
 
+def model_config_line(meta: dict) -> str:
+    """A user's model (``bench/tpot.py --model``): its factory, versions and config."""
+    config = ", ".join(f"{k} {v}" for k, v in meta["hf_config"].items()
+                       if not isinstance(v, dict))
+    return (f"Model: `{meta.get('model_factory')}` (transformers {meta.get('transformers')}); "
+            f"{config}; {meta.get('weights_note', '')}.")
+
+
 def floor_text(meta: dict) -> str:
     """What the floor is, with the run's numbers."""
     weights = f"weights, {meta['weights_mb']:.1f} MB" if meta.get("weights_mb") else "weights"
@@ -386,6 +394,7 @@ def render_markdown(data: dict, png_link: str | None = None) -> str:
              f"{meta.get('date')}, torch {meta.get('torch')}, triton {meta.get('triton')}, "
              f"copy bandwidth {meta.get('copy_gbps')} GB/s (read + write). "
              f"Command: `{meta.get('command')}`", "",
+             *([model_config_line(meta), ""] if meta.get("hf_config") else []),
              "TPOT: one full decode step (graph replay, or the eager forward), milliseconds. "
              "Context counts the decoded token."
              + ("" if list(by_format) == ["bf16"] else

@@ -337,3 +337,22 @@ def test_balanced_only_rows_get_a_line_and_a_column(report):
     assert "balanced-only" in fig_text(fig)[1]
     plt.close(fig)
     assert "balanced-only ms" in report.render_markdown(data)
+
+
+def test_a_users_model_gets_its_config_line(report, tmp_path):
+    data = result_data()
+    data["meta"].update(model="transformers DeepseekV3ForCausalLM",
+                        model_factory="bench.hf_tpot:deepseek_v3", transformers="5.24.0",
+                        hf_config={"hidden_size": 7168, "num_attention_heads": 16,
+                                   "rope_parameters": {"rope_type": "yarn"}},
+                        weights_note="parameters one token reads")
+    path = tmp_path / "h200-tpot-transformers.json"
+    path.write_text(json.dumps(data))
+    assert report.main(["--json", str(path), "--no-png"]) == 0
+    text = (tmp_path / "h200-tpot-transformers.md").read_text()
+    assert ("Model: `bench.hf_tpot:deepseek_v3` (transformers 5.24.0); hidden_size 7168, "
+            "num_attention_heads 16; parameters one token reads.") in text
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    assert report.main(["--json", str(result_file(plain)), "--no-png"]) == 0
+    assert "Model:" not in (plain / "h200-tpot.md").read_text()
