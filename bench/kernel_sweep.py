@@ -10,7 +10,9 @@ large cache, with R chosen so that a replay touches several L2s worth of distinc
   floor is the bytes actually read (each request's KV rows, q and out) over the copy
   bandwidth measured in the same run; ``frac_of_copy`` = floor_us / us. ``selected``
   marks the topology the shipped H200 16-head ladder replays for that batch (ragged
-  batches above 4K tokens switch to balanced, ``Bucket.balanced_imbalance``).
+  batches above 4K tokens switch to balanced, ``Bucket.balanced_imbalance``). Below 64
+  heads the Gluon seesaw's 64-row programs (split-KV and balanced, ``stream=SEESAW_STREAM``)
+  are timed too, never ``selected``; ``kernel`` names the stage 1 that ran.
 - ``split_rows``: the planned kernel at every split count of ``--splits`` (what the
   ladder tuner chooses from).
 
@@ -50,8 +52,13 @@ from graphbucket.kernels import (  # noqa: E402
     mla_decode,
     mla_decode_balanced,
 )
-from graphbucket.kernels.launch import launch_merge  # noqa: E402
-from graphbucket.plan import plan_balanced_mla_decode, plan_mla_decode  # noqa: E402
+from graphbucket.kernels.launch import launch_merge, runs_seesaw  # noqa: E402
+from graphbucket.plan import (  # noqa: E402
+    head_block_size,
+    plan_balanced_mla_decode,
+    plan_mla_decode,
+)
+from graphbucket.plan_streams import SEESAW_STREAM  # noqa: E402
 from graphbucket.select import GraphSelector  # noqa: E402
 from graphbucket.tuning.measure import Problem, rotated_calls  # noqa: E402
 from graphbucket.tuning.shipped import find_tuned_ladder  # noqa: E402
@@ -103,15 +110,24 @@ def compare(args) -> list[dict]:
         variants = [(plan_mla_decode(batch, heads, context), mla_decode)]
         if mix != "uniform":
             variants.append((plan_balanced_mla_decode(batch, heads), mla_decode_balanced))
-        ws = SplitWorkspace.allocate(batch, heads, variants[0][0].num_kv_splits, RANK, "cuda",
+        if heads < 64:  # the Gluon seesaw's 64-row programs holding fewer heads (not default)
+            variants.append((plan_mla_decode(batch, heads, context, stream=SEESAW_STREAM),
+                             mla_decode))
+            if mix != "uniform":
+                variants.append((plan_balanced_mla_decode(batch, heads, stream=SEESAW_STREAM),
+                                 mla_decode_balanced))
+        ws = SplitWorkspace.allocate(batch, heads, max(p.num_kv_splits for p, _ in variants),
+                                     RANK, "cuda",
                                      max_items=max(p.max_work_items for p, _ in variants))
         shape = {"heads": heads, "batch": batch, "context": context, "mix": mix}
         picks_balanced = heads == HEADS and ladder_picks_balanced(lens)
         floors = {"gbps": args.copy_gbps, "lens": lens, "heads": heads, "tflops": args.tflops}
         for plan, launch in variants:
             us = time_calls(launch, plan, cache, tables, q, out, seq_lens, ws, scale)
+            kernel = "gluon-seesaw" if runs_seesaw(plan, q[0], cache) else "triton"
             rows.append({"impl": "graphbucket", **shape, "topology": plan.describe(),
-                         "selected": plan.balanced == picks_balanced,
+                         "kernel": kernel, "selected": plan.balanced == picks_balanced
+                         and plan.block_h == default_block_h(heads),
                          **against_floor(us=us, **floors)})
         if why_not is None:
             ref = torch.empty_like(out)
@@ -221,6 +237,11 @@ def best_rows(rows: list[dict]) -> list[dict]:
 def short(topology: str) -> str:
     """A plan's description without its grid and head block."""
     return re.sub(r"grid=\([^)]*\) |block_h=\d+ ", "", topology)
+
+
+def default_block_h(heads: int) -> int:
+    """The head block the planner gives ``heads`` by default (the ladder's plans)."""
+    return head_block_size(heads)
 
 
 def comparison_table(rows: list[dict]) -> list[str]:
