@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from bench.gpu_timing import time_replays
-from graphbucket.tuning.measure import L2_FLUSH_BYTES, MAX_ROTATIONS
+from graphbucket.tuning.measure import L2_FLUSH_BYTES, MAX_ROTATIONS, check_pages
 
 HEADS, PAGE, DIM, RANK = 16, 64, 576, 512
 # 128 heads (data-parallel attention: every head on one GPU): compute-bound shapes.
@@ -44,6 +44,7 @@ def inputs(lens: list[int], cache: torch.Tensor, heads: int = HEADS):
     seq_lens: enough distinct KV per graph replay to evict the L2."""
     pages = [-(-n // PAGE) for n in lens]
     per_call = sum(pages)
+    check_pages(per_call, cache.shape[0])
     rotations = max(1, min(MAX_ROTATIONS, L2_FLUSH_BYTES // bytes_read(lens, heads),
                            cache.shape[0] // per_call))
     perm = torch.randperm(cache.shape[0], device="cuda")[: rotations * per_call].int()
