@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from graphbucket.batch import DecodeBatch
+from graphbucket.models.paging import prefill_random
 
 NAME = "transformers"
 # DeepSeek-V3's released config, per rank at TP8 where tensor parallelism splits a width.
@@ -60,21 +61,18 @@ class HFDeepseekTpot:
     def decode_backend(self, max_model_len: int, **kwargs):
         return self.decoder.decode_backend(max_model_len, **kwargs)
 
+    @property
+    def device(self) -> torch.device:
+        return self.decoder.device
+
+    @property
+    def kv_caches(self) -> list[torch.Tensor]:
+        return self.decoder.kv_caches
+
     def fill_cache(self, block_table: np.ndarray, seq_lens, *, seed: int = 0) -> None:
-        """Seeded N(0, 1) latent rows on every page the first ``seq_lens`` tokens use (a
-        stand-in for prefilling 128K tokens through the model)."""
-        page = self.page_size
-        used = [np.asarray(block_table)[b, : -(-int(n) // page)] for b, n in enumerate(seq_lens)]
-        pages = np.unique(np.concatenate(used + [np.zeros(0, np.int32)]))
-        if pages.size == 0:
-            return
-        idx = torch.from_numpy(pages.astype(np.int64)).to(self.decoder.device)
-        gen = torch.Generator(device=self.decoder.device).manual_seed(seed)
-        for cache in self.decoder.kv_caches:
-            for chunk in idx.split(1024):
-                rows = torch.randn((chunk.numel(), *cache.shape[1:]), generator=gen,
-                                   device=cache.device)
-                cache.index_copy_(0, chunk, rows.to(cache.dtype))
+        """Seeded N(0, 1) latent rows on every page the first ``seq_lens`` tokens use, as
+        for graphbucket's own decoder (a stand-in for prefilling 128K tokens)."""
+        prefill_random(self, block_table, seq_lens, seed=seed)
 
     def step_batch(self, seq_lens, block_table: np.ndarray, q_len: int = 1) -> DecodeBatch:
         if q_len != 1:

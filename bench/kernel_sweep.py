@@ -171,8 +171,7 @@ def _ref_cells(ref: dict | None, r: dict, frac: str) -> str:
 
 
 def sweep(args) -> list[dict]:
-    # One page per request beyond the tokens: each request rounds up to whole pages.
-    problem = Problem((max(args.contexts) + 64) * max(args.batches))
+    problem = Problem(max(args.contexts) * max(args.batches), max_requests=max(args.batches))
     max_splits = max(args.splits)
     ws = SplitWorkspace.allocate(max(args.batches), HEADS, max_splits, RANK, "cuda")
     rows, scale = [], default_sm_scale()

@@ -137,14 +137,8 @@ class TpotBench:
         table = random_block_table(max(batches), pages, model.num_pages,
                                    np.random.default_rng(seed))
         model.fill_cache(table, [pages * model.page_size] * max(batches), seed=seed)
-        runners = {}
-        for policy in policies:
-            which = "ladder" if policy == "default-ladder" else policy
-            runners[policy] = GraphBucketRunner.for_model(
-                model, policy=which, max_model_len=max_model_len, batch_sizes=batches,
-                progress=False, q_lens=tuple(q_lens),
-                ladder=default_ladder(max_model_len) if policy == "default-ladder" else None)
-            runners[policy].capture()
+        runners = captured_runners(model, policies, max_model_len=max_model_len,
+                                   batches=batches, q_lens=q_lens)
         return cls(model, runners, table, {}, max_model_len, user=model)
 
     @classmethod
@@ -169,17 +163,11 @@ class TpotBench:
         gen = torch.Generator(device=device).manual_seed(seed)
         hidden = {n: torch.randn(n, config.hidden_size, generator=gen, device=device).to(dtype)
                   for n in sorted({b * q for b in batches for q in q_lens})}
-        runners = {}
-        for policy in policies:
-            backend = get_backend("triton", device=device, kv_lora_rank=config.kv_lora_rank,
-                                  qk_rope_dim=config.qk_rope_dim, **(backend_kwargs or {}))
-            which = "ladder" if policy == "default-ladder" else policy
-            runners[policy] = GraphBucketRunner.for_model(
-                model, policy=which, max_model_len=max_model_len, batch_sizes=batches,
-                backend=backend, progress=False, q_lens=tuple(q_lens),
-                ladder=default_ladder(max_model_len) if policy == "default-ladder"
-                else ladder if policy == "ladder" else None)
-            runners[policy].capture()
+        runners = captured_runners(
+            model, policies, max_model_len=max_model_len, batches=batches, q_lens=q_lens,
+            ladder=ladder, backend=lambda: get_backend(
+                "triton", device=device, kv_lora_rank=config.kv_lora_rank,
+                qk_rope_dim=config.qk_rope_dim, **(backend_kwargs or {})))
         return cls(model, runners, table, hidden, max_model_len)
 
     def batch(self, context: int, batch: int, q_len: int = 1) -> DecodeBatch:
@@ -221,6 +209,24 @@ class TpotBench:
         for runner in self.runners.values():
             runner.close()
         self.runners.clear()
+
+
+def captured_runners(model, policies, *, max_model_len: int, batches: list[int],
+                     q_lens=(1,), ladder: BucketLadder | None = None,
+                     backend: Callable[[], Any] | None = None) -> dict[str, GraphBucketRunner]:
+    """One captured runner per policy over ``model``, each on its own backend
+    (``backend()``, default the model's ``decode_backend``); ``default-ladder`` is the
+    ladder policy on the field's default buckets, ``ladder`` replaces the ladder policy's."""
+    runners = {}
+    for policy in policies:
+        which = "ladder" if policy == "default-ladder" else policy
+        runners[policy] = GraphBucketRunner.for_model(
+            model, policy=which, max_model_len=max_model_len, batch_sizes=batches,
+            backend=backend() if backend else None, progress=False, q_lens=tuple(q_lens),
+            ladder=default_ladder(max_model_len) if policy == "default-ladder"
+            else ladder if policy == "ladder" else None)
+        runners[policy].capture()
+    return runners
 
 
 def sync() -> None:

@@ -139,12 +139,14 @@ def time_replays(fn: Callable[[], None], *, calls_per_graph: int, reps: int = 7,
 class Problem:
     """One cache of N(0, 1) rows in ``kv_cache``'s format, large enough for the biggest
     shape; R rotations of scattered tables. ``num_heads`` counts query rows (q_len x heads
-    for a verify step)."""
+    for a verify step). ``max_requests``: the most requests one call spreads ``max_tokens``
+    over; each rounds up to whole pages, so each gets one page beyond the tokens."""
 
-    def __init__(self, max_tokens: int, num_heads: int = 16, kv_cache: str = "bf16"):
+    def __init__(self, max_tokens: int, num_heads: int = 16, kv_cache: str = "bf16", *,
+                 max_requests: int = 1):
         fmt = fp8.get_cache_format(kv_cache)
         self.num_heads, self.kv_cache = num_heads, fmt.name
-        self.num_pages = cdiv(max_tokens, PAGE_SIZE)
+        self.num_pages = cdiv(max_tokens, PAGE_SIZE) + max_requests
         width, dtype = fmt.cache_row(QK_DIM, torch.bfloat16)
         self.cache = torch.empty(self.num_pages, PAGE_SIZE, width, dtype=dtype, device="cuda")
         self.kv_scale = None
@@ -245,8 +247,8 @@ class PlanTimer:
                                "--from-times)")
         torch.manual_seed(seed)
         self.q_len, self.rows = q_len, num_heads * q_len
-        # One page per request beyond the tokens: each request rounds up to whole pages.
-        self.problem = Problem((max_context + PAGE_SIZE) * max_batch, self.rows, kv_cache)
+        self.problem = Problem(max_context * max_batch, self.rows, kv_cache,
+                               max_requests=max_batch)
         self.ws = SplitWorkspace.allocate(max_batch, self.rows, max(1, max_splits),
                                           KV_LORA_RANK, "cuda", max_items=max_items)
         self.scale = default_sm_scale()

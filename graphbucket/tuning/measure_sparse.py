@@ -91,12 +91,13 @@ class SparseCaches:
     """A latent cache of N(0, 1) rows in ``kv_cache``'s format and an fp8 index cache of
     N(0, 1) keys with their scales, paged alike (one block table reads both)."""
 
-    def __init__(self, max_tokens: int, kv_cache: str = "bf16") -> None:
+    def __init__(self, max_tokens: int, kv_cache: str = "bf16", *,
+                 max_requests: int = 1) -> None:
         if kv_cache not in SUPPORTED_CACHES:
             raise ValueError(f"sparse decode reads a {' or '.join(SUPPORTED_CACHES)} latent "
                              f"cache, got {kv_cache!r}; time another format with the dense "
                              "tuner (no --sparse)")
-        latent = Problem(max_tokens, kv_cache=kv_cache)
+        latent = Problem(max_tokens, kv_cache=kv_cache, max_requests=max_requests)
         self.num_pages, self.latent = latent.num_pages, latent.cache
         self.index = torch.empty(self.num_pages, PAGE_SIZE, INDEX_DIM, dtype=fp8.FP8_DTYPE,
                                  device="cuda")
@@ -122,9 +123,8 @@ class SparsePlanTimer:
                                "--from-times)")
         torch.manual_seed(seed)
         self.num_heads, self.topk, self.q_len, self.kv_cache = num_heads, topk, q_len, kv_cache
-        # One page per request beyond the tokens: each request rounds up to whole pages.
-        self.caches = SparseCaches((max_tokens or max_len * max_batch) + PAGE_SIZE * max_batch,
-                                   kv_cache)
+        self.caches = SparseCaches(max_tokens or max_len * max_batch, kv_cache,
+                                   max_requests=max_batch)
         self.backend = SparseBackend(num_heads=num_heads, max_len=max_len, topk=topk)
         self.workspace = SparseWorkspace.allocate(max_batch * q_len, num_heads, max_len,
                                                   topk=topk, max_splits=max(1, max_splits),
