@@ -127,7 +127,7 @@ def compare(args) -> list[dict]:
             kernel = "gluon-seesaw" if runs_seesaw(plan, q[0], cache) else "triton"
             rows.append({"impl": "graphbucket", **shape, "topology": plan.describe(),
                          "kernel": kernel, "selected": plan.balanced == picks_balanced
-                         and plan.block_h == default_block_h(heads),
+                         and plan.block_h == head_block_size(heads),
                          **against_floor(us=us, **floors)})
         if why_not is None:
             ref = torch.empty_like(out)
@@ -237,11 +237,6 @@ def best_rows(rows: list[dict]) -> list[dict]:
 def short(topology: str) -> str:
     """A plan's description without its grid and head block."""
     return re.sub(r"grid=\([^)]*\) |block_h=\d+ ", "", topology)
-
-
-def default_block_h(heads: int) -> int:
-    """The head block the planner gives ``heads`` by default (the ladder's plans)."""
-    return head_block_size(heads)
 
 
 def comparison_table(rows: list[dict]) -> list[str]:

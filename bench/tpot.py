@@ -325,31 +325,21 @@ def meta_for(bench: TpotBench, args, copy_gbps: float) -> dict:
 
     cfg, ladder = bench.model.config, bench.runners.get("ladder")
     captures = {p: r.capture().describe() for p, r in bench.runners.items() if not r.is_eager}
-    if bench.user is not None:
-        return {**run_meta(), **bench.user.describe(), "model_factory": args.model,
-                "num_heads": cfg.num_heads, "layers": cfg.num_layers,
-                "copy_gbps": round(copy_gbps, 1), "page_size": bench.model.page_size,
-                "kv_cache": bench.model.kv_cache_format,
-                "kv_row_bytes": bench.model.kv_row_bytes(),
-                "max_model_len": bench.max_model_len,
-                "ladder": ladder.ladder.to_dict()["buckets"] if ladder else None,
-                "ladder_source": ladder_source(ladder.ladder) if ladder else None,
-                "captures": captures, "q_lens": [1],
-                "timing": "CUDA events over back-to-back runner.step calls, median of 5 runs"}
-    return {**run_meta(), "model": cfg.name, "num_heads": cfg.num_heads,
-            "layers": cfg.num_layers,
-            "copy_gbps": round(copy_gbps, 1), "dtype": "bfloat16", "page_size": PAGE_SIZE,
+    meta = {**run_meta(), "num_heads": cfg.num_heads, "layers": cfg.num_layers,
+            "copy_gbps": round(copy_gbps, 1), "page_size": bench.model.page_size,
             "kv_cache": bench.model.kv_cache_format,
-            "kv_row_bytes": bench.model.kv_row_bytes(),
-            "max_model_len": bench.max_model_len,
-            "weights_mb": round(bench.model.weight_bytes() / 1e6, 1),
-            "projections": bench.model.projections,
+            "kv_row_bytes": bench.model.kv_row_bytes(), "max_model_len": bench.max_model_len,
             "ladder": ladder.ladder.to_dict()["buckets"] if ladder else None,
             "ladder_source": ladder_source(ladder.ladder) if ladder else None,
             "captures": captures,
             "q_lens": list(next(iter(bench.runners.values())).q_lens),
             "timing": "CUDA events over back-to-back runner.step calls, median of 5 runs; "
                       "tpot_ms = step_ms / q_len"}
+    if bench.user is not None:  # the model says what it is
+        return {**meta, **bench.user.describe(), "model_factory": args.model}
+    return {**meta, "model": cfg.name, "dtype": "bfloat16",
+            "weights_mb": round(bench.model.weight_bytes() / 1e6, 1),
+            "projections": bench.model.projections}
 
 
 def main() -> None:
