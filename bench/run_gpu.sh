@@ -13,8 +13,9 @@
 #        caches, likewise; tunemtp: 16- and 128-head ladders for q_len 2 and 4
 #        (TUNE_MTP="heads:q ..." picks some); tunesparse: the 16-head sparse decoder's ladder
 #        (tune_ladder.py --sparse, top-k 2048), copied in as h200-h16-sparse.json (tpotsparse
-#        after it runs it) and checked by ladder_oracle.py --sparse into h200-ladder-oracle-sparse.*; tpotfp8: TPOT of bf16, fp8-tensor and fp8-v32
-#        caches in one table, fixed-1 and the ladder, after tunefp8)
+#        after it runs it) and checked by ladder_oracle.py --sparse into
+#        h200-ladder-oracle-sparse.*; tpotfp8: TPOT of bf16, fp8-tensor and fp8-v32 caches in
+#        one table, fixed-1 and the ladder, after tunefp8)
 #        (tpotmtp: TPOT of verify steps at q_len 1, 2, 4 on fewer contexts)
 #        (l2: decode time with the KV in HBM against L2-resident, 16 and 128 heads)
 #        (hostphases: where a BlockTable host step's time goes, batch 1 and 64 x 128K)
@@ -165,7 +166,8 @@ for step in $steps; do
              tail -20 "$R/capture.log" ;;
     tune) for h in ${TUNE_HEADS:-16 128 12}; do tune_one "$h" bf16 1; done ;;
     tunefp8) for fmt in fp8-tensor fp8-v32; do tune_one 16 "$fmt" 1; done ;;
-    tunemtp) for hq in ${TUNE_MTP:-16:2 128:2 16:4 128:4}; do tune_one "${hq%:*}" bf16 "${hq#*:}"; done ;;
+    tunemtp) for hq in ${TUNE_MTP:-16:2 128:2 16:4 128:4}; do
+               tune_one "${hq%:*}" bf16 "${hq#*:}"; done ;;
     tunesparse) tune_one 16 bf16 1 --sparse ;;
     tpotfp8) timeout 420 python3 bench/tpot.py --layers "${TPOT_LAYERS:-4}" --out "$R" \
                --kv-cache bf16 fp8-tensor fp8-v32 --policies fixed-1 ladder \
