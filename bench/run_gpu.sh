@@ -27,7 +27,7 @@
 #        and 8; a transformers wheel in .whl/hf/ is installed first where present)
 #        (balancedseesaw: the seesaw's GPU tests, then the seesaw (split-KV and balanced)
 #        against the Triton stage 1 on ragged mixes and uniform batches, 128 heads, then 16
-#        heads on 64-row programs)
+#        heads on 64-row programs; SEESAW_HEADS="16" picks)
 #        (fp8: FP8_AB="float-32x4 ..." adds stage-1 variants, bench/fp8_sweep.py --ab)
 #        (fisweep: the sweep with FlashInfer rows, wheels installed from .whl/ if present)
 #        (sparseab: the indexer and sparse-attention A/Bs, each checked against float64)
@@ -128,7 +128,7 @@ for step in $steps; do
     balancedseesaw) timeout 200 python3 -m pytest -q tests/test_seesaw.py -m gpu \
                       -p no:cacheprovider > "$R/balanced-seesaw-tests.log" 2>&1
                     tail -3 "$R/balanced-seesaw-tests.log"
-                    for h in 128 16; do
+                    for h in ${SEESAW_HEADS:-128 16}; do
                       timeout 240 python3 bench/experiments/balanced_seesaw.py --heads "$h" \
                         --out "$R" > "$R/balanced-seesaw-h$h.log" 2>&1
                       tail -36 "$R/balanced-seesaw-h$h.log"; pack

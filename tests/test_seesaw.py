@@ -108,7 +108,8 @@ def test_seesaw_compiles_for_sm90_within_shared_memory():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("lens", [[1], [63, 64, 65, 0], [70000] + [1000] * 15,
-                                  [1, 31, 0, 4095, 128, 129], [20000, 3, 9000, 64] * 4])
+                                  [1, 31, 0, 4095, 128, 129], [20000, 3, 9000, 64] * 4,
+                                  [100000] + [1024] * 31])
 @pytest.mark.parametrize("heads", [16, 64, 128])
 def test_gpu_balanced_seesaw_matches_float64(lens, heads, seeded):
     gen = torch.Generator().manual_seed(seeded)

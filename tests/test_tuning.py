@@ -617,3 +617,21 @@ def test_bounds_fall_only_where_allowed():
     result = choose_ladder(table(best), capped_splits(), max_model_len=2048, max_buckets=3,
                            bounds_at=[128, 1024])
     assert set(result.ladder.bounds[:-1]) <= {128, 1024}
+
+
+def test_a_timed_plan_the_timers_workspace_does_not_cover_is_refused_before_a_launch():
+    # The timed calls skip the launch checks; a balanced plan with more work items than the
+    # workspace holds would write past its item buffers.
+    import torch
+
+    from graphbucket.kernels import SplitWorkspace
+    from graphbucket.plan import plan_balanced_mla_decode
+    from graphbucket.tuning.measure import rotated_calls
+
+    plan = plan_balanced_mla_decode(32, 16, num_sms=132)
+    small = SplitWorkspace.allocate(32, 16, 1, 512, "cpu", max_items=plan.max_work_items - 1)
+    with pytest.raises(ValueError, match="does not cover"):
+        rotated_calls(None, None, None, None, None, small, plan, 0.1)
+    enough = SplitWorkspace.allocate(32, 16, 1, 512, "cpu", max_items=plan.max_work_items)
+    assert callable(rotated_calls(None, None, None, None, None, enough, plan, 0.1))
+    assert torch.is_tensor(enough.item_o)

@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> None:
     seesaw = {b: plan_balanced_mla_decode(b, heads, num_sms=sms, stream=SEESAW_STREAM)
               for b in BATCHES}
     timer = PlanTimer(-(-max(sum(lens) for *_, lens in todo) // top), top, heads,
-                      max_splits=256, max_items=max(p.max_work_items for p in seesaw.values()))
+                      max_splits=256, max_items=max(p.max_work_items for p in
+                                                    [*balanced.values(), *seesaw.values()]))
     rows = []
     for i, (batch, name, lens) in enumerate(todo):
         hint = ladder.hints_for(batch)[ladder.bucket_for(max(lens))]

@@ -205,6 +205,11 @@ def rotated_calls(problem: Problem, tables, q, out, seq_lens, ws: SplitWorkspace
     """One decode call per rotation, each over its own pages: what one graph replay runs."""
     decode = mla_decode_balanced if plan.balanced else mla_decode
     extra = {} if plan.balanced else {"q_len": q_len}
+    # The calls skip the launch checks (their cost would be timed); a workspace too small
+    # for the plan would be written past its end.
+    if plan.use_stage2 and (ws is None or not ws.fits(plan)):
+        raise ValueError(f"{plan.describe()}: the timer's workspace does not cover it "
+                         "(size it by max_splits and max_items over every plan timed)")
 
     def call():
         for r in range(tables.shape[0]):
