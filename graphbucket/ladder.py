@@ -294,6 +294,30 @@ class BucketLadder:
             meta["batch_imbalance"] = {str(b): t for b, t in pairs}
         return BucketLadder(buckets, self.max_model_len, meta=meta)
 
+    def with_ragged_switches(self, switches, *, above: int = BALANCED_ABOVE) -> BucketLadder:
+        """The same hints, with the balanced topology per length range: ``switches`` have
+        ``lo``, ``hi``, ``threshold`` and ``by_batch`` pairs (``tuning.ragged.RaggedSwitch``,
+        ranges not overlapping). A bucket
+        that a range edge falls inside is cut there into buckets with its hints (their
+        graphs plan alike and are captured once); lengths in no range keep split-KV only."""
+        spans = [(int(sw.lo), int(sw.hi), float(sw.threshold), tuple(sw.by_batch))
+                 for sw in switches]
+        edges = sorted({e for lo, hi, _, _ in spans for e in (lo, hi)})
+        buckets, lo = [], 0
+        for b in self.buckets:
+            for top in [e for e in edges if lo < e < b.max_len] + [b.max_len]:
+                span = next((sp for sp in spans if sp[0] < top <= sp[1]), None)
+                threshold, pairs = (span[2], span[3]) if span else (0.0, ())
+                buckets.append(Bucket(top, b.hint, b.batch_hints, threshold, pairs))
+            lo = b.max_len
+        meta = {**self.meta, "balanced_above": above,
+                "ragged_switches": [{"lo": lo_, "hi": hi, "balanced_imbalance": t,
+                                     "batch_imbalance": {str(n): v for n, v in pairs}}
+                                    for lo_, hi, t, pairs in spans]}
+        meta.pop("balanced_imbalance", None)
+        meta.pop("batch_imbalance", None)
+        return BucketLadder(tuple(buckets), self.max_model_len, meta=meta)
+
     @property
     def ranges(self) -> tuple[tuple[int, int], ...]:
         """Inclusive ``(first, last)`` length of each bucket, e.g. ``((1, 64), (65, 4096))``."""

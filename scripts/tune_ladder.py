@@ -16,9 +16,11 @@ measurement count and the estimated GPU time, and exits.
 The balanced topology serves ragged batches only (the selector replays it where a batch's
 imbalance, longest x live / total tokens, reaches the bucket's threshold; a uniform batch
 never does). After choosing the buckets the tuner times the chosen split-KV plan against
-the balanced one on ragged mixes of its own at every capture size from 2 and picks the
-threshold (``graphbucket.tuning.ragged``; ``--balanced-imbalance X`` sets it instead, 0
-off); ``bench/ladder_oracle.py`` checks it on other mixes. ``--q-len N`` tunes for verify
+the balanced one on ragged mixes of its own at every capture size from 2, in each length
+range of the longest request (the buckets above 4096 tokens cut at powers of two), and picks
+a threshold per range and capture size (``graphbucket.tuning.ragged``; a bucket a range edge
+falls inside is cut there, with its hints; ``--balanced-imbalance X`` sets one threshold
+instead, 0 off); ``bench/ladder_oracle.py`` checks it on other mixes. ``--q-len N`` tunes for verify
 steps (q_len x heads query rows, as the runner plans them; balanced graphs decode one
 token per request, so no mixes are timed).
 
@@ -74,7 +76,8 @@ from graphbucket.tuning.grid import (  # noqa: E402
 )
 from graphbucket.tuning.ragged import (  # noqa: E402
     RaggedSample,
-    choose_by_batch,
+    choose_switches,
+    ragged_ranges,
     tuner_mixes,
 )
 from graphbucket.tuning.report import (  # noqa: E402, F401 (plot_figure: tests draw it)
@@ -82,6 +85,7 @@ from graphbucket.tuning.report import (  # noqa: E402, F401 (plot_figure: tests 
     render_png,
     report_markdown,
     summary_table,
+    switches_text,
 )
 from graphbucket.tuning.shipped import KV_CACHE_FORMATS, SPARSE_DECODER  # noqa: E402
 
@@ -362,8 +366,10 @@ def measure_ragged(args: argparse.Namespace, ladder, meta: dict) -> list[RaggedS
     from graphbucket.tuning.measure import PlanTimer, Progress, time_ragged
 
     heads, num_sms = meta["num_heads"], meta["num_sms"]
-    mixes = [(b, name, lens) for b in meta["batches"]
-             for name, lens in tuner_mixes(b, args.max_model_len, above=BALANCED_ABOVE)]
+    # Each length range the switch is chosen for gets its own mixes, longest request in it.
+    mixes = [(b, name, lens) for lo, hi in ragged_ranges(ladder.bounds, BALANCED_ABOVE)
+             for b in meta["batches"]
+             for name, lens in tuner_mixes(b, hi, above=max(lo, BALANCED_ABOVE))]
     if not mixes:
         return []
     plan_for = hint_plans(heads, num_sms=num_sms)
@@ -392,30 +398,33 @@ def measure_ragged(args: argparse.Namespace, ladder, meta: dict) -> list[RaggedS
 
 
 def ragged_switch(args: argparse.Namespace, ladder, meta: dict, saved: list[RaggedSample]
-                  ) -> tuple[float, dict[int, float], dict | None]:
-    """The ladder's balanced threshold, its changes by batch size, and the report's ragged
-    section (or None)."""
+                  ) -> tuple[object, dict | None]:
+    """The tuned ladder with its balanced topology, and the report's ragged section (or
+    None): a switch per length range chosen from timed mixes (``choose_switches``), or
+    one threshold everywhere above the balanced bound (``--balanced-imbalance``, the
+    default without mixes; off for the sparse decoder)."""
     if meta.get("decoder") == SPARSE_DECODER:  # no balanced topology to switch to
         if args.balanced_imbalance not in ("auto", 0):
             sys.exit(f"--balanced-imbalance {args.balanced_imbalance}: the report is the sparse"
                      " decoder's, which has no balanced topology; leave it out")
-        return 0.0, {}, None
+        return ladder.with_balanced_topology(0.0), None
     if args.balanced_imbalance != "auto":
-        return float(args.balanced_imbalance), {}, None
+        return ladder.with_balanced_topology(float(args.balanced_imbalance)), None
     samples = saved
     if not samples and not args.from_times and meta.get("q_len", 1) == 1:
         samples = measure_ragged(args, ladder, meta)
     if not samples:
         print(f"no ragged mixes timed: balanced threshold {DEFAULT_BALANCED_IMBALANCE} "
               "(the default)")
-        return DEFAULT_BALANCED_IMBALANCE, {}, None
-    threshold, by_batch, summary = choose_by_batch(samples)
-    print(f"balanced threshold {threshold or 'off'}, from batch sizes {by_batch or '-'}: worst "
-          f"{summary['worst_over_best']} over the faster plan per mix (one threshold for "
-          f"every batch, {summary['single_threshold'] or 'off'}: "
-          f"{summary['single_worst_over_best']}; off: {summary['off_worst_over_best']}, "
-          f"always: {summary['always_worst_over_best']})", flush=True)
-    return threshold, by_batch, {"samples": [s.to_dict() for s in samples], "summary": summary}
+        return ladder.with_balanced_topology(DEFAULT_BALANCED_IMBALANCE), None
+    switches, summary = choose_switches(samples, ragged_ranges(ladder.bounds, BALANCED_ABOVE))
+    print(f"ragged switch by length: {switches_text(summary)}: worst "
+          f"{summary['worst_over_best']} over the faster plan per mix (one switch for every "
+          f"length: {summary['one_switch_worst_over_best']}; off: "
+          f"{summary['off_worst_over_best']}, always: {summary['always_worst_over_best']})",
+          flush=True)
+    return (ladder.with_ragged_switches(switches, above=BALANCED_ABOVE),
+            {"samples": [s.to_dict() for s in samples], "summary": summary})
 
 
 def load_times(args: argparse.Namespace) -> tuple[dict, dict]:
@@ -525,10 +534,10 @@ def main(argv: list[str] | None = None) -> None:
               f"{alone.summary['tuned_mean_over_oracle']} max x "
               f"{alone.summary['tuned_max_over_oracle']}")
     meta.update(max_model_len=args.max_model_len, max_buckets=args.max_buckets)
-    threshold, by_batch, ragged = ragged_switch(args, result.ladder, meta, saved)
+    tuned, ragged = ragged_switch(args, result.ladder, meta, saved)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        result.ladder.with_balanced_topology(threshold, by_batch=by_batch).save(args.out)
+        tuned.save(args.out)
         print(f"wrote {args.out}")
     report = {"meta": meta, **result.to_dict(), **({"ragged": ragged} if ragged else {}),
               "per_batch": {str(b): {"ladder": r.ladder.to_dict(), "summary": r.summary}

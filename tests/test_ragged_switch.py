@@ -15,7 +15,9 @@ from graphbucket.tuning.ragged import (
     RaggedSample,
     choose_by_batch,
     choose_imbalance,
+    choose_switches,
     imbalance,
+    ragged_ranges,
     ratios_at,
     threshold_candidates,
     tuner_mixes,
@@ -136,7 +138,7 @@ def test_tune_ladder_rechooses_the_threshold_from_a_reports_mixes(tmp_path: Path
     assert samples[1].imbalance < threshold <= samples[0].imbalance
     again = json.loads(report.read_text())
     assert again["ragged"]["summary"]["balanced_imbalance"] == threshold
-    assert f"Balanced threshold {threshold}" in report.with_suffix(".md").read_text()
+    assert f"16384]: {threshold}" in report.with_suffix(".md").read_text()
     # A threshold given on the command line wins; an old report without mixes keeps 1.5.
     script.main(["--from-times", str(saved), "--max-model-len", "16384", "--out", str(out),
                  "--balanced-imbalance", "0", "--quiet", "--force"])
@@ -235,3 +237,51 @@ def test_thresholds_by_batch_follow_a_crossover_that_moves_with_the_batch():
     for s in samples:
         assert selector.choose(list(s.lens)).balanced == (s.balanced_us < s.split_us), s
 
+
+
+def test_ragged_ranges_cut_the_balanced_buckets_at_powers_of_two():
+    bounds = (64, 2897, 11586, 32768, 131072)
+    assert ragged_ranges(bounds, 4096) == [(4096, 8192), (8192, 11586), (11586, 16384),
+                                           (16384, 32768), (32768, 65536), (65536, 131072)]
+    assert ragged_ranges((4096, 5793, 131072), 4096)[:2] == [(4096, 5793), (5793, 8192)]
+    assert ragged_ranges((1024, 4096), 4096) == []
+
+
+def test_a_switch_per_length_range_separates_what_one_imbalance_cannot():
+    # At the same imbalance (a spread from 1 token) split-KV wins at 8K (the balanced
+    # planner and merge dominate short requests) and balanced wins at 128K.
+    def spread(batch, top):
+        return [1 + (top - 1) * i // (batch - 1) for i in range(batch)]
+
+    samples = []
+    for batch in (8, 64):
+        samples += [sample(batch, spread(batch, 6144), 100.0, 130.0),
+                    sample(batch, [6144] + [512] * (batch - 1), 100.0, 60.0),
+                    sample(batch, spread(batch, 98304), 100.0, 77.0),
+                    sample(batch, [98304] * (batch // 2) + [4096] * (batch // 2), 100.0, 120.0)]
+    ladder = BucketLadder.from_dict({"max_model_len": 131072, "buckets": [
+        {"max_len": 4096, "hint": 4096}, {"max_len": 131072, "hint": 65536,
+                                          "batch_hints": {"64": 8192}}]})
+    ranges = ragged_ranges(ladder.bounds, BALANCED_ABOVE)
+    switches, summary = choose_switches(samples, ranges)
+    assert summary["worst_over_best"] == 1.0
+    assert summary["one_switch_worst_over_best"] > 1.2  # one threshold loses one of them
+    assert switches[0].lo == 4096 and switches[-1].hi == 131072 and len(switches) >= 2
+    assert switches[0].hi < 98304 and switches[0] != switches[-1]
+    tuned = ladder.with_ragged_switches(switches)
+    # The cut buckets keep their hints: every length plans as before.
+    for n in (1, 4096, 4097, 8192, 8193, 100_000, 131072):
+        for batch in (8, 64):
+            old, new = ladder.bucket_for(n), tuned.bucket_for(n)
+            assert tuned.hint_for(new, batch) == ladder.hint_for(old, batch), (n, batch)
+    assert tuned[0].balanced_imbalance == 0  # at or below the balanced bound: split-KV
+    selector = GraphSelector(tuned, [8, 64])
+    for s in samples:
+        assert selector.choose(list(s.lens)).balanced == (s.balanced_us < s.split_us), s
+    # Out of sample: the 8K spread the oracle times stays split-KV, the 128K one balanced.
+    assert not selector.choose(spread(64, 8192)).balanced
+    assert selector.choose(spread(64, 131072)).balanced
+    again = BucketLadder.from_dict(json.loads(json.dumps(tuned.to_dict())))
+    assert again == tuned
+    with pytest.raises(ValueError, match="at least one"):
+        choose_switches([], ranges)

@@ -6,7 +6,9 @@ Whether balanced beats the ladder's split-KV graph depends on the kernels at han
 heads, the cache format, the GPU), so the tuner times both on ragged mixes of its own and
 ``choose_imbalance`` picks the threshold with the smallest worst ratio to the faster of the
 two (0: balanced never pays), for all batch sizes at once or per capture size
-(``choose_by_batch``: which plan wins changes with the rows). The mixes differ from
+(``choose_by_batch``: which plan wins changes with the rows), and per length range of the
+longest request (``choose_switches`` over ``ragged_ranges``: at one imbalance balanced
+loses at 8K and wins at 128K). The mixes differ from
 ``bench/ladder_oracle.py``'s, which then checks the choice out of sample. Host arithmetic
 only.
 """
@@ -25,25 +27,102 @@ def imbalance(lens: Sequence[int]) -> float:
 
 
 def tuner_mixes(batch: int, max_model_len: int, *, above: int) -> list[tuple[str, list[int]]]:
-    """Ragged length mixes the tuner times at ``batch`` rows: a few long requests among short
-    ones, half long, and a spread, each with its longest request above ``above`` tokens
-    (where ladders have the balanced topology). None at one row."""
-    top = max_model_len
-    if batch < 2 or top * 3 // 4 <= above:
+    """Ragged length mixes the tuner times at ``batch`` rows, their longest request at 3/4
+    of ``max_model_len`` (above ``above`` tokens, where the switch is chosen): one long
+    request among short ones, a quarter long, half long, and a spread from 1 token. None at
+    one row, or when 3/4 of ``max_model_len`` is not above ``above``."""
+    long = max_model_len * 3 // 4
+    if batch < 2 or long <= above:
         return []
     few = max(1, batch // 4)
-    mixes = [("one-long", [top * 3 // 4] + [512] * (batch - 1)),
-             ("quarter-long", [top // 2] * few + [2048] * (batch - few)),
-             ("half-long", [top * 3 // 4] * (batch // 2) + [4096] * (batch - batch // 2)),
-             ("spread", [top // 16 + (top // 2 - top // 16) * i // (batch - 1)
-                         for i in range(batch)])]
+    mixes = [("one-long", [long] + [512] * (batch - 1)),
+             ("quarter-long", [long] * few + [2048] * (batch - few)),
+             ("half-long", [long] * (batch // 2) + [4096] * (batch - batch // 2)),
+             ("spread", [1 + (long - 1) * i // (batch - 1) for i in range(batch)])]
     seen, out = set(), []
     for name, lens in mixes:  # at two rows one-long and half-long coincide
         key = tuple(sorted(lens))
-        if key not in seen and max(lens) > above:
+        if key not in seen:
             seen.add(key)
             out.append((name, lens))
     return out
+
+
+def ragged_ranges(bounds: Sequence[int], above: int) -> list[tuple[int, int]]:
+    """The length ranges ``(lo, hi]`` the ragged switch is chosen for: each bucket ending
+    above ``above`` cut at the powers of two inside it, the ranges that end above ``above``.
+    One bucket's hint may serve 6K to 128K, and whether balanced beats split-KV at one
+    imbalance changes over that span (short requests: the planner and the merge are most of
+    the balanced step)."""
+    out, lo = [], 0
+    for hi in bounds:
+        if hi > above:
+            cuts = [1 << k for k in range(lo.bit_length(), hi.bit_length()) if lo < 1 << k < hi]
+            edges = [lo, *cuts, hi]
+            out += [(a, b) for a, b in zip(edges[:-1], edges[1:], strict=True) if b > above]
+        lo = hi
+    return out
+
+
+def range_of(ranges: Sequence[tuple[int, int]], length: int) -> int | None:
+    """Index of the range holding ``length``, or None."""
+    return next((i for i, (lo, hi) in enumerate(ranges) if lo < length <= hi), None)
+
+
+@dataclass(frozen=True, slots=True)
+class RaggedSwitch:
+    """The switch chosen for lengths ``(lo, hi]``: the threshold from the smallest batch
+    size, and the batch sizes from which it changes (``Bucket.batch_imbalance``)."""
+
+    lo: int
+    hi: int
+    threshold: float
+    by_batch: tuple[tuple[int, float], ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"lo": self.lo, "hi": self.hi, "balanced_imbalance": self.threshold,
+                "batch_imbalance": {str(b): t for b, t in self.by_batch}}
+
+
+def choose_switches(samples: Sequence[RaggedSample], ranges: Sequence[tuple[int, int]]
+                    ) -> tuple[list[RaggedSwitch], dict[str, Any]]:
+    """``choose_by_batch`` within each range, over the samples whose longest request falls
+    in it; a range with no samples takes the choice over all of them. Neighbouring ranges
+    with the same choice are joined. Returns (switches, summary): the summary has the worst
+    and mean ratio to the faster plan per sample, and those of one choice for every range."""
+    if not samples:
+        raise ValueError("choose_switches needs at least one timed ragged mix")
+    if not ranges:
+        raise ValueError("choose_switches needs at least one length range")
+    base, changes, overall = choose_by_batch(samples)
+    switches, ratios = [], []
+    for lo, hi in ranges:
+        mine = [s for s in samples if lo < max(s.lens) <= hi]
+        t, by = (choose_by_batch(mine)[:2] if mine else (base, changes))
+        ratios += [r for b in sorted({s.batch for s in mine})
+                   for r in ratios_at([s for s in mine if s.batch == b],
+                                      _threshold_at(t, by, b))]
+        switch = RaggedSwitch(lo, hi, t, tuple(sorted(by.items())))
+        last = switches[-1] if switches else None
+        if last and last.hi == lo and (last.threshold, last.by_batch) == (t, switch.by_batch):
+            switches[-1] = RaggedSwitch(last.lo, hi, t, switch.by_batch)
+        else:
+            switches.append(switch)
+    covered = [s for s in samples if range_of(ranges, max(s.lens)) is not None]
+    summary = {**overall,
+               "one_switch_worst_over_best": overall["worst_over_best"],
+               "one_switch_mean_over_best": overall["mean_over_best"],
+               "worst_over_best": round(max(ratios), 4) if ratios else 1.0,
+               "mean_over_best": round(sum(ratios) / len(ratios), 4) if ratios else 1.0,
+               "samples_in_ranges": len(covered),
+               "switches": [sw.to_dict() for sw in switches]}
+    return switches, summary
+
+
+def _threshold_at(threshold: float, by_batch: dict[int, float], batch: int) -> float:
+    """The threshold a capture size ``batch`` replays (the largest listed batch <= it)."""
+    listed = [b for b in by_batch if b <= batch]
+    return by_batch[max(listed)] if listed else threshold
 
 
 @dataclass(frozen=True, slots=True)

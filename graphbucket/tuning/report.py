@@ -43,6 +43,15 @@ def single_text(summary: dict) -> str:
             f"{summary['single_worst_over_best']:.3f}; ")
 
 
+def switches_text(summary: dict) -> str:
+    """Each length range's switch, e.g. '(4096, 8192]: 2.3, from batch 64: off'; a
+    summary without ranges (one threshold for every length): its threshold."""
+    if "switches" not in summary:
+        return f"{summary['balanced_imbalance'] or 'off'}{by_batch_text(summary)}"
+    return "; ".join(f"({sw['lo']}, {sw['hi']}]: {sw['balanced_imbalance'] or 'off'}"
+                     f"{by_batch_text(sw)}" for sw in summary["switches"])
+
+
 def report_markdown(report: dict) -> str:
     """The report as a short markdown table (written beside the report JSON)."""
     meta, summary = report["meta"], report["summary"]
@@ -67,16 +76,21 @@ def report_markdown(report: dict) -> str:
     ragged = report.get("ragged")
     if ragged:
         best = ragged["summary"]
+        one = (f"one switch for every length: {best['balanced_imbalance'] or 'off'}"
+               f"{by_batch_text(best)}, {best['one_switch_worst_over_best']:.3f}; "
+               if "switches" in best else single_text(best))
         lines[-2:-2] = [
-            f"Balanced threshold {best['balanced_imbalance'] or 'off'} (longest x live / "
-            f"total tokens){by_batch_text(best)}, chosen from {len(ragged['samples'])} ragged "
+            f"Balanced threshold (longest x live / total tokens) by the longest request's "
+            f"length: {switches_text(best)}; chosen from {len(ragged['samples'])} ragged "
             f"mixes: worst {best['worst_over_best']:.3f} over the faster of split-KV and "
-            f"balanced per mix ({single_text(best)}balanced off: "
+            f"balanced per mix ({one}balanced off: "
             f"{best['off_worst_over_best']:.3f}, always: "
             f"{best['always_worst_over_best']:.3f}).", "",
-            "| batch | mix | imbalance | split-KV us | balanced us |", "|---|---|---|---|---|",
-            *(f"| {r['batch']} | {r['mix']} | {r['imbalance']:.2f} | {r['split_us']:.1f} | "
-              f"{r['balanced_us']:.1f} |" for r in ragged["samples"]), ""]
+            "| batch | mix | longest | imbalance | split-KV us | balanced us |",
+            "|---|---|---|---|---|---|",
+            *(f"| {r['batch']} | {r['mix']} | {max(r['lens'])} | {r['imbalance']:.2f} | "
+              f"{r['split_us']:.1f} | {r['balanced_us']:.1f} |" for r in ragged["samples"]),
+            ""]
     for r in report["rows"]:
         lines.append(f"| {r['context']} | {r['batch']} | {r['oracle_us']:.1f} "
                      f"({r['oracle_splits']}) | {r['tuned_us']:.1f} ({r['tuned_splits']}) | "
