@@ -206,8 +206,11 @@ def test_fp8_cache_verify_step_matches_the_float64_reference(seeded, fmt, backen
 @pytest.mark.interpreter
 @pytest.mark.parametrize("fmt", ["fp8-tensor", "fp8-v32"])
 def test_fp8_cache_verify_step_equals_q_len_plain_steps(fmt):
-    """Over an fp8 cache too, token j of a verify step computes exactly what a plain step
-    after tokens 0..j-1 computes (same stored rows, same kernels)."""
+    """Over an fp8 cache too, token j of a verify step computes what a plain step after
+    tokens 0..j-1 computes: the first layer stores the same bytes (same inputs, same store
+    kernel); a later layer's new rows come from hidden states that differ in rounding (the
+    verify step's attention folds its tokens into one kernel call), so they may sit one fp8
+    step apart, and no other row changes."""
     q_len, lens = 2, [33, 17]
     model = fp8_model(fmt, seed=5)
     batch = fresh_batch(model, lens, q_len, np.random.default_rng(5))
@@ -222,8 +225,14 @@ def test_fp8_cache_verify_step_equals_q_len_plain_steps(fmt):
         plain = decode_batch(model, step_lens, batch.block_table_cpu, hidden[:, j].contiguous())
         out = model(eager_context(model, plain, hint=64))
         assert rel_l2(verify[:, j], out) < 1e-3, j
-    for got, want in zip(model.kv_caches, stored, strict=True):
-        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(model.kv_caches[0].view(torch.uint8), stored[0].view(torch.uint8))
+    for got, want, old in zip(model.kv_caches[1:], stored[1:], snapshot[1:], strict=True):
+        rows = (want.view(torch.uint8) != old.view(torch.uint8)).flatten(0, 1).any(-1)
+        same = (got.view(torch.uint8) == want.view(torch.uint8)).flatten(0, 1).all(-1)
+        assert rows.any() and same[~rows].all()  # new rows only, both ways
+        new_got = fp8.dequantize_cache(got, model.kv_scale).flatten(0, 1)[rows]
+        new_want = fp8.dequantize_cache(want, model.kv_scale).flatten(0, 1)[rows]
+        assert rel_l2(new_got, new_want) < 2e-2
 
 
 @pytest.mark.interpreter
