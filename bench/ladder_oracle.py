@@ -1,7 +1,8 @@
 """How far is the ladder from the best graph it could have captured? Same run, out of sample.
 
-For every capture size, at contexts the tuner did not measure (geometric midpoints of the
-powers of two and odd lengths, 3 .. max_model_len - 1) and on the ragged mixes of
+For every capture size, at contexts the tuner did not measure (a quarter and three
+quarters of the way between powers of two, geometrically, and odd lengths, 2 ..
+max_model_len - 1) and on the ragged mixes of
 bench/ragged.py scaled to the batch (one long request among 1K ones, lengths spread over
 1..max_model_len and over 1..8K), this times:
 
@@ -67,9 +68,11 @@ NAME = "h200-ladder-oracle"
 
 
 def oracle_contexts(max_model_len: int, tuned: list[int] | tuple[int, ...] = ()) -> list[int]:
-    """Out-of-sample lengths: round(2^(k + 1/2)) and 2^k + 1 for k >= 1, and
-    max_model_len - 1, none of them in ``tuned`` (the tuner's measured contexts)."""
-    grid = {round(2 ** (k + 0.5)) for k in range(1, max_model_len.bit_length())}
+    """Out-of-sample lengths: round(2^(k + 1/4)), round(2^(k + 3/4)) and 2^k + 1 for
+    k >= 1, and max_model_len - 1, none of them in ``tuned`` (the tuner's measured
+    contexts: its grid is the powers of two, their midpoints 2^(k + 1/2) and each + 1)."""
+    grid = {round(2 ** (k + f)) for k in range(1, max_model_len.bit_length())
+            for f in (0.25, 0.75)}
     grid |= {(1 << k) + 1 for k in range(1, max_model_len.bit_length())}
     grid.add(max_model_len - 1)
     return sorted(c for c in grid if 1 < c < max_model_len and c not in set(tuned))

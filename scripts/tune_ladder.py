@@ -73,6 +73,7 @@ from graphbucket.tuning.grid import (  # noqa: E402
     timed_plans,
     times_from_rows,
     times_to_rows,
+    tuning_contexts,
 )
 from graphbucket.tuning.ragged import (  # noqa: E402
     RaggedSample,
@@ -89,7 +90,7 @@ from graphbucket.tuning.report import (  # noqa: E402, F401 (plot_figure: tests 
 )
 from graphbucket.tuning.shipped import KV_CACHE_FORMATS, SPARSE_DECODER  # noqa: E402
 
-CONTEXTS = [1, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 102400, 131072]
+CONTEXTS = tuning_contexts(131072)  # with --max-model-len other than this: its own grid
 CAPTURE_SIZES = [1, 2, 4, 8, 16, 32, 64, 128]  # the runner's capture sizes by default
 REFINE = 8  # most contexts added where the best split count changes
 
@@ -141,7 +142,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="print the plans, the measurement count and the estimated GPU time, "
                          "then exit (no GPU needed; 132 SMs without one)")
     ap.add_argument("--contexts", type=positive_int, nargs="+", default=None,
-                    help="context lengths to measure (default: 1 .. 128K, 14 points, and "
+                    help="context lengths to measure (default: 1, the powers of two from 4 "
+                         "and their geometric midpoints up to --max-model-len, and "
                          "--max-model-len)")
     ap.add_argument("--max-buckets", type=positive_int, default=6,
                     help="most buckets the ladder may have (default: %(default)s)")
@@ -226,7 +228,7 @@ def measurement_plan(args: argparse.Namespace, num_sms: int) -> dict:
     batches = sorted(args.batches or CAPTURE_SIZES)
     # The default grid's shortest context is the shortest a q_len step can have (1 is
     # raised to q_len, not dropped): the first bucket's hint must be timed where it is short.
-    grid = args.contexts or [max(q_len, c) for c in CONTEXTS]
+    grid = args.contexts or [max(q_len, c) for c in tuning_contexts(args.max_model_len)]
     contexts = sorted({c for c in grid if q_len <= c <= args.max_model_len}
                       | ({args.max_model_len} if args.contexts is None else set()))
     if not args.no_edges:

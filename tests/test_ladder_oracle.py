@@ -20,6 +20,7 @@ from bench.ladder_oracle import (
 from graphbucket import get_backend
 from graphbucket.ladder import Bucket, BucketLadder, default_ladder
 from graphbucket.select import GraphSelector
+from graphbucket.tuning.grid import edge_contexts, tuning_contexts
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,8 +35,14 @@ def backend():
 def test_the_grid_is_out_of_sample_and_spans_1_to_128k():
     grid = oracle_contexts(131072, TUNED)
     assert not set(grid) & set(TUNED)
-    assert grid[0] == 3 and grid[-1] == 131071 and {181, 92682, 65537} <= set(grid)
+    assert grid[0] == 2 and grid[-1] == 131071 and {215, 110218, 65537} <= set(grid)
     assert grid == sorted(set(grid))
+    # Against the tuner's own grid and its edges: a point inside every octave still.
+    tuned = tuning_contexts(131072)
+    tuned = set(tuned) | set(edge_contexts(tuned, 131072))
+    grid = oracle_contexts(131072, sorted(tuned))
+    assert not set(grid) & tuned and grid[0] == 3
+    assert all(any(1 << k < c < 1 << (k + 1) for c in grid) for k in range(3, 17))
 
 
 def test_mixes_scale_with_the_batch_and_keep_one_long_request():

@@ -25,6 +25,7 @@ from graphbucket.tuning.grid import (
     splits_to_measure,
     times_from_rows,
     times_to_rows,
+    tuning_contexts,
 )
 from graphbucket.tuning.shipped import (
     LADDER_DIR,
@@ -221,6 +222,22 @@ def test_json_round_trip_of_ladder_and_report(tmp_path: Path):
     rechosen = choose_ladder(times_from_rows(again["times"]), capped_splits(),
                              max_model_len=1024, max_buckets=3)
     assert rechosen.ladder == result.ladder and rechosen.rows == result.rows
+
+
+@pytest.mark.parametrize("max_model_len", [131072, 100_000, 64, 5])
+def test_the_base_grid_times_every_octave_inside_and_at_both_ends(max_model_len):
+    grid = tuning_contexts(max_model_len)
+    assert grid[0] == 1 and grid[-1] == max_model_len and grid == sorted(set(grid))
+    # Neighbours about a factor sqrt(2) apart from 4 up (rounding: at most 1.5 at the
+    # short end), so a bucket of one octave has a measured length inside it; the top
+    # closes the grid wherever it falls.
+    body = [c for c in grid if c >= 4]
+    ratios = [hi / lo for lo, hi in itertools.pairwise(body[:-1])]
+    assert all(r <= 1.5 for r in ratios) and all(
+        r <= 2 ** 0.5 + 0.01 for lo, r in zip(body, ratios) if lo >= 64), ratios
+    assert {8, 11, 16, 23} <= set(grid) or max_model_len < 23
+    with pytest.raises(ValueError, match="max_model_len"):
+        tuning_contexts(0)
 
 
 def test_measurement_plan_covers_every_hint_the_chooser_may_use():

@@ -4,7 +4,7 @@ Pure host arithmetic (no torch at import). ``graphbucket.tuning.choose`` chooses
 from what is measured here (its docstring gives the method); the measuring step that times
 the grid on a GPU is ``graphbucket.tuning.measure.measure_split_times``.
 
-- contexts: the ones given, each context + 1 (``edge_contexts``, so a bound can be scored
+- contexts: the base grid (``tuning_contexts``) or the ones given, each context + 1 (``edge_contexts``, so a bound can be scored
   at both its ends: ``bounds_with_edges``), and midpoints where the oracle's split count
   changes (``refine_contexts``);
 - hints: every hint the chooser may plan with (``hints_to_measure``);
@@ -45,6 +45,18 @@ PlanFn = Callable[[int, int], "LaunchPlan | SparsePlan"]  # (batch, hint) -> the
 
 _SPLITS_RE = re.compile(r"splits=(\d+) ")
 _SPARSE_SPLITS_RE = re.compile(r"sparse .*\bindexer_splits=(\d+) attention_splits=(\d+) ")
+
+
+def tuning_contexts(max_model_len: int) -> list[int]:
+    """The tuner's base grid: 1, each power of two from 4 and the geometric midpoint of
+    each pair of them (round(2^(k + 1/2))), up to ``max_model_len``, and ``max_model_len``.
+    A bucket spans at least a factor of two, so each one is timed inside as well as at its
+    ends; the oracle checks other lengths (a quarter of the way in either direction)."""
+    check_positive("max_model_len", max_model_len)
+    grid = {1, max_model_len}
+    for k in range(2, max_model_len.bit_length()):
+        grid |= {1 << k, round(2 ** (k + 0.5))}
+    return sorted(c for c in grid if c <= max_model_len)
 
 
 def candidate_hints(max_model_len: int) -> list[int]:
