@@ -43,7 +43,6 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import replace
 
 if "--cpu-smoke" in sys.argv:  # before triton is imported: it reads the flag then
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -54,7 +53,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from graphbucket.ladder import BucketLadder, default_ladder  # noqa: E402
 from graphbucket.plan import LaunchPlan  # noqa: E402
-from graphbucket.plan_streams import SEESAW_STREAM  # noqa: E402
 from graphbucket.select import GraphSelector  # noqa: E402
 from graphbucket.tuning.grid import candidate_hints, hints_to_measure  # noqa: E402
 
@@ -94,21 +92,16 @@ def ragged_mixes(batch: int, max_model_len: int) -> list[tuple[str, list[int]]]:
 def exhaustive_plans(backend, batch: int, num_heads: int, max_model_len: int, *,
                      q_len: int = 1) -> dict[str, LaunchPlan]:
     """Every distinct plan a graph of ``batch`` rows could capture, by ``describe()``:
-    split-KV at every hint that plans differently, and balanced at q_len 1 (at 64-row
-    programs with either stage 1: Triton's, and the seesaw's)."""
+    split-KV at every hint that plans differently, and at q_len 1 balanced with each
+    balanced kernel the backend offers (below 64 heads: the Triton stage 1's rows and the
+    seesaw's 64-row programs)."""
     hints = hints_to_measure(candidate_hints(max_model_len), max_model_len)
     plans = {p.describe(): p for p in (backend.plan(batch, num_heads * q_len, h)
                                         for h in hints)}
     if q_len == 1:
-        try:
-            balanced = backend.plan_balanced(batch, num_heads)
-        except ValueError:  # a backend without the balanced topology says so
-            return plans
-        plans[balanced.describe()] = balanced
-        if balanced.block_h == SEESAW_STREAM.block_h:  # 64-row programs: the seesaw's too
-            seesaw = replace(balanced, seesaw=True,
-                             min_chunk_tiles=SEESAW_STREAM.min_tiles_per_split)
-            plans[seesaw.describe()] = seesaw
+        for kernel in backend.balanced_kernels(num_heads):
+            balanced = backend.plan_balanced(batch, num_heads, kernel)
+            plans[balanced.describe()] = balanced
     return plans
 
 
@@ -117,7 +110,9 @@ def ladder_plan(selector: GraphSelector, backend, num_heads: int, lens: list[int
     """The plan the runner's graph replays for these host lengths."""
     from graphbucket.graphs import plan_for_key
 
-    return plan_for_key(backend, selector.choose(lens, q_len), num_heads)
+    key = selector.choose(lens, q_len)
+    return plan_for_key(backend, key, num_heads,
+                        selector.ladder.balanced_kernel_for(key.batch_size))
 
 
 def oracle_row(times: dict[str, float], *, ladder: LaunchPlan, fixed_max: LaunchPlan,

@@ -3,10 +3,12 @@
 #
 # GPU evidence in one call: GPU tests, kernel sweep, capture/dispatch bench, ladder tune,
 # TPOT per policy, and the demo's GPU path. Run it on a CUDA machine.
-# steps: any of tests gputests sweep fisweep capture tune tunefp8 tunemtp tunesparse tpot tpotfp8
-#        tpotmtp ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp hostphases
+# steps: any of tests gputests balancedtests sweep fisweep capture tune tunefp8 tunemtp tunesparse
+#        tpot tpotfp8 tpotmtp ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp hostphases
 #        balancedseesaw tpotbatches tpothf
 #        (tpotdp: TPOT of the 128-head deepseek-v3-dp preset, the compute-bound decode)
+#        (balancedtests: the balanced kernels per capture size, the ragged switch and the
+#        oracle's host logic, on the GPU)
 #        (tune: 16-, 128- and 12-head ladders (TUNE_HEADS) tuned at every capture size, each copied
 #        into graphbucket/ladders/ so that the TPOT steps after it run it, and checked by
 #        bench/ladder_oracle.py; tunefp8: 16-head ladders over fp8-tensor and fp8-v32 (TUNE_FP8)
@@ -44,7 +46,7 @@
 # order: `OUT=/tmp/w PACK_TO=$OUT` would expand $OUT after it was reassigned).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-STEPS="tests gputests sweep fisweep capture tune tunefp8 tunemtp tunesparse tpot tpotfp8 tpotmtp
+STEPS="tests gputests balancedtests sweep fisweep capture tune tunefp8 tunemtp tunesparse tpot tpotfp8 tpotmtp
        ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp hostphases balancedseesaw tpotbatches
        tpothf"
 usage() { sed -n '2,/^set /{/^set /d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"; }
@@ -71,9 +73,10 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 # TPOT steps after it run it), then its out-of-sample oracle, appended to one file (the
 # sparse decoder's, with a 4th argument --sparse, to its own).
 tune_one() {
-  local heads=$1 fmt=$2 q=$3 sparse=${4:-} name oracle=h200-ladder-oracle limit=200
-  # The sparse layer's grid: about 190 s of GPU time (tune_ladder.py --dry-run --sparse).
-  [ -n "$sparse" ] && oracle=h200-ladder-oracle-sparse limit=300
+  local heads=$1 fmt=$2 q=$3 sparse=${4:-} name oracle=h200-ladder-oracle limit=330
+  # The grid's GPU time: tune_ladder.py --dry-run and ladder_oracle.py --dry-run (16 heads:
+  # about 190 s each; the sparse layer's grid more).
+  [ -n "$sparse" ] && oracle=h200-ladder-oracle-sparse limit=450
   name=$(python3 -c "from graphbucket.tuning.shipped import ladder_file_name as n
 print(n('h200', $heads, '$fmt', q_len=$q, sparse=bool('$sparse')))")
   timeout $limit python3 scripts/tune_ladder.py --heads "$heads" --kv-cache "$fmt" --q-len "$q" \
@@ -81,6 +84,7 @@ print(n('h200', $heads, '$fmt', q_len=$q, sparse=bool('$sparse')))")
     --report "$R/tune-${name%.json}.json" --plot "$R/tune-${name%.json}.png" --force \
     > "$R/tune-${name%.json}.log" 2>&1; tail -2 "$R/tune-${name%.json}.log"
   cp "$R/$name" "graphbucket/ladders/$name" 2>/dev/null || return
+  pack
   local append=""; [ -f "$R/$oracle.json" ] && append=--append
   timeout $limit python3 bench/ladder_oracle.py --heads "$heads" --kv-cache "$fmt" --q-len "$q" \
     $sparse --ladder "$R/$name" --out "$R" $append > "$R/oracle-${name%.json}.log" 2>&1
@@ -117,6 +121,9 @@ for step in $steps; do
                 timeout 90 python3 -m pytest -q tests/test_runner.py -k "capture_fault and oom" \
                   -p no:cacheprovider > "$R/tests-oom.log" 2>&1; tail -2 "$R/tests-oom.log"
               fi ;;
+    balancedtests) timeout 200 python3 -m pytest -q tests/test_balanced_kernels.py \
+                     tests/test_ragged_switch.py tests/test_ladder_oracle.py -p no:cacheprovider \
+                     > "$R/balanced-tests.log" 2>&1; tail -4 "$R/balanced-tests.log" ;;
     sweep) timeout 240 python3 bench/kernel_sweep.py --out "$R" > "$R/sweep.log" 2>&1
            tail -42 "$R/sweep.log" ;;
     fisweep) [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile \

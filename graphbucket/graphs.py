@@ -39,6 +39,7 @@ import torch
 from graphbucket.backends.base import DecodeBackend, Plan
 from graphbucket.buffers import StaticBuffers
 from graphbucket.context import DecodeContext
+from graphbucket.ladder import DEFAULT_BALANCED_KERNEL
 from graphbucket.select import GraphKey, GraphSelector
 
 logger = logging.getLogger(__name__)
@@ -101,16 +102,19 @@ class FrozenPlanGraph:
         self._body = None
 
 
-def plan_for_key(backend: DecodeBackend, key: GraphKey, num_heads: int) -> Plan:
-    """The plan a key's graph is captured with: split-KV at ``key.hint``, or balanced.
-    A key of q_len query tokens per request plans q_len x ``num_heads`` rows (the tokens
-    folded into the heads, ``kernels.mla_decode(..., q_len=)``) with the same hint."""
+def plan_for_key(backend: DecodeBackend, key: GraphKey, num_heads: int,
+                 balanced_kernel: str = DEFAULT_BALANCED_KERNEL) -> Plan:
+    """The plan a key's graph is captured with: split-KV at ``key.hint``, or balanced
+    with ``balanced_kernel`` (the ladder's for the key's batch size,
+    ``BucketLadder.balanced_kernel_for``). A key of q_len query tokens per request plans
+    q_len x ``num_heads`` rows (the tokens folded into the heads,
+    ``kernels.mla_decode(..., q_len=)``) with the same hint."""
     if not key.balanced:
         return backend.plan(key.batch_size, num_heads * key.q_len, key.hint)
     if key.q_len != 1:
         raise ValueError(f"{key} asks for a balanced graph of {key.q_len} query tokens per "
                          "request; balanced split-KV decodes one token per request")
-    return backend.plan_balanced(key.batch_size, num_heads)
+    return backend.plan_balanced(key.batch_size, num_heads, balanced_kernel)
 
 
 class GraphTable:
@@ -126,7 +130,9 @@ class GraphTable:
     def __init__(self, selector: GraphSelector, backend: DecodeBackend, num_heads: int) -> None:
         self.selector, self.backend = selector, backend
         self.plans: dict[GraphKey, Plan] = {
-            key: plan_for_key(backend, key, num_heads) for key in selector.keys()}
+            key: plan_for_key(backend, key, num_heads,
+                              selector.ladder.balanced_kernel_for(key.batch_size))
+            for key in selector.keys()}
         self.records: list[GraphRecord] = []
         self.summary: CaptureSummary | None = None
         self._graphs: dict[GraphKey, FrozenPlanGraph | torch.cuda.CUDAGraph] = {}

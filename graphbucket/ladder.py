@@ -14,7 +14,9 @@ graph instead (device-partitioned equal chunks, ``plan_balanced_mla_decode``): w
 split count per row, one long request among short ones sets the step time; like hints, the
 threshold may change with the batch size (``batch_imbalance``, ``Bucket.imbalance_for``). A
 ``BucketLadder`` is an ordered list of buckets that covers ``1..max_model_len`` exactly,
-with no gaps and no overlaps; every graph of one bucket serves the same lengths.
+with no gaps and no overlaps; every graph of one bucket serves the same lengths. Which
+kernel a balanced graph runs is the ladder's, per capture size (``balanced_kernels``:
+the backend offers them, ``DecodeBackend.balanced_kernels``; the tuner times each).
 
 Which bucket serves a batch is decided by ``graphbucket.select.GraphSelector`` (a
 ``bisect`` over ``bounds``, host arithmetic only). Ladders come from ``default_ladder``
@@ -43,7 +45,8 @@ DEFAULT_MAX_MODEL_LEN = 131072
 DEFAULT_BALANCED_IMBALANCE = 1.5
 BALANCED_ABOVE = 4096
 
-_JSON_KEYS = frozenset({"max_model_len", "buckets", "meta"})
+_JSON_KEYS = frozenset({"max_model_len", "buckets", "meta", "balanced_kernels"})
+DEFAULT_BALANCED_KERNEL = "default"  # the backend's own choice of balanced plan
 _BUCKET_KEYS = frozenset({"max_len", "hint"})
 _BUCKET_OPTIONAL_KEYS = frozenset({"batch_hints", "balanced_imbalance", "batch_imbalance"})
 
@@ -218,11 +221,17 @@ class BucketLadder:
     ``meta`` is a free-form dict (device name, heads, who tuned it) kept through JSON
     round trips; it takes no part in equality or hashing. Which bucket serves a batch is
     ``GraphSelector``'s job (``graphbucket.select``); the ladder only knows its bounds.
+
+    ``balanced_kernels``: ``{batch_size: kernel}`` (or pairs): from that padded batch size
+    up, balanced graphs are planned with that kernel of the backend
+    (``DecodeBackend.plan_balanced(..., kernel=)``); below the smallest, and without any,
+    with ``DEFAULT_BALANCED_KERNEL``. Stored as sorted pairs (``balanced_kernel_for``).
     """
 
     buckets: tuple[Bucket, ...]
     max_model_len: int
     meta: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    balanced_kernels: tuple[tuple[int, str], ...] = ()
 
     def __post_init__(self) -> None:
         buckets = tuple(self.buckets)
@@ -236,6 +245,7 @@ class BucketLadder:
         object.__setattr__(self, "buckets", buckets)
         object.__setattr__(self, "max_model_len", max_model_len)
         object.__setattr__(self, "meta", dict(self.meta or {}))
+        object.__setattr__(self, "balanced_kernels", _kernel_pairs(self.balanced_kernels))
 
     def __len__(self) -> int:
         return len(self.buckets)
@@ -248,7 +258,9 @@ class BucketLadder:
 
     def __repr__(self) -> str:
         inner = ", ".join(repr(b) for b in self.buckets)
-        return f"BucketLadder([{inner}], max_model_len={self.max_model_len})"
+        extra = (f", balanced_kernels={dict(self.balanced_kernels)}"
+                 if self.balanced_kernels else "")
+        return f"BucketLadder([{inner}], max_model_len={self.max_model_len}{extra})"
 
     @property
     def bounds(self) -> tuple[int, ...]:
@@ -267,6 +279,22 @@ class BucketLadder:
     def hints_for(self, batch_size: int) -> tuple[int, ...]:
         """Per bucket, the hint graphs of ``batch_size`` (padded) rows are planned with."""
         return tuple(b.hint_for(batch_size) for b in self.buckets)
+
+    def balanced_kernel_for(self, batch_size: int) -> str:
+        """The backend kernel a balanced graph of ``batch_size`` (padded) rows runs."""
+        return _from_batch(self.balanced_kernels, DEFAULT_BALANCED_KERNEL, batch_size)
+
+    def with_balanced_kernels(self, by_batch: Mapping[int, str]) -> BucketLadder:
+        """The same buckets, balanced graphs of each listed capture size (and those above
+        it, up to the next listed) run that kernel; entries that change nothing from the
+        size below are dropped."""
+        pairs, last = [], DEFAULT_BALANCED_KERNEL
+        for size, kernel in _kernel_pairs(by_batch):
+            if kernel != last:
+                pairs.append((size, kernel))
+                last = kernel
+        return BucketLadder(self.buckets, self.max_model_len, meta=self.meta,
+                            balanced_kernels=tuple(pairs))
 
     def with_top_hints(self) -> BucketLadder:
         """The same bounds, every graph hinted at its bucket's top (no per-batch hints, no
@@ -292,7 +320,8 @@ class BucketLadder:
         meta = {**self.meta, "balanced_imbalance": imbalance, "balanced_above": above}
         if pairs:
             meta["batch_imbalance"] = {str(b): t for b, t in pairs}
-        return BucketLadder(buckets, self.max_model_len, meta=meta)
+        return BucketLadder(buckets, self.max_model_len, meta=meta,
+                            balanced_kernels=self.balanced_kernels)
 
     def with_ragged_switches(self, switches, *, above: int = BALANCED_ABOVE) -> BucketLadder:
         """The same hints, with the balanced topology per length range: ``switches`` have
@@ -316,7 +345,8 @@ class BucketLadder:
                                     for lo_, hi, t, pairs in spans]}
         meta.pop("balanced_imbalance", None)
         meta.pop("batch_imbalance", None)
-        return BucketLadder(tuple(buckets), self.max_model_len, meta=meta)
+        return BucketLadder(tuple(buckets), self.max_model_len, meta=meta,
+                            balanced_kernels=self.balanced_kernels)
 
     @property
     def ranges(self) -> tuple[tuple[int, int], ...]:
@@ -337,11 +367,12 @@ class BucketLadder:
     # ---- JSON ---------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "max_model_len": self.max_model_len,
-            "buckets": [b.to_dict() for b in self.buckets],
-            "meta": dict(self.meta),
-        }
+        out: dict[str, Any] = {"max_model_len": self.max_model_len,
+                               "buckets": [b.to_dict() for b in self.buckets]}
+        if self.balanced_kernels:
+            out["balanced_kernels"] = {str(b): k for b, k in self.balanced_kernels}
+        out["meta"] = dict(self.meta)
+        return out
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -357,7 +388,8 @@ class BucketLadder:
         missing = {"max_model_len", "buckets"} - set(data)
         if unknown or missing:
             raise ValueError(
-                f"ladder JSON keys must be {sorted(_JSON_KEYS)} (meta optional); missing "
+                f"ladder JSON keys must be {sorted(_JSON_KEYS)} (meta and balanced_kernels "
+                "optional); missing "
                 f"{sorted(missing)}, unknown {sorted(unknown)} (free-form data goes in meta)"
             )
         if not isinstance(data["buckets"], list):
@@ -376,7 +408,17 @@ class BucketLadder:
                                   balanced_imbalance=entry.get("balanced_imbalance", 0.0),
                                   batch_imbalance=_json_batch_map(entry, "batch_imbalance", i,
                                                                   "thresholds")))
-        return cls(tuple(buckets), data["max_model_len"], meta=data.get("meta"))
+        kernels = data.get("balanced_kernels", {})
+        if not isinstance(kernels, Mapping):
+            raise ValueError("ladder 'balanced_kernels' must map batch sizes to kernel names, "
+                             f"got {kernels!r}")
+        try:
+            kernels = {int(b): k for b, k in kernels.items()}
+        except ValueError:
+            raise ValueError("ladder 'balanced_kernels' keys must be batch sizes, got "
+                             f"{sorted(kernels)}") from None
+        return cls(tuple(buckets), data["max_model_len"], meta=data.get("meta"),
+                   balanced_kernels=tuple(kernels.items()))
 
     @classmethod
     def from_json(cls, text: str) -> BucketLadder:
@@ -398,6 +440,25 @@ def _json_batch_map(entry: Mapping[str, Any], key: str, index: int, what: str) -
     except ValueError:
         raise ValueError(f"ladder bucket {index}: {key!r} keys must be batch sizes, got "
                          f"{sorted(raw)}") from None
+
+
+def _kernel_pairs(raw: Any) -> tuple[tuple[int, str], ...]:
+    """``{batch_size: kernel}`` (or pairs) as sorted pairs, checked."""
+    items = raw.items() if isinstance(raw, Mapping) else raw
+    try:
+        pairs = sorted((_as_int("balanced_kernels batch size", b), k) for b, k in items)
+    except (TypeError, ValueError) as err:
+        raise TypeError(f"balanced_kernels must map batch sizes to kernel names: {err}"
+                        ) from None
+    for size, kernel in pairs:
+        if size < 1:
+            raise ValueError(f"balanced_kernels batch size {size} must be >= 1")
+        if not isinstance(kernel, str) or not kernel:
+            raise TypeError(f"balanced_kernels[{size}] must be a kernel name (str), got "
+                            f"{kernel!r}")
+    if len({b for b, _ in pairs}) != len(pairs):
+        raise ValueError(f"balanced_kernels lists a batch size twice: {pairs}")
+    return tuple(pairs)
 
 
 def above_top_error(length: int, max_model_len: int) -> ValueError:

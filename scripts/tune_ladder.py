@@ -56,6 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from graphbucket.ladder import (  # noqa: E402
     BALANCED_ABOVE,
     DEFAULT_BALANCED_IMBALANCE,
+    DEFAULT_BALANCED_KERNEL,
     default_ladder,
 )
 from graphbucket.plan import H200_NUM_SMS  # noqa: E402
@@ -77,6 +78,7 @@ from graphbucket.tuning.grid import (  # noqa: E402
 )
 from graphbucket.tuning.ragged import (  # noqa: E402
     RaggedSample,
+    choose_balanced_kernels,
     choose_switches,
     ragged_ranges,
     tuner_mixes,
@@ -362,9 +364,9 @@ def measure(args: argparse.Namespace) -> tuple[dict, dict]:
 
 
 def measure_ragged(args: argparse.Namespace, ladder, meta: dict) -> list[RaggedSample]:
-    """Time the tuned ladder's split-KV plan against the balanced plan on the tuner's ragged
-    mixes at every measured batch size from 2 (``tuner_mixes``)."""
-    from graphbucket.plan import plan_balanced_mla_decode
+    """Time the tuned ladder's split-KV plan against each balanced kernel's plan on the
+    tuner's ragged mixes at every measured batch size from 2 (``tuner_mixes``)."""
+    from graphbucket.backends.triton import TritonBackend
     from graphbucket.tuning.measure import PlanTimer, Progress, time_ragged
 
     heads, num_sms = meta["num_heads"], meta["num_sms"]
@@ -379,16 +381,22 @@ def measure_ragged(args: argparse.Namespace, ladder, meta: dict) -> list[RaggedS
     def split_for(batch: int, lens: list[int]):
         return plan_for(batch, ladder.hints_for(batch)[ladder.bucket_for(max(lens))])
 
+    backend = TritonBackend(num_sms=num_sms)
+    # The seesaw stage 1 decodes bf16 caches; over fp8 its plan would run the Triton kernel.
+    kernels = backend.balanced_kernels(heads) if meta["kv_cache"] == "bf16" else (
+        DEFAULT_BALANCED_KERNEL,)
+
     def balanced_for(batch: int):
-        return plan_balanced_mla_decode(batch, heads, num_sms=num_sms)
+        return {k: backend.plan_balanced(batch, heads, k) for k in kernels}
 
     top = max(b for b, _, _ in mixes)
     timer = PlanTimer(-(-max(sum(lens) for *_, lens in mixes) // top), top, heads,
                       kv_cache=meta["kv_cache"],
                       max_splits=max(split_for(b, lens).num_kv_splits for b, _, lens in mixes),
-                      max_items=max(balanced_for(b).max_work_items for b, _, _ in mixes))
+                      max_items=max(p.max_work_items for b, _, _ in mixes
+                                    for p in balanced_for(b).values()))
     print(f"ragged mixes: {len(mixes)} at batches {sorted({b for b, _, _ in mixes})}, split "
-          "against balanced", flush=True)
+          f"against balanced ({', '.join(kernels)})", flush=True)
     try:
         return time_ragged(timer, mixes, split_for, balanced_for,
                            progress=Progress(len(mixes), 0.3 * len(mixes),
@@ -419,13 +427,18 @@ def ragged_switch(args: argparse.Namespace, ladder, meta: dict, saved: list[Ragg
         print(f"no ragged mixes timed: balanced threshold {DEFAULT_BALANCED_IMBALANCE} "
               "(the default)")
         return ladder.with_balanced_topology(DEFAULT_BALANCED_IMBALANCE), None
+    kernels, samples = choose_balanced_kernels(samples)
     switches, summary = choose_switches(samples, ragged_ranges(ladder.bounds, BALANCED_ABOVE))
+    summary["balanced_kernels"] = {str(b): k for b, k in kernels.items()}
     print(f"ragged switch by length: {switches_text(summary)}: worst "
           f"{summary['worst_over_best']} over the faster plan per mix (one switch for every "
           f"length: {summary['one_switch_worst_over_best']}; off: "
           f"{summary['off_worst_over_best']}, always: {summary['always_worst_over_best']})",
           flush=True)
-    return (ladder.with_ragged_switches(switches, above=BALANCED_ABOVE),
+    if len(set(kernels.values())) > 1 or DEFAULT_BALANCED_KERNEL not in kernels.values():
+        print(f"balanced kernel by capture size: {kernels}", flush=True)
+    tuned = ladder.with_ragged_switches(switches, above=BALANCED_ABOVE)
+    return (tuned.with_balanced_kernels(kernels),
             {"samples": [s.to_dict() for s in samples], "summary": summary})
 
 

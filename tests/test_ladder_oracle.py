@@ -63,7 +63,11 @@ def test_the_oracle_set_holds_every_plan_a_hint_captures_and_balanced():
     plans = exhaustive_plans(b, 64, 16, 131072)
     for hint in (1, 100, 4096, 5000, 65536, 131072):
         assert b.plan(64, 16, hint) in plans.values()
-    assert sum(p.balanced for p in plans.values()) == 1
+    # Balanced with each kernel the backend offers: at 16 heads the default and the seesaw.
+    assert {p for p in plans.values() if p.balanced} == {
+        b.plan_balanced(64, 16, k) for k in b.balanced_kernels(16)} and len(
+        b.balanced_kernels(16)) == 2
+    assert sum(p.balanced for p in exhaustive_plans(b, 64, 128, 131072).values()) == 1
     assert not any(p.balanced for p in exhaustive_plans(b, 64, 16, 131072, q_len=2).values())
     assert all(p.num_heads == 32 for p in exhaustive_plans(b, 8, 16, 131072, q_len=2).values())
 
@@ -78,6 +82,10 @@ def test_the_ladder_plan_is_the_runners_including_balanced_for_ragged_batches():
     assert ladder_plan(selector, b, 16, [100000] * 8) == b.plan(8, 16, 131072)
     ragged = ladder_plan(selector, b, 16, [131072] + [1024] * 63)
     assert ragged.balanced and ragged == b.plan_balanced(64, 16)
+    # The ladder's balanced kernel for the capture size is the one replayed.
+    seesaw = GraphSelector(ladder.with_balanced_kernels({64: "seesaw"}), [1, 8, 64])
+    assert ladder_plan(seesaw, b, 16, [131072] + [1024] * 63) == b.plan_balanced(64, 16, "seesaw")
+    assert ladder_plan(seesaw, b, 16, [131072] + [1024] * 7) == b.plan_balanced(8, 16)
     # Padding: 5 requests replay the batch-8 graph.
     assert ladder_plan(selector, b, 16, [3000] * 5).batch_size == 8
     assert ladder_plan(GraphSelector(default_ladder(), [2]), b, 16, [10, 10], 1) == b.plan(

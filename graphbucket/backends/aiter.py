@@ -63,8 +63,9 @@ from dataclasses import dataclass
 
 import torch
 
+from graphbucket.backends.base import check_balanced_kernel
 from graphbucket.backends.triton import split_kv_ladder, split_kv_q_ladder
-from graphbucket.ladder import BucketLadder
+from graphbucket.ladder import DEFAULT_BALANCED_KERNEL, BucketLadder
 from graphbucket.plan import H200_NUM_SMS, LaunchPlan, plan_mla_decode
 from graphbucket.spec import BufferSpec
 
@@ -302,13 +303,18 @@ class AiterBackend:
                                kv_lora_rank=self.kv_lora_rank, qk_rope_dim=self.qk_rope_dim)
         return AiterLaunchPlan(**_fields(base), min_kv_seq_len=hint)
 
-    def plan_balanced(self, batch_size: int, num_heads: int) -> LaunchPlan:
+    def plan_balanced(self, batch_size: int, num_heads: int,
+                      kernel: str = DEFAULT_BALANCED_KERNEL) -> LaunchPlan:
         """The graph of a ragged batch (``Bucket.balanced_imbalance``): in persistent mode
         the same plan as every other (AITER partitions the live lengths itself)."""
+        check_balanced_kernel(self.name, kernel, self.balanced_kernels(num_heads))
         if not self.persistent:
             raise ValueError("the aiter Gluon mode has no balanced topology: build "
                              "AiterBackend(persistent=True), or set balanced_imbalance=0")
         return self.plan(batch_size, num_heads, 1)
+
+    def balanced_kernels(self, num_heads: int) -> tuple[str, ...]:
+        return (DEFAULT_BALANCED_KERNEL,)
 
     def default_ladder(self, max_model_len: int, spec: BufferSpec | None = None
                        ) -> BucketLadder:

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
+from graphbucket.ladder import DEFAULT_BALANCED_KERNEL
+
 if TYPE_CHECKING:  # annotations only: the ladder and spec modules import no backend
     from graphbucket.ladder import BucketLadder
     from graphbucket.spec import BufferSpec
@@ -67,9 +69,16 @@ class DecodeBackend(Protocol):
         """Every host decision for ``batch_size`` requests planned at context ``hint``."""
         ...
 
-    def plan_balanced(self, batch_size: int, num_heads: int) -> Plan:
+    def plan_balanced(self, batch_size: int, num_heads: int,
+                      kernel: str = DEFAULT_BALANCED_KERNEL) -> Plan:
         """The plan of a ragged batch's graph (``Bucket.balanced_imbalance``), for any
-        lengths; raises ValueError naming the fix where the backend has no such topology."""
+        lengths, with one of ``balanced_kernels(num_heads)``; raises ValueError naming the
+        fix where the backend has no such topology or no such kernel."""
+        ...
+
+    def balanced_kernels(self, num_heads: int) -> tuple[str, ...]:
+        """The balanced kernels ``plan_balanced`` offers at ``num_heads``, the default
+        first (``BucketLadder.balanced_kernels`` picks one per capture size)."""
         ...
 
     def default_ladder(self, max_model_len: int, spec: BufferSpec | None = None
@@ -110,3 +119,11 @@ class NoWorkspace:
 
     def __repr__(self) -> str:
         return "NoWorkspace()"
+
+
+def check_balanced_kernel(backend: str, kernel: str, offered: tuple[str, ...]) -> None:
+    """ValueError unless ``kernel`` is one of ``offered`` (a backend's balanced kernels)."""
+    if kernel not in offered:
+        raise ValueError(f"the {backend} backend has no balanced kernel {kernel!r} here; it "
+                         f"offers {list(offered)} (a ladder's balanced_kernels names one per "
+                         "capture size: tune the ladder for this backend and head count)")

@@ -15,12 +15,12 @@ from collections.abc import Iterable
 import torch
 
 from graphbucket import fp8
-from graphbucket.backends.base import NoWorkspace
+from graphbucket.backends.base import NoWorkspace, check_balanced_kernel
 from graphbucket.backends.triton import split_kv_ladder, split_kv_q_ladder
 from graphbucket.kernels import check_mla_decode_args
 from graphbucket.kernels.launch import check_q_len
 from graphbucket.kernels.verify import flatten_verify
-from graphbucket.ladder import BucketLadder
+from graphbucket.ladder import DEFAULT_BALANCED_KERNEL, BucketLadder
 from graphbucket.plan import (
     H200_NUM_SMS,
     LaunchPlan,
@@ -50,11 +50,16 @@ class DenseBackend:
     def plan(self, batch_size: int, num_heads: int, hint: int) -> LaunchPlan:
         return self._plan(batch_size, num_heads, hint)
 
-    def plan_balanced(self, batch_size: int, num_heads: int) -> LaunchPlan:
+    def plan_balanced(self, batch_size: int, num_heads: int,
+                      kernel: str = DEFAULT_BALANCED_KERNEL) -> LaunchPlan:
         """Planned like the Triton backend's balanced graphs (``run`` ignores it)."""
+        check_balanced_kernel(self.name, kernel, self.balanced_kernels(num_heads))
         return plan_balanced_mla_decode(batch_size, num_heads, num_sms=self.num_sms,
                                         kv_lora_rank=self.kv_lora_rank,
                                         qk_rope_dim=self.qk_rope_dim)
+
+    def balanced_kernels(self, num_heads: int) -> tuple[str, ...]:
+        return (DEFAULT_BALANCED_KERNEL,)
 
     def default_ladder(self, max_model_len: int, spec: BufferSpec | None = None
                        ) -> BucketLadder:

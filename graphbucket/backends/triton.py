@@ -14,19 +14,25 @@ from dataclasses import dataclass
 
 import torch
 
+from graphbucket.backends.base import check_balanced_kernel
 from graphbucket.kernels import SplitWorkspace, mla_decode, mla_decode_balanced
-from graphbucket.ladder import BucketLadder, default_ladder
+from graphbucket.ladder import DEFAULT_BALANCED_KERNEL, BucketLadder, default_ladder
 from graphbucket.plan import (
     H200_NUM_SMS,
     MAX_KV_SPLITS,
     LaunchPlan,
+    head_block_size,
     plan_balanced_mla_decode,
     plan_mla_decode,
 )
+from graphbucket.plan_streams import SEESAW_STREAM
 from graphbucket.policies import device_ladder, tuned_device_ladder
 from graphbucket.spec import BufferSpec
 
 _PLAN_CACHE_SIZE = 8192
+# Balanced plans on the Gluon seesaw's 64-row programs below 64 heads (rows past the heads
+# unstored); from 64 heads the default balanced plan is the seesaw's already.
+SEESAW_BALANCED_KERNEL = "seesaw"
 
 
 def device_num_sms(device: torch.device | str | None = None, default: int = H200_NUM_SMS) -> int:
@@ -102,6 +108,7 @@ class TritonBackend:
         self.max_splits = max_splits
         self.balanced = balanced
         self._plan = functools.lru_cache(maxsize=_PLAN_CACHE_SIZE)(self._plan_uncached)
+        self._plan_seesaw = functools.lru_cache(maxsize=256)(self._plan_seesaw_uncached)
 
     def __repr__(self) -> str:
         return (f"TritonBackend(kv_lora_rank={self.kv_lora_rank}, qk_rope_dim={self.qk_rope_dim}"
@@ -111,9 +118,26 @@ class TritonBackend:
         """Pure host arithmetic, cached; see ``graphbucket.plan.plan_mla_decode``."""
         return self._plan(batch_size, num_heads, hint)
 
-    def plan_balanced(self, batch_size: int, num_heads: int) -> LaunchPlan:
-        """Balanced split-KV for any lengths (no hint); see ``plan_balanced_mla_decode``."""
-        return self._plan(batch_size, num_heads, 0)
+    def plan_balanced(self, batch_size: int, num_heads: int,
+                      kernel: str = DEFAULT_BALANCED_KERNEL) -> LaunchPlan:
+        """Balanced split-KV for any lengths (no hint); see ``plan_balanced_mla_decode``.
+        ``kernel="seesaw"`` (below 64 heads): 64-row programs whose stage 1 the Gluon
+        seesaw runs on Hopper (``kernels.launch.runs_seesaw``; elsewhere the Triton kernel
+        runs the same plan, correct and slower)."""
+        if kernel == DEFAULT_BALANCED_KERNEL:
+            return self._plan(batch_size, num_heads, 0)
+        check_balanced_kernel(self.name, kernel, self.balanced_kernels(num_heads))
+        return self._plan_seesaw(batch_size, num_heads)
+
+    def balanced_kernels(self, num_heads: int) -> tuple[str, ...]:
+        if head_block_size(num_heads) == SEESAW_STREAM.block_h:
+            return (DEFAULT_BALANCED_KERNEL,)
+        return (DEFAULT_BALANCED_KERNEL, SEESAW_BALANCED_KERNEL)
+
+    def _plan_seesaw_uncached(self, batch_size: int, num_heads: int) -> LaunchPlan:
+        return plan_balanced_mla_decode(batch_size, num_heads, num_sms=self.num_sms,
+                                        kv_lora_rank=self.kv_lora_rank,
+                                        qk_rope_dim=self.qk_rope_dim, stream=SEESAW_STREAM)
 
     def default_ladder(self, max_model_len: int, spec: BufferSpec | None = None
                        ) -> BucketLadder:

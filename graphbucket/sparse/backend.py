@@ -25,7 +25,7 @@ import torch
 
 from graphbucket.backends.triton import device_num_sms
 from graphbucket.kernels.verify import flatten_verify
-from graphbucket.ladder import Bucket, BucketLadder
+from graphbucket.ladder import DEFAULT_BALANCED_KERNEL, Bucket, BucketLadder
 from graphbucket.policies import tuned_device_ladder
 from graphbucket.sparse.decode import SparseWorkspace, sparse_mla_decode
 from graphbucket.sparse.plan import DEFAULT_TOPK, SparsePlan, plan_sparse_decode
@@ -104,7 +104,11 @@ class SparseBackend:
         return plan_sparse_decode(batch_size * q_len, self.num_heads, hint, topk=self.topk,
                                   num_sms=self.num_sms)
 
-    def plan_balanced(self, batch_size: int, num_heads: int) -> SparsePlan:
+    def balanced_kernels(self, num_heads: int) -> tuple[str, ...]:
+        return ()  # no balanced topology
+
+    def plan_balanced(self, batch_size: int, num_heads: int,
+                      kernel: str = DEFAULT_BALANCED_KERNEL) -> SparsePlan:
         raise ValueError("the ladder asks for a balanced graph (a bucket with "
                          "balanced_imbalance, e.g. policy 'balanced-only') but sparse decode "
                          "has no balanced topology; use a ladder whose buckets set "

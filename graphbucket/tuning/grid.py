@@ -4,9 +4,9 @@ Pure host arithmetic (no torch at import). ``graphbucket.tuning.choose`` chooses
 from what is measured here (its docstring gives the method); the measuring step that times
 the grid on a GPU is ``graphbucket.tuning.measure.measure_split_times``.
 
-- contexts: the base grid (``tuning_contexts``) or the ones given, each context + 1 (``edge_contexts``, so a bound can be scored
-  at both its ends: ``bounds_with_edges``), and midpoints where the oracle's split count
-  changes (``refine_contexts``);
+- contexts: the base grid (``tuning_contexts``) or the ones given, each context + 1
+  (``edge_contexts``, so a bound can be scored at both its ends: ``bounds_with_edges``),
+  and midpoints where the oracle's split count changes (``refine_contexts``);
 - hints: every hint the chooser may plan with (``hints_to_measure``);
 - variants: per batch, the split counts (``splits_to_measure``) or the plans
   (``plans_to_measure``) those hints capture: split-KV plans (``hint_plans``) or sparse

@@ -25,6 +25,7 @@ from graphbucket.kernels import (
     mla_decode,
     mla_decode_balanced,
 )
+from graphbucket.ladder import DEFAULT_BALANCED_KERNEL
 from graphbucket.plan import LaunchPlan, cdiv
 from graphbucket.tuning.ragged import RaggedSample
 
@@ -279,19 +280,25 @@ class PlanTimer:
 
 def time_ragged(timer: PlanTimer, mixes: Iterable[tuple[int, str, list[int]]],
                 split_for: Callable[[int, list[int]], LaunchPlan],
-                balanced_for: Callable[[int], LaunchPlan], *,
+                balanced_for: Callable[[int], LaunchPlan | Mapping[str, LaunchPlan]], *,
                 progress: Progress | None = None) -> list[RaggedSample]:
     """Each (batch, mix, lengths) timed with the ladder's split-KV plan (``split_for``) and
-    the balanced plan (``balanced_for``), over ``timer``'s cache."""
+    the balanced plan (``balanced_for``: one plan, or ``{kernel: plan}`` to time each
+    balanced kernel; the first is the sample's ``kernel``), over ``timer``'s cache."""
     samples = []
     for batch, name, lens in mixes:
+        balanced = balanced_for(batch)
+        kernels = dict(balanced) if isinstance(balanced, Mapping) else {
+            DEFAULT_BALANCED_KERNEL: balanced}
         times = timer.time_lens(lens, {"split": split_for(batch, lens),
-                                       "balanced": balanced_for(batch)})
-        sample = RaggedSample(batch, name, tuple(lens), round(times["split"], 3),
-                              round(times["balanced"], 3))
+                                       **{f"balanced:{k}": p for k, p in kernels.items()}})
+        by_kernel = tuple((k, round(times[f"balanced:{k}"], 3)) for k in kernels)
+        first = by_kernel[0]
+        sample = RaggedSample(batch, name, tuple(lens), round(times["split"], 3), first[1],
+                              first[0], by_kernel if len(by_kernel) > 1 else ())
         samples.append(sample)
         if progress is not None:
+            kernel_text = ", ".join(f"{k} {us:.1f}" for k, us in by_kernel)
             progress.step(f"b={batch} {name} (imbalance {sample.imbalance:.2f}): split "
-                          f"{sample.split_us:.1f} us, balanced {sample.balanced_us:.1f} us",
-                          0.3)
+                          f"{sample.split_us:.1f} us, balanced {kernel_text} us", 0.3)
     return samples

@@ -8,7 +8,9 @@ heads, the cache format, the GPU), so the tuner times both on ragged mixes of it
 two (0: balanced never pays), for all batch sizes at once or per capture size
 (``choose_by_batch``: which plan wins changes with the rows), and per length range of the
 longest request (``choose_switches`` over ``ragged_ranges``: at one imbalance balanced
-loses at 8K and wins at 128K). The mixes differ from
+loses at 8K and wins at 128K). Where the backend offers more than one balanced kernel,
+each is timed on every mix and ``choose_balanced_kernels`` keeps one per capture size
+(``BucketLadder.balanced_kernels``) before the switch is chosen. The mixes differ from
 ``bench/ladder_oracle.py``'s, which then checks the choice out of sample. Host arithmetic
 only.
 """
@@ -16,8 +18,10 @@ only.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
+
+from graphbucket.ladder import DEFAULT_BALANCED_KERNEL
 
 
 def imbalance(lens: Sequence[int]) -> float:
@@ -127,27 +131,72 @@ def _threshold_at(threshold: float, by_batch: dict[int, float], batch: int) -> f
 
 @dataclass(frozen=True, slots=True)
 class RaggedSample:
-    """One timed mix: the ladder's split-KV plan against the balanced plan, us per call."""
+    """One timed mix: the ladder's split-KV plan against the balanced plan, us per call.
+
+    ``balanced_us`` is the time of balanced kernel ``kernel``; ``by_kernel`` holds every
+    balanced kernel timed on the mix, ``(name, us)`` (empty: only ``kernel`` was)."""
 
     batch: int
     mix: str
     lens: tuple[int, ...]
     split_us: float
     balanced_us: float
+    kernel: str = DEFAULT_BALANCED_KERNEL
+    by_kernel: tuple[tuple[str, float], ...] = ()
 
     @property
     def imbalance(self) -> float:
         return imbalance(self.lens)
 
+    def kernel_us(self) -> dict[str, float]:
+        """``{balanced kernel: us}`` of every kernel timed on this mix."""
+        return dict(self.by_kernel) or {self.kernel: self.balanced_us}
+
+    def with_kernel(self, kernel: str) -> RaggedSample:
+        """The same sample, its balanced time that of ``kernel`` (one of those timed)."""
+        times = self.kernel_us()
+        if kernel not in times:
+            raise ValueError(f"balanced kernel {kernel!r} was not timed on {self.mix} at batch "
+                             f"{self.batch}; timed: {sorted(times)}")
+        return replace(self, balanced_us=times[kernel], kernel=kernel)
+
     def to_dict(self) -> dict[str, Any]:
-        return {"batch": self.batch, "mix": self.mix, "lens": list(self.lens),
-                "imbalance": round(self.imbalance, 4), "split_us": self.split_us,
-                "balanced_us": self.balanced_us}
+        out = {"batch": self.batch, "mix": self.mix, "lens": list(self.lens),
+               "imbalance": round(self.imbalance, 4), "split_us": self.split_us,
+               "balanced_us": self.balanced_us}
+        if self.by_kernel:
+            out.update(kernel=self.kernel, balanced_by_kernel=dict(self.by_kernel))
+        return out
 
     @classmethod
     def from_dict(cls, row: dict[str, Any]) -> RaggedSample:
+        by_kernel = tuple((str(k), float(us))
+                          for k, us in row.get("balanced_by_kernel", {}).items())
         return cls(int(row["batch"]), str(row["mix"]), tuple(int(n) for n in row["lens"]),
-                   float(row["split_us"]), float(row["balanced_us"]))
+                   float(row["split_us"]), float(row["balanced_us"]),
+                   str(row.get("kernel", DEFAULT_BALANCED_KERNEL)), by_kernel)
+
+
+def choose_balanced_kernels(samples: Sequence[RaggedSample]
+                            ) -> tuple[dict[int, str], list[RaggedSample]]:
+    """Per capture size, the balanced kernel with the smallest summed time over the fastest
+    kernel per mix (ties: the order they were timed in, the backend's default first), and
+    the samples with that kernel's balanced time. Kernels not timed on every mix of a
+    batch size are not candidates there."""
+    chosen, out = {}, []
+    for batch in sorted({s.batch for s in samples}):
+        mine = [s for s in samples if s.batch == batch]
+        timed = [s.kernel_us() for s in mine]
+        names = [k for k in timed[0] if all(k in t for t in timed)]
+        if not names:
+            raise ValueError(f"no balanced kernel was timed on every mix at batch {batch}")
+
+        def score(name: str, timed=timed) -> float:
+            return round(sum(t[name] / min(t.values()) for t in timed), 9)
+
+        chosen[batch] = min(names, key=lambda k: (score(k), names.index(k)))
+        out += [s.with_kernel(chosen[batch]) for s in mine]
+    return chosen, out
 
 
 def threshold_candidates(samples: Iterable[RaggedSample]) -> list[float]:

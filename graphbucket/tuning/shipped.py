@@ -123,6 +123,7 @@ def find_tuned_ladder(device_name: str, num_heads: int, max_model_len: int, *,
                    "ladder (tune one: scripts/tune_ladder.py --kv-cache %s%s)",
                    "sparse " * sparse, kv_cache_format, device_name, num_heads,
                    kv_cache_format, " --sparse" * sparse)
+        # Its balanced kernels were chosen over bf16 caches: the fallback keeps the default.
         return BucketLadder(ladder.buckets, ladder.max_model_len,
                             meta={**ladder.meta, "kv_cache_fallback": kv_cache_format})
     ladder = BucketLadder.load(path)
@@ -181,4 +182,5 @@ def clip_ladder(ladder: BucketLadder, max_model_len: int) -> BucketLadder:
             batch_imbalance=bucket.batch_imbalance))
         lower = bucket.max_len
     meta = {**ladder.meta, "clipped_from": ladder.max_model_len}
-    return BucketLadder(buckets, max_model_len, meta=meta)
+    return BucketLadder(buckets, max_model_len, meta=meta,
+                        balanced_kernels=ladder.balanced_kernels)

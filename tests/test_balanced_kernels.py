@@ -1,0 +1,153 @@
+"""Which kernel a balanced graph runs, per capture size: the backend offers kernels, the
+ladder names one per capture size, the runner captures it, the tuner chooses it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from graphbucket import GraphBucketRunner, get_backend
+from graphbucket.ladder import DEFAULT_BALANCED_KERNEL, Bucket, BucketLadder, default_ladder
+from graphbucket.plan_streams import SEESAW_STREAM
+from graphbucket.tuning.ragged import RaggedSample, choose_balanced_kernels
+from graphbucket.tuning.shipped import clip_ladder
+from tests._toy import ToyMLA, rel_l2, toy_batch, toy_reference, toy_spec
+from tests.script_modules import load_script
+
+SM_SCALE = 0.125
+DIMS = {"kv_lora_rank": 64, "qk_rope_dim": 16}
+RAGGED = BucketLadder([Bucket(32, 32), Bucket(64, 64),
+                       Bucket(320, 320, balanced_imbalance=1.5)], 320)
+
+
+def test_the_ladder_names_a_kernel_per_capture_size_like_batch_hints(tmp_path: Path):
+    ladder = default_ladder().with_balanced_kernels({64: "seesaw", 32: "seesaw", 2: "default",
+                                                     128: "default"})
+    # Entries that change nothing from the size below are dropped.
+    assert ladder.balanced_kernels == ((32, "seesaw"), (128, "default"))
+    assert [ladder.balanced_kernel_for(n) for n in (1, 16, 32, 64, 128, 256)] == [
+        "default", "default", "seesaw", "seesaw", "default", "default"]
+    assert ladder != default_ladder() and "balanced_kernels={32: 'seesaw'" in repr(ladder)
+    path = tmp_path / "l.json"
+    ladder.save(path)
+    assert json.loads(path.read_text())["balanced_kernels"] == {"32": "seesaw",
+                                                                "128": "default"}
+    assert BucketLadder.load(path) == ladder
+    # Kept by every rewrite that keeps the balanced topology.
+    assert ladder.with_balanced_topology(2.0).balanced_kernels == ladder.balanced_kernels
+    assert clip_ladder(ladder, 8192).balanced_kernels == ladder.balanced_kernels
+    assert "balanced_kernels" not in default_ladder().to_dict()
+
+
+@pytest.mark.parametrize("bad, error", [({0: "seesaw"}, ValueError), ({4: ""}, TypeError),
+                                        ({4: 3}, TypeError), ({"x": "seesaw"}, TypeError)])
+def test_a_bad_kernel_map_is_refused_by_the_ladder(bad, error):
+    with pytest.raises(error, match="balanced_kernels"):
+        BucketLadder((Bucket(64, 64),), 64, balanced_kernels=tuple(bad.items()))
+
+
+def test_a_bad_kernel_map_in_json_names_the_key():
+    data = {"max_model_len": 64, "buckets": [{"max_len": 64, "hint": 64}]}
+    with pytest.raises(ValueError, match="balanced_kernels"):
+        BucketLadder.from_dict({**data, "balanced_kernels": ["seesaw"]})
+    with pytest.raises(ValueError, match="batch sizes"):
+        BucketLadder.from_dict({**data, "balanced_kernels": {"many": "seesaw"}})
+
+
+def test_backends_offer_their_balanced_kernels_and_refuse_others():
+    triton = get_backend("triton", num_sms=132)
+    assert triton.balanced_kernels(16) == (DEFAULT_BALANCED_KERNEL, "seesaw")
+    assert triton.balanced_kernels(128) == (DEFAULT_BALANCED_KERNEL,)  # seesaw by default
+    seesaw, default = triton.plan_balanced(32, 16, "seesaw"), triton.plan_balanced(32, 16)
+    assert seesaw.balanced and seesaw.seesaw and seesaw.block_h == SEESAW_STREAM.block_h
+    assert default.block_h == 16 and not default.seesaw and seesaw != default
+    assert triton.plan_balanced(32, 128).seesaw
+    with pytest.raises(ValueError, match="no balanced kernel 'seesaw'.*offers \\['default'\\]"):
+        triton.plan_balanced(32, 128, "seesaw")
+    with pytest.raises(ValueError, match="no balanced kernel 'fast'"):
+        get_backend("dense").plan_balanced(4, 16, "fast")
+
+
+def _runner(ladder, *, device, sizes=(1, 4)):
+    model = ToyMLA(device=device)
+    backend = get_backend("triton", num_sms=1, **DIMS)
+    runner = GraphBucketRunner.for_policy(
+        "ladder", model, spec=toy_spec(device=device, max_pages=24), batch_sizes=list(sizes),
+        max_model_len=320, sm_scale=SM_SCALE, backend=backend, ladder=ladder,
+        warmup_iters=int(device == "cuda"), progress=False)
+    return model, runner
+
+
+def test_the_runner_captures_each_capture_sizes_kernel_and_matches_the_reference(device):
+    # Batch 4 replays balanced graphs on the seesaw's 64-row programs (off Hopper the
+    # Triton kernel runs that plan, 48 of 64 rows masked); batch 2 keeps the default.
+    model, runner = _runner(RAGGED.with_balanced_kernels({4: "seesaw"}), device=device,
+                            sizes=(2, 4))
+    runner.capture()
+    balanced = {r.batch_size: r.plan for r in runner.records if r.plan.balanced}
+    assert balanced[4].seesaw and balanced[4].block_h == 64
+    assert not balanced[2].seesaw and balanced[2].block_h == 16
+    rng = np.random.default_rng(3)
+    for lens in ([300, 10, 20], [320, 0, 1, 64], [310, 5], [300, 290, 280, 270]):
+        batch = toy_batch(lens, rng=rng, max_pages=24)
+        before = runner.stats().replays
+        got = runner.step(batch)
+        want = toy_reference(model, batch, sm_scale=SM_SCALE)
+        assert rel_l2(got, want) < (1e-2 if device == "cuda" else 1e-5), lens
+        (key,) = [k for k, n in runner.stats().replays.items() if n != before.get(k, 0)]
+        assert key.balanced == (lens != [300, 290, 280, 270]), (lens, key)
+    runner.close()
+
+
+def test_a_kernel_the_backend_lacks_is_refused_before_anything_is_captured():
+    model = None
+    with pytest.raises(ValueError, match="no balanced kernel 'fast'"):
+        model, runner = _runner(RAGGED.with_balanced_kernels({4: "fast"}), device="cpu")
+        runner.capture()
+    assert model is None or model.calls == 0  # the forward never ran: nothing captured
+
+
+def _sample(batch, mix, default_us, seesaw_us, split_us=100.0, lens=None):
+    lens = lens or (9000,) + (10,) * (batch - 1)
+    return RaggedSample(batch, mix, tuple(lens), split_us, default_us,
+                        DEFAULT_BALANCED_KERNEL,
+                        ((DEFAULT_BALANCED_KERNEL, default_us), ("seesaw", seesaw_us)))
+
+
+def test_the_tuner_keeps_per_capture_size_the_kernel_with_the_least_relative_time():
+    samples = [_sample(8, "a", 50.0, 60.0), _sample(8, "b", 80.0, 70.0),   # default: 2.0 vs
+               _sample(32, "a", 50.0, 40.0), _sample(32, "b", 90.0, 60.0),  # 2.2; seesaw
+               _sample(64, "a", 50.0, 50.0)]                                # wins at 32; tie
+    chosen, out = choose_balanced_kernels(samples)
+    assert chosen == {8: "default", 32: "seesaw", 64: "default"}
+    assert [(s.kernel, s.balanced_us) for s in out] == [
+        ("default", 50.0), ("default", 80.0), ("seesaw", 40.0), ("seesaw", 60.0),
+        ("default", 50.0)]
+    # Samples of one kernel only (reports before the choice) keep it.
+    plain = RaggedSample(8, "c", (9000, 1), 30.0, 20.0)
+    assert choose_balanced_kernels([plain]) == ({8: "default"}, [plain])
+    with pytest.raises(ValueError, match="'seesaw' was not timed"):
+        plain.with_kernel("seesaw")
+    assert RaggedSample.from_dict(json.loads(json.dumps(out[2].to_dict()))) == out[2]
+
+
+def test_tune_ladder_writes_the_kernel_it_chose_from_a_reports_mixes(tmp_path: Path):
+    from tests.test_ragged_switch import _report_with_mixes
+
+    # At batch 8 the seesaw wins both mixes; the switch is chosen on its times (balanced on
+    # the one-long mix, split-KV on the half-long one).
+    samples = [_sample(8, "one-long", 45.0, 30.0),
+               _sample(8, "half-long", 120.0, 110.0, lens=(9000,) * 4 + (3000,) * 4)]
+    saved = _report_with_mixes(tmp_path, samples)
+    out, report = tmp_path / "ladder.json", tmp_path / "report.json"
+    load_script("tune_ladder").main(["--from-times", str(saved), "--max-model-len", "16384",
+                                     "--out", str(out), "--report", str(report), "--quiet"])
+    ladder = BucketLadder.load(out)
+    assert ladder.balanced_kernels == ((8, "seesaw"),)
+    summary = json.loads(report.read_text())["ragged"]["summary"]
+    assert summary["balanced_kernels"] == {"8": "seesaw"}
+    assert summary["worst_over_best"] == 1.0
