@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from graphbucket import GraphBucketRunner, get_backend
 from graphbucket.ladder import DEFAULT_BALANCED_KERNEL, Bucket, BucketLadder, default_ladder
