@@ -27,12 +27,13 @@ Which bucket serves a batch is decided by ``graphbucket.select.GraphSelector`` (
 from __future__ import annotations
 
 import json
-import operator
 from bisect import bisect_left
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from graphbucket.bucket import Bucket, as_int, value_for_batch
 
 # Upper bounds of the buckets used in the field (Kimi-K3 / DeepSeek-V3 deployments):
 # <=64, 65..4K, 4K+1..16K, 16K+1..64K, 64K+1..max_model_len.
@@ -49,137 +50,6 @@ _JSON_KEYS = frozenset({"max_model_len", "buckets", "meta", "balanced_kernels"})
 DEFAULT_BALANCED_KERNEL = "default"  # the backend's own choice of balanced plan
 _BUCKET_KEYS = frozenset({"max_len", "hint"})
 _BUCKET_OPTIONAL_KEYS = frozenset({"batch_hints", "balanced_imbalance", "batch_imbalance"})
-
-
-def _as_int(name: str, value: object) -> int:
-    # bool is an int subclass; a True hint is a caller mistake, not the length 1.
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
-
-
-@dataclass(frozen=True, slots=True)
-class Bucket:
-    """Lengths ``(previous max_len, max_len]``; graphs are planned with ``hint``.
-
-    ``batch_hints``: ``{batch_size: hint}`` (or pairs); a graph of padded batch size ``n``
-    is planned with the hint of the largest listed batch size ``<= n``, and with ``hint``
-    below the smallest. Stored as sorted ``(batch_size, hint)`` pairs.
-
-    ``balanced_imbalance``: 0 (never), or the imbalance ``max_len x live / total`` (1.0 for
-    a uniform batch) from which a batch of this bucket runs the balanced topology; exactly
-    1.0 means every batch of one query token, uniform and single-request ones included
-    (the ``balanced-only`` policy). ``batch_imbalance``: ``{batch_size: threshold}`` (or
-    pairs), from that padded batch size up, as ``batch_hints`` are for hints
-    (``imbalance_for``).
-    """
-
-    max_len: int
-    hint: int
-    batch_hints: tuple[tuple[int, int], ...] = ()
-    balanced_imbalance: float = 0.0
-    batch_imbalance: tuple[tuple[int, float], ...] = ()
-
-    def __post_init__(self) -> None:
-        # Normalise numpy / torch integers to int so buckets hash, compare and serialise
-        # the same whatever produced them.
-        object.__setattr__(self, "max_len", _as_int("Bucket.max_len", self.max_len))
-        object.__setattr__(self, "hint", _as_int("Bucket.hint", self.hint))
-        object.__setattr__(self, "batch_hints", self._pairs())
-        for name, h in (("hint", self.hint),
-                        *((f"batch_hints[{b}]", h) for b, h in self.batch_hints)):
-            if h < 1:
-                raise ValueError(
-                    f"Bucket(max_len={self.max_len}) has {name}={h}; a hint is a context "
-                    "length the kernel plans with and must be >= 1 (use the bucket's max_len)"
-                )
-        object.__setattr__(self, "balanced_imbalance",
-                           self._threshold("balanced_imbalance", self.balanced_imbalance))
-        object.__setattr__(self, "batch_imbalance", self._thresholds())
-
-    def _threshold(self, name: str, threshold: object) -> float:
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not (
-                threshold == 0 or threshold >= 1):
-            raise ValueError(
-                f"Bucket(max_len={self.max_len}).{name}={threshold!r}: use 0 "
-                "(never balanced), 1 (always) or a number > 1 (a uniform batch has "
-                "imbalance 1.0)")
-        return float(threshold)
-
-    def _thresholds(self) -> tuple[tuple[int, float], ...]:
-        return self._by_batch("batch_imbalance", self.batch_imbalance, "thresholds",
-                              lambda b, t: self._threshold(f"batch_imbalance[{b}]", t),
-                              TypeError)
-
-    def _by_batch(self, name: str, raw: Any, what: str, value_of: Any,
-                  errors: type[Exception] | tuple[type[Exception], ...]
-                  ) -> tuple[tuple[int, Any], ...]:
-        """``{batch_size: value}`` (or pairs) as sorted pairs, each value through
-        ``value_of(batch_size, value)``; ``errors`` from it become a TypeError naming ``name``."""
-        items = raw.items() if isinstance(raw, Mapping) else raw
-        try:
-            pairs = [(_as_int(f"{name} batch size", b), value_of(b, v)) for b, v in items]
-        except errors as err:
-            raise TypeError(f"Bucket(max_len={self.max_len}).{name} must map batch sizes to "
-                            f"{what}, got {raw!r}: {err}") from None
-        sizes = [b for b, _ in pairs]
-        if len(set(sizes)) != len(sizes) or any(b < 1 for b in sizes):
-            raise ValueError(f"Bucket(max_len={self.max_len}).{name} needs distinct batch "
-                             f"sizes >= 1, got {sorted(sizes)}")
-        return tuple(sorted(pairs))
-
-    def imbalance_for(self, batch_size: int) -> float:
-        """The balanced threshold of a graph of ``batch_size`` (padded) rows (0: never)."""
-        return _from_batch(self.batch_imbalance, self.balanced_imbalance, batch_size)
-
-    @property
-    def has_balanced(self) -> bool:
-        """Whether some batch size of this bucket replays a balanced graph."""
-        return bool(self.balanced_imbalance or any(t for _, t in self.batch_imbalance))
-
-    def _pairs(self) -> tuple[tuple[int, int], ...]:
-        return self._by_batch("batch_hints", self.batch_hints, "hints",
-                              lambda b, h: _as_int("batch_hints hint", h),
-                              (TypeError, ValueError))
-
-    def hint_for(self, batch_size: int) -> int:
-        """The hint a graph of ``batch_size`` (padded) rows is planned with."""
-        return _from_batch(self.batch_hints, self.hint, batch_size)
-
-    def all_hints(self) -> tuple[int, ...]:
-        return (self.hint, *(h for _, h in self.batch_hints))
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"max_len": self.max_len, "hint": self.hint}
-        if self.batch_hints:
-            out["batch_hints"] = {str(b): h for b, h in self.batch_hints}
-        if self.balanced_imbalance:
-            out["balanced_imbalance"] = self.balanced_imbalance
-        if self.batch_imbalance:
-            out["batch_imbalance"] = {str(b): t for b, t in self.batch_imbalance}
-        return out
-
-    def __repr__(self) -> str:
-        extra = f", batch_hints={dict(self.batch_hints)}" if self.batch_hints else ""
-        if self.balanced_imbalance:
-            extra += f", balanced_imbalance={self.balanced_imbalance:g}"
-        if self.batch_imbalance:
-            extra += f", batch_imbalance={dict(self.batch_imbalance)}"
-        return f"Bucket(max_len={self.max_len}, hint={self.hint}{extra})"
-
-
-def _from_batch(pairs: tuple[tuple[int, Any], ...], default: Any, batch_size: int) -> Any:
-    """The value of the largest listed batch size <= ``batch_size`` (``default`` below the
-    smallest): how ``batch_hints`` and ``batch_imbalance`` step with the batch."""
-    value = default
-    for size, v in pairs:
-        if size > batch_size:
-            break
-        value = v
-    return value
 
 
 def _validate(buckets: tuple[Bucket, ...], max_model_len: int) -> None:
@@ -238,7 +108,7 @@ class BucketLadder:
         for i, b in enumerate(buckets):
             if not isinstance(b, Bucket):
                 raise TypeError(f"bucket {i} must be a Bucket, got {type(b).__name__} {b!r}")
-        max_model_len = _as_int("max_model_len", self.max_model_len)
+        max_model_len = as_int("max_model_len", self.max_model_len)
         _validate(buckets, max_model_len)
         if self.meta is not None and not isinstance(self.meta, Mapping):
             raise TypeError(f"meta must be a mapping or None, got {type(self.meta).__name__}")
@@ -282,7 +152,7 @@ class BucketLadder:
 
     def balanced_kernel_for(self, batch_size: int) -> str:
         """The backend kernel a balanced graph of ``batch_size`` (padded) rows runs."""
-        return _from_batch(self.balanced_kernels, DEFAULT_BALANCED_KERNEL, batch_size)
+        return value_for_batch(self.balanced_kernels, DEFAULT_BALANCED_KERNEL, batch_size)
 
     def with_balanced_kernels(self, by_batch: Mapping[int, str]) -> BucketLadder:
         """The same buckets, balanced graphs of each listed capture size (and those above
@@ -357,7 +227,7 @@ class BucketLadder:
 
     def bucket_for(self, length: int) -> int:
         """Index of the bucket holding one host-known ``length`` (0 is padding -> bucket 0)."""
-        length = _as_int("length", length)
+        length = as_int("length", length)
         if length < 0:
             raise ValueError(f"sequence length {length} is negative; lengths must be >= 0")
         if length > self.max_model_len:
@@ -446,7 +316,7 @@ def _kernel_pairs(raw: Any) -> tuple[tuple[int, str], ...]:
     """``{batch_size: kernel}`` (or pairs) as sorted pairs, checked."""
     items = raw.items() if isinstance(raw, Mapping) else raw
     try:
-        pairs = sorted((_as_int("balanced_kernels batch size", b), k) for b, k in items)
+        pairs = sorted((as_int("balanced_kernels batch size", b), k) for b, k in items)
     except (TypeError, ValueError) as err:
         raise TypeError(f"balanced_kernels must map batch sizes to kernel names: {err}"
                         ) from None
@@ -476,7 +346,7 @@ def default_ladder(max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> BucketLadder:
     bucket (plans are monotone in the hint). Bounds at or above ``max_model_len`` are
     dropped and the last bucket ends at ``max_model_len``, so small models get fewer buckets.
     """
-    max_model_len = _as_int("max_model_len", max_model_len)
+    max_model_len = as_int("max_model_len", max_model_len)
     if max_model_len < 1:
         raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
     bounds = [b for b in DEFAULT_BOUNDS if b < max_model_len] + [max_model_len]

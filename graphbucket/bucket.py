@@ -1,0 +1,144 @@
+"""One context bucket: the lengths it serves and the hints its graphs are planned with.
+
+``Bucket`` is the unit a ``graphbucket.ladder.BucketLadder`` is made of; values that step
+with the padded batch size (hints, balanced thresholds) are stored as sorted
+``(batch_size, value)`` pairs and read with ``value_for_batch``.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+def as_int(name: str, value: object) -> int:
+    # bool is an int subclass; a True hint is a caller mistake, not the length 1.
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    """Lengths ``(previous max_len, max_len]``; graphs are planned with ``hint``.
+
+    ``batch_hints``: ``{batch_size: hint}`` (or pairs); a graph of padded batch size ``n``
+    is planned with the hint of the largest listed batch size ``<= n``, and with ``hint``
+    below the smallest. Stored as sorted ``(batch_size, hint)`` pairs.
+
+    ``balanced_imbalance``: 0 (never), or the imbalance ``max_len x live / total`` (1.0 for
+    a uniform batch) from which a batch of this bucket runs the balanced topology; exactly
+    1.0 means every batch of one query token, uniform and single-request ones included
+    (the ``balanced-only`` policy). ``batch_imbalance``: ``{batch_size: threshold}`` (or
+    pairs), from that padded batch size up, as ``batch_hints`` are for hints
+    (``imbalance_for``).
+    """
+
+    max_len: int
+    hint: int
+    batch_hints: tuple[tuple[int, int], ...] = ()
+    balanced_imbalance: float = 0.0
+    batch_imbalance: tuple[tuple[int, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        # Normalise numpy / torch integers to int so buckets hash, compare and serialise
+        # the same whatever produced them.
+        object.__setattr__(self, "max_len", as_int("Bucket.max_len", self.max_len))
+        object.__setattr__(self, "hint", as_int("Bucket.hint", self.hint))
+        object.__setattr__(self, "batch_hints", self._pairs())
+        for name, h in (("hint", self.hint),
+                        *((f"batch_hints[{b}]", h) for b, h in self.batch_hints)):
+            if h < 1:
+                raise ValueError(
+                    f"Bucket(max_len={self.max_len}) has {name}={h}; a hint is a context "
+                    "length the kernel plans with and must be >= 1 (use the bucket's max_len)"
+                )
+        object.__setattr__(self, "balanced_imbalance",
+                           self._threshold("balanced_imbalance", self.balanced_imbalance))
+        object.__setattr__(self, "batch_imbalance", self._thresholds())
+
+    def _threshold(self, name: str, threshold: object) -> float:
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not (
+                threshold == 0 or threshold >= 1):
+            raise ValueError(
+                f"Bucket(max_len={self.max_len}).{name}={threshold!r}: use 0 "
+                "(never balanced), 1 (always) or a number > 1 (a uniform batch has "
+                "imbalance 1.0)")
+        return float(threshold)
+
+    def _thresholds(self) -> tuple[tuple[int, float], ...]:
+        return self._by_batch("batch_imbalance", self.batch_imbalance, "thresholds",
+                              lambda b, t: self._threshold(f"batch_imbalance[{b}]", t),
+                              TypeError)
+
+    def _by_batch(self, name: str, raw: Any, what: str, value_of: Any,
+                  errors: type[Exception] | tuple[type[Exception], ...]
+                  ) -> tuple[tuple[int, Any], ...]:
+        """``{batch_size: value}`` (or pairs) as sorted pairs, each value through
+        ``value_of(batch_size, value)``; ``errors`` from it become a TypeError naming ``name``."""
+        items = raw.items() if isinstance(raw, Mapping) else raw
+        try:
+            pairs = [(as_int(f"{name} batch size", b), value_of(b, v)) for b, v in items]
+        except errors as err:
+            raise TypeError(f"Bucket(max_len={self.max_len}).{name} must map batch sizes to "
+                            f"{what}, got {raw!r}: {err}") from None
+        sizes = [b for b, _ in pairs]
+        if len(set(sizes)) != len(sizes) or any(b < 1 for b in sizes):
+            raise ValueError(f"Bucket(max_len={self.max_len}).{name} needs distinct batch "
+                             f"sizes >= 1, got {sorted(sizes)}")
+        return tuple(sorted(pairs))
+
+    def imbalance_for(self, batch_size: int) -> float:
+        """The balanced threshold of a graph of ``batch_size`` (padded) rows (0: never)."""
+        return value_for_batch(self.batch_imbalance, self.balanced_imbalance, batch_size)
+
+    @property
+    def has_balanced(self) -> bool:
+        """Whether some batch size of this bucket replays a balanced graph."""
+        return bool(self.balanced_imbalance or any(t for _, t in self.batch_imbalance))
+
+    def _pairs(self) -> tuple[tuple[int, int], ...]:
+        return self._by_batch("batch_hints", self.batch_hints, "hints",
+                              lambda b, h: as_int("batch_hints hint", h),
+                              (TypeError, ValueError))
+
+    def hint_for(self, batch_size: int) -> int:
+        """The hint a graph of ``batch_size`` (padded) rows is planned with."""
+        return value_for_batch(self.batch_hints, self.hint, batch_size)
+
+    def all_hints(self) -> tuple[int, ...]:
+        return (self.hint, *(h for _, h in self.batch_hints))
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"max_len": self.max_len, "hint": self.hint}
+        if self.batch_hints:
+            out["batch_hints"] = {str(b): h for b, h in self.batch_hints}
+        if self.balanced_imbalance:
+            out["balanced_imbalance"] = self.balanced_imbalance
+        if self.batch_imbalance:
+            out["batch_imbalance"] = {str(b): t for b, t in self.batch_imbalance}
+        return out
+
+    def __repr__(self) -> str:
+        extra = f", batch_hints={dict(self.batch_hints)}" if self.batch_hints else ""
+        if self.balanced_imbalance:
+            extra += f", balanced_imbalance={self.balanced_imbalance:g}"
+        if self.batch_imbalance:
+            extra += f", batch_imbalance={dict(self.batch_imbalance)}"
+        return f"Bucket(max_len={self.max_len}, hint={self.hint}{extra})"
+
+
+def value_for_batch(pairs: tuple[tuple[int, Any], ...], default: Any, batch_size: int) -> Any:
+    """The value of the largest listed batch size <= ``batch_size`` (``default`` below the
+    smallest): how ``batch_hints`` and ``batch_imbalance`` step with the batch."""
+    value = default
+    for size, v in pairs:
+        if size > batch_size:
+            break
+        value = v
+    return value
