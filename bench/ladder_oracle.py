@@ -112,7 +112,7 @@ def ladder_plan(selector: GraphSelector, backend, num_heads: int, lens: list[int
 
     key = selector.choose(lens, q_len)
     return plan_for_key(backend, key, num_heads,
-                        selector.ladder.balanced_kernel_for(key.batch_size))
+                        selector.ladder.balanced_kernel_for(key.bucket, key.batch_size))
 
 
 def oracle_row(times: dict[str, float], *, ladder: LaunchPlan, fixed_max: LaunchPlan,

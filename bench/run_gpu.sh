@@ -13,7 +13,8 @@
 #        into graphbucket/ladders/ so that the TPOT steps after it run it, and checked by
 #        bench/ladder_oracle.py; tunefp8: 16-head ladders over fp8-tensor and fp8-v32 (TUNE_FP8)
 #        caches, likewise; tunemtp: 16- and 128-head ladders for q_len 2 and 4
-#        (TUNE_MTP="heads:q ..." picks some); tunesparse: the 16-head sparse decoder's ladder
+#        (TUNE_MTP="heads:q ..." picks some); retime: a saved report's split-KV table with
+#        its ragged mixes timed again (RETIME="heads:report ...", bf16), then the oracle; tunesparse: the 16-head sparse decoder's ladder
 #        (tune_ladder.py --sparse, top-k 2048), copied in as h200-h16-sparse.json (tpotsparse
 #        after it runs it) and checked by ladder_oracle.py --sparse into
 #        h200-ladder-oracle-sparse.*; tpotfp8: TPOT of bf16, fp8-tensor and fp8-v32 caches in
@@ -80,7 +81,8 @@ tune_one() {
   name=$(python3 -c "from graphbucket.tuning.shipped import ladder_file_name as n
 print(n('h200', $heads, '$fmt', q_len=$q, sparse=bool('$sparse')))")
   timeout $limit python3 scripts/tune_ladder.py --heads "$heads" --kv-cache "$fmt" --q-len "$q" \
-    $sparse --max-buckets 10 --max-model-len 131072 --out "$R/$name" \
+    $sparse ${TUNE_FROM:+--from-times "$TUNE_FROM" --retime-ragged} --max-buckets 10 \
+    --max-model-len 131072 --out "$R/$name" \
     --report "$R/tune-${name%.json}.json" --plot "$R/tune-${name%.json}.png" --force \
     > "$R/tune-${name%.json}.log" 2>&1; tail -2 "$R/tune-${name%.json}.log"
   cp "$R/$name" "graphbucket/ladders/$name" 2>/dev/null || return
@@ -176,6 +178,8 @@ for step in $steps; do
     tunemtp) for hq in ${TUNE_MTP:-16:2 128:2 16:4 128:4}; do
                tune_one "${hq%:*}" bf16 "${hq#*:}"; done ;;
     tunesparse) tune_one 16 bf16 1 --sparse ;;
+    retime) for hr in ${RETIME:-16:bench/results/h200-ladder-tune.json}; do
+              TUNE_FROM=${hr#*:} tune_one "${hr%%:*}" bf16 1; done ;;
     tpotfp8) timeout 420 python3 bench/tpot.py --layers "${TPOT_LAYERS:-4}" --out "$R" \
                --kv-cache bf16 fp8-tensor fp8-v32 --policies fixed-1 ladder \
                > "$R/tpot-fp8.log" 2>&1; tail -5 "$R/tpot-fp8.log"

@@ -8,9 +8,11 @@ with the padded batch size (hints, balanced thresholds) are stored as sorted
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+DEFAULT_BALANCED_KERNEL = "default"  # the backend's own choice of balanced plan
 
 
 def as_int(name: str, value: object) -> int:
@@ -37,6 +39,11 @@ class Bucket:
     (the ``balanced-only`` policy). ``batch_imbalance``: ``{batch_size: threshold}`` (or
     pairs), from that padded batch size up, as ``batch_hints`` are for hints
     (``imbalance_for``).
+
+    ``balanced_kernels``: ``{batch_size: kernel}`` (or pairs): from that padded batch size
+    up, this bucket's balanced graphs are planned with that kernel of the backend
+    (``DecodeBackend.plan_balanced(..., kernel=)``); below the smallest, and without any,
+    with ``DEFAULT_BALANCED_KERNEL`` (``balanced_kernel_for``).
     """
 
     max_len: int
@@ -44,6 +51,7 @@ class Bucket:
     batch_hints: tuple[tuple[int, int], ...] = ()
     balanced_imbalance: float = 0.0
     batch_imbalance: tuple[tuple[int, float], ...] = ()
+    balanced_kernels: tuple[tuple[int, str], ...] = ()
 
     def __post_init__(self) -> None:
         # Normalise numpy / torch integers to int so buckets hash, compare and serialise
@@ -61,6 +69,9 @@ class Bucket:
         object.__setattr__(self, "balanced_imbalance",
                            self._threshold("balanced_imbalance", self.balanced_imbalance))
         object.__setattr__(self, "batch_imbalance", self._thresholds())
+        object.__setattr__(self, "balanced_kernels", self._by_batch(
+            "balanced_kernels", self.balanced_kernels, "kernel names", _kernel_name,
+            TypeError))
 
     def _threshold(self, name: str, threshold: object) -> float:
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not (
@@ -107,6 +118,10 @@ class Bucket:
                               lambda b, h: as_int("batch_hints hint", h),
                               (TypeError, ValueError))
 
+    def balanced_kernel_for(self, batch_size: int) -> str:
+        """The backend kernel a balanced graph of ``batch_size`` (padded) rows runs."""
+        return value_for_batch(self.balanced_kernels, DEFAULT_BALANCED_KERNEL, batch_size)
+
     def hint_for(self, batch_size: int) -> int:
         """The hint a graph of ``batch_size`` (padded) rows is planned with."""
         return value_for_batch(self.batch_hints, self.hint, batch_size)
@@ -122,6 +137,8 @@ class Bucket:
             out["balanced_imbalance"] = self.balanced_imbalance
         if self.batch_imbalance:
             out["batch_imbalance"] = {str(b): t for b, t in self.batch_imbalance}
+        if self.balanced_kernels:
+            out["balanced_kernels"] = {str(b): k for b, k in self.balanced_kernels}
         return out
 
     def __repr__(self) -> str:
@@ -130,6 +147,8 @@ class Bucket:
             extra += f", balanced_imbalance={self.balanced_imbalance:g}"
         if self.batch_imbalance:
             extra += f", batch_imbalance={dict(self.batch_imbalance)}"
+        if self.balanced_kernels:
+            extra += f", balanced_kernels={dict(self.balanced_kernels)}"
         return f"Bucket(max_len={self.max_len}, hint={self.hint}{extra})"
 
 
@@ -142,3 +161,24 @@ def value_for_batch(pairs: tuple[tuple[int, Any], ...], default: Any, batch_size
             break
         value = v
     return value
+
+
+def _kernel_name(batch_size: int, kernel: object) -> str:
+    if not isinstance(kernel, str) or not kernel:
+        raise TypeError(f"balanced_kernels[{batch_size}] must be a kernel name (str), got "
+                        f"{kernel!r}")
+    return kernel
+
+
+def kernel_changes(by_batch: Mapping[int, str] | Iterable[tuple[int, str]]
+                   ) -> tuple[tuple[int, str], ...]:
+    """``{batch: kernel}`` (or pairs) as the batch sizes from which the kernel changes,
+    starting from ``DEFAULT_BALANCED_KERNEL``: entries that change nothing from the size
+    below are dropped."""
+    items = by_batch.items() if isinstance(by_batch, Mapping) else by_batch
+    out, last = [], DEFAULT_BALANCED_KERNEL
+    for batch, kernel in sorted(items):
+        if kernel != last:
+            out.append((batch, kernel))
+            last = kernel
+    return tuple(out)

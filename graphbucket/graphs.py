@@ -37,9 +37,9 @@ from dataclasses import dataclass
 import torch
 
 from graphbucket.backends.base import DecodeBackend, Plan
+from graphbucket.bucket import DEFAULT_BALANCED_KERNEL
 from graphbucket.buffers import StaticBuffers
 from graphbucket.context import DecodeContext
-from graphbucket.ladder import DEFAULT_BALANCED_KERNEL
 from graphbucket.select import GraphKey, GraphSelector
 
 logger = logging.getLogger(__name__)
@@ -131,7 +131,7 @@ class GraphTable:
         self.selector, self.backend = selector, backend
         self.plans: dict[GraphKey, Plan] = {
             key: plan_for_key(backend, key, num_heads,
-                              selector.ladder.balanced_kernel_for(key.batch_size))
+                              selector.ladder.balanced_kernel_for(key.bucket, key.batch_size))
             for key in selector.keys()}
         self.records: list[GraphRecord] = []
         self.summary: CaptureSummary | None = None

@@ -15,7 +15,7 @@ split count per row, one long request among short ones sets the step time; like 
 threshold may change with the batch size (``batch_imbalance``, ``Bucket.imbalance_for``). A
 ``BucketLadder`` is an ordered list of buckets that covers ``1..max_model_len`` exactly,
 with no gaps and no overlaps; every graph of one bucket serves the same lengths. Which
-kernel a balanced graph runs is the ladder's, per capture size (``balanced_kernels``:
+kernel a balanced graph runs is the bucket's, per capture size (``balanced_kernels``:
 the backend offers them, ``DecodeBackend.balanced_kernels``; the tuner times each).
 
 Which bucket serves a batch is decided by ``graphbucket.select.GraphSelector`` (a
@@ -29,11 +29,11 @@ from __future__ import annotations
 import json
 from bisect import bisect_left
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from graphbucket.bucket import Bucket, as_int, value_for_batch
+from graphbucket.bucket import Bucket, as_int, kernel_changes
 
 # Upper bounds of the buckets used in the field (Kimi-K3 / DeepSeek-V3 deployments):
 # <=64, 65..4K, 4K+1..16K, 16K+1..64K, 64K+1..max_model_len.
@@ -46,10 +46,10 @@ DEFAULT_MAX_MODEL_LEN = 131072
 DEFAULT_BALANCED_IMBALANCE = 1.5
 BALANCED_ABOVE = 4096
 
-_JSON_KEYS = frozenset({"max_model_len", "buckets", "meta", "balanced_kernels"})
-DEFAULT_BALANCED_KERNEL = "default"  # the backend's own choice of balanced plan
+_JSON_KEYS = frozenset({"max_model_len", "buckets", "meta"})
 _BUCKET_KEYS = frozenset({"max_len", "hint"})
-_BUCKET_OPTIONAL_KEYS = frozenset({"batch_hints", "balanced_imbalance", "batch_imbalance"})
+_BUCKET_OPTIONAL_KEYS = frozenset({"batch_hints", "balanced_imbalance", "batch_imbalance",
+                                   "balanced_kernels"})
 
 
 def _validate(buckets: tuple[Bucket, ...], max_model_len: int) -> None:
@@ -91,17 +91,11 @@ class BucketLadder:
     ``meta`` is a free-form dict (device name, heads, who tuned it) kept through JSON
     round trips; it takes no part in equality or hashing. Which bucket serves a batch is
     ``GraphSelector``'s job (``graphbucket.select``); the ladder only knows its bounds.
-
-    ``balanced_kernels``: ``{batch_size: kernel}`` (or pairs): from that padded batch size
-    up, balanced graphs are planned with that kernel of the backend
-    (``DecodeBackend.plan_balanced(..., kernel=)``); below the smallest, and without any,
-    with ``DEFAULT_BALANCED_KERNEL``. Stored as sorted pairs (``balanced_kernel_for``).
     """
 
     buckets: tuple[Bucket, ...]
     max_model_len: int
     meta: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
-    balanced_kernels: tuple[tuple[int, str], ...] = ()
 
     def __post_init__(self) -> None:
         buckets = tuple(self.buckets)
@@ -115,7 +109,6 @@ class BucketLadder:
         object.__setattr__(self, "buckets", buckets)
         object.__setattr__(self, "max_model_len", max_model_len)
         object.__setattr__(self, "meta", dict(self.meta or {}))
-        object.__setattr__(self, "balanced_kernels", _kernel_pairs(self.balanced_kernels))
 
     def __len__(self) -> int:
         return len(self.buckets)
@@ -128,9 +121,7 @@ class BucketLadder:
 
     def __repr__(self) -> str:
         inner = ", ".join(repr(b) for b in self.buckets)
-        extra = (f", balanced_kernels={dict(self.balanced_kernels)}"
-                 if self.balanced_kernels else "")
-        return f"BucketLadder([{inner}], max_model_len={self.max_model_len}{extra})"
+        return f"BucketLadder([{inner}], max_model_len={self.max_model_len})"
 
     @property
     def bounds(self) -> tuple[int, ...]:
@@ -150,21 +141,17 @@ class BucketLadder:
         """Per bucket, the hint graphs of ``batch_size`` (padded) rows are planned with."""
         return tuple(b.hint_for(batch_size) for b in self.buckets)
 
-    def balanced_kernel_for(self, batch_size: int) -> str:
-        """The backend kernel a balanced graph of ``batch_size`` (padded) rows runs."""
-        return value_for_batch(self.balanced_kernels, DEFAULT_BALANCED_KERNEL, batch_size)
+    def balanced_kernel_for(self, bucket: int, batch_size: int) -> str:
+        """The backend kernel the balanced graph of (``batch_size``, ``bucket``) runs."""
+        return self.buckets[bucket].balanced_kernel_for(batch_size)
 
     def with_balanced_kernels(self, by_batch: Mapping[int, str]) -> BucketLadder:
-        """The same buckets, balanced graphs of each listed capture size (and those above
-        it, up to the next listed) run that kernel; entries that change nothing from the
-        size below are dropped."""
-        pairs, last = [], DEFAULT_BALANCED_KERNEL
-        for size, kernel in _kernel_pairs(by_batch):
-            if kernel != last:
-                pairs.append((size, kernel))
-                last = kernel
-        return BucketLadder(self.buckets, self.max_model_len, meta=self.meta,
-                            balanced_kernels=tuple(pairs))
+        """The same buckets, the balanced graphs of each listed capture size (and those
+        above it, up to the next listed) running that kernel in every bucket; entries that
+        change nothing from the size below are dropped."""
+        pairs = kernel_changes(by_batch)
+        return BucketLadder(tuple(replace(b, balanced_kernels=pairs) for b in self.buckets),
+                            self.max_model_len, meta=self.meta)
 
     def with_top_hints(self) -> BucketLadder:
         """The same bounds, every graph hinted at its bucket's top (no per-batch hints, no
@@ -185,38 +172,38 @@ class BucketLadder:
         turns the balanced topology off there)."""
         pairs = tuple(sorted((by_batch or {}).items()))
         buckets = tuple(b if b.max_len <= above else
-                        Bucket(b.max_len, b.hint, b.batch_hints, imbalance, pairs)
+                        replace(b, balanced_imbalance=imbalance, batch_imbalance=pairs)
                         for b in self.buckets)
         meta = {**self.meta, "balanced_imbalance": imbalance, "balanced_above": above}
         if pairs:
             meta["batch_imbalance"] = {str(b): t for b, t in pairs}
-        return BucketLadder(buckets, self.max_model_len, meta=meta,
-                            balanced_kernels=self.balanced_kernels)
+        return BucketLadder(buckets, self.max_model_len, meta=meta)
 
     def with_ragged_switches(self, switches, *, above: int = BALANCED_ABOVE) -> BucketLadder:
         """The same hints, with the balanced topology per length range: ``switches`` have
-        ``lo``, ``hi``, ``threshold`` and ``by_batch`` pairs (``tuning.ragged.RaggedSwitch``,
-        ranges not overlapping). A bucket
-        that a range edge falls inside is cut there into buckets with its hints (their
-        graphs plan alike and are captured once); lengths in no range keep split-KV only."""
-        spans = [(int(sw.lo), int(sw.hi), float(sw.threshold), tuple(sw.by_batch))
-                 for sw in switches]
-        edges = sorted({e for lo, hi, _, _ in spans for e in (lo, hi)})
+        ``lo``, ``hi``, ``threshold``, ``by_batch`` pairs and ``kernels`` pairs
+        (``tuning.ragged.RaggedSwitch``, ranges not overlapping). A bucket that a range
+        edge falls inside is cut there into buckets with its hints (their graphs plan alike
+        and are captured once); lengths in no range keep split-KV only."""
+        spans = [(int(sw.lo), int(sw.hi), float(sw.threshold), tuple(sw.by_batch),
+                  tuple(getattr(sw, "kernels", ()))) for sw in switches]
+        edges = sorted({e for lo, hi, *_ in spans for e in (lo, hi)})
         buckets, lo = [], 0
         for b in self.buckets:
             for top in [e for e in edges if lo < e < b.max_len] + [b.max_len]:
                 span = next((sp for sp in spans if sp[0] < top <= sp[1]), None)
-                threshold, pairs = (span[2], span[3]) if span else (0.0, ())
-                buckets.append(Bucket(top, b.hint, b.batch_hints, threshold, pairs))
+                threshold, pairs, kernels = span[2:] if span else (0.0, (), ())
+                buckets.append(Bucket(top, b.hint, b.batch_hints, threshold, pairs, kernels))
             lo = b.max_len
         meta = {**self.meta, "balanced_above": above,
                 "ragged_switches": [{"lo": lo_, "hi": hi, "balanced_imbalance": t,
-                                     "batch_imbalance": {str(n): v for n, v in pairs}}
-                                    for lo_, hi, t, pairs in spans]}
+                                     "batch_imbalance": {str(n): v for n, v in pairs},
+                                     **({"balanced_kernels": {str(n): k for n, k in kernels}}
+                                        if kernels else {})}
+                                    for lo_, hi, t, pairs, kernels in spans]}
         meta.pop("balanced_imbalance", None)
         meta.pop("batch_imbalance", None)
-        return BucketLadder(tuple(buckets), self.max_model_len, meta=meta,
-                            balanced_kernels=self.balanced_kernels)
+        return BucketLadder(tuple(buckets), self.max_model_len, meta=meta)
 
     @property
     def ranges(self) -> tuple[tuple[int, int], ...]:
@@ -239,8 +226,6 @@ class BucketLadder:
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"max_model_len": self.max_model_len,
                                "buckets": [b.to_dict() for b in self.buckets]}
-        if self.balanced_kernels:
-            out["balanced_kernels"] = {str(b): k for b, k in self.balanced_kernels}
         out["meta"] = dict(self.meta)
         return out
 
@@ -258,8 +243,7 @@ class BucketLadder:
         missing = {"max_model_len", "buckets"} - set(data)
         if unknown or missing:
             raise ValueError(
-                f"ladder JSON keys must be {sorted(_JSON_KEYS)} (meta and balanced_kernels "
-                "optional); missing "
+                f"ladder JSON keys must be {sorted(_JSON_KEYS)} (meta optional); missing "
                 f"{sorted(missing)}, unknown {sorted(unknown)} (free-form data goes in meta)"
             )
         if not isinstance(data["buckets"], list):
@@ -270,25 +254,18 @@ class BucketLadder:
                     or set(entry) - _BUCKET_KEYS - _BUCKET_OPTIONAL_KEYS:
                 raise ValueError(
                     f"ladder bucket {i} must be an object with keys 'max_len' and 'hint' "
-                    f"(optionally 'batch_hints', 'balanced_imbalance', 'batch_imbalance'), "
+                    f"(optionally 'batch_hints', 'balanced_imbalance', 'batch_imbalance', "
+                    f"'balanced_kernels'), "
                     f"got {entry!r}"
                 )
             buckets.append(Bucket(max_len=entry["max_len"], hint=entry["hint"],
                                   batch_hints=_json_batch_map(entry, "batch_hints", i, "hints"),
                                   balanced_imbalance=entry.get("balanced_imbalance", 0.0),
                                   batch_imbalance=_json_batch_map(entry, "batch_imbalance", i,
-                                                                  "thresholds")))
-        kernels = data.get("balanced_kernels", {})
-        if not isinstance(kernels, Mapping):
-            raise ValueError("ladder 'balanced_kernels' must map batch sizes to kernel names, "
-                             f"got {kernels!r}")
-        try:
-            kernels = {int(b): k for b, k in kernels.items()}
-        except ValueError:
-            raise ValueError("ladder 'balanced_kernels' keys must be batch sizes, got "
-                             f"{sorted(kernels)}") from None
-        return cls(tuple(buckets), data["max_model_len"], meta=data.get("meta"),
-                   balanced_kernels=tuple(kernels.items()))
+                                                                  "thresholds"),
+                                  balanced_kernels=_json_batch_map(entry, "balanced_kernels",
+                                                                   i, "kernel names")))
+        return cls(tuple(buckets), data["max_model_len"], meta=data.get("meta"))
 
     @classmethod
     def from_json(cls, text: str) -> BucketLadder:
@@ -310,25 +287,6 @@ def _json_batch_map(entry: Mapping[str, Any], key: str, index: int, what: str) -
     except ValueError:
         raise ValueError(f"ladder bucket {index}: {key!r} keys must be batch sizes, got "
                          f"{sorted(raw)}") from None
-
-
-def _kernel_pairs(raw: Any) -> tuple[tuple[int, str], ...]:
-    """``{batch_size: kernel}`` (or pairs) as sorted pairs, checked."""
-    items = raw.items() if isinstance(raw, Mapping) else raw
-    try:
-        pairs = sorted((as_int("balanced_kernels batch size", b), k) for b, k in items)
-    except (TypeError, ValueError) as err:
-        raise TypeError(f"balanced_kernels must map batch sizes to kernel names: {err}"
-                        ) from None
-    for size, kernel in pairs:
-        if size < 1:
-            raise ValueError(f"balanced_kernels batch size {size} must be >= 1")
-        if not isinstance(kernel, str) or not kernel:
-            raise TypeError(f"balanced_kernels[{size}] must be a kernel name (str), got "
-                            f"{kernel!r}")
-    if len({b for b, _ in pairs}) != len(pairs):
-        raise ValueError(f"balanced_kernels lists a batch size twice: {pairs}")
-    return tuple(pairs)
 
 
 def above_top_error(length: int, max_model_len: int) -> ValueError:

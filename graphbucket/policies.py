@@ -62,11 +62,12 @@ def policy_ladder(policy: Policy, max_model_len: int, ladder: BucketLadder | Non
         return BucketLadder((Bucket(max_model_len, hint),), max_model_len,
                             meta={"policy": policy})
     if policy == "balanced-only":  # imbalance 1: every batch, uniform ones included
-        # The balanced kernel per capture size as the device's tuned ladder chose it.
+        # The balanced kernel per capture size as the device's tuned ladder chose it for
+        # its longest lengths.
         tuned = tuned_device_ladder(spec, max_model_len) if spec is not None else None
-        return BucketLadder((Bucket(max_model_len, max_model_len, balanced_imbalance=1.0),),
-                            max_model_len, meta={"policy": policy},
-                            balanced_kernels=tuned.balanced_kernels if tuned else ())
+        return BucketLadder((Bucket(max_model_len, max_model_len, balanced_imbalance=1.0,
+                                    balanced_kernels=tuned[-1].balanced_kernels if tuned
+                                    else ()),), max_model_len, meta={"policy": policy})
     if ladder is not None:
         if ladder.max_model_len != max_model_len:
             raise ValueError(f"ladder covers 1..{ladder.max_model_len} but max_model_len="

@@ -53,10 +53,10 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from graphbucket.bucket import DEFAULT_BALANCED_KERNEL  # noqa: E402
 from graphbucket.ladder import (  # noqa: E402
     BALANCED_ABOVE,
     DEFAULT_BALANCED_IMBALANCE,
-    DEFAULT_BALANCED_KERNEL,
     default_ladder,
 )
 from graphbucket.plan import H200_NUM_SMS  # noqa: E402
@@ -78,7 +78,6 @@ from graphbucket.tuning.grid import (  # noqa: E402
 )
 from graphbucket.tuning.ragged import (  # noqa: E402
     RaggedSample,
-    choose_balanced_kernels,
     choose_switches,
     ragged_ranges,
     tuner_mixes,
@@ -157,6 +156,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--plot", type=Path, help="PNG plot to write (needs matplotlib)")
     ap.add_argument("--from-times", type=Path, metavar="REPORT",
                     help="choose from this report's timing table instead of measuring")
+    ap.add_argument("--retime-ragged", action="store_true",
+                    help="with --from-times: keep the report's split-KV table but time the "
+                         "ragged mixes again on this GPU (CUDA; after a balanced kernel or "
+                         "mix change, in seconds rather than the whole grid's minutes)")
     ap.add_argument("--shared-hints", action="store_true",
                     help="one hint per bucket for every batch size (default: each measured "
                          "batch size gets its own hint; bounds are shared either way)")
@@ -191,6 +194,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             ap.error(f"--from-times {args.from_times}: not readable as JSON ({e}); pass "
                      f"{report}")
+    if args.retime_ragged and args.from_times is None:
+        ap.error("--retime-ragged re-times the mixes of a saved report: pass --from-times "
+                 f"({report}); without it every mix is timed anyway")
     too_long = [c for c in args.contexts or [] if c > args.max_model_len]
     if too_long:
         ap.error(f"--contexts {too_long} above --max-model-len {args.max_model_len}")
@@ -421,25 +427,44 @@ def ragged_switch(args: argparse.Namespace, ladder, meta: dict, saved: list[Ragg
     if args.balanced_imbalance != "auto":
         return ladder.with_balanced_topology(float(args.balanced_imbalance)), None
     samples = saved
-    if not samples and not args.from_times and meta.get("q_len", 1) == 1:
+    fresh = args.retime_ragged or (not samples and not args.from_times)
+    if fresh and meta.get("q_len", 1) == 1:
+        import torch
+
+        if not torch.cuda.is_available():
+            sys.exit("timing the ragged mixes needs a CUDA GPU; without --retime-ragged the "
+                     "report's own mixes are used")
         samples = measure_ragged(args, ladder, meta)
+        if args.from_times:  # the split-KV table is the report's, the mixes are new
+            from bench.gpu_timing import run_meta
+
+            now = run_meta()
+            meta["ragged_retimed"] = {k: now[k] for k in ("date", "gpu", "torch", "triton",
+                                                          "command")}
     if not samples:
         print(f"no ragged mixes timed: balanced threshold {DEFAULT_BALANCED_IMBALANCE} "
               "(the default)")
         return ladder.with_balanced_topology(DEFAULT_BALANCED_IMBALANCE), None
-    kernels, samples = choose_balanced_kernels(samples)
-    switches, summary = choose_switches(samples, ragged_ranges(ladder.bounds, BALANCED_ABOVE))
-    summary["balanced_kernels"] = {str(b): k for b, k in kernels.items()}
+    ranges = ragged_ranges(ladder.bounds, BALANCED_ABOVE)
+    switches, summary = choose_switches(samples, ranges)
+    samples = [s.with_kernel(switch_of(switches, s).kernel_for(s.batch)) for s in samples]
     print(f"ragged switch by length: {switches_text(summary)}: worst "
           f"{summary['worst_over_best']} over the faster plan per mix (one switch for every "
           f"length: {summary['one_switch_worst_over_best']}; off: "
           f"{summary['off_worst_over_best']}, always: {summary['always_worst_over_best']})",
           flush=True)
-    if len(set(kernels.values())) > 1 or DEFAULT_BALANCED_KERNEL not in kernels.values():
-        print(f"balanced kernel by capture size: {kernels}", flush=True)
-    tuned = ladder.with_ragged_switches(switches, above=BALANCED_ABOVE)
-    return (tuned.with_balanced_kernels(kernels),
+    if any(sw.kernels for sw in switches):
+        print("balanced kernel by capture size: " + "; ".join(
+            f"({sw.lo}, {sw.hi}]: {dict(sw.kernels) or DEFAULT_BALANCED_KERNEL}"
+            for sw in switches), flush=True)
+    return (ladder.with_ragged_switches(switches, above=BALANCED_ABOVE),
             {"samples": [s.to_dict() for s in samples], "summary": summary})
+
+
+def switch_of(switches, sample: RaggedSample):
+    """The switch whose range holds the sample's longest request (the last if none does)."""
+    n = max(sample.lens)
+    return next((sw for sw in switches if sw.lo < n <= sw.hi), switches[-1])
 
 
 def load_times(args: argparse.Namespace) -> tuple[dict, dict]:

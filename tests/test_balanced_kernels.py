@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from graphbucket import GraphBucketRunner, get_backend
-from graphbucket.ladder import DEFAULT_BALANCED_KERNEL, Bucket, BucketLadder, default_ladder
+from graphbucket.bucket import DEFAULT_BALANCED_KERNEL
+from graphbucket.ladder import Bucket, BucketLadder, default_ladder
 from graphbucket.plan_streams import SEESAW_STREAM
 from graphbucket.tuning.ragged import RaggedSample, choose_balanced_kernels
 from graphbucket.tuning.shipped import clip_ladder
@@ -23,38 +24,47 @@ RAGGED = BucketLadder([Bucket(32, 32), Bucket(64, 64),
                        Bucket(320, 320, balanced_imbalance=1.5)], 320)
 
 
-def test_the_ladder_names_a_kernel_per_capture_size_like_batch_hints(tmp_path: Path):
+def test_each_bucket_names_a_kernel_per_capture_size_like_batch_hints(tmp_path: Path):
     ladder = default_ladder().with_balanced_kernels({64: "seesaw", 32: "seesaw", 2: "default",
                                                      128: "default"})
     # Entries that change nothing from the size below are dropped.
-    assert ladder.balanced_kernels == ((32, "seesaw"), (128, "default"))
-    assert [ladder.balanced_kernel_for(n) for n in (1, 16, 32, 64, 128, 256)] == [
+    assert {b.balanced_kernels for b in ladder} == {((32, "seesaw"), (128, "default"))}
+    assert [ladder.balanced_kernel_for(2, n) for n in (1, 16, 32, 64, 128, 256)] == [
         "default", "default", "seesaw", "seesaw", "default", "default"]
     assert ladder != default_ladder() and "balanced_kernels={32: 'seesaw'" in repr(ladder)
-    path = tmp_path / "l.json"
-    ladder.save(path)
-    assert json.loads(path.read_text())["balanced_kernels"] == {"32": "seesaw",
-                                                                "128": "default"}
-    assert BucketLadder.load(path) == ladder
+    # Buckets differ: the seesaw at batch 8 in the top bucket only.
+    mixed = BucketLadder((Bucket(4096, 4096), Bucket(8192, 8192, balanced_imbalance=2.0,
+                                                     balanced_kernels={8: "seesaw"})), 8192)
+    assert [mixed.balanced_kernel_for(i, 8) for i in (0, 1)] == ["default", "seesaw"]
+    for lad in (ladder, mixed):
+        path = tmp_path / "l.json"
+        lad.save(path)
+        assert BucketLadder.load(path) == lad
+    assert json.loads(path.read_text())["buckets"][1]["balanced_kernels"] == {"8": "seesaw"}
     # Kept by every rewrite that keeps the balanced topology.
-    assert ladder.with_balanced_topology(2.0).balanced_kernels == ladder.balanced_kernels
-    assert clip_ladder(ladder, 8192).balanced_kernels == ladder.balanced_kernels
-    assert "balanced_kernels" not in default_ladder().to_dict()
+    assert [b.balanced_kernels for b in ladder.with_balanced_topology(2.0)] == [
+        b.balanced_kernels for b in ladder]
+    assert [b.balanced_kernels for b in clip_ladder(mixed, 6000)] == [(), ((8, "seesaw"),)]
+    assert "balanced_kernels" not in json.dumps(default_ladder().to_dict())
 
 
 @pytest.mark.parametrize("bad, error", [({0: "seesaw"}, ValueError), ({4: ""}, TypeError),
                                         ({4: 3}, TypeError), ({"x": "seesaw"}, TypeError)])
-def test_a_bad_kernel_map_is_refused_by_the_ladder(bad, error):
+def test_a_bad_kernel_map_is_refused_by_the_bucket(bad, error):
     with pytest.raises(error, match="balanced_kernels"):
-        BucketLadder((Bucket(64, 64),), 64, balanced_kernels=tuple(bad.items()))
+        Bucket(64, 64, balanced_kernels=tuple(bad.items()))
 
 
 def test_a_bad_kernel_map_in_json_names_the_key():
-    data = {"max_model_len": 64, "buckets": [{"max_len": 64, "hint": 64}]}
+    def ladder(kernels):
+        return {"max_model_len": 64,
+                "buckets": [{"max_len": 64, "hint": 64, "balanced_kernels": kernels}]}
     with pytest.raises(ValueError, match="balanced_kernels"):
-        BucketLadder.from_dict({**data, "balanced_kernels": ["seesaw"]})
+        BucketLadder.from_dict(ladder(["seesaw"]))
     with pytest.raises(ValueError, match="batch sizes"):
-        BucketLadder.from_dict({**data, "balanced_kernels": {"many": "seesaw"}})
+        BucketLadder.from_dict(ladder({"many": "seesaw"}))
+    with pytest.raises(ValueError, match="unknown \\['balanced_kernels'\\]"):
+        BucketLadder.from_dict({**ladder({}), "balanced_kernels": {"8": "seesaw"}})
 
 
 def test_backends_offer_their_balanced_kernels_and_refuse_others():
@@ -134,19 +144,25 @@ def test_the_tuner_keeps_per_capture_size_the_kernel_with_the_least_relative_tim
     assert RaggedSample.from_dict(json.loads(json.dumps(out[2].to_dict()))) == out[2]
 
 
-def test_tune_ladder_writes_the_kernel_it_chose_from_a_reports_mixes(tmp_path: Path):
+def test_tune_ladder_writes_the_kernel_it_chose_per_length_range(tmp_path: Path):
     from tests.test_ragged_switch import _report_with_mixes
 
-    # At batch 8 the seesaw wins both mixes; the switch is chosen on its times (balanced on
-    # the one-long mix, split-KV on the half-long one).
+    # At batch 8 the seesaw wins both mixes up to 16K; the switch is chosen on its times
+    # (balanced on the one-long mix, split-KV on the half-long one). Over 16K the default
+    # kernel wins, so the buckets there keep it.
     samples = [_sample(8, "one-long", 45.0, 30.0),
-               _sample(8, "half-long", 120.0, 110.0, lens=(9000,) * 4 + (3000,) * 4)]
-    saved = _report_with_mixes(tmp_path, samples)
+               _sample(8, "half-long", 120.0, 110.0, lens=(9000,) * 4 + (3000,) * 4),
+               _sample(8, "one-long", 45.0, 60.0, lens=(20000,) + (10,) * 7)]
+    saved = _report_with_mixes(tmp_path, samples, top=32768)
     out, report = tmp_path / "ladder.json", tmp_path / "report.json"
-    load_script("tune_ladder").main(["--from-times", str(saved), "--max-model-len", "16384",
+    load_script("tune_ladder").main(["--from-times", str(saved), "--max-model-len", "32768",
                                      "--out", str(out), "--report", str(report), "--quiet"])
     ladder = BucketLadder.load(out)
-    assert ladder.balanced_kernels == ((8, "seesaw"),)
-    summary = json.loads(report.read_text())["ragged"]["summary"]
-    assert summary["balanced_kernels"] == {"8": "seesaw"}
-    assert summary["worst_over_best"] == 1.0
+    at = {n: ladder.balanced_kernel_for(ladder.bucket_for(n), 8) for n in (9000, 20000)}
+    assert at == {9000: "seesaw", 20000: "default"}
+    ragged = json.loads(report.read_text())["ragged"]
+    kernels = {n: sw.get("balanced_kernels", {}) for n in (9000, 20000)
+               for sw in ragged["summary"]["switches"] if sw["lo"] < n <= sw["hi"]}
+    assert kernels == {9000: {"8": "seesaw"}, 20000: {}}
+    assert [r["kernel"] for r in ragged["samples"]] == ["seesaw", "seesaw", "default"]
+    assert ragged["summary"]["worst_over_best"] == 1.0

@@ -108,8 +108,9 @@ def _tune_script():
     return load_script("tune_ladder")
 
 
-def _report_with_mixes(tmp_path: Path, samples: list[RaggedSample] | None) -> Path:
-    contexts, top = [64, 1024, 8192, 16384], 16384
+def _report_with_mixes(tmp_path: Path, samples: list[RaggedSample] | None,
+                       top: int = 16384) -> Path:
+    contexts = sorted({64, 1024, 8192, 16384, top})
     splits_for = plan_splits(16, num_sms=132)
     hints = hints_to_measure(contexts, top, ladders=[default_ladder(top)])
     per_batch = splits_to_measure([1, 8], splits_for, hints)
@@ -285,3 +286,28 @@ def test_a_switch_per_length_range_separates_what_one_imbalance_cannot():
     assert again == tuned
     with pytest.raises(ValueError, match="at least one"):
         choose_switches([], ranges)
+
+
+def test_a_range_cut_at_a_bucket_edge_gets_mixes_of_its_own():
+    # (6889, 8192]: 3/4 of the top (6144) lies below the range, so the long request sits
+    # halfway inside it; the full octave keeps 3/4 of its top.
+    for lo, top in ((6889, 8192), (4096, 4872), (65536, 131072)):
+        longs = {max(lens) for _, lens in tuner_mixes(8, top, above=lo)}
+        assert len(longs) == 1 and lo < longs.pop() <= top, (lo, top)
+    assert {max(lens) for _, lens in tuner_mixes(8, 131072, above=65536)} == {98304}
+
+
+def test_a_range_without_mixes_takes_the_nearest_ranges_choice_not_all_of_them():
+    # Balanced wins by far over 16K and loses under 8K; (8192, 12000] has no mixes of its
+    # own and takes its neighbour below, not the choice over every sample (balanced).
+    low = [sample(8, [6000] + [10] * 7, 100.0, 150.0)]
+    high = [sample(8, [m] + [10] * 7, 100.0, 20.0) for m in (20000, 40000, 60000)]
+    ranges = [(4096, 8192), (8192, 12000), (12000, 16384), (16384, 65536)]
+    switches, _ = choose_switches(low + high, ranges)
+    at = {n: next(sw.threshold for sw in switches if sw.lo < n <= sw.hi)
+          for n in (6000, 10000, 14000, 30000)}
+    assert at[6000] == at[10000] == 0.0  # off, like 4096..8192
+    assert at[30000] > 0
+    assert at[14000] == at[30000]  # the nearest range above
+    with pytest.raises(ValueError, match="at least one length range"):
+        choose_switches(low, [])

@@ -65,7 +65,8 @@ import torch
 
 from graphbucket.backends.base import check_balanced_kernel
 from graphbucket.backends.triton import split_kv_ladder, split_kv_q_ladder
-from graphbucket.ladder import DEFAULT_BALANCED_KERNEL, BucketLadder
+from graphbucket.bucket import DEFAULT_BALANCED_KERNEL
+from graphbucket.ladder import BucketLadder
 from graphbucket.plan import H200_NUM_SMS, LaunchPlan, plan_mla_decode
 from graphbucket.spec import BufferSpec
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
-from graphbucket.ladder import DEFAULT_BALANCED_KERNEL
+from graphbucket.bucket import DEFAULT_BALANCED_KERNEL
 
 if TYPE_CHECKING:  # annotations only: the ladder and spec modules import no backend
     from graphbucket.ladder import BucketLadder

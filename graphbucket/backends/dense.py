@@ -17,10 +17,11 @@ import torch
 from graphbucket import fp8
 from graphbucket.backends.base import NoWorkspace, check_balanced_kernel
 from graphbucket.backends.triton import split_kv_ladder, split_kv_q_ladder
+from graphbucket.bucket import DEFAULT_BALANCED_KERNEL
 from graphbucket.kernels import check_mla_decode_args
 from graphbucket.kernels.launch import check_q_len
 from graphbucket.kernels.verify import flatten_verify
-from graphbucket.ladder import DEFAULT_BALANCED_KERNEL, BucketLadder
+from graphbucket.ladder import BucketLadder
 from graphbucket.plan import (
     H200_NUM_SMS,
     LaunchPlan,

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from graphbucket.backends.base import check_balanced_kernel
+from graphbucket.bucket import DEFAULT_BALANCED_KERNEL
 from graphbucket.kernels import SplitWorkspace, mla_decode, mla_decode_balanced
-from graphbucket.ladder import DEFAULT_BALANCED_KERNEL, BucketLadder, default_ladder
+from graphbucket.ladder import BucketLadder, default_ladder
 from graphbucket.plan import (
     H200_NUM_SMS,
     MAX_KV_SPLITS,

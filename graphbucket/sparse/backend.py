@@ -24,8 +24,9 @@ from typing import Any
 import torch
 
 from graphbucket.backends.triton import device_num_sms
+from graphbucket.bucket import DEFAULT_BALANCED_KERNEL
 from graphbucket.kernels.verify import flatten_verify
-from graphbucket.ladder import DEFAULT_BALANCED_KERNEL, Bucket, BucketLadder
+from graphbucket.ladder import Bucket, BucketLadder
 from graphbucket.policies import tuned_device_ladder
 from graphbucket.sparse.decode import SparseWorkspace, sparse_mla_decode
 from graphbucket.sparse.plan import DEFAULT_TOPK, SparsePlan, plan_sparse_decode

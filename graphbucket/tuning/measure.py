@@ -19,13 +19,13 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 
 from graphbucket import fp8
+from graphbucket.bucket import DEFAULT_BALANCED_KERNEL
 from graphbucket.kernels import (
     SplitWorkspace,
     default_sm_scale,
     mla_decode,
     mla_decode_balanced,
 )
-from graphbucket.ladder import DEFAULT_BALANCED_KERNEL
 from graphbucket.plan import LaunchPlan, cdiv
 from graphbucket.tuning.ragged import RaggedSample
 

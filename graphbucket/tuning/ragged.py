@@ -9,8 +9,8 @@ two (0: balanced never pays), for all batch sizes at once or per capture size
 (``choose_by_batch``: which plan wins changes with the rows), and per length range of the
 longest request (``choose_switches`` over ``ragged_ranges``: at one imbalance balanced
 loses at 8K and wins at 128K). Where the backend offers more than one balanced kernel,
-each is timed on every mix and ``choose_balanced_kernels`` keeps one per capture size
-(``BucketLadder.balanced_kernels``) before the switch is chosen. The mixes differ from
+each is timed on every mix and ``choose_balanced_kernels`` keeps one per capture size and
+length range (``Bucket.balanced_kernels``) before the switch is chosen. The mixes differ from
 ``bench/ladder_oracle.py``'s, which then checks the choice out of sample. Host arithmetic
 only.
 """
@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from graphbucket.ladder import DEFAULT_BALANCED_KERNEL
+from graphbucket.bucket import DEFAULT_BALANCED_KERNEL, kernel_changes
 
 
 def imbalance(lens: Sequence[int]) -> float:
@@ -30,14 +30,15 @@ def imbalance(lens: Sequence[int]) -> float:
     return max(live) * len(live) / sum(live) if live else 1.0
 
 
-def tuner_mixes(batch: int, max_model_len: int, *, above: int) -> list[tuple[str, list[int]]]:
-    """Ragged length mixes the tuner times at ``batch`` rows, their longest request at 3/4
-    of ``max_model_len`` (above ``above`` tokens, where the switch is chosen): one long
-    request among short ones, a quarter long, half long, and a spread from 1 token. None at
-    one row, or when 3/4 of ``max_model_len`` is not above ``above``."""
-    long = max_model_len * 3 // 4
-    if batch < 2 or long <= above:
+def tuner_mixes(batch: int, top: int, *, above: int) -> list[tuple[str, list[int]]]:
+    """Ragged length mixes the tuner times at ``batch`` rows for the lengths ``(above,
+    top]``, their longest request inside that range: at 3/4 of ``top``, or halfway between
+    ``above`` and ``top`` where 3/4 falls below the range (a range cut at a bucket edge).
+    One long request among short ones, a quarter long, half long, and a spread from 1
+    token. None at one row, or when ``top`` is not above ``above``."""
+    if batch < 2 or top <= above:
         return []
+    long = max(top * 3 // 4, (above + top + 1) // 2)
     few = max(1, batch // 4)
     mixes = [("one-long", [long] + [512] * (batch - 1)),
              ("quarter-long", [long] * few + [2048] * (batch - few)),
@@ -76,46 +77,76 @@ def range_of(ranges: Sequence[tuple[int, int]], length: int) -> int | None:
 @dataclass(frozen=True, slots=True)
 class RaggedSwitch:
     """The switch chosen for lengths ``(lo, hi]``: the threshold from the smallest batch
-    size, and the batch sizes from which it changes (``Bucket.batch_imbalance``)."""
+    size, the batch sizes from which it changes (``Bucket.batch_imbalance``), and the
+    balanced kernel from each batch size where it is not the backend's default
+    (``Bucket.balanced_kernels``)."""
 
     lo: int
     hi: int
     threshold: float
     by_batch: tuple[tuple[int, float], ...] = ()
+    kernels: tuple[tuple[int, str], ...] = ()
+
+    def kernel_for(self, batch: int) -> str:
+        """The balanced kernel a capture size ``batch`` runs in this range."""
+        listed = [k for b, k in self.kernels if b <= batch]
+        return listed[-1] if listed else DEFAULT_BALANCED_KERNEL
 
     def to_dict(self) -> dict[str, Any]:
-        return {"lo": self.lo, "hi": self.hi, "balanced_imbalance": self.threshold,
-                "batch_imbalance": {str(b): t for b, t in self.by_batch}}
+        out = {"lo": self.lo, "hi": self.hi, "balanced_imbalance": self.threshold,
+               "batch_imbalance": {str(b): t for b, t in self.by_batch}}
+        if self.kernels:
+            out["balanced_kernels"] = {str(b): k for b, k in self.kernels}
+        return out
+
+
+def _choose_range(samples: Sequence[RaggedSample]) -> tuple[RaggedSwitch, list[float]]:
+    """Kernels per capture size, then the switch, over one range's samples; the switch
+    (with lo = hi = 0) and the ratio to the faster plan of each sample under it."""
+    kernels, timed = choose_balanced_kernels(samples)
+    t, by = choose_by_batch(timed)[:2]
+    ratios = [r for b in sorted({s.batch for s in timed})
+              for r in ratios_at([s for s in timed if s.batch == b], _threshold_at(t, by, b))]
+    return RaggedSwitch(0, 0, t, tuple(sorted(by.items())), kernel_changes(kernels)), ratios
 
 
 def choose_switches(samples: Sequence[RaggedSample], ranges: Sequence[tuple[int, int]]
                     ) -> tuple[list[RaggedSwitch], dict[str, Any]]:
-    """``choose_by_batch`` within each range, over the samples whose longest request falls
-    in it; a range with no samples takes the choice over all of them. Neighbouring ranges
-    with the same choice are joined. Returns (switches, summary): the summary has the worst
-    and mean ratio to the faster plan per sample, and those of one choice for every range."""
+    """Within each range, over the samples whose longest request falls in it: the balanced
+    kernel per capture size (``choose_balanced_kernels``), then ``choose_by_batch``; a range
+    with no samples takes the nearest range's choice (all samples' where none has any).
+    Neighbouring ranges with the same choice are joined. Returns (switches, summary): the
+    summary has the worst and mean ratio to the faster plan per sample, and those of one
+    choice for every range."""
     if not samples:
         raise ValueError("choose_switches needs at least one timed ragged mix")
     if not ranges:
         raise ValueError("choose_switches needs at least one length range")
-    base, changes, overall = choose_by_batch(samples)
-    switches, ratios = [], []
-    for lo, hi in ranges:
+    kernels, timed = choose_balanced_kernels(samples)
+    overall = choose_by_batch(timed)[2]
+    chosen: dict[int, RaggedSwitch] = {}
+    ratios: list[float] = []
+    for i, (lo, hi) in enumerate(ranges):
         mine = [s for s in samples if lo < max(s.lens) <= hi]
-        t, by = (choose_by_batch(mine)[:2] if mine else (base, changes))
-        ratios += [r for b in sorted({s.batch for s in mine})
-                   for r in ratios_at([s for s in mine if s.batch == b],
-                                      _threshold_at(t, by, b))]
-        switch = RaggedSwitch(lo, hi, t, tuple(sorted(by.items())))
+        if mine:
+            chosen[i], mine_ratios = _choose_range(mine)
+            ratios += mine_ratios
+    fallback = _choose_range(samples)[0]
+    switches: list[RaggedSwitch] = []
+    for i, (lo, hi) in enumerate(ranges):
+        near = min(chosen, key=lambda j: (abs(j - i), j), default=None)
+        pick = chosen[near] if near is not None else fallback
+        switch = replace(pick, lo=lo, hi=hi)
         last = switches[-1] if switches else None
-        if last and last.hi == lo and (last.threshold, last.by_batch) == (t, switch.by_batch):
-            switches[-1] = RaggedSwitch(last.lo, hi, t, switch.by_batch)
+        if last and last.hi == lo and replace(last, lo=0, hi=0) == replace(pick, lo=0, hi=0):
+            switches[-1] = replace(last, hi=hi)
         else:
             switches.append(switch)
     covered = [s for s in samples if range_of(ranges, max(s.lens)) is not None]
     summary = {**overall,
                "one_switch_worst_over_best": overall["worst_over_best"],
                "one_switch_mean_over_best": overall["mean_over_best"],
+               "one_switch_kernels": {str(b): k for b, k in kernels.items()},
                "worst_over_best": round(max(ratios), 4) if ratios else 1.0,
                "mean_over_best": round(sum(ratios) / len(ratios), 4) if ratios else 1.0,
                "samples_in_ranges": len(covered),
