@@ -47,7 +47,7 @@
 # order: `OUT=/tmp/w PACK_TO=$OUT` would expand $OUT after it was reassigned).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-STEPS="tests gputests balancedtests sweep fisweep capture tune tunefp8 tunemtp tunesparse tpot tpotfp8 tpotmtp
+STEPS="tests gputests balancedtests sweep fisweep capture tune tunefp8 tunemtp tunesparse retime tpot tpotfp8 tpotmtp
        ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp hostphases balancedseesaw tpotbatches
        tpothf"
 usage() { sed -n '2,/^set /{/^set /d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"; }
