@@ -311,7 +311,7 @@ class Cases:
         out = torch.empty(rotations, len(lens), self.rows, self.rank, dtype=self.dtype,
                           device=self.device)
         seq_lens = torch.tensor(lens, dtype=torch.int32, device=self.device)
-        times = {}
+        calls = {}
         for label, plan in plans.items():
             def call(plan=plan):
                 for r in range(rotations):
@@ -323,15 +323,21 @@ class Cases:
                         mla_decode(q[r], self.cache, tables[r], seq_lens, out[r], self.ws,
                                    plan=plan, sm_scale=self.scale, kv_scale=self.kv_scale,
                                    q_len=self.q_len, check=False)
-            times[label] = self._time(call, rotations)
-        return times
+            calls[label] = call
+        return self._time(calls, rotations)
 
-    def _time(self, call, rotations: int) -> float:
+    def _time(self, calls: dict, rotations: int) -> dict[str, float]:
+        """``{label: us per call}``: interleaved graph replays on the GPU
+        (``time_replays_paired``), wall-clock calls on the interpreter."""
         if self.device == "cuda":
-            from graphbucket.tuning.measure import SAMPLE_MS, TUNE_REPS, time_replays
+            from graphbucket.tuning.measure import SAMPLE_MS, TUNE_REPS, time_replays_paired
 
-            return time_replays(call, calls_per_graph=rotations, reps=TUNE_REPS,
-                                min_ms=SAMPLE_MS)
+            return time_replays_paired(calls, calls_per_graph=rotations, reps=TUNE_REPS,
+                                       min_ms=SAMPLE_MS)
+        return {label: self._wall_us(call) for label, call in calls.items()}
+
+    @staticmethod
+    def _wall_us(call) -> float:
         samples = []
         for _ in range(2):  # the interpreter: one call, wall clock (a smoke test)
             start = time.perf_counter()

@@ -184,7 +184,7 @@ for step in $steps; do
                --kv-cache bf16 fp8-tensor fp8-v32 --policies fixed-1 ladder \
                > "$R/tpot-fp8.log" 2>&1; tail -5 "$R/tpot-fp8.log"
              python3 scripts/tpot_report.py --json "$R/h200-tpot-fp8.json" --force ;;
-    tpotbatches) for preset in deepseek-v3-tp8 deepseek-v3-dp; do
+    tpotbatches) for preset in ${TPOT_PRESETS:-deepseek-v3-tp8 deepseek-v3-dp}; do
                    mkdir -p "$R/$preset"
                    timeout 280 python3 bench/tpot.py --preset "$preset" --layers 2 \
                      --batches 1 8 32 64 128 --contexts 256 4096 32768 131072 \

@@ -108,33 +108,48 @@ def time_replays(fn: Callable[[], None], *, calls_per_graph: int, reps: int = 7,
     ``fn`` must itself issue ``calls_per_graph`` calls over distinct inputs so that
     consecutive calls find a cold L2 when the inputs are large enough.
     """
+    return time_replays_paired({"": fn}, calls_per_graph=calls_per_graph, reps=reps,
+                               min_ms=min_ms)[""]
+
+
+def time_replays_paired(fns: Mapping[str, Callable[[], None]], *, calls_per_graph: int,
+                        reps: int = 7, min_ms: float = 20.0) -> dict[str, float]:
+    """``time_replays`` of several ``fns`` whose samples interleave: every graph is
+    captured first, then each round takes one sample of each, in an order that rotates
+    from round to round. The GPU's clocks drift over seconds at full bandwidth, by more
+    than the plans being compared differ; interleaved samples see the same drift."""
     stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # compile and warm up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
+    graphs = {}
+    for label, fn in fns.items():
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()  # compile and warm up outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graphs[label] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[label]):
+            fn()
+        graphs[label].replay()
     torch.cuda.synchronize()
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    stop.record()
-    stop.synchronize()
-    one_ms = max(start.elapsed_time(stop), 1e-3)
-    replays = max(1, min(200, int(min_ms / one_ms)))
-    samples = []
-    for _ in range(reps):
+
+    def sample(graph: torch.cuda.CUDAGraph, replays: int) -> float:
         start.record()
         for _ in range(replays):
             graph.replay()
         stop.record()
         stop.synchronize()
-        samples.append(start.elapsed_time(stop) * 1e3 / (replays * calls_per_graph))
-    del graph
-    return statistics.median(samples)
+        return start.elapsed_time(stop)
+
+    replays = {label: max(1, min(200, int(min_ms / max(sample(g, 1), 1e-3))))
+               for label, g in graphs.items()}
+    labels = list(graphs)
+    samples: dict[str, list[float]] = {label: [] for label in labels}
+    for rep in range(reps):
+        for label in labels[rep % len(labels):] + labels[:rep % len(labels)]:
+            ms = sample(graphs[label], replays[label])
+            samples[label].append(ms * 1e3 / (replays[label] * calls_per_graph))
+    graphs.clear()
+    return {label: statistics.median(samples[label]) for label in fns}
 
 
 class Problem:
@@ -271,11 +286,10 @@ class PlanTimer:
 
     def _time(self, inputs, plans: Mapping[str, LaunchPlan]) -> dict[str, float]:
         tables, q, out, seq_lens = inputs
-        return {label: time_replays(
-            rotated_calls(self.problem, tables, q, out, seq_lens, self.ws, plan, self.scale,
-                          self.q_len),
+        return time_replays_paired(
+            {label: rotated_calls(self.problem, tables, q, out, seq_lens, self.ws, plan,
+                                  self.scale, self.q_len) for label, plan in plans.items()},
             calls_per_graph=tables.shape[0], reps=TUNE_REPS, min_ms=SAMPLE_MS)
-            for label, plan in plans.items()}
 
 
 def time_ragged(timer: PlanTimer, mixes: Iterable[tuple[int, str, list[int]]],

@@ -37,7 +37,7 @@ from graphbucket.tuning.measure import (
     TUNE_REPS,
     Problem,
     check_pages,
-    time_replays,
+    time_replays_paired,
     warm_gpu,
 )
 
@@ -140,9 +140,10 @@ class SparsePlanTimer:
     def time_lens(self, lens: list[int], plans: Mapping[str, SparsePlan]) -> dict[str, float]:
         """``{label: us per call}`` of each plan over requests of lengths ``lens``."""
         inputs = self._inputs(lens)
-        return {label: time_replays(self._calls(inputs, plan), calls_per_graph=len(inputs),
-                                    reps=TUNE_REPS, min_ms=SAMPLE_MS)
-                for label, plan in plans.items()}
+        return time_replays_paired({label: self._calls(inputs, plan)
+                                    for label, plan in plans.items()},
+                                   calls_per_graph=len(inputs), reps=TUNE_REPS,
+                                   min_ms=SAMPLE_MS)
 
     def _inputs(self, lens: list[int]) -> list[dict[str, torch.Tensor]]:
         """One call's tensors per rotation, each rotation over pages no other one reads
