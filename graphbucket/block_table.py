@@ -30,6 +30,9 @@ import numpy as np
 
 from graphbucket.spec import BufferSpec
 
+# Up to this many rows a verb or a drain works on Python scalars, above it on numpy arrays.
+_FEW = 16
+
 
 class BlockTable:
     """``num_rows`` slots x ``max_pages_per_seq`` pages (int32), with each row's page count.
@@ -41,7 +44,7 @@ class BlockTable:
     """
 
     __slots__ = ("num_rows", "max_pages", "num_cache_pages", "page_size", "table", "counts",
-                 "_lo", "_hi", "_dirty", "_marks", "_counts_view")
+                 "_tokens", "_lo", "_hi", "_dirty_rows", "_marks", "_counts_view")
 
     def __init__(self, spec: BufferSpec, num_rows: int) -> None:
         if isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows < 1:
@@ -50,10 +53,14 @@ class BlockTable:
         self.num_cache_pages, self.page_size = spec.num_pages, spec.page_size
         self.table = np.zeros((num_rows, self.max_pages), np.int32)
         self.counts = np.zeros(num_rows, np.int64)
+        self._tokens = np.zeros(num_rows, np.int64)  # counts x page_size: the lengths rows hold
         # Changed columns of row r: [_lo[r], _hi[r]); clean rows have lo = max_pages, hi = 0.
+        # Rows that turned dirty since the last staged step, so that draining the changes
+        # costs what changed, not the table's height (a listed row may be clean again, or
+        # listed twice after a release).
         self._lo = np.full(num_rows, self.max_pages, np.int64)
         self._hi = np.zeros(num_rows, np.int64)
-        self._dirty = False
+        self._dirty_rows: list[int] = []
         self._marks = np.zeros(num_rows, np.int64)  # scratch of append_rows' duplicate check
         self._counts_view = self.counts.view()
         self._counts_view.flags.writeable = False
@@ -87,8 +94,11 @@ class BlockTable:
                              f"max_pages_per_seq={self.max_pages}")
         self.table[row, :n] = new
         self.counts[row] = n
-        self._lo[row], self._hi[row] = (0, n) if n else (self.max_pages, 0)
-        self._dirty = True
+        self._tokens[row] = n * self.page_size
+        if n:
+            self._mark(row, 0, n)
+        else:
+            self._lo[row], self._hi[row] = self.max_pages, 0
 
     def append(self, row: int, pages: Any) -> None:
         """Pages added at the end of row ``row`` (a growing request)."""
@@ -103,50 +113,85 @@ class BlockTable:
             return
         self.table[row, start:start + n] = new
         self.counts[row] = start + n
-        if self._lo[row] > start:
-            self._lo[row] = start
-        self._hi[row] = start + n
-        self._dirty = True
+        self._tokens[row] = (start + n) * self.page_size
+        self._mark(row, start, start + n)
 
     def append_rows(self, rows: Any, pages: Any) -> None:
         """One page added at the end of each of ``rows`` (distinct): ``pages[i]`` to row
         ``rows[i]``, the appends of one decode step in one call."""
         rows = _ints(rows, "rows")
-        new = self._pages(pages, "pages")
+        new = _ints(pages, "pages")
         k = rows.shape[0]
+        if k <= _FEW:
+            pages_in = new.tolist()
+            self._check_few_pages(pages_in)
+        else:
+            self._check_pages(new, "pages")
         if new.shape[0] != k:
             raise ValueError(f"append_rows got {k} rows and {new.shape[0]} pages; expected one "
                              "page per row")
         if k == 0:
             return
+        if k <= _FEW:
+            self._append_few(rows.tolist(), pages_in)
+            return
         if _any_outside(rows, self.num_rows):
             bad = int(rows[(rows < 0) | (rows >= self.num_rows)][0])
-            raise ValueError(f"append_rows got row {bad}; rows lie in [0, {self.num_rows})")
+            raise self._row_error("append_rows", bad)
         # A repeated row: its later mark overwrites the earlier one.
         ticket = np.arange(k)
         self._marks[rows] = ticket
         if not np.array_equal(self._marks[rows], ticket):
-            raise ValueError("append_rows got a row twice; append several pages to one row "
-                             "with append(row, pages)")
+            raise _repeated_row_error()
         starts = self.counts[rows]
         if int(starts.max()) >= self.max_pages:
-            bad = int(rows[starts.argmax()])
-            raise ValueError(f"append_rows: row {bad} already holds max_pages_per_seq="
-                             f"{self.max_pages} pages; release finished requests or build "
-                             "the spec with more pages per request")
+            raise self._full_row_error(int(rows[starts.argmax()]))
         self.table[rows, starts] = new
         self.counts[rows] = starts + 1
+        self._tokens[rows] += self.page_size
+        fresh = rows[self._hi[rows] == 0]
+        if fresh.size:
+            self._dirty_rows.extend(fresh.tolist())
         np.minimum(self._lo[rows], starts, out=starts)
         self._lo[rows] = starts
         self._hi[rows] = self.counts[rows]
-        self._dirty = True
+
+    def _append_few(self, rows: list[int], pages: list[int]) -> None:
+        # The usual decode step appends a few pages: scalar work beats a dozen numpy calls.
+        limit = self.num_rows
+        for row in rows:
+            if not 0 <= row < limit:
+                raise self._row_error("append_rows", row)
+        if len(rows) > 1 and len(set(rows)) != len(rows):
+            raise _repeated_row_error()
+        counts = self.counts
+        starts = [int(counts[row]) for row in rows]
+        for row, start in zip(rows, starts, strict=True):
+            if start >= self.max_pages:
+                raise self._full_row_error(row)
+        table, tokens, page = self.table, self._tokens, self.page_size
+        for row, start, value in zip(rows, starts, pages, strict=True):
+            table[row, start] = value
+            counts[row] = start + 1
+            tokens[row] += page
+            self._mark(row, start, start + 1)
 
     def release(self, row: int) -> None:
         """The request in slot ``row`` retired: the row holds no pages (a step then passes
         seq_len 0 for it, a padding row)."""
         row = self._row(row)
         self.counts[row] = 0
+        self._tokens[row] = 0
         self._lo[row], self._hi[row] = self.max_pages, 0
+
+    def _mark(self, row: int, lo: int, hi: int) -> None:
+        """Columns [lo, hi) of ``row`` changed (hi is the row's new end)."""
+        if self._hi[row] == 0:  # clean until now
+            self._dirty_rows.append(row)
+            self._lo[row] = lo
+        elif self._lo[row] > lo:
+            self._lo[row] = lo
+        self._hi[row] = hi
 
     # ---- staging ----------------------------------------------------------------------------
 
@@ -156,12 +201,13 @@ class BlockTable:
         if b > self.num_rows:
             raise ValueError(f"seq_lens_cpu has {b} requests but the block table has "
                              f"{self.num_rows} rows (batch slots)")
-        page = self.page_size
         if b == 1:
-            if int(lens[0]) > self.counts[0] * page:
+            if int(lens[0]) > self._tokens[0]:
                 self._short_row(0, int(lens[0]))
             return
-        short = lens > self.counts[:b] * page
+        if max_len <= self._tokens[:b].min():
+            return
+        short = lens > self._tokens[:b]
         if short.any():
             row = int(short.argmax())
             self._short_row(row, int(lens[row]))
@@ -172,16 +218,33 @@ class BlockTable:
         as (flat index ``row x row_width + column``, page) into ``index_out`` /
         ``value_out``; rows whose changes do not fit come back as (row, lo, hi) column
         ranges to copy whole. Returns (entries written, ranges)."""
-        if not self._dirty:
+        listed = self._dirty_rows
+        if not listed:
             return 0, []
-        self._dirty = False
-        lo, hi = self._lo, self._hi
-        rows = np.flatnonzero(hi > lo)
+        self._dirty_rows = []
+        lo, hi, empty = self._lo, self._hi, self.max_pages
+        if len(listed) <= _FEW:
+            spans = []
+            for row in listed:
+                start, end = int(lo[row]), int(hi[row])
+                if end > start:
+                    spans.append((row, start, end))
+                    lo[row], hi[row] = empty, 0
+            if sum(end - start for _, start, end in spans) <= index_out.shape[0]:
+                return self._list_spans(spans, index_out, value_out, row_width), []
+            rows = np.array([r for r, _, _ in spans], np.int64)
+            starts = np.array([a for _, a, _ in spans], np.int64)
+            ends = np.array([b for _, _, b in spans], np.int64)
+        else:
+            rows = np.unique(np.array(listed, np.int64))  # a row released and grown again
+            starts, ends = lo[rows], hi[rows]
+            live = ends > starts
+            if not live.all():
+                rows, starts, ends = rows[live], starts[live], ends[live]
+            lo[rows], hi[rows] = empty, 0
         if rows.size == 0:
             return 0, []
-        starts, ends = lo[rows], hi[rows]
         widths = ends - starts
-        lo[rows], hi[rows] = self.max_pages, 0
         capacity = index_out.shape[0]
         copied: list[tuple[int, int, int]] = []
         if int(widths.sum()) > capacity:
@@ -206,11 +269,28 @@ class BlockTable:
         value_out[:n] = self.table[flat_rows, cols]
         return n, copied
 
+    def _list_spans(self, spans: list[tuple[int, int, int]], index_out: np.ndarray,
+                    value_out: np.ndarray, row_width: int) -> int:
+        """Entries of a few (row, lo, hi) spans that fit the list, scalar where one wide."""
+        n, table = 0, self.table
+        for row, start, end in spans:
+            if end - start == 1:
+                index_out[n] = row * row_width + start
+                value_out[n] = table[row, start]
+                n += 1
+            else:
+                m = n + end - start
+                flat = row * row_width
+                index_out[n:m] = np.arange(flat + start, flat + end)
+                value_out[n:m] = table[row, start:end]
+                n = m
+        return n
+
     def discard_changes(self) -> None:
         """Forget the changes since the last step (the whole table is being staged)."""
         self._lo[:] = self.max_pages
         self._hi[:] = 0
-        self._dirty = False
+        self._dirty_rows = []
 
     # ---- checks -------------------------------------------------------------------------------
 
@@ -225,13 +305,24 @@ class BlockTable:
         return row
 
     def _pages(self, pages: Any, name: str) -> np.ndarray:
-        arr = _ints(pages, name)
+        return self._check_pages(_ints(pages, name), name)
+
+    def _check_pages(self, arr: np.ndarray, name: str) -> np.ndarray:
         if arr.size and _any_outside(arr, self.num_cache_pages):
             i = int(np.flatnonzero((arr < 0) | (arr >= self.num_cache_pages))[0])
-            raise ValueError(f"{name}[{i}] = {int(arr[i])} points outside the KV cache "
-                             f"(expected a page index in [0, {self.num_cache_pages})); "
-                             "nothing was changed. Fix the scheduler's page allocation")
+            raise self._page_error(name, i, int(arr[i]))
         return arr
+
+    def _check_few_pages(self, pages: list[int]) -> None:
+        limit = self.num_cache_pages
+        for i, value in enumerate(pages):
+            if not 0 <= value < limit:
+                raise self._page_error("pages", i, value)
+
+    def _page_error(self, name: str, i: int, value: int) -> ValueError:
+        return ValueError(f"{name}[{i}] = {value} points outside the KV cache (expected a "
+                          f"page index in [0, {self.num_cache_pages})); nothing was changed. "
+                          "Fix the scheduler's page allocation")
 
     def _short_row(self, row: int, length: int) -> None:
         need = -(-length // self.page_size)
@@ -239,6 +330,19 @@ class BlockTable:
                          f"{self.page_size}, but row {row} of the block table holds "
                          f"{int(self.counts[row])}; append its pages (block_table.append) "
                          "before the step")
+
+    def _row_error(self, verb: str, row: int) -> ValueError:
+        return ValueError(f"{verb} got row {row}; rows lie in [0, {self.num_rows})")
+
+    def _full_row_error(self, row: int) -> ValueError:
+        return ValueError(f"append_rows: row {row} already holds max_pages_per_seq="
+                          f"{self.max_pages} pages; release finished requests or build "
+                          "the spec with more pages per request")
+
+
+def _repeated_row_error() -> ValueError:
+    return ValueError("append_rows got a row twice; append several pages to one row with "
+                      "append(row, pages)")
 
 
 def _ints(value: Any, name: str) -> np.ndarray:

@@ -197,7 +197,7 @@ class GraphSelector:
         if threshold == 1 and q_len == 1:
             return self._balanced_keys[1][padded][bucket]
         if threshold and q_len == 1 and padded > 1 and lens is not None and min_len < max_len:
-            live, total = _live_and_total(lens)
+            live, total = _live_and_total(lens, batch_size if min_len > 0 else None)
             if max_len * live >= threshold * total:
                 return self._balanced_keys[1][padded][bucket]
         return by_size[padded][bucket]
@@ -260,11 +260,15 @@ def _as_length(value: Any) -> int:
     return int(value)
 
 
-def _live_and_total(lens: Sequence[int] | np.ndarray) -> tuple[int, int]:
-    """(requests with length > 0, sum of lengths)."""
+def _live_and_total(lens: Sequence[int] | np.ndarray, live: int | None = None
+                    ) -> tuple[int, int]:
+    """(requests with length > 0, sum of lengths); ``live`` when the caller knows it (no
+    padding rows)."""
     if isinstance(lens, np.ndarray):
-        return int(np.count_nonzero(lens)), int(lens.sum(dtype=np.int64))
-    return sum(1 for n in lens if n > 0), sum(lens)
+        if live is None:
+            live = int(np.count_nonzero(lens))
+        return live, int(lens.sum(dtype=np.int64))
+    return (sum(1 for n in lens if n > 0) if live is None else live), sum(lens)
 
 
 def _min_positive(lens: Sequence[int] | np.ndarray | None) -> int:

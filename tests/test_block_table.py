@@ -20,7 +20,8 @@ def table_of(rows=4) -> BlockTable:
 
 
 def snapshot(t: BlockTable):
-    return t.table.copy(), t.counts.copy(), t._lo.copy(), t._hi.copy(), t._dirty
+    return (t.table.copy(), t.counts.copy(), t._tokens.copy(), t._lo.copy(), t._hi.copy(),
+            list(t._dirty_rows))
 
 
 def drain(t: BlockTable, capacity=1000):
@@ -77,6 +78,44 @@ def test_changes_beyond_capacity_come_back_as_whole_rows():
     t.assign(1, list(range(10)))
     listed, whole = drain(t, capacity=4)
     assert (listed, whole) == ({}, [(0, 0, 10), (1, 0, 10)])
+
+
+@pytest.mark.host
+@pytest.mark.parametrize("seed", range(6))
+def test_a_mirror_fed_only_the_changes_holds_every_live_page(seed):
+    """Random verbs over more rows than the scalar paths take (few and many rows per call,
+    few and many dirty rows per drain, lists that overflow), each drain applied to a
+    mirror as the device applies it: listed entries scattered, whole rows copied."""
+    rng = np.random.default_rng(seed)
+    rows = 40
+    t = BlockTable(toy_spec(max_pages=MAX_PAGES, num_pages=NUM_PAGES), rows)
+    mirror = np.full((rows, MAX_PAGES), -1, np.int64)
+    for _ in range(60):
+        for _ in range(int(rng.integers(0, 6))):
+            verb = rng.random()
+            row = int(rng.integers(rows))
+            if verb < 0.3:
+                t.assign(row, rng.integers(0, NUM_PAGES, size=int(rng.integers(0, 12))))
+            elif verb < 0.5 and t.page_counts[row] < MAX_PAGES - 3:
+                t.append(row, rng.integers(0, NUM_PAGES, size=int(rng.integers(0, 3))))
+            elif verb < 0.6:
+                t.release(row)
+            else:
+                room = np.flatnonzero(t.page_counts < MAX_PAGES)
+                k = int(rng.choice([1, 3, 20, room.size]))
+                chosen = rng.permutation(room)[:k]
+                t.append_rows(chosen, rng.integers(0, NUM_PAGES, size=chosen.size))
+        capacity = int(rng.choice([2, 8, 1000]))
+        index, value = np.zeros(capacity, np.int64), np.zeros(capacity, np.int32)
+        n, whole = t.changes(index, value, MAX_PAGES)
+        assert len(set(index[:n].tolist())) == n  # a scatter needs distinct indices
+        mirror.reshape(-1)[index[:n]] = value[:n]
+        for row, lo, hi in whole:
+            mirror[row, lo:hi] = t.table[row, lo:hi]
+        for row in range(rows):
+            live = int(t.page_counts[row])
+            assert mirror[row, :live].tolist() == t.pages(row).tolist(), (row, live)
+        assert t.changes(index, value, MAX_PAGES) == (0, [])  # drained
 
 
 BAD_VERBS = {
