@@ -8,7 +8,8 @@ graph per batch size and bucket of the ladder shipped for this GPU) and, here on
 policy runs the same model and kernels through ``GraphBucketRunner``, captured once.
 
 TPOT = CUDA-event time of N back-to-back ``runner.step`` calls / N (host selection,
-staging and replay included; for eager, the Python forward too), median of 5 runs. The
+staging and replay included; for eager, the Python forward too), median of 7 runs, the
+runs of every policy at one shape interleaved so that they share the clock's drift. The
 model's weights (~172 MB per layer) are several times the 60 MB L2, so each step reads
 them, and the context's KV, cold. ``floor_ms`` = bytes one step must read (weights, the
 context's KV rows, activations) / the device-to-device copy bandwidth of the same run.
@@ -257,6 +258,36 @@ def time_tpot(step: Callable[[], object], *, reps: int = 5, min_ms: float = 30.0
     return statistics.median(samples)
 
 
+def time_tpot_paired(steps: dict[str, Callable[[], object]], *, reps: int = 7,
+                     min_ms: float = 30.0, max_steps: int = 200) -> dict[str, float]:
+    """``time_tpot`` for several runners of one shape, their runs interleaved (the order
+    rotating every round), so that clock drift over the cell is shared by every policy and
+    a ratio between two of them compares plans, not moments. Median ms per step each."""
+    names = list(steps)
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def timed(name: str, n: int) -> float:
+        start.record()
+        for _ in range(n):
+            steps[name]()
+        stop.record()
+        stop.synchronize()
+        return start.elapsed_time(stop) / n
+
+    counts = {}
+    for name in names:
+        for _ in range(3):
+            steps[name]()
+        sync()
+        counts[name] = max(3, min(max_steps, int(min_ms / max(timed(name, 1), 1e-3))))
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for rep in range(reps):
+        shift = rep % len(names)
+        for name in names[shift:] + names[:shift]:
+            samples[name].append(timed(name, counts[name]))
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
 def tpot_row(policy: str, context: int, batch: int, *, step_ms: float, floor_ms: float,
              splits: int, q_len: int = 1, kv_cache: str = "bf16",
              kv_mb: float | None = None) -> dict:
@@ -284,11 +315,23 @@ def output_name(preset: str, formats: list[str], q_lens: list[int]) -> str:
     return f"h200-tpot{suffix}.json"
 
 
+def measure_rows(bench: TpotBench, policies, context: int, batch: int,
+                 copy_gbps: float, q_len: int = 1) -> list[dict]:
+    """Every policy's row at one shape, timed interleaved (``time_tpot_paired``)."""
+    decode = bench.batch(context, batch, q_len)
+    steps = {policy: (lambda r=bench.runners[policy]: r.step(decode)) for policy in policies}
+    times = time_tpot_paired(steps)
+    return [measure_row(bench, policy, context, batch, copy_gbps, q_len,
+                        step_ms=times[policy]) for policy in policies]
+
+
 def measure_row(bench: TpotBench, policy: str, context: int, batch: int,
-                copy_gbps: float, q_len: int = 1) -> dict:
+                copy_gbps: float, q_len: int = 1, *, step_ms: float | None = None) -> dict:
+    """One policy's row; timed on its own unless ``step_ms`` is given."""
     runner, decode = bench.runners[policy], bench.batch(context, batch, q_len)
     plan = bench.plan(policy, context, batch, q_len)
-    step_ms = time_tpot(lambda: runner.step(decode))
+    if step_ms is None:
+        step_ms = time_tpot(lambda: runner.step(decode))
     floor_ms = bench.floor_bytes(context, batch, q_len) / (copy_gbps * 1e6)
     return tpot_row(policy, context, batch, step_ms=step_ms, floor_ms=floor_ms,
                     splits=plan.num_kv_splits, q_len=q_len,
@@ -301,9 +344,9 @@ def run(bench: TpotBench, *, policies, contexts, batches, copy_gbps: float,
     shapes = [(q, b, c) for q in q_lens for b in batches for c in contexts if c >= q]
     rows, total = [], len(policies) * len(shapes)
     for q_len, batch, context in shapes:
-        for policy in policies:
-            rows.append(measure_row(bench, policy, context, batch, copy_gbps, q_len))
-            r = rows[-1]
+        for r in measure_rows(bench, policies, context, batch, copy_gbps, q_len):
+            rows.append(r)
+            policy = r["policy"]
             print(f"[{len(rows)}/{total}] {r['kv_cache']} q_len={q_len} bs={batch} "
                   f"ctx={context} {policy:<9} {r['step_ms']:.3f} ms/step "
                   f"{r['tpot_ms']:.3f} ms/token (floor {r['floor_ms']:.3f}, splits "
@@ -333,7 +376,8 @@ def meta_for(bench: TpotBench, args, copy_gbps: float) -> dict:
             "ladder_source": ladder_source(ladder.ladder) if ladder else None,
             "captures": captures,
             "q_lens": list(next(iter(bench.runners.values())).q_lens),
-            "timing": "CUDA events over back-to-back runner.step calls, median of 5 runs; "
+            "timing": "CUDA events over back-to-back runner.step calls, median of 7 runs, "
+                      "the policies' runs interleaved per shape; "
                       "tpot_ms = step_ms / q_len"}
     if bench.user is not None:  # the model says what it is
         return {**meta, **bench.user.describe(), "model_factory": args.model}
