@@ -81,7 +81,7 @@ tune_one() {
   name=$(python3 -c "from graphbucket.tuning.shipped import ladder_file_name as n
 print(n('h200', $heads, '$fmt', q_len=$q, sparse=bool('$sparse')))")
   timeout $limit python3 scripts/tune_ladder.py --heads "$heads" --kv-cache "$fmt" --q-len "$q" \
-    $sparse ${TUNE_FROM:+--from-times "$TUNE_FROM" --retime-ragged} --max-buckets 10 \
+    $sparse ${TUNE_FROM:+--from-times "$TUNE_FROM" --retime-ragged} --max-buckets 16 \
     --max-model-len 131072 --out "$R/$name" \
     --report "$R/tune-${name%.json}.json" --plot "$R/tune-${name%.json}.png" --force \
     > "$R/tune-${name%.json}.log" 2>&1; tail -2 "$R/tune-${name%.json}.log"

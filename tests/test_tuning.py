@@ -65,6 +65,32 @@ def test_known_optimum_recovered():
     assert result.summary["tuned_max_over_oracle"] == 1.0
 
 
+def test_the_excess_charge_trades_a_slow_length_for_many_slightly_slower():
+    """One bucket, two hints: 16 splits runs 64 tokens 6 % slow and the rest at the oracle
+    (sum 4.060), 1 split runs 64 tokens at the oracle and the rest 2.1 % slow (sum 4.063).
+    The plain sum takes 16 splits; charging the excess over 1.02 takes 1 split."""
+    times = {}
+    for c in (64, 128, 256, 512):
+        for s in SPLITS:
+            us = 12.0
+            if s == 1:
+                us = 10.0 if c == 64 else 10.21
+            elif s == 16:
+                us = 10.6 if c == 64 else 10.0
+            times[(c, 1, s)] = us
+    plain = choose_ladder(times, capped_splits(), max_model_len=1024, max_buckets=1,
+                          excess_weight=0.0)
+    charged = choose_ladder(times, capped_splits(), max_model_len=1024, max_buckets=1)
+    assert [b.hint for b in plain.ladder] == [1024]
+    assert plain.summary["tuned_max_over_oracle"] == pytest.approx(1.06)
+    assert [b.hint for b in charged.ladder] == [1]
+    assert charged.summary["tuned_max_over_oracle"] == pytest.approx(1.021)
+    assert charged.summary["tuned_mean_over_oracle"] > plain.summary["tuned_mean_over_oracle"]
+    with pytest.raises(ValueError, match="excess_weight"):
+        choose_ladder(times, capped_splits(), max_model_len=1024, max_buckets=1,
+                      excess_weight=-1.0)
+
+
 def test_bucket_limit_respected_and_more_buckets_never_hurt():
     best = {64: 1, 128: 2, 256: 4, 512: 8, 1024: 16}
     times = table(best)
@@ -95,9 +121,14 @@ def test_bounds_increase_cover_max_model_len_and_hold_their_hints(seed):
     assert result.summary["tuned_mean_over_oracle"] <= result.summary["tuned_max_over_oracle"]
 
 
-def _brute_force(times, splits_for, contexts, max_model_len, max_buckets, per_batch):
+def _charge(ratio, weight, tolerance=1.02):
+    return ratio + weight * max(0.0, ratio - tolerance)
+
+
+def _brute_force(times, splits_for, contexts, max_model_len, max_buckets, per_batch,
+                 weight=0.0):
     """Every partition into <= max_buckets groups, every hint 1..max_model_len per group (per
-    batch size with ``per_batch``, else one hint for all)."""
+    batch size with ``per_batch``, else one hint for all); the objective's minimum."""
     oracle = {(c, b): min(us for (c2, b2, _), us in times.items() if (c2, b2) == (c, b))
               for c, b, _ in times}
     batches = sorted({b for _, b, _ in times})
@@ -108,7 +139,8 @@ def _brute_force(times, splits_for, contexts, max_model_len, max_buckets, per_ba
             total, start = 0.0, 0
             for end in ends:
                 def cost(h, group_batches, s=start, e=end):
-                    return sum(times[(c, b, splits_for(b, h))] / oracle[(c, b)]
+                    return sum(_charge(times[(c, b, splits_for(b, h))] / oracle[(c, b)],
+                                       weight)
                                for c in contexts[s:e] for b in group_batches)
                 span = range(1, max_model_len + 1)
                 if per_batch:
@@ -120,9 +152,10 @@ def _brute_force(times, splits_for, contexts, max_model_len, max_buckets, per_ba
     return best
 
 
+@pytest.mark.parametrize("weight", [0.0, 10.0])
 @pytest.mark.parametrize("per_batch", [True, False])
 @pytest.mark.parametrize("seed", range(6))
-def test_dynamic_program_matches_brute_force(seed, per_batch):
+def test_dynamic_program_matches_brute_force(seed, per_batch, weight):
     rng = random.Random(100 + seed)
     contexts = [32, 64, 128, 200, 256, 512]
     times = {(c, b, s): rng.uniform(5, 50) for c in contexts for b in (1, 4) for s in SPLITS}
@@ -131,10 +164,11 @@ def test_dynamic_program_matches_brute_force(seed, per_batch):
                                          pow2_ceil(cdiv(hint, 64)))
     for max_buckets in (1, 2, 3):
         result = choose_ladder(times, splits_for, max_model_len=1024, max_buckets=max_buckets,
-                               per_batch_hints=per_batch)
-        total = result.summary["tuned_mean_over_oracle"] * len(contexts) * 2
-        expected = _brute_force(times, splits_for, contexts, 1024, max_buckets, per_batch)
-        assert total == pytest.approx(expected, abs=1e-3)
+                               per_batch_hints=per_batch, excess_weight=weight)
+        total = sum(_charge(r["tuned_over_oracle"], weight) for r in result.rows)
+        expected = _brute_force(times, splits_for, contexts, 1024, max_buckets, per_batch,
+                                weight)
+        assert total == pytest.approx(expected, abs=2e-3 * (1 + weight))
         if not per_batch:
             assert all(not b.batch_hints for b in result.ladder)
 

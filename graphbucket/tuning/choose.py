@@ -27,7 +27,10 @@ captures, at every context.
   (H200, 16 heads: at 65-128 tokens batch 1 runs 20 % faster on 2+ splits and batch 8
   9 % faster on one). ``per_batch_hints=False`` asks one hint to serve all.
 - Objective: the sum over contexts and batches of cost / oracle (relative time, so a 128K
-  context weighs as much as a 64-token one). A dynamic program over (groups used, prefix
+  context weighs as much as a 64-token one), each cell above ``tolerance`` (default 1.02)
+  charged ``excess_weight`` (default 10) times its excess on top: a bucket is spent where
+  one length runs 10 % slow rather than where many run 0.1 % slow (``excess_weight=0``:
+  the plain sum). A dynamic program over (groups used, prefix
   of contexts) finds the exact optimum. Ties, in order: the smaller worst cost / oracle,
   fewer buckets (a graph that buys nothing still costs capture time and memory), smaller
   hints (lexicographic), earlier bounds. Within one group, equal cost goes to the smaller
@@ -64,6 +67,7 @@ from graphbucket.tuning.grid import (
 )
 
 _NDIGITS = 9  # rounding before comparing sums of cost/oracle ratios
+TOLERANCE, EXCESS_WEIGHT = 1.02, 10.0  # the objective's charge for a cell far from its oracle
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,10 +90,11 @@ class TuneResult:
 
 @dataclass(frozen=True, slots=True)
 class _Choice:
-    total: float  # sum of cost / oracle
+    total: float  # the objective: sum of cost / oracle, excess over tolerance charged
     worst: float  # max of cost / oracle
     hints: tuple[GroupHints, ...]
     ends: tuple[int, ...]  # exclusive end index of each group into the sorted contexts
+    raw_total: float = 0.0  # sum of cost / oracle
 
     def key(self) -> tuple:
         return (round(self.total, _NDIGITS), round(self.worst, _NDIGITS), len(self.hints),
@@ -101,7 +106,8 @@ def choose_ladder(times: TimeTable, splits_for: SplitsFn, *, max_model_len: int,
                   baseline: BucketLadder | None = None,
                   meta: Mapping[str, Any] | None = None,
                   per_batch_hints: bool = True,
-                  bounds_at: Iterable[int] | None = None) -> TuneResult:
+                  bounds_at: Iterable[int] | None = None, tolerance: float = TOLERANCE,
+                  excess_weight: float = EXCESS_WEIGHT) -> TuneResult:
     """The ladder of at most ``max_buckets`` buckets minimising summed cost / oracle.
 
     ``times``: ``{(context, batch, splits): us}``; ``splits_for(batch, hint)``: the plan's
@@ -122,7 +128,11 @@ def choose_ladder(times: TimeTable, splits_for: SplitsFn, *, max_model_len: int,
     hints = candidate_hints(max_model_len) if hints is None else sorted(set(hints))
     for h in hints:
         check_positive("candidate hint", h)
-    groups = _GroupCosts(table, splits_for, hints, max_model_len, per_batch=per_batch_hints)
+    if excess_weight < 0 or tolerance < 1:
+        raise ValueError(f"excess_weight must be >= 0 and tolerance >= 1, got "
+                         f"{excess_weight!r}, {tolerance!r}")
+    groups = _GroupCosts(table, splits_for, hints, max_model_len, per_batch=per_batch_hints,
+                         tolerance=tolerance, excess_weight=excess_weight)
     n = len(table.contexts)
     ends = None
     if bounds_at is not None:
@@ -137,7 +147,8 @@ def choose_ladder(times: TimeTable, splits_for: SplitsFn, *, max_model_len: int,
     tuned_meta = {"source": "graphbucket.tuning", **dict(meta or {}),
                   "batch_sizes": table.batches, "contexts": table.contexts,
                   "max_buckets": max_buckets, "per_batch_hints": per_batch_hints,
-                  "mean_over_oracle": round(best.total / num, 4),
+                  "tolerance": tolerance, "excess_weight": excess_weight,
+                  "mean_over_oracle": round(best.raw_total / num, 4),
                   "max_over_oracle": round(best.worst, 4)}
     ladder = BucketLadder(buckets, max_model_len, meta=tuned_meta)
     rows = compare_ladders(table, splits_for, {"tuned": ladder, "default": baseline})
@@ -199,11 +210,14 @@ class _GroupCosts:
     """
 
     def __init__(self, table: TimingTable, splits_for: SplitsFn, hints: Sequence[int],
-                 max_model_len: int, *, per_batch: bool) -> None:
+                 max_model_len: int, *, per_batch: bool, tolerance: float = TOLERANCE,
+                 excess_weight: float = EXCESS_WEIGHT) -> None:
         self.table, self.splits_for, self.hints = table, splits_for, hints
         self.max_model_len, self.per_batch = max_model_len, per_batch
-        self._memo: dict[tuple[int, int], tuple[float, float, GroupHints]] = {}
+        self.tolerance, self.excess_weight = tolerance, excess_weight
+        self._memo: dict[tuple[int, int], tuple[float, float, GroupHints, float]] = {}
         self._ratios: dict[tuple[int, int], list[float]] = {}
+        self._costs: dict[tuple[int, int], list[float]] = {}
         pool = set(hints_to_measure(table.contexts, max_model_len)) | set(hints)
         # One hint per distinct split tuple: the smallest power of two, else the smallest
         # (equal plans, so only readability is at stake).
@@ -222,14 +236,26 @@ class _GroupCosts:
             self._ratios[key] = [self.table.ratio(c, batch, splits) for c in self.table.contexts]
         return self._ratios[key]
 
-    def _score(self, i: int, j: int, hints: GroupHints) -> tuple:
-        ratios = [r for b, h in zip(self.table.batches, hints, strict=True)
-                  for r in self._context_ratios(b, h)[i:j]]
-        total, worst = sum(ratios), max(ratios)
-        return (round(total, _NDIGITS), round(worst, _NDIGITS), hints, total, worst)
+    def _context_costs(self, batch: int, hint: int) -> list[float]:
+        """Per context: the objective's charge, cost / oracle plus the weighted excess."""
+        key = (batch, hint)
+        if key not in self._costs:
+            tol, weight = self.tolerance, self.excess_weight
+            self._costs[key] = [r + weight * (r - tol) if r > tol else r
+                                for r in self._context_ratios(batch, hint)]
+        return self._costs[key]
 
-    def best(self, i: int, j: int) -> tuple[float, float, GroupHints]:
-        """(summed cost / oracle, worst, hints) of the best hints for contexts[i:j]."""
+    def _score(self, i: int, j: int, hints: GroupHints) -> tuple:
+        pairs = list(zip(self.table.batches, hints, strict=True))
+        ratios = [r for b, h in pairs for r in self._context_ratios(b, h)[i:j]]
+        total = sum(c for b, h in pairs for c in self._context_costs(b, h)[i:j])
+        worst = max(ratios)
+        return (round(total, _NDIGITS), round(worst, _NDIGITS), hints, total, worst,
+                sum(ratios))
+
+    def best(self, i: int, j: int) -> tuple[float, float, GroupHints, float]:
+        """(objective, worst cost / oracle, hints, summed cost / oracle) of the best hints
+        for contexts[i:j]."""
         key = (i, j)
         if key not in self._memo:
             candidates = self.candidates
@@ -241,14 +267,16 @@ class _GroupCosts:
             else:
                 options = [self._score(i, j, (h,) * len(self.table.batches))
                            for h in candidates]
-            _, _, hints, total, worst = min(options)
-            self._memo[key] = (total, worst, hints)
+            _, _, hints, total, worst, raw = min(options)
+            self._memo[key] = (total, worst, hints, raw)
         return self._memo[key]
 
     def _one(self, i: int, j: int, k: int, hint: int) -> tuple:
         """Score of batch index ``k`` alone in group contexts[i:j] with ``hint``."""
-        ratios = self._context_ratios(self.table.batches[k], hint)[i:j]
-        return (round(sum(ratios), _NDIGITS), round(max(ratios), _NDIGITS), hint)
+        batch = self.table.batches[k]
+        costs = self._context_costs(batch, hint)[i:j]
+        ratios = self._context_ratios(batch, hint)[i:j]
+        return (round(sum(costs), _NDIGITS), round(max(ratios), _NDIGITS), hint)
 
 
 def bucket_with_hints(max_len: int, batches: Sequence[int], hints: GroupHints) -> Bucket:
@@ -262,11 +290,11 @@ def bucket_with_hints(max_len: int, batches: Sequence[int], hints: GroupHints) -
 
 
 def _partition(n: int, max_buckets: int,
-               group: Callable[[int, int], tuple[float, float, GroupHints]], *,
+               group: Callable[[int, int], tuple[float, float, GroupHints, float]], *,
                ends: set[int] | None = None) -> _Choice:
     """Exact DP: best split of contexts[0:n] into <= max_buckets contiguous groups, each
     group ending at an index in ``ends`` (default any; ``n`` always)."""
-    layer = {0: _Choice(0.0, 0.0, (), ())}  # prefix end -> best choice with k groups
+    layer = {0: _Choice(0.0, 0.0, (), (), 0.0)}  # prefix end -> best choice with k groups
     finals = []
     for _ in range(min(max_buckets, n)):
         nxt: dict[int, _Choice] = {}
@@ -276,9 +304,10 @@ def _partition(n: int, max_buckets: int,
             options = []
             for i, prev in layer.items():
                 if i < j:
-                    total, worst, hint = group(i, j)
+                    total, worst, hint, raw = group(i, j)
                     options.append(_Choice(prev.total + total, max(prev.worst, worst),
-                                           prev.hints + (hint,), prev.ends + (j,)))
+                                           prev.hints + (hint,), prev.ends + (j,),
+                                           prev.raw_total + raw))
             if options:
                 nxt[j] = min(options, key=_Choice.key)
         layer = nxt
