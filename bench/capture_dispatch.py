@@ -108,7 +108,8 @@ class MLADecoder:
         return x
 
 
-def make_runner(cfg: Config, model: MLADecoder, ladder: BucketLadder) -> GraphBucketRunner:
+def make_runner(cfg: Config, model: MLADecoder, ladder: BucketLadder, *,
+                copy_in_graph: bool = True) -> GraphBucketRunner:
     spec = BufferSpec(max_pages_per_seq=cfg.max_model_len // cfg.page, num_pages=cfg.num_pages,
                       page_size=cfg.page, num_heads=cfg.heads, output_shape=(cfg.hidden,),
                       output_dtype=cfg.dtype, inputs=(InputSpec("token_ids", (), torch.int64),),
@@ -116,7 +117,8 @@ def make_runner(cfg: Config, model: MLADecoder, ladder: BucketLadder) -> GraphBu
     backend = get_backend("triton", kv_lora_rank=cfg.rank, qk_rope_dim=cfg.rope,
                           num_sms=cfg.num_sms, device=cfg.device)
     return GraphBucketRunner(model, spec=spec, batch_sizes=list(cfg.batch_sizes), ladder=ladder,
-                             sm_scale=(cfg.rank + cfg.rope) ** -0.5, backend=backend)
+                             sm_scale=(cfg.rank + cfg.rope) ** -0.5, backend=backend,
+                             copy_in_graph=copy_in_graph)
 
 
 def random_batches(cfg: Config, ladder: BucketLadder, n: int, *, batch_size: int | None = None,
@@ -251,9 +253,9 @@ def host_times(runner: GraphBucketRunner, batches: list[DecodeBatch], cuda: bool
         host = validate(batch)
         key = selector.key_for(host.batch_size, host.min_len, host.max_len, host.seq_lens)
         t1 = time.perf_counter()
-        buffers.stage(host, key.batch_size)
+        slot = buffers.stage(host, key.batch_size, in_graph=graphs.copy_in_graph)
         t2 = time.perf_counter()
-        graphs.replay(key)
+        graphs.replay(key, slot if graphs.copy_in_graph else None)
         t3 = time.perf_counter()
         check.append((t1 - t0) * 1e6)
         stage.append((t2 - t1) * 1e6)
@@ -299,19 +301,21 @@ def host_grid(cfg: Config, runner: GraphBucketRunner, ladder: BucketLadder, cuda
 
 class Trajectory:
     """``bs`` requests decoding from lengths in [lo, hi): each step one token longer, a new
-    random page when a request needs one. Keeps the full-path host table and the runner's
-    ``BlockTable`` alike (the latter through its verbs, in ``advance_table``)."""
+    random page when a request needs one. Keeps the full-path host table and the runners'
+    ``BlockTable``s alike (the latter through their verbs, in ``advance_table``)."""
 
-    def __init__(self, cfg: Config, table: BlockTable, bs: int, lo: int, hi: int,
-                 rng: np.random.Generator) -> None:
-        self.cfg, self.table, self.rng = cfg, table, rng
+    def __init__(self, cfg: Config, table: BlockTable | list[BlockTable], bs: int, lo: int,
+                 hi: int, rng: np.random.Generator) -> None:
+        tables = table if isinstance(table, list) else [table]
+        self.cfg, self.table, self.tables, self.rng = cfg, tables[0], tables, rng
         self.lens = rng.integers(lo, hi, size=bs)
         self.full = np.zeros((bs, cfg.max_model_len // cfg.page), np.int32)
         for b in range(bs):
             n = -(-int(self.lens[b]) // cfg.page)
             pages = rng.integers(0, cfg.num_pages, size=n, dtype=np.int32)
             self.full[b, :n] = pages
-            table.assign(b, pages)
+            for t in tables:
+                t.assign(b, pages)
         self.tokens = torch.from_numpy(rng.integers(0, 1000, size=bs))
         self.grow, self.new_pages = np.zeros(0, np.int64), np.zeros(0, np.int32)
 
@@ -326,33 +330,45 @@ class Trajectory:
         self.lens += 1
         return self.lens.tolist()
 
-    def advance_table(self) -> None:
-        """The same new pages through the BlockTable's verbs (timed with its step)."""
+    def advance_table(self, table: BlockTable | None = None) -> None:
+        """The same new pages through a BlockTable's verbs (timed with its step; default
+        the first table)."""
+        table = self.table if table is None else table
         if self.grow.size == 1:
-            self.table.append(int(self.grow[0]), self.new_pages)
+            table.append(int(self.grow[0]), self.new_pages)
         elif self.grow.size:
-            self.table.append_rows(self.grow, self.new_pages)
+            table.append_rows(self.grow, self.new_pages)
 
     def full_batch(self, lens: list[int]) -> DecodeBatch:
         cols = -(-max(lens) // self.cfg.page)
         return DecodeBatch(lens, self.full[:, :cols], {"token_ids": self.tokens})
 
-    def table_batch(self, lens: list[int]) -> DecodeBatch:
-        return DecodeBatch(lens, self.table, {"token_ids": self.tokens})
+    def table_batch(self, lens: list[int], table: BlockTable | None = None) -> DecodeBatch:
+        return DecodeBatch(lens, self.table if table is None else table,
+                           {"token_ids": self.tokens})
 
 
 def _pinned_core() -> int:
     return max(os.sched_getaffinity(0))
 
 
-def _ab_cell(cfg: Config, full: GraphBucketRunner, inc: GraphBucketRunner, bs: int,
-             lo: int, hi: int, steps: int, cuda: bool, seed: int) -> dict:
-    """Alternating host us per step (order swapped every step), and the outputs' worst
-    relative difference between the two paths."""
-    for row in range(inc.block_table.num_rows):
-        inc.block_table.release(row)
-    traj = Trajectory(cfg, inc.block_table, bs, lo, hi, np.random.default_rng(seed))
-    times: dict[str, list[float]] = {"full": [], "table": []}
+AB_PATHS = ("full", "table", "table_copy")
+
+
+def _ab_cell(cfg: Config, full: GraphBucketRunner, inc: GraphBucketRunner,
+             old: GraphBucketRunner, bs: int, lo: int, hi: int, steps: int, cuda: bool,
+             seed: int) -> dict:
+    """Host us per step of three paths, interleaved (the order rotates every step): the
+    full table, the BlockTable with each graph copying its staging slot, and the BlockTable
+    with the stage enqueueing the copy (``copy_in_graph=False``, the path before graphs
+    copied); and the outputs' worst relative difference against the full table."""
+    runners = {"table": inc, "table_copy": old}
+    for runner in runners.values():
+        for row in range(runner.block_table.num_rows):
+            runner.block_table.release(row)
+    traj = Trajectory(cfg, [inc.block_table, old.block_table], bs, lo, hi,
+                      np.random.default_rng(seed))
+    times: dict[str, list[float]] = {path: [] for path in AB_PATHS}
     worst = 0.0
 
     def timed(path: str, lens: list[int]) -> torch.Tensor:
@@ -362,31 +378,39 @@ def _ab_cell(cfg: Config, full: GraphBucketRunner, inc: GraphBucketRunner, bs: i
         if path == "full":
             out = full.step(traj.full_batch(lens))
         else:
-            traj.advance_table()
-            out = inc.step(traj.table_batch(lens))
+            table = runners[path].block_table
+            traj.advance_table(table)
+            out = runners[path].step(traj.table_batch(lens, table))
         times[path].append((time.perf_counter() - t0) * 1e6)
         return out
 
     for step in range(steps):
         lens = traj.advance()
-        order = ("full", "table") if step % 2 == 0 else ("table", "full")
+        k = step % len(AB_PATHS)
+        order = AB_PATHS[k:] + AB_PATHS[:k]
         outs = {path: timed(path, lens) for path in order}
         if step % 25 == 0:
-            a, b = outs["full"].float(), outs["table"].float()
-            worst = max(worst, ((a - b).norm() / a.norm().clamp_min(1e-30)).item())
+            a = outs["full"].float()
+            for path in runners:
+                b = outs[path].float()
+                worst = max(worst, ((a - b).norm() / a.norm().clamp_min(1e-30)).item())
     skip = min(5, steps // 2)  # first touches of the cell's keys
     times = {path: t[skip:] for path, t in times.items()}
     return {"batch_size": bs, "lengths": [lo, hi], "steps": steps,
             "full_table": _summary(times["full"]), "block_table": _summary(times["table"]),
+            "block_table_stage_copies": _summary(times["table_copy"]),
             "max_rel_diff": worst, "_times": times}
 
 
 def host_ab(cfg: Config, model: MLADecoder, full: GraphBucketRunner, ladder: BucketLadder,
             cuda: bool) -> dict:
-    """Full-table path against the BlockTable path, alternating, pinned to one core: batch 1
-    in every bucket, and the largest capture size in the top bucket (64 x 128K on CUDA)."""
+    """Full-table path against the BlockTable path (graphs copying their staging slot, and
+    the stage copying), interleaved, pinned to one core: batch 1 in every bucket, and the
+    largest capture size in the top bucket (64 x 128K on CUDA)."""
     inc = make_runner(cfg, model, ladder)
     inc.capture()
+    old = make_runner(cfg, model, ladder, copy_in_graph=False)
+    old.capture()
     steps = AB_STEPS if cuda else 3
     affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
     core = _pinned_core()
@@ -396,32 +420,38 @@ def host_ab(cfg: Config, model: MLADecoder, full: GraphBucketRunner, ladder: Buc
         batch1 = []
         for i, (lo, hi) in enumerate(ladder.ranges):
             n = min(steps, max(8, (hi - lo) // 2))  # the request stays in its bucket
-            batch1.append(_ab_cell(cfg, full, inc, 1, lo, hi - n, n, cuda, SEED + 10 + i))
+            batch1.append(_ab_cell(cfg, full, inc, old, 1, lo, hi - n, n, cuda,
+                                   SEED + 10 + i))
         big = max(cfg.batch_sizes)
         lo, hi = ladder.ranges[-1]
-        top = _ab_cell(cfg, full, inc, big, lo, hi - steps, steps, cuda, SEED + 20)
+        top = _ab_cell(cfg, full, inc, old, big, lo, hi - steps, steps, cuda, SEED + 20)
     finally:
         os.sched_setaffinity(0, affinity)
         torch.set_num_threads(threads)
     syncs = _table_syncs(cfg, inc, big, lo, hi, SYNC_STEPS if cuda else 3, cuda)
     inc.close()
+    old.close()
 
     def pooled(cells: list[dict], path: str) -> float:
         # Every bucket's steps together, as the random grid's batch-1 median pools them.
         return round(statistics.median([t for c in cells for t in c["_times"][path]]), 2)
 
     headline = cuda and big == 64 and cfg.max_model_len == 131072
-    medians = {"batch1": (pooled(batch1, "table"), pooled(batch1, "full"))}
+    medians = {"batch1": (pooled(batch1, "table"), pooled(batch1, "full"),
+                          pooled(batch1, "table_copy"))}
     for cell in (*batch1, top):
         del cell["_times"]
     return {
         "host_ab": {"pinned_core": core, "batch1_by_bucket": batch1, "top": top},
         "host_us_median_batch1": medians["batch1"][0],
         "host_us_median_batch1_full_table": medians["batch1"][1],
+        "host_us_median_batch1_stage_copies": medians["batch1"][2],
         # The issue's names; None on configurations without batch 64 or a 128K top.
         "host_us_median_batch64_128k": top["block_table"]["median"] if headline else None,
         "host_us_median_batch64_128k_full_table": top["full_table"]["median"]
         if headline else None,
+        "host_us_median_batch64_128k_stage_copies":
+        top["block_table_stage_copies"]["median"] if headline else None,
         "block_table_syncs": syncs, "block_table_sync_steps": SYNC_STEPS if cuda else 3,
         "block_table_max_rel_diff": max(c["max_rel_diff"] for c in [*batch1, top]),
     }
@@ -533,16 +563,20 @@ def markdown(result: dict) -> str:
          "(target 0)"),
         ("host step us median / p90 (random batches)", f"{result['step_host_us_median']} / "
          f"{result['step_host_us_p90']}"),
-        ("host step us median, batch 1 (every bucket), BlockTable / full table, alternating, "
+        ("host step us median, batch 1 (every bucket), BlockTable / BlockTable with the "
+         "stage copying / full table, interleaved, "
          f"core {result['host_ab']['pinned_core']}",
-         f"{result['host_us_median_batch1']} / {result['host_us_median_batch1_full_table']} "
-         "(target <= 20)"),
-        ("host step us median, batch 64 at 128K, BlockTable / full table, alternating",
+         f"{result['host_us_median_batch1']} / {result['host_us_median_batch1_stage_copies']}"
+         f" / {result['host_us_median_batch1_full_table']} (target <= 20)"),
+        ("host step us median, batch 64 at 128K, BlockTable / stage copying / full table, "
+         "interleaved",
          f"{result['host_us_median_batch64_128k']} / "
+         f"{result['host_us_median_batch64_128k_stage_copies']} / "
          f"{result['host_us_median_batch64_128k_full_table']} (target <= 40)"),
-        ("host step us median, batch 1 by bucket, BlockTable / full table", ", ".join(
-            f"{c['lengths'][1]}: {c['block_table']['median']} / {c['full_table']['median']}"
-            for c in result["host_ab"]["batch1_by_bucket"])),
+        ("host step us median, batch 1 by bucket, BlockTable / stage copying / full table",
+         ", ".join(f"{c['lengths'][1]}: {c['block_table']['median']} / "
+                   f"{c['block_table_stage_copies']['median']} / {c['full_table']['median']}"
+                   for c in result["host_ab"]["batch1_by_bucket"])),
         ("syncs in BlockTable steps", f"{result['block_table_syncs']} in "
          f"{result['block_table_sync_steps']} (target 0); outputs against the full table: "
          f"max rel diff {result['block_table_max_rel_diff']:.1e}"),

@@ -2,10 +2,17 @@
 
 ``StaticBuffers`` owns seq_info (``seq_lens``, ``block_table``, ``positions`` and the
 caller's ``inputs``), the backend's persistent workspace and the ``output``. seq_info
-lives in one device arena so that ``stage`` moves a whole host batch with one
-non-blocking copy from a pinned staging arena. Staging arenas form a ring of
-``num_staging_slots``; an event per slot guards its reuse, so a stage never overwrites
-pinned memory whose copy is still in flight.
+lives in one device arena so that a whole host batch moves with one non-blocking copy
+from a pinned staging arena. Staging arenas form a ring of ``num_staging_slots``; an
+event per slot guards its reuse, so a stage never overwrites pinned memory whose copy is
+still in flight.
+
+Two ways to move a staged slot. ``stage(batch, padded_bs)`` enqueues the copy and records
+the slot's event (the eager path). ``stage(..., in_graph=True)`` only fills the slot and
+returns its index: the graph replayed next copies that slot itself, as its first nodes
+(``slot_copy``: the copy, then the event, captured once per slot), so a replayed step
+makes no copy or event call on the host. The graph table therefore holds one graph per
+(key, slot), and a replay must name the slot its stage returned.
 
 Per-token tensors (``positions``, the inputs, the output) hold ``max_q_len`` rows per
 request: a verify step of q_len tokens per request stages B x q_len of them (token j of
@@ -32,6 +39,7 @@ whole table once, so the device mirrors the host table from then on.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,7 +112,8 @@ class _StagingSlot:
     change_value: np.ndarray
     sink: int
     inputs: dict[str, np.ndarray]  # viewed as numpy_view_dtype (raw bits where numpy has none)
-    event: torch.Event | None  # torch.Event records on the current stream in C++
+    # External: recorded inside a captured graph, it becomes an event node of that graph.
+    event: torch.cuda.Event | None
     in_flight: bool = False
     live_rows: int = 0
     live_tokens: int = 0
@@ -175,7 +184,7 @@ def _staging_slot(segments: dict[str, _Segment], nbytes: int, device: torch.devi
     return _StagingSlot(arena, views["seq_lens"].numpy(), views["positions"].numpy(),
                         table.numpy(), table, views["change_index"].numpy(),
                         views["change_value"].numpy(), sink, inputs,
-                        torch.Event(device) if pin else None)
+                        torch.cuda.Event(external=True) if pin else None)
 
 
 def _table_views(flat: torch.Tensor, max_bs: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -209,6 +218,7 @@ class StaticBuffers:
     _slots: list[_StagingSlot]
     _next_slot: int = 0
     _prefixes: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=dict)
+    _rows: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=dict)
     staging_waits: int = 0
     max_q_len: int = 1
     _changes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -255,14 +265,19 @@ class StaticBuffers:
         """The host staging arenas (pinned on CUDA); for tests and diagnostics."""
         return [slot.arena for slot in self._slots]
 
-    def stage(self, batch: CheckedBatch, padded_bs: int) -> None:
+    def stage(self, batch: CheckedBatch, padded_bs: int, *, in_graph: bool = False) -> int:
         """Copy a validated host batch into rows [0, padded_bs) of seq_info (per-token
-        tensors: rows [0, padded_bs x q_len)); pad the rest.
+        tensors: rows [0, padded_bs x q_len)); pad the rest. Returns the staging slot used.
 
         One pinned host -> device copy (non-blocking) of the arena prefix, plus device ->
-        device copies for inputs already on the device. Graph-safe and sync-free, except
-        that a staging slot whose previous copy is still in flight is waited for (the GPU
-        is a whole ring of steps behind; counted in ``staging_waits``).
+        device copies for inputs already on the device. ``in_graph``: the slot is filled
+        but the prefix copy and the event are left to the graph replayed next, captured
+        for this slot (``slot_copy``); pass it the returned index. Block-table rows that
+        do not travel in that prefix (a full table, rows too changed for the list) are
+        still copied here, ahead of the replay on the same stream. Graph-safe and
+        sync-free, except that a staging slot whose previous copy is still in flight is
+        waited for (the GPU is a whole ring of steps behind; counted in
+        ``staging_waits``).
         """
         bs = batch.batch_size
         assert bs <= padded_bs <= self.max_batch_size, (bs, padded_bs, self.max_batch_size)
@@ -273,21 +288,46 @@ class StaticBuffers:
         paged = batch.paged
         if paged is None:
             self._mirror = None
-            views = self._prefixes.get(padded_bs) or self._prefix_views(padded_bs)
+            if in_graph:  # the graph copies the prefix before the table: the rows here
+                views = self._rows.get(padded_bs) or self._row_views(padded_bs)
+            else:
+                views = self._prefixes.get(padded_bs) or self._prefix_views(padded_bs)
             views[0].copy_(views[1][index], non_blocking=event is not None)
         else:
-            self._stage_table(paged, index, slot)
-        # Rows [bs, padded_bs) of a device input were zeroed by the prefix copy above.
+            self._stage_table(paged, index, slot, in_graph)
+        # Rows [bs, padded_bs) of a device input were zeroed by the prefix copy.
         tokens = bs * batch.q_len
         for name, t in batch.device_inputs:
             self.inputs[name][:tokens].copy_(t, non_blocking=True)
         if event is not None:
-            event.record()
+            if not in_graph:
+                event.record()
             slot.in_flight = True
+        return index
 
-    def _stage_table(self, table: BlockTable, index: int, slot: _StagingSlot) -> None:
-        """Everything before the block table (the change list included), then the rows whose
-        changes did not fit the list; the whole table when the device does not mirror it."""
+    def slot_copy(self, index: int) -> Callable[[], None]:
+        """The copy a graph captured for staging slot ``index`` starts with: the arena
+        prefix before the block table (seq_lens, positions, inputs, the change list),
+        then the slot's event (an event node of the graph, so the next stage of the slot
+        knows when the copy has landed)."""
+        dst, srcs = self._prefixes.get(0) or self._prefix_views(0)
+        src, event = srcs[index], self._slots[index].event
+
+        def copy() -> None:
+            dst.copy_(src, non_blocking=event is not None)
+            if event is not None:
+                event.record()
+        return copy
+
+    @property
+    def num_staging_slots(self) -> int:
+        return len(self._slots)
+
+    def _stage_table(self, table: BlockTable, index: int, slot: _StagingSlot,
+                     in_graph: bool) -> None:
+        """Everything before the block table (the change list included; left to the graph
+        when ``in_graph``), then the rows whose changes did not fit the list; the whole
+        table when the device does not mirror it."""
         assert table.num_rows == self.max_batch_size, (table.num_rows, self.max_batch_size)
         non_blocking = slot.event is not None
         if self._mirror is not table:
@@ -299,8 +339,9 @@ class StaticBuffers:
             whole = []
         else:
             whole = slot.fill_changes(table)
-        views = self._prefixes.get(0) or self._prefix_views(0)
-        views[0].copy_(views[1][index], non_blocking=non_blocking)
+        if not in_graph:
+            views = self._prefixes.get(0) or self._prefix_views(0)
+            views[0].copy_(views[1][index], non_blocking=non_blocking)
         for row, lo, hi in whole:
             self.block_table[row, lo:hi].copy_(slot.table_tensor[row, lo:hi],
                                                non_blocking=non_blocking)
@@ -317,6 +358,15 @@ class StaticBuffers:
         nbytes = self._bt_offset + padded_bs * self.block_table.stride(0) * 4
         views = (self._arena[:nbytes], [slot.arena[:nbytes] for slot in self._slots])
         self._prefixes[padded_bs] = views
+        return views
+
+    def _row_views(self, padded_bs: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        # Block-table rows [0, padded_bs) alone, the part of a full-table stage that a
+        # graph's own copy (the prefix before the table) leaves out.
+        lo = self._bt_offset
+        hi = lo + padded_bs * self.block_table.stride(0) * 4
+        views = (self._arena[lo:hi], [slot.arena[lo:hi] for slot in self._slots])
+        self._rows[padded_bs] = views
         return views
 
     def _acquire_slot(self) -> tuple[int, _StagingSlot]:
@@ -350,6 +400,7 @@ class StaticBuffers:
         """Drop every tensor (call after the graphs that captured them are gone)."""
         self._slots.clear()
         self._prefixes.clear()
+        self._rows.clear()
         self._changes, self._mirror = None, None
         self.inputs.clear()
         self.workspace = None

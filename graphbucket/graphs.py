@@ -16,8 +16,15 @@ Pool rule (torch.cuda.graphs): graphs may share one pool because replays are ser
 one stream and each body copies its result into the static output, so no tensor of one
 graph's pool memory outlives its replay.
 
-Every body first applies the staged block-table changes (``StaticBuffers.
-apply_table_changes``, a scatter of a fixed-size list), then runs the forward.
+Every body applies the staged block-table changes (``StaticBuffers.apply_table_changes``,
+a scatter of a fixed-size list), then runs the forward. With ``copy_in_graph`` (the
+default) each (batch size, plan) is also captured once per staging slot with that slot's
+seq_info copy in front (``StaticBuffers.slot_copy``: the copy's source is part of the
+graph): ``replay(key, slot)`` replays the graph for the slot the stage filled, so the
+step's host path is the stage's numpy writes and one graph launch. ``replay(key)`` replays
+the graph without a copy, for a stage that enqueued its own (a step carrying device
+inputs: their device copies must land after the seq_info copy, so it cannot come from
+the graph).
 
 Capture faults leave nothing behind: an exception in the warm-up or capture of any graph
 (the forward's own, or a CUDA out-of-memory) releases every graph captured so far and the
@@ -77,14 +84,22 @@ class GraphRecord:
 
 @dataclass(frozen=True, slots=True)
 class CaptureSummary:
+    """``graphs_captured``: distinct (batch size, plan) pairs; each is captured once more
+    per staging slot (``staging_slots``: 0 without ``copy_in_graph``), graphs that differ
+    only in the slot their first node copies."""
+
     graphs_captured: int
     graphs_aliased: int
     capture_s: float
     pool_bytes: int
+    staging_slots: int = 0
 
     def describe(self) -> str:
-        return (f"captured {self.graphs_captured} graphs ({self.graphs_aliased} aliased keys) "
-                f"in {self.capture_s:.2f} s; pool {self.pool_bytes / 2**20:.1f} MiB")
+        n = self.graphs_captured
+        copies = (f" + {n * self.staging_slots} copying a staging slot"
+                  if self.staging_slots else "")
+        return (f"captured {n} graphs ({self.graphs_aliased} aliased keys){copies} in "
+                f"{self.capture_s:.2f} s; pool {self.pool_bytes / 2**20:.1f} MiB")
 
 
 class FrozenPlanGraph:
@@ -121,21 +136,24 @@ class GraphTable:
     """Plans, captures and replays every graph of one selector.
 
     ``plans[key]`` is the plan each key's graph runs (host arithmetic, available before
-    capture so that buffers can be sized for it). ``capture`` is idempotent; ``replay(key)``
-    launches the graph serving ``key``. Graph-safe by construction: each body closes over
+    capture so that buffers can be sized for it). ``capture`` is idempotent; ``replay(key,
+    slot)`` launches the graph serving ``key`` that copies staging slot ``slot`` (``None``:
+    the one without a copy). Graph-safe by construction: each body closes over
     views of the static buffers and a frozen plan; nothing it launches depends on the live
     lengths staged before a replay.
     """
 
-    def __init__(self, selector: GraphSelector, backend: DecodeBackend, num_heads: int) -> None:
-        self.selector, self.backend = selector, backend
+    def __init__(self, selector: GraphSelector, backend: DecodeBackend, num_heads: int, *,
+                 copy_in_graph: bool = True) -> None:
+        self.selector, self.backend, self.copy_in_graph = selector, backend, copy_in_graph
         self.plans: dict[GraphKey, Plan] = {
             key: plan_for_key(backend, key, num_heads,
                               selector.ladder.balanced_kernel_for(key.bucket, key.batch_size))
             for key in selector.keys()}
         self.records: list[GraphRecord] = []
         self.summary: CaptureSummary | None = None
-        self._graphs: dict[GraphKey, FrozenPlanGraph | torch.cuda.CUDAGraph] = {}
+        # Per key: the graph without a copy, then one per staging slot (copy_in_graph).
+        self._graphs: dict[GraphKey, tuple[FrozenPlanGraph | torch.cuda.CUDAGraph, ...]] = {}
         self._pool = None
 
     def capture_order(self) -> list[tuple[int, Plan]]:
@@ -155,6 +173,7 @@ class GraphTable:
         for key, plan in self.plans.items():
             groups.setdefault((key.batch_size, key.q_len, plan), []).append(key)
         device = buffers.spec.device
+        slots = buffers.num_staging_slots if self.copy_in_graph else 0
         self._pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         stream = _capture_stream(device) if device.type == "cuda" else None
         bar = _Progress(len(groups), progress)
@@ -168,11 +187,18 @@ class GraphTable:
                            f"{plan.describe()}")
                 t0 = time.perf_counter()
                 ctx = buffers.context(bs, plan, self.backend, sm_scale, q_len=q_len)
-                body = _body(forward, ctx, buffers.output[:bs * q_len],
-                             buffers.apply_table_changes)
-                graph, nbytes = _capture(body, stream, self._pool, warmup_iters)
+                graphs, nbytes = [], 0
+                for slot in (None, *range(slots)):
+                    copy = None if slot is None else buffers.slot_copy(slot)
+                    body = _body(forward, ctx, buffers.output[:bs * q_len], copy,
+                                 buffers.apply_table_changes)
+                    # The variants launch the same kernels: one warm-up serves all.
+                    graph, added = _capture(body, stream, self._pool,
+                                            warmup_iters if slot is None else 0)
+                    graphs.append(graph)
+                    nbytes += added
                 for key in keys:
-                    self._graphs[key] = graph
+                    self._graphs[key] = tuple(graphs)
                 self.records.append(GraphRecord(bs, plan, tuple(keys), nbytes,
                                                 time.perf_counter() - t0, q_len))
         except Exception as exc:
@@ -189,7 +215,7 @@ class GraphTable:
         self.summary = CaptureSummary(
             graphs_captured=len(groups), graphs_aliased=len(self.plans) - len(groups),
             capture_s=time.perf_counter() - start,
-            pool_bytes=sum(r.nbytes for r in self.records))
+            pool_bytes=sum(r.nbytes for r in self.records), staging_slots=slots)
         logger.info("graphbucket: %s", self.summary.describe())
         return self.summary
 
@@ -199,13 +225,16 @@ class GraphTable:
         self.close()
         traceback.clear_frames(exc.__traceback__)
 
-    def replay(self, key: GraphKey) -> None:
-        """Launch the graph serving ``key`` (aliased keys share one)."""
-        self._graphs[key].replay()
+    def replay(self, key: GraphKey, slot: int | None = None) -> None:
+        """Launch the graph serving ``key`` (aliased keys share one). ``slot``: the index
+        ``StaticBuffers.stage(..., in_graph=True)`` returned, whose graph copies that
+        staging slot first; ``None`` (a stage that copied): the graph without a copy."""
+        self._graphs[key][0 if slot is None else slot + 1].replay()
 
     def close(self) -> None:
         """Drop every graph, then the pool (the buffers belong to the caller)."""
-        for graph in {id(g): g for g in self._graphs.values()}.values():
+        graphs = {id(g): g for per_slot in self._graphs.values() for g in per_slot}
+        for graph in graphs.values():
             graph.reset()
         self._graphs.clear()
         self.records.clear()
@@ -221,11 +250,13 @@ def _capture_stream(device: torch.device) -> torch.cuda.Stream:
     return _CAPTURE_STREAMS[key]
 
 
-def _body(forward: Forward, ctx: DecodeContext, out: torch.Tensor,
+def _body(forward: Forward, ctx: DecodeContext, out: torch.Tensor, slot_copy: Body | None,
           apply_table_changes: Body) -> Body:
-    """The captured call: the staged block-table changes, then ``out <- forward(ctx)``; out
-    is a view of the static output."""
+    """The captured call: the staging slot's copy (if any), the staged block-table changes,
+    then ``out <- forward(ctx)``; out is a view of the static output."""
     def body() -> None:
+        if slot_copy is not None:
+            slot_copy()
         apply_table_changes()
         result = forward(ctx)
         if result.shape != out.shape or result.dtype != out.dtype:

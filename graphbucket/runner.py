@@ -7,8 +7,9 @@ the graph was captured with. One step is::
 
     batch = validate(DecodeBatch)           # host checks; bad input raises here
     key = selector.key_for(lengths, q_len)  # host bisect: (padded batch, bucket, hint, q_len)
-    buffers.stage(batch, key.batch_size)    # one pinned, non-blocking copy of seq_info
-    graphs.replay(key)                      # or the eager path (see below)
+    slot = buffers.stage(batch, key.batch_size, in_graph=True)  # numpy writes to a slot
+    graphs.replay(key, slot)                # its graph copies the slot in, then decodes
+                                            # (device inputs: the stage copies, no slot)
     return buffers.output[:batch_size * q_len]
 
 Nothing on that path reads device memory or synchronizes. Block tables: a batch carries
@@ -79,7 +80,12 @@ class GraphBucketRunner:
     of an array;
     ``max_table_changes``: the entries one such step stages as a list (more are copied
     row by row; default ``buffers.default_max_table_changes``).
-    Graph-safe: ``step`` is host-only selection, one pinned non-blocking copy and a replay.
+    ``copy_in_graph``: also capture every graph once per staging slot with that slot's
+    seq_info copy as its first node, so a step enqueues no copy of its own (steps that
+    carry device inputs still do, and replay the graph without one); False captures
+    only the latter, for a third of the graphs.
+    Graph-safe: ``step`` is host-only selection, numpy writes into a pinned staging slot
+    and the replay of that slot's graph, which copies the slot in as its first node.
     """
 
     def __init__(self, forward: Forward, *, spec: BufferSpec, batch_sizes: list[int],
@@ -88,7 +94,7 @@ class GraphBucketRunner:
                  qk_rope_dim: int = 64, rule: SelectRule = "max", warmup_iters: int = 1,
                  progress: bool = True, q_lens: tuple[int, ...] = (1,),
                  q_ladders: Mapping[int, BucketLadder] | None = None,
-                 max_table_changes: int | None = None) -> None:
+                 max_table_changes: int | None = None, copy_in_graph: bool = True) -> None:
         if ladder is None and max_model_len is None:
             raise ValueError("an eager runner (ladder=None) needs max_model_len")
         top = ladder.max_model_len if ladder is not None else max_model_len
@@ -111,8 +117,8 @@ class GraphBucketRunner:
         self.selector = GraphSelector(ladder or BucketLadder((Bucket(top, top),), top),
                                       batch_sizes, rule=rule, q_lens=q_lens,
                                       q_ladders=q_ladders)
-        self.graphs = None if ladder is None else GraphTable(self.selector, self.backend,
-                                                             spec.num_heads)
+        self.graphs = None if ladder is None else GraphTable(
+            self.selector, self.backend, spec.num_heads, copy_in_graph=copy_in_graph)
         max_q = self.selector.max_q_len
         self.buffers = StaticBuffers.allocate(
             spec, max_batch_size=self.selector.max_batch_size, max_q_len=max_q,
@@ -221,7 +227,11 @@ class GraphBucketRunner:
                                         host.seq_lens, host.q_len)
             eager = self.graphs is None or key is None
             buffers = self._buffers_for(host.batch_size) if eager else self.buffers
-            buffers.stage(host, host.batch_size if eager else key.batch_size)
+            # A graph copies its staging slot itself, unless device inputs must land after
+            # that copy (their copies are enqueued here).
+            in_graph = not eager and self.graphs.copy_in_graph and not host.device_inputs
+            slot = buffers.stage(host, host.batch_size if eager else key.batch_size,
+                                 in_graph=in_graph)
         except (TypeError, ValueError):
             self._errors += 1
             raise
@@ -231,7 +241,7 @@ class GraphBucketRunner:
             return self._run_eager(host, buffers)
         if key is None:
             return self._fallback(host, buffers)
-        self.graphs.replay(key)
+        self.graphs.replay(key, slot if in_graph else None)
         self._replays[key] += 1
         return self._outputs[host.batch_size * host.q_len]
 

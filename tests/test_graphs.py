@@ -89,6 +89,46 @@ def test_hint_one_graph_replays_one_split_at_a_long_live_length(device, monkeypa
     assert rel_l2(buffers.output[:1], want) < (1e-2 if device == "cuda" else 1e-5)
 
 
+def test_a_slot_graph_copies_the_slot_its_stage_filled(device):
+    table, buffers = make_table(device)
+    model = ToyMLA(device=device)
+    table.capture(model, buffers, sm_scale=SM_SCALE, progress=False)
+    validate, rng = BatchValidator(buffers.spec), np.random.default_rng(4)
+    top = LADDER.max_model_len
+    slots = []
+    for lens in ([40], [7, top], [1], [top, 0], [129, 3]):
+        batch = toy_batch(lens, rng=rng)
+        host = validate(batch)
+        key = table.selector.key_for(host.batch_size, host.min_len, host.max_len,
+                                     host.seq_lens, host.q_len)
+        before = buffers.seq_lens.clone()
+        slot = buffers.stage(host, key.batch_size, in_graph=True)
+        slots.append(slot)
+        assert torch.equal(buffers.seq_lens, before), "an in-graph stage copied seq_info"
+        table.replay(key, slot)
+        assert buffers.seq_lens[:len(lens)].tolist() == lens
+        want = toy_reference(model, batch, sm_scale=SM_SCALE, device=device)
+        assert rel_l2(buffers.output[:len(lens)], want) < (1e-2 if device == "cuda" else 1e-5)
+    assert slots == [0, 1, 0, 1, 0]
+    # The graph without a copy replays what a copying stage put there.
+    batch = toy_batch([77], rng=rng)
+    buffers.stage(validate(batch), 1)
+    table.replay(table.selector.key(1, 1))
+    want = toy_reference(model, batch, sm_scale=SM_SCALE, device=device)
+    assert rel_l2(buffers.output[:1], want) < (1e-2 if device == "cuda" else 1e-5)
+
+
+def test_without_copy_in_graph_only_the_plain_graphs_are_captured():
+    be = backend()
+    table = GraphTable(GraphSelector(LADDER, SIZES), be, 16, copy_in_graph=False)
+    buffers = StaticBuffers.allocate(toy_spec(), max_batch_size=max(SIZES),
+                                     workspace=be.workspace_spec(table.plans.values()))
+    summary = table.capture(ToyMLA(), buffers, sm_scale=SM_SCALE, progress=False)
+    assert summary.staging_slots == 0 and "copying" not in summary.describe()
+    with pytest.raises(IndexError):
+        table.replay(table.selector.key(1, 0), 0)
+
+
 def test_progress_lines_and_log_line(capsys, caplog):
     table, buffers = make_table("cpu")
     with caplog.at_level(logging.INFO, logger="graphbucket.graphs"):
@@ -98,6 +138,7 @@ def test_progress_lines_and_log_line(capsys, caplog):
     assert len(lines) == n and f"capturing {n}/{n}" in lines[-1] and "bs=2 splits=1" in lines[0]
     (line,) = [r.getMessage() for r in caplog.records]
     assert f"captured {n} graphs ({summary.graphs_aliased} aliased keys)" in line
+    assert f"+ {n * 2} copying a staging slot" in line and summary.staging_slots == 2
     assert summary.pool_bytes == sum(r.nbytes for r in table.records)
 
 
@@ -145,7 +186,9 @@ def test_a_forward_fault_at_the_kth_graph_releases_every_graph_and_names_the_key
     assert plan.describe() in str(err.value)
     keys = [k for k, p in table.plans.items() if (k.batch_size, p) == (bs, plan)]
     assert all(str(k) in str(err.value) for k in keys)
-    assert len(made) == 2 and all(g._body is None for g in made)  # both earlier graphs reset
+    # Both earlier plans' graphs reset: each without a copy and once per staging slot.
+    assert len(made) == 2 * (1 + buffers.num_staging_slots)
+    assert all(g._body is None for g in made)
     assert table.summary is None and table.records == []
     with pytest.raises(KeyError):
         table.replay(keys[0])

@@ -450,9 +450,11 @@ def _fill_device(leave: int) -> list[torch.Tensor]:
 
 
 class FaultAtGraph:
-    """The model, failing inside the capture of the ``k``-th graph: ``"raise"`` raises from
-    the forward; ``"oom"`` fills the device at that graph's warm-up, then asks for 256 MiB
-    inside the capture (more than the filled device has left, and than the shared pool holds)."""
+    """The model, failing inside the first capture of the ``k``-th graph (a plan's graphs
+    share one warm-up, then capture without a copy and once per staging slot): ``"raise"``
+    raises from the forward; ``"oom"`` fills the device at that graph's warm-up, then asks
+    for 256 MiB inside the capture (more than the filled device has left, and than the
+    shared pool holds)."""
 
     def __init__(self, model, k: int, mode: str) -> None:
         self.model, self.k, self.mode = model, k, mode
@@ -466,11 +468,12 @@ class FaultAtGraph:
         else:
             self.warmups += 1
         out = self.model(ctx)
-        if self.mode == "raise" and capturing and self.captures == self.k:
+        at_k = self.warmups == self.k  # the k-th graph warmed up: its captures follow
+        if self.mode == "raise" and capturing and at_k:
             raise RuntimeError("injected forward fault")
-        if self.mode == "oom" and not capturing and self.warmups == self.k:
+        if self.mode == "oom" and not capturing and at_k:
             self.filler = _fill_device(leave=64 << 20)
-        if self.mode == "oom" and capturing and self.captures == self.k:
+        if self.mode == "oom" and capturing and at_k:
             extra = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
             out = out + extra[:1].float().sum().to(out.dtype) * 0
         return out
@@ -504,7 +507,7 @@ def test_gpu_capture_fault_releases_every_graph_and_a_new_runner_replays(gpu_mod
         runner.capture()
     want = RuntimeError if mode == "raise" else torch.cuda.OutOfMemoryError
     assert any(isinstance(e, want) for e in _chain(err.value.__cause__)), _chain(err.value)
-    assert faulty.captures == 3
+    assert faulty.warmups == 3 and faulty.captures == 2 * (1 + runner.buffers.num_staging_slots) + 1
     faulty.filler.clear()
     del err
     gc.collect()

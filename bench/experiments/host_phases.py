@@ -141,9 +141,9 @@ def wall_split(runner, traj, steps: int, cuda: bool, idle: str = "", idle_ms: fl
         key = selector.key_for(host.batch_size, host.min_len, host.max_len, host.seq_lens,
                                host.q_len)
         t3 = clock()
-        buffers.stage(host, key.batch_size)
+        slot = buffers.stage(host, key.batch_size, in_graph=graphs.copy_in_graph)
         t4 = clock()
-        graphs.replay(key)
+        graphs.replay(key, slot if graphs.copy_in_graph else None)
         t5 = clock()
         for name, a, b in zip(names, (t0, t1, t2, t3, t4, t0), (t1, t2, t3, t4, t5, t5),
                               strict=True):
