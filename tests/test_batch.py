@@ -86,6 +86,27 @@ def test_validator_splits_host_and_device_inputs_and_matches_check():
     assert (again.min_len, again.max_len) == (host.min_len, host.max_len) == (7, 40)
 
 
+def test_a_host_input_passed_again_is_read_afresh_and_a_resized_one_is_checked():
+    validate = BatchValidator(SPEC)
+    rng = np.random.default_rng(11)
+    hidden = torch.from_numpy(rng.standard_normal((2, HIDDEN)).astype(np.float32))
+    first = validate(batch(hidden=hidden)).host_inputs[0][1]
+    np.testing.assert_array_equal(first, hidden.numpy())
+    hidden.copy_(torch.from_numpy(rng.standard_normal((2, HIDDEN)).astype(np.float32)))
+    again = validate(batch(hidden=hidden)).host_inputs[0][1]  # the same tensor, new values
+    np.testing.assert_array_equal(again, hidden.numpy())
+    other = torch.from_numpy(rng.standard_normal((2, HIDDEN)).astype(np.float32))
+    np.testing.assert_array_equal(validate(batch(hidden=other)).host_inputs[0][1],
+                                  other.numpy())
+    hidden.resize_(1, HIDDEN)  # same storage and data pointer, one row fewer
+    with pytest.raises(ValueError, match=rf"inputs\['hidden'\] has shape \(1, {HIDDEN}\)"):
+        validate(batch(hidden=hidden))
+    one = validate(batch(lens=(40,), table=np.arange(3, dtype=np.int32).reshape(1, 3),
+                         hidden=hidden)).host_inputs[0][1]
+    assert one.shape == (1, HIDDEN)
+    np.testing.assert_array_equal(one, hidden.numpy())
+
+
 def test_wide_tables_are_checked_only_over_live_columns():
     # Columns past the longest request's pages are never staged, so never checked.
     table = np.full((2, 20), 10_000, np.int32)
