@@ -114,6 +114,10 @@ class _StagingSlot:
     inputs: dict[str, np.ndarray]  # viewed as numpy_view_dtype (raw bits where numpy has none)
     # External: recorded inside a captured graph, it becomes an event node of that graph.
     event: torch.cuda.Event | None
+    # Recorded by a stage that copies (torch.Event records on the current stream in C++,
+    # a cheaper call than torch.cuda.Event's); ``pending`` is whichever was recorded last.
+    host_event: torch.Event | None = None
+    pending: torch.Event | torch.cuda.Event | None = None
     in_flight: bool = False
     live_rows: int = 0
     live_tokens: int = 0
@@ -184,7 +188,8 @@ def _staging_slot(segments: dict[str, _Segment], nbytes: int, device: torch.devi
     return _StagingSlot(arena, views["seq_lens"].numpy(), views["positions"].numpy(),
                         table.numpy(), table, views["change_index"].numpy(),
                         views["change_value"].numpy(), sink, inputs,
-                        torch.cuda.Event(external=True) if pin else None)
+                        torch.cuda.Event(external=True) if pin else None,
+                        torch.Event(device) if pin else None)
 
 
 def _table_views(flat: torch.Tensor, max_bs: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -300,8 +305,11 @@ class StaticBuffers:
         for name, t in batch.device_inputs:
             self.inputs[name][:tokens].copy_(t, non_blocking=True)
         if event is not None:
-            if not in_graph:
-                event.record()
+            if in_graph:
+                slot.pending = event  # recorded by the graph
+            else:
+                slot.pending = slot.host_event
+                slot.host_event.record()
             slot.in_flight = True
         return index
 
@@ -374,9 +382,9 @@ class StaticBuffers:
         slot = self._slots[index]
         self._next_slot = index + 1 if index + 1 < len(self._slots) else 0
         if slot.in_flight:
-            if not slot.event.query():
+            if not slot.pending.query():
                 self.staging_waits += 1
-                slot.event.synchronize()  # its copy has not landed: rewriting it would race
+                slot.pending.synchronize()  # its copy has not landed: rewriting it would race
             slot.in_flight = False
         return index, slot
 
