@@ -518,7 +518,6 @@ def run(cfg: Config, steps: int) -> dict:
                                       "pool_bytes")},
         "pool_bytes_single_bucket": single_rec["pool_bytes"],
         "graphs_captured_single_bucket": single_rec["graphs_captured"],
-        "slot_copy": runner.buffers.slot_copy_kind,
         "syncs_on_replay": syncs,
         "replay_steps": len(batches),
         "staging_waits_while_counting_syncs": sync_waits,
@@ -560,7 +559,6 @@ def markdown(result: dict) -> str:
         ("capture seconds", f"{result['capture_s']:.2f}"),
         ("pool MiB (ladder / one bucket)", f"{result['pool_bytes'] / 2**20:.1f} / "
          f"{result['pool_bytes_single_bucket'] / 2**20:.1f} (x{t['pool_ratio']}, target <= 1.2)"),
-        ("a slot's graph starts with", result["slot_copy"]),
         ("syncs on replay", f"{result['syncs_on_replay']} in {result['replay_steps']} steps "
          "(target 0)"),
         ("host step us median / p90 (random batches)", f"{result['step_host_us_median']} / "
