@@ -93,7 +93,7 @@ from graphbucket.tuning.shipped import KV_CACHE_FORMATS, SPARSE_DECODER  # noqa:
 
 CONTEXTS = tuning_contexts(131072)  # with --max-model-len other than this: its own grid
 CAPTURE_SIZES = [1, 2, 4, 8, 16, 32, 64, 128]  # the runner's capture sizes by default
-REFINE = 8  # most contexts added where the best split count changes
+REFINE = 24  # most contexts added where the best split count changes (each with its edge)
 
 
 def positive_int(text: str) -> int:

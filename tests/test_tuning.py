@@ -582,6 +582,17 @@ def test_refinement_adds_midpoints_only_where_the_best_split_count_changes():
     assert refine_contexts(table({64: 1, 65: 2}), 8) == []  # no integer between
 
 
+def test_refinement_goes_first_where_one_plan_cannot_serve_both_ends():
+    # Both gaps change the best split count; at the short one the two plans are within
+    # 1 % of each other at both ends, at the long one each loses 30 % at the other end.
+    times = {(c, 1, s): us for c, row in {
+        64: {1: 10.0, 4: 10.1}, 256: {1: 10.1, 4: 10.0},
+        4096: {4: 10.0, 16: 13.0}, 16384: {4: 13.0, 16: 10.0}}.items()
+        for s, us in row.items()}
+    assert refine_contexts(times, 1) == [8192]  # sqrt(4096 x 16384), though not the shorter
+    assert refine_contexts(times, 2) == [128, 8192]
+
+
 def test_dry_run_counts_measurements_for_every_capture_size(capsys):
     script = _tune_script()
     script.main(["--dry-run", "--heads", "16"])

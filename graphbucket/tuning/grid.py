@@ -145,19 +145,37 @@ def plans_to_measure(batches: Iterable[int], plan_for: PlanFn, hints: Iterable[i
 
 def refine_contexts(times: TimeTable, max_new: int) -> list[int]:
     """Contexts to measure next: the geometric midpoint of each pair of neighbouring
-    measured contexts where some batch's best split counts change, at most ``max_new``,
-    widest gaps first (ties: the shorter). The ladder is exact at measured contexts only,
-    so the grid is made dense only where the choice changes."""
+    measured contexts where some batch's best split counts change, at most ``max_new``.
+    The gaps where it matters most go first: those where neither end's best plan is close
+    to the best at the other end (``_crossing_cost``), then the widest (ties: the
+    shorter). The ladder is exact at measured contexts only, so the grid is made dense
+    only where the choice changes."""
     table = TimingTable(times)
     gaps = []
     for lo, hi in itertools.pairwise(table.contexts):
         mid = round(math.sqrt(lo * hi))
         if not lo < mid < hi:
             continue
-        if any(variant_split_counts(table.oracle[(lo, b)][0]) != variant_split_counts(
-                table.oracle[(hi, b)][0]) for b in table.batches):
-            gaps.append((-hi / lo, mid))
-    return sorted(mid for _, mid in sorted(gaps)[:max_new])
+        changed = [b for b in table.batches
+                   if variant_split_counts(table.oracle[(lo, b)][0])
+                   != variant_split_counts(table.oracle[(hi, b)][0])]
+        if changed:
+            cost = max(_crossing_cost(table, lo, hi, b) for b in changed)
+            gaps.append((-cost, -hi / lo, mid))
+    return sorted(mid for *_, mid in sorted(gaps)[:max_new])
+
+
+def _crossing_cost(table: TimingTable, lo: int, hi: int, batch: int) -> float:
+    """Over the two ends' best plans, the smaller of each one's worst ratio to the best at
+    either end: what one bound-free bucket over [lo, hi] would lose at its ends (inf when a
+    plan was not timed at the other end)."""
+    worst = []
+    for end in (lo, hi):
+        plan = table.oracle[(end, batch)][0]
+        ratios = [table.by_shape[(c, batch)].get(plan, math.inf) / table.oracle[(c, batch)][1]
+                  for c in (lo, hi)]
+        worst.append(max(ratios))
+    return min(worst)
 
 
 def edge_contexts(contexts: Iterable[int], max_model_len: int) -> list[int]:
