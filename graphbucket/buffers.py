@@ -287,6 +287,10 @@ class StaticBuffers:
         bs = batch.batch_size
         assert bs <= padded_bs <= self.max_batch_size, (bs, padded_bs, self.max_batch_size)
         assert batch.q_len <= self.max_q_len, (batch.q_len, self.max_q_len)
+        if in_graph and batch.device_inputs:
+            raise ValueError("a batch with device inputs cannot leave its copy to the graph: "
+                             "the graph's copy would land after the inputs' device copies "
+                             "and overwrite them; stage it with in_graph=False")
         index, slot = self._acquire_slot()
         slot.fill(batch, padded_bs)
         event = slot.event

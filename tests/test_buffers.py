@@ -149,6 +149,9 @@ def test_staging_memory_is_pinned_and_device_inputs_copy_directly():
     torch.cuda.synchronize()
     assert torch.equal(buf.inputs["hidden"][:2], batch.inputs["hidden"])
     assert not buf.inputs["hidden"][2:].any()
+    # A graph's own copy would overwrite them: refused before anything is staged.
+    with pytest.raises(ValueError, match="device inputs cannot leave its copy to the graph"):
+        buf.stage(host, padded_bs=4, in_graph=True)
 
 
 def _expected_seq_info(host, padded_bs: int) -> dict[str, np.ndarray]:
