@@ -367,18 +367,20 @@ class StaticBuffers:
     def _prefix_views(self, padded_bs: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         # Arena prefix that holds rows [0, padded_bs) of every seq_info tensor (block_table
         # is laid out last; 0: none of it); cached per size so a step slices nothing.
-        nbytes = self._bt_offset + padded_bs * self.block_table.stride(0) * 4
-        views = (self._arena[:nbytes], [slot.arena[:nbytes] for slot in self._slots])
-        self._prefixes[padded_bs] = views
-        return views
+        return self._span_views(self._prefixes, padded_bs, 0)
 
     def _row_views(self, padded_bs: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         # Block-table rows [0, padded_bs) alone, the part of a full-table stage that a
         # graph's own copy (the prefix before the table) leaves out.
-        lo = self._bt_offset
-        hi = lo + padded_bs * self.block_table.stride(0) * 4
+        return self._span_views(self._rows, padded_bs, self._bt_offset)
+
+    def _span_views(self, cache: dict, padded_bs: int, lo: int
+                    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(device arena, every slot's arena) over bytes [lo, end of table row padded_bs),
+        cached in ``cache`` under ``padded_bs``."""
+        hi = self._bt_offset + padded_bs * self.block_table.stride(0) * 4
         views = (self._arena[lo:hi], [slot.arena[lo:hi] for slot in self._slots])
-        self._rows[padded_bs] = views
+        cache[padded_bs] = views
         return views
 
     def _acquire_slot(self) -> tuple[int, _StagingSlot]:
