@@ -134,11 +134,11 @@ for step in $steps; do
                > "$R/sweep.log" 2>&1; tail -60 "$R/sweep.log" ;;
     fp8) timeout 300 python3 bench/fp8_sweep.py --out "$R" --ab ${FP8_AB:-} > "$R/fp8.log" 2>&1
          tail -40 "$R/fp8.log" ;;
-    balancedseesaw) timeout 200 python3 -m pytest -q tests/test_seesaw.py -m gpu \
+    balancedseesaw) timeout 300 python3 -m pytest -q tests/test_seesaw.py -m gpu \
                       -p no:cacheprovider > "$R/balanced-seesaw-tests.log" 2>&1
                     tail -3 "$R/balanced-seesaw-tests.log"
                     for h in ${SEESAW_HEADS:-128 16}; do
-                      timeout 240 python3 bench/experiments/balanced_seesaw.py --heads "$h" \
+                      timeout 300 python3 bench/experiments/balanced_seesaw.py --heads "$h" \
                         --out "$R" > "$R/balanced-seesaw-h$h.log" 2>&1
                       tail -36 "$R/balanced-seesaw-h$h.log"; pack
                     done ;;

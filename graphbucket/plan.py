@@ -138,6 +138,10 @@ class LaunchPlan:
     # Split plans: stage 1 by the Gluon seesaw kernel (64 rows, two warpgroups) where the
     # launch's inputs allow it (``kernels.launch.runs_seesaw``), else the Triton kernel.
     seesaw: bool = False
+    # Balanced seesaw plans: each persistent program takes an equal range of the step's
+    # tiles across request boundaries (one partial per request it meets) instead of one
+    # program per chunk of a request.
+    tile_ranges: bool = False
     # How stage 1 streams an fp8 cache (tile, warps, dequantization); unused otherwise.
     fp8: Fp8Stream = Fp8Stream()
 
@@ -200,7 +204,8 @@ class LaunchPlan:
         if self.balanced:
             return (f"balanced programs={self.persistent_programs} grid={self.grid} "
                     f"block_h={self.block_h} block_n={self.block_n}{self._layout}"
-                    f"{' seesaw' if self.seesaw else ''} min_chunk={self.min_chunk_tiles} "
+                    f"{' seesaw' if self.seesaw else ''}{' ranges' if self.tile_ranges else ''}"
+                    f" min_chunk={self.min_chunk_tiles} "
                     f"+merge(bs={self.merge_block_s}){fp8}")
         stage2 = f"+merge(bs={self.merge_block_s})" if self.use_stage2 else " one-split"
         if self.merges_in_stage1:
@@ -346,6 +351,7 @@ def plan_balanced_mla_decode(
     programs: int | None = None,
     min_chunk_tiles: int | None = None,
     stream: StreamConfig | None = None,
+    tile_ranges: bool = False,
 ) -> LaunchPlan:
     """Plan balanced split-KV decode for ``batch_size`` requests of any lengths.
 
@@ -358,14 +364,22 @@ def plan_balanced_mla_decode(
     64-row programs (the default from 64 heads, SEESAW_STREAM) run stage 1 by the Gluon
     seesaw, one program per work item, where ``kernels.launch.runs_seesaw`` holds (else the
     Triton kernel runs the same plan); ``stream=ROWS_STREAM`` keeps the Triton stage 1.
+    ``tile_ranges`` (64-row programs only): the seesaw runs one persistent program per SM
+    (``programs`` defaults to num_sms / head blocks), each over an equal range of the
+    step's tiles across request boundaries; where the seesaw cannot run, the Triton
+    kernel runs the plan's chunks.
     """
     _check_positive(batch_size=batch_size, num_heads=num_heads, num_sms=num_sms)
     block_h = stream.block_h if stream is not None and stream.block_h else \
         head_block_size(num_heads)
     head_blocks = cdiv(num_heads, block_h)
     stream = stream or stream_config(batch_size * head_blocks, num_sms, block_h)
+    if tile_ranges and not (stream.seesaw and block_h == 64):
+        raise ValueError(f"tile_ranges needs the seesaw's 64-row programs (block_h 64, "
+                         f"seesaw stream); got block_h {block_h}, seesaw {stream.seesaw}")
     if programs is None:
-        programs = max(1, stream.ctas_per_sm * num_sms // head_blocks)
+        per_sm = 1 if tile_ranges else stream.ctas_per_sm  # the seesaw fills an SM's smem
+        programs = max(1, per_sm * num_sms // head_blocks)
     if min_chunk_tiles is None:
         min_chunk_tiles = stream.min_tiles_per_split
     _check_positive(programs=programs, min_chunk_tiles=min_chunk_tiles)
@@ -376,4 +390,4 @@ def plan_balanced_mla_decode(
     return _plan(batch_size, num_heads, block_h, stream, kv_lora_rank, qk_rope_dim,
                  num_kv_splits=1, merge_block_s=merge_block_s(items_per_request),
                  persistent_programs=programs, min_chunk_tiles=min_chunk_tiles,
-                 seesaw=stream.seesaw)
+                 seesaw=stream.seesaw, tile_ranges=tile_ranges)

@@ -1,4 +1,5 @@
-"""Compile the Gluon seesaw stage 1 (split-KV, and over balanced work items) for sm_90
+"""Compile the Gluon seesaw stage 1 (split-KV, over balanced work items, and over tile
+ranges) for sm_90
 without a GPU and print what each asks for, as one JSON line (run by tests/test_seesaw.py
 in a process without Triton's interpreter):
 
@@ -21,20 +22,24 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
 
-from graphbucket.kernels import seesaw
+from graphbucket.kernels import seesaw, seesaw_balanced
 
 POINTERS = {"BLOCK_TABLE": "*i32", "SEQ_LENS": "*i32", "OUT": "*bf16", "LSE": "*fp32",
             "PART_O": "*fp32", "PART_LSE": "*fp32", "ITEM_INDPTR": "*i32",
-            "CHUNK_TILES": "*i32"}
+            "CHUNK_TILES": "*i32", "TILE_INDPTR": "*i32", "RANGE_TILES": "*i32"}
 
 
-def compile_stage1(balanced: bool = False):
-    """The split-KV seesaw, or (``balanced``) the one over balanced work items."""
+def compile_stage1(balanced: bool = False, ranges: bool = False):
+    """The split-KV seesaw, or the one over balanced work items (``balanced``) or over tile
+    ranges (``ranges``)."""
     q = torch.zeros(2, 128, 576, dtype=torch.bfloat16)
     cache = torch.zeros(8, 64, 576, dtype=torch.bfloat16)
     descriptors = dict(zip(("q_desc", "kv_desc"), seesaw.descriptors(q, cache), strict=True))
-    if balanced:
-        kernel = seesaw.seesaw_balanced_stage1_kernel
+    if ranges:
+        kernel = seesaw_balanced.seesaw_range_stage1_kernel
+        constants = {"PAGE_SIZE": 64, "BLOCK_B": 128}
+    elif balanced:
+        kernel = seesaw_balanced.seesaw_balanced_stage1_kernel
         constants = {"PAGE_SIZE": 64, "BLOCK_B": 128}
     else:
         kernel = seesaw.seesaw_stage1_kernel
@@ -63,12 +68,15 @@ def main() -> None:
     args = parser.parse_args()
     compiled = compile_stage1()
     balanced = compile_stage1(balanced=True)
+    ranges = compile_stage1(ranges=True)
     if args.dump:
         args.dump.mkdir(parents=True, exist_ok=True)
         for kind in ("ttgir", "ptx"):
             (args.dump / f"seesaw.{kind}").write_text(compiled.asm[kind])
             (args.dump / f"seesaw-balanced.{kind}").write_text(balanced.asm[kind])
-    print(json.dumps({**summary(compiled), "balanced": summary(balanced)}))
+            (args.dump / f"seesaw-ranges.{kind}").write_text(ranges.asm[kind])
+    print(json.dumps({**summary(compiled), "balanced": summary(balanced),
+                      "ranges": summary(ranges)}))
 
 
 def summary(compiled) -> dict:

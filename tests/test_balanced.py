@@ -18,9 +18,15 @@ from graphbucket import GraphBucketRunner, get_backend
 from graphbucket.backends.triton import TritonBackend
 from graphbucket.kernels import SplitWorkspace, mla_decode, mla_decode_balanced
 from graphbucket.kernels.launch import tile_tokens
-from graphbucket.kernels.launch_balanced import launch_item_planner
+from graphbucket.kernels.launch_balanced import launch_item_planner, launch_range_planner
 from graphbucket.plan import LaunchPlan, cdiv, plan_balanced_mla_decode, plan_mla_decode
-from graphbucket.plan_streams import LONG_PAGE_AHEAD, LONG_STREAM, TOKEN_STREAM, WIDE_STREAM
+from graphbucket.plan_streams import (
+    LONG_PAGE_AHEAD,
+    LONG_STREAM,
+    SEESAW_STREAM,
+    TOKEN_STREAM,
+    WIDE_STREAM,
+)
 from graphbucket.reference import mla_decode_reference
 from tests._toy import LADDER, ToyMLA, toy_batch, toy_reference, toy_spec
 from tests.kernel_cases import DecodeCase, make_case, rel_l2
@@ -170,6 +176,86 @@ def test_item_planner_scans_batches_wider_than_one_block():
                         block_n=32)
     indptr, chunk = python_partition(lens, 32, 50, 2)
     assert ws.item_indptr.tolist() == indptr and int(ws.chunk_tiles.item()) == chunk
+
+
+def python_ranges(lens: list[int], programs: int, min_tiles: int
+                  ) -> tuple[list[int], list[int], int]:
+    """tile_indptr, item_indptr and the tiles per range as the range planner must compute
+    them (64-token tiles)."""
+    tiles = [cdiv(n, 64) for n in lens]
+    per = max(min_tiles, cdiv(sum(tiles), programs))
+    tile_indptr, item_indptr = [0], [0]
+    for t in tiles:
+        first, last = tile_indptr[-1], tile_indptr[-1] + t
+        tile_indptr.append(last)
+        item_indptr.append(item_indptr[-1] + ((last - 1) // per - first // per + 1 if t else 0))
+    return tile_indptr, item_indptr, per
+
+
+def range_segments(lens: list[int], programs: int, min_tiles: int
+                   ) -> list[tuple[int, int, int, int]]:
+    """The seesaw's walk over its tile ranges, as the kernel does it: per program, each
+    (request, first token, end token, partial slot) it runs."""
+    tile_indptr, item_indptr, per = python_ranges(lens, programs, min_tiles)
+    out = []
+    for p in range(programs):
+        t, last = p * per, min(p * per + per, tile_indptr[-1])
+        while t < last:
+            b = sum(end <= t for end in tile_indptr[1:])  # the kernel's owner search
+            seg_last = min(last, tile_indptr[b + 1])
+            out.append((b, (t - tile_indptr[b]) * 64,
+                        min((seg_last - tile_indptr[b]) * 64, lens[b]),
+                        item_indptr[b] + p - tile_indptr[b] // per))
+            t = seg_last
+    return out
+
+
+@pytest.mark.host
+def test_tile_ranges_cover_every_token_once_and_each_partial_slot_once():
+    rng = random.Random(11)
+    for _ in range(300):
+        lens = [rng.choice([0, 1, 63, 64, 65, rng.randint(1, 9000)])
+                for _ in range(rng.randint(1, 40))]
+        programs, min_tiles = rng.randint(1, 140), rng.randint(1, 4)
+        _, item_indptr, _ = python_ranges(lens, programs, min_tiles)
+        segments = range_segments(lens, programs, min_tiles)
+        slots = sorted(s for *_, s in segments)
+        assert slots == list(range(item_indptr[-1])), (lens, programs)
+        assert item_indptr[-1] <= programs + sum(n > 0 for n in lens)
+        for b, n in enumerate(lens):  # a request's segments: its slots, its tokens in order
+            mine = sorted((s, lo, hi) for r, lo, hi, s in segments if r == b)
+            assert [s for s, *_ in mine] == list(range(item_indptr[b], item_indptr[b + 1]))
+            bounds = [x for _, lo, hi in mine for x in (lo, hi)]
+            assert bounds == sorted(bounds) and (bounds[:1], bounds[-1:]) == (
+                ([0], [n]) if n else ([], [])), (lens, programs, b)
+            assert all(bounds[i] == bounds[i + 1] for i in range(1, len(bounds) - 1, 2))
+
+
+@pytest.mark.parametrize("lens, programs, min_tiles", [
+    ([1], 132, 2),
+    ([0, 0, 0], 4, 1),
+    ([131072] + [1024] * 63, 132, 2),
+    ([5000, 1, 0, 64, 65, 128], 7, 1),
+    ([64 * 9, 64 * 9 + 1, 64 * 9 - 1], 3, 2),
+])
+def test_range_planner_matches_python(lens, programs, min_tiles):
+    plan = plan_balanced_mla_decode(len(lens), HEADS, programs=programs, stream=SEESAW_STREAM,
+                                    min_chunk_tiles=min_tiles, tile_ranges=True, **DIMS)
+    ws = workspace_for(plan)
+    launch_range_planner(torch.tensor(lens, dtype=torch.int32, device=DEVICE), ws, plan=plan)
+    tile_indptr, item_indptr, per = python_ranges(lens, programs, min_tiles)
+    assert ws.tile_indptr.tolist() == tile_indptr and ws.item_indptr.tolist() == item_indptr
+    assert int(ws.chunk_tiles.item()) == per
+
+
+@pytest.mark.host
+def test_tile_ranges_are_planned_for_the_seesaws_programs_only():
+    plan = plan_balanced_mla_decode(8, 16, stream=SEESAW_STREAM, tile_ranges=True, num_sms=132)
+    assert plan.persistent_programs == 132 and plan.tile_ranges and "ranges" in plan.describe()
+    assert plan_balanced_mla_decode(8, 128, stream=SEESAW_STREAM, tile_ranges=True,
+                                    num_sms=132).persistent_programs == 66
+    with pytest.raises(ValueError, match="tile_ranges needs the seesaw"):
+        plan_balanced_mla_decode(8, 16, tile_ranges=True)
 
 
 # --- numerics -----------------------------------------------------------------------------
@@ -328,14 +414,14 @@ def test_one_workspace_serves_split_and_balanced_plans():
     ws = spec.allocate(DEVICE)
     assert all(ws.fits(p) for p in plans)
     tensors = (ws.partial_o, ws.partial_lse, ws.item_o, ws.item_lse, ws.item_indptr,
-               ws.chunk_tiles)
+               ws.chunk_tiles, ws.tile_indptr)
     assert spec.nbytes == sum(t.numel() * t.element_size() for t in tensors)
     balanced_only = balanced_backend.workspace_spec(plans[-2:])
     ws_b = balanced_only.allocate(DEVICE)
     assert ws_b.partial_o.numel() == 0 and all(ws_b.fits(p) for p in plans[-2:])
     assert balanced_only.nbytes == sum(t.numel() * t.element_size() for t in
                                        (ws_b.item_o, ws_b.item_lse, ws_b.item_indptr,
-                                        ws_b.chunk_tiles))
+                                        ws_b.chunk_tiles, ws_b.tile_indptr))
 
     c = case([300, 0, 41])
     for plan in (p for p in plans if p.batch_size == 3):

@@ -100,7 +100,8 @@ def test_seesaw_compiles_for_sm90_within_shared_memory():
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    for kernel in (report, report["balanced"]):  # split-KV, and over balanced work items
+    # Split-KV, over balanced work items, over tile ranges.
+    for kernel in (report, report["balanced"], report["ranges"]):
         assert kernel["shared_bytes"] <= 227 * 1024, report
         assert kernel["requested_registers"] == [240, 24], report
         assert kernel["wgmma"] > 0 and kernel["tma_copies"] > 0, report
@@ -111,10 +112,13 @@ def test_seesaw_compiles_for_sm90_within_shared_memory():
                                   [1, 31, 0, 4095, 128, 129], [20000, 3, 9000, 64] * 4,
                                   [100000] + [1024] * 31])
 @pytest.mark.parametrize("heads", [16, 64, 128])
-def test_gpu_balanced_seesaw_matches_float64(lens, heads, seeded):
+# ranges: None, one program per item; 0, tile ranges on one program per SM; 3, on 3.
+@pytest.mark.parametrize("ranges", [None, 0, 3])
+def test_gpu_balanced_seesaw_matches_float64(lens, heads, ranges, seeded):
     gen = torch.Generator().manual_seed(seeded)
     case = nan_tailed_case(lens, heads, gen)
-    plan = plan_balanced_mla_decode(len(lens), heads, stream=SEESAW_STREAM)
+    plan = plan_balanced_mla_decode(len(lens), heads, stream=SEESAW_STREAM,
+                                    tile_ranges=ranges is not None, programs=ranges or None)
     assert plan.seesaw and runs_seesaw(plan, case.q, case.kv_cache), plan.describe()
     sm_scale = default_sm_scale()
     ws = SplitWorkspace.allocate(len(lens), heads, 1, KV_LORA_RANK, "cuda",
@@ -128,13 +132,14 @@ def test_gpu_balanced_seesaw_matches_float64(lens, heads, seeded):
 
 
 @pytest.mark.gpu
-def test_gpu_balanced_seesaw_graph_repartitions_new_lengths(seeded):
+@pytest.mark.parametrize("ranges", [False, True])
+def test_gpu_balanced_seesaw_graph_repartitions_new_lengths(ranges, seeded):
     """Captured once, replayed with other lengths: the device partition follows them, and
     the result matches the Triton balanced kernel on the same lengths."""
     gen = torch.Generator().manual_seed(seeded)
     lens_a, lens_b = [9000, 64, 0, 1] * 2, [64, 30000, 300, 0] * 2
     case = nan_tailed_case([max(a, b) for a, b in zip(lens_a, lens_b, strict=True)], 128, gen)
-    plan = plan_balanced_mla_decode(len(lens_a), 128, stream=SEESAW_STREAM)
+    plan = plan_balanced_mla_decode(len(lens_a), 128, stream=SEESAW_STREAM, tile_ranges=ranges)
     ws = SplitWorkspace.allocate(len(lens_a), 128, 1, KV_LORA_RANK, "cuda",
                                  max_items=plan.max_work_items)
     out = torch.empty(len(lens_a), 128, KV_LORA_RANK, dtype=torch.bfloat16, device="cuda")
@@ -176,7 +181,10 @@ def test_seesaw_plans_below_64_heads_run_the_triton_64_row_kernel_where_gluon_ca
                                    kv_lora_rank=KV_LORA_RANK, sm_scale=0.1)
     split = plan_mla_decode(len(lens), heads, 200, stream=SEESAW_STREAM, num_sms=4)
     balanced = plan_balanced_mla_decode(len(lens), heads, stream=SEESAW_STREAM, num_sms=4)
-    for plan, decode in ((split, mla_decode), (balanced, mla_decode_balanced)):
+    ranges = plan_balanced_mla_decode(len(lens), heads, stream=SEESAW_STREAM, num_sms=4,
+                                      tile_ranges=True)
+    for plan, decode in ((split, mla_decode), (balanced, mla_decode_balanced),
+                         (ranges, mla_decode_balanced)):
         assert plan.block_h == 64 and plan.num_head_blocks == 1 and plan.seesaw
         assert not runs_seesaw(plan, case.q, case.kv_cache)
         ws = SplitWorkspace.allocate(len(lens), heads, plan.num_kv_splits, KV_LORA_RANK, "cpu",

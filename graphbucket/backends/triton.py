@@ -80,7 +80,7 @@ class SplitWorkspaceSpec:
         if self.max_items <= 0:
             return split
         items = 4 * self.max_items * self.num_heads * (self.kv_lora_rank + 1)
-        return split + items + 4 * (self.max_batch + 2)  # + item_indptr, chunk_tiles
+        return split + items + 4 * (2 * self.max_batch + 3)  # + the indptrs, chunk_tiles
 
     def allocate(self, device: torch.device | str) -> SplitWorkspace | None:
         if self.max_splits <= 1 and self.max_items <= 0:

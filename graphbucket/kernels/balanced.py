@@ -22,6 +22,11 @@ among short ones sets the step time; here every work item has about the same siz
    indptr[b] .. indptr[b + 1] of requests with two or more items, and writes zeros and
    LSE -inf for padding rows (no items); it leaves one-item requests alone, except after
    a stage 1 that writes every item as a partial (the Gluon seesaw's, ``MERGE_SINGLE``).
+
+Plans with ``tile_ranges`` cut the batch differently for the Gluon seesaw
+(``plan_tile_ranges_kernel``): each persistent program takes an equal range of the
+step's tiles across request boundaries, and a work item is a (request, program) segment.
+The merge is the same.
 """
 
 from __future__ import annotations
@@ -54,6 +59,45 @@ def plan_work_items_kernel(SEQ_LENS, ITEM_INDPTR, CHUNK_TILES, batch, num_progra
         items = tl.cdiv(tl.cdiv(lens, BLOCK_N), chunk_tiles)
         tl.store(ITEM_INDPTR + 1 + offs, carry + tl.cumsum(items, 0), mask=mask)
         carry += tl.sum(items, 0)
+
+
+@triton.jit
+def plan_tile_ranges_kernel(SEQ_LENS, TILE_INDPTR, ITEM_INDPTR, RANGE_TILES, batch,
+                            num_programs, BLOCK_N: tl.constexpr, MIN_RANGE_TILES: tl.constexpr,
+                            BLOCK_B: tl.constexpr):
+    """The partition of the Gluon seesaw over tile ranges: the batch's tiles in request
+    order, program p taking [p * per, (p + 1) * per) with per = max(MIN_RANGE_TILES,
+    cdiv(total, G)). A request's segments are the programs its tiles meet, in order, so its
+    partials are slots indptr[b] .. indptr[b + 1] as the balanced merge reads them::
+
+        tile_indptr = [0, tiles_0, tiles_0 + tiles_1, ...]
+        segments_b  = (tile_indptr[b + 1] - 1) // per - tile_indptr[b] // per + 1   (0 if empty)
+        item_indptr = [0, segments_0, segments_0 + segments_1, ...]
+
+    At most G + (live requests) - 1 segments: each program boundary inside a request adds
+    one."""
+    total_tiles = 0
+    for b0 in range(0, batch, BLOCK_B):
+        offs = b0 + tl.arange(0, BLOCK_B)
+        lens = tl.load(SEQ_LENS + offs, mask=offs < batch, other=0)
+        total_tiles += tl.sum(tl.cdiv(lens, BLOCK_N), 0)
+    per = tl.maximum(tl.cdiv(total_tiles, num_programs), MIN_RANGE_TILES)
+    tl.store(RANGE_TILES, per)
+    tl.store(TILE_INDPTR, 0)
+    tl.store(ITEM_INDPTR, 0)
+    tile_carry = 0
+    item_carry = 0
+    for b0 in range(0, batch, BLOCK_B):
+        offs = b0 + tl.arange(0, BLOCK_B)
+        mask = offs < batch
+        tiles = tl.cdiv(tl.load(SEQ_LENS + offs, mask=mask, other=0), BLOCK_N)
+        ends = tile_carry + tl.cumsum(tiles, 0)
+        starts = ends - tiles
+        segments = tl.where(tiles > 0, (ends - 1) // per - starts // per + 1, 0)
+        tl.store(TILE_INDPTR + 1 + offs, ends, mask=mask)
+        tl.store(ITEM_INDPTR + 1 + offs, item_carry + tl.cumsum(segments, 0), mask=mask)
+        tile_carry += tl.sum(tiles, 0)
+        item_carry += tl.sum(segments, 0)
 
 
 @triton.jit

@@ -36,7 +36,9 @@ class SplitWorkspace:
     Balanced plans (``max_items`` > 0) use the item buffers instead:
     item_o [max_items, num_heads, kv_lora_rank] and item_lse [max_items, num_heads]
     float32 partials, item_indptr [max_batch + 1] and chunk_tiles [1] int32 (the
-    device-side partition of the step).
+    device-side partition of the step), and tile_indptr [max_batch + 1] int32 (the
+    requests' first tiles, for plans over tile ranges; ``chunk_tiles`` then holds the
+    tiles per range).
     """
 
     partial_o: torch.Tensor
@@ -45,6 +47,7 @@ class SplitWorkspace:
     item_lse: torch.Tensor | None = None
     item_indptr: torch.Tensor | None = None
     chunk_tiles: torch.Tensor | None = None
+    tile_indptr: torch.Tensor | None = None
     merge_counters: torch.Tensor | None = None
 
     @classmethod
@@ -60,7 +63,9 @@ class SplitWorkspace:
                      "item_lse": torch.empty(max_items, num_heads, **f32),
                      "item_indptr": torch.zeros(max_batch + 1, dtype=torch.int32,
                                                 device=device),
-                     "chunk_tiles": torch.zeros(1, dtype=torch.int32, device=device)}
+                     "chunk_tiles": torch.zeros(1, dtype=torch.int32, device=device),
+                     "tile_indptr": torch.zeros(max_batch + 1, dtype=torch.int32,
+                                                device=device)}
         counters = torch.zeros(max_batch, num_heads, dtype=torch.int32, device=device)
         return cls(torch.empty(*shape, kv_lora_rank, **f32), torch.empty(*shape, **f32),
                    merge_counters=counters, **items)
@@ -72,7 +77,8 @@ class SplitWorkspace:
             return False
         if plan.balanced:
             return self.item_o is not None and plan.max_work_items <= self.item_o.shape[0] \
-                and plan.batch_size < self.item_indptr.shape[0]
+                and plan.batch_size < self.item_indptr.shape[0] \
+                and (not plan.tile_ranges or self.tile_indptr is not None)
         if plan.merges_in_stage1 and (self.merge_counters is None
                                  or self.merge_counters.shape[0] < plan.batch_size
                                  or self.merge_counters.shape[1] < plan.num_head_blocks):

@@ -12,6 +12,7 @@ import torch
 from graphbucket.kernels.balanced import (
     balanced_merge_kernel,
     balanced_stage1_kernel,
+    plan_tile_ranges_kernel,
     plan_work_items_kernel,
 )
 from graphbucket.kernels.launch import (
@@ -41,19 +42,25 @@ def mla_decode_balanced(q: torch.Tensor, kv_cache: torch.Tensor, block_table: to
     """``mla_decode`` for a balanced plan (``plan_balanced_mla_decode``): same arguments,
     same result; the workspace needs item buffers for ``plan.max_work_items`` items.
     Three launches on fixed grids: item planner, persistent stage 1 (the Gluon seesaw's,
-    one program per item, where the plan asks for it and ``runs_seesaw`` holds), merge."""
+    one program per item, or one per SM over tile ranges for ``plan.tile_ranges``, where
+    the plan asks for it and ``runs_seesaw`` holds), merge."""
     if not plan.balanced:
         raise ValueError(f"{plan.describe()} is a split-KV plan: launch it with mla_decode")
     if check:
         check_mla_decode_args(q, kv_cache, block_table, seq_lens, out, plan, workspace, lse,
                               kv_scale)
     block_n = kv_tile_tokens(plan, kv_cache)
-    launch_item_planner(seq_lens, workspace, plan=plan, block_n=block_n)
     seesaw = runs_seesaw(plan, q, kv_cache, kv_scale=kv_scale)
-    if seesaw:
+    if seesaw and plan.tile_ranges:
+        launch_range_planner(seq_lens, workspace, plan=plan)
+        launch_seesaw_range_stage1(q, kv_cache, block_table, seq_lens, workspace, plan=plan,
+                                   sm_scale=sm_scale)
+    elif seesaw:
+        launch_item_planner(seq_lens, workspace, plan=plan, block_n=block_n)
         launch_seesaw_balanced_stage1(q, kv_cache, block_table, seq_lens, workspace,
                                       plan=plan, sm_scale=sm_scale)
-    else:
+    else:  # the plan's chunks (of a range plan too) by the Triton stage 1
+        launch_item_planner(seq_lens, workspace, plan=plan, block_n=block_n)
         launch_balanced_stage1(q, kv_cache, block_table, seq_lens, out, workspace, plan=plan,
                                sm_scale=sm_scale, lse=lse, block_n=block_n, kv_scale=kv_scale)
     launch_balanced_merge(out, workspace, plan=plan, lse=lse, merge_single=seesaw)
@@ -106,11 +113,8 @@ def launch_seesaw_balanced_stage1(q: torch.Tensor, kv_cache: torch.Tensor,
     """Stage 1 by the Gluon seesaw over the step's items (unchecked; where ``runs_seesaw``
     holds): every item's partial into the workspace, for the merge to combine."""
     # Imported here: Gluon's sm_90 modules load only where the seesaw runs.
-    from graphbucket.kernels.seesaw import (
-        ROWS,
-        descriptors,
-        seesaw_balanced_stage1_kernel,
-    )
+    from graphbucket.kernels.seesaw import ROWS, descriptors
+    from graphbucket.kernels.seesaw_balanced import seesaw_balanced_stage1_kernel
 
     batch, heads, _ = q.shape
     q_desc, kv_desc = descriptors(q, kv_cache)
@@ -118,6 +122,37 @@ def launch_seesaw_balanced_stage1(q: torch.Tensor, kv_cache: torch.Tensor,
     seesaw_balanced_stage1_kernel[(-(-heads // ROWS.value), plan.max_work_items)](
         q_desc, kv_desc, block_table, seq_lens, workspace.item_indptr, workspace.chunk_tiles,
         part_o, part_lse, batch, heads, sm_scale * LOG2E,
+        block_table.stride(0), part_o.stride(0), part_o.stride(1), part_lse.stride(0),
+        PAGE_SIZE=kv_cache.shape[1], BLOCK_B=max(128, scan_block(batch)), num_warps=4)
+
+
+def launch_range_planner(seq_lens: torch.Tensor, workspace: SplitWorkspace, *,
+                         plan: LaunchPlan) -> None:
+    """Writes ``tile_indptr`` and ``item_indptr`` (``[:batch + 1]``) and the tiles per range
+    (``chunk_tiles``) from the live lengths: the seesaw's 64-token tiles."""
+    plan_tile_ranges_kernel[(1,)](
+        seq_lens, workspace.tile_indptr, workspace.item_indptr, workspace.chunk_tiles,
+        plan.batch_size, plan.persistent_programs,
+        BLOCK_N=64, MIN_RANGE_TILES=plan.min_chunk_tiles,
+        BLOCK_B=scan_block(plan.batch_size),
+    )
+
+
+def launch_seesaw_range_stage1(q: torch.Tensor, kv_cache: torch.Tensor,
+                               block_table: torch.Tensor, seq_lens: torch.Tensor,
+                               workspace: SplitWorkspace, *, plan: LaunchPlan,
+                               sm_scale: float) -> None:
+    """Stage 1 by the Gluon seesaw on persistent programs over tile ranges (unchecked;
+    where ``runs_seesaw`` holds): one partial per (request, program) segment."""
+    from graphbucket.kernels.seesaw import ROWS, descriptors
+    from graphbucket.kernels.seesaw_balanced import seesaw_range_stage1_kernel
+
+    batch, heads, _ = q.shape
+    q_desc, kv_desc = descriptors(q, kv_cache)
+    part_o, part_lse = workspace.item_o, workspace.item_lse
+    seesaw_range_stage1_kernel[(-(-heads // ROWS.value), plan.persistent_programs)](
+        q_desc, kv_desc, block_table, seq_lens, workspace.tile_indptr, workspace.item_indptr,
+        workspace.chunk_tiles, part_o, part_lse, batch, heads, sm_scale * LOG2E,
         block_table.stride(0), part_o.stride(0), part_o.stride(1), part_lse.stride(0),
         PAGE_SIZE=kv_cache.shape[1], BLOCK_B=max(128, scan_block(batch)), num_warps=4)
 

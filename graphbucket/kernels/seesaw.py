@@ -29,8 +29,8 @@ Shared memory: Q 72 KB + two tiles 144 KB + row statistics 3 KB: 219 KB (of 227)
 The grid is (head blocks, batch, splits): a request's head blocks read its pages side by
 side, the second from L2. Same split formula and partials as the Triton stage 1
 (``tiles.split_range``, BLOCK_N 64), so the Triton merge kernel combines the splits.
-``seesaw_balanced_stage1_kernel`` runs the same partitions over balanced work items
-instead of splits (one long request among short ones), merged by the balanced merge.
+``kernels/seesaw_balanced.py`` runs the same partitions over balanced work items instead
+of splits (one long request among short ones), merged by the balanced merge.
 Requirements (``launch.runs_seesaw``): sm_90, bf16 q and cache, 64-token pages, heads a
 multiple of 64 or fewer than 64 (one program's 64 rows then hold the request's heads and
 rows no one stores: the wgmma's M is 64 whatever the head count), q contiguous. Value
@@ -72,7 +72,9 @@ B_FREE_CROSS = gl.constexpr(21)  # + slot: the other half and the rope box (then
 B_MA = gl.constexpr(23)
 B_PB = gl.constexpr(24)
 B_PA = gl.constexpr(25)
-NUM_BARRIERS = gl.constexpr(26)
+B_QFREE = gl.constexpr(26)       # both warpgroups' last QK of a range's segment is done:
+                                 # the loader may bring the next request's Q (count 2)
+NUM_BARRIERS = gl.constexpr(27)
 BOX_BYTES = gl.constexpr(64 * 64 * 2)
 # Row-statistics slots (float32 [64] each), two sets: step s uses set s % 2, so a
 # warpgroup one step ahead never overwrites what the other has still to read.
@@ -95,8 +97,10 @@ def _load_boxes(kv_desc, row, kv_s, bars, slot, FIRST: gl.constexpr, COUNT: gl.c
 
 
 @gluon.jit
-def _loader(q_desc, kv_desc, bt_row, q_s, kv_s, bars, q_row, start, end, num_steps,
-            PAGE_SIZE: gl.constexpr):
+def tile_loader(q_desc, kv_desc, bt_row, q_s, kv_s, bars, q_row, start, end, num_steps,
+            PAGE_SIZE: gl.constexpr, g0=0):
+    """Q, then the tiles of tokens [start, end) in steps of two. ``g0``: the steps this
+    program ran before (a range's earlier segments), which set the barrier phases."""
     mbarrier.expect(bars.index(B_Q), TILE_BYTES)
     for c in gl.static_range(CHUNKS):
         tma_async_load(q_desc, [q_row, c * BOX], bars.index(B_Q), q_s.index(c))
@@ -108,20 +112,21 @@ def _loader(q_desc, kv_desc, bt_row, q_s, kv_s, bars, q_row, start, end, num_ste
         row_a = gl.load(bt_row + tok_a // PAGE_SIZE) * PAGE_SIZE + tok_a % PAGE_SIZE
         row_b = gl.load(bt_row + tok_b // PAGE_SIZE, mask=tok_b < end, other=0) * PAGE_SIZE \
             + tok_b % PAGE_SIZE
+        g = g0 + step
         # In the order the parts are released: tile A after both warpgroups' first PV, then
         # B's left half and rope box (WG0's second PV), then B's right half (WG1's).
-        if step > 0:
-            mbarrier.wait(bars.index(B_FREE_OWN + 0), (step - 1) & 1)
+        if g > 0:
+            mbarrier.wait(bars.index(B_FREE_OWN + 0), (g - 1) & 1)
         _load_boxes(kv_desc, row_a, kv_s, bars, 0, 0, HALF_CHUNKS)
-        if step > 0:
-            mbarrier.wait(bars.index(B_FREE_CROSS + 0), (step - 1) & 1)
+        if g > 0:
+            mbarrier.wait(bars.index(B_FREE_CROSS + 0), (g - 1) & 1)
         _load_boxes(kv_desc, row_a, kv_s, bars, 0, HALF_CHUNKS, HALF_CHUNKS + 1)
-        if step > 0:
-            mbarrier.wait(bars.index(B_FREE_CROSS + 1), (step - 1) & 1)
+        if g > 0:
+            mbarrier.wait(bars.index(B_FREE_CROSS + 1), (g - 1) & 1)
         _load_boxes(kv_desc, row_b, kv_s, bars, 1, 0, HALF_CHUNKS)
         _load_boxes(kv_desc, row_b, kv_s, bars, 1, 2 * HALF_CHUNKS, 1)
-        if step > 0:
-            mbarrier.wait(bars.index(B_FREE_OWN + 1), (step - 1) & 1)
+        if g > 0:
+            mbarrier.wait(bars.index(B_FREE_OWN + 1), (g - 1) & 1)
         _load_boxes(kv_desc, row_b, kv_s, bars, 1, HALF_CHUNKS, HALF_CHUNKS)
 
 
@@ -177,9 +182,13 @@ def _pv(p, kv_s, slot, o0, o1, o2, o3, FIRST_CHUNK: gl.constexpr):
 
 
 @gluon.jit
-def _compute(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
+def warpgroup_compute(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
              o_ptr, lse_ptr, stride_o_h, stride_lse_h, num_rows, WRITE_LSE: gl.constexpr,
-             ONE_SPLIT: gl.constexpr, PARITY: gl.constexpr):
+             ONE_SPLIT: gl.constexpr, PARITY: gl.constexpr, g0=0, q_phase=0,
+             RANGE: gl.constexpr = False):
+    """One split, item or segment: tokens [start, end) against the Q in shared memory
+    (its ``q_phase``-th load), after ``g0`` earlier steps of this program. ``RANGE``: the
+    last QK releases Q for the next segment's request."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, 64, 16])
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -190,10 +199,13 @@ def _compute(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
     o1 = gl.zeros([ROWS, BOX], gl.float32, mma)
     o2 = gl.zeros([ROWS, BOX], gl.float32, mma)
     o3 = gl.zeros([ROWS, BOX], gl.float32, mma)
-    mbarrier.wait(bars.index(B_Q), 0)
+    mbarrier.wait(bars.index(B_Q), q_phase)
     for step in range(num_steps):
-        phase = step & 1
+        phase = (g0 + step) & 1
         s = _scores(q_s, kv_s, bars, phase, start, end, step, qk_scale_log2, PARITY, mma)
+        if RANGE:
+            if step == num_steps - 1:
+                mbarrier.arrive(bars.index(B_QFREE))
         valid = end - (start + (2 * step + PARITY) * TILE)  # live rows of this tile
         if valid < TILE:
             _zero_tail(kv_s, PARITY, valid)
@@ -276,26 +288,26 @@ def _compute(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
         gl.store(lse_ptr + offs_h * stride_lse_h, lse, mask=offs_h < num_rows)
 
 
-# One entry per partition (PARITY fixed). Passing PARITY straight to _compute in
+# One entry per partition (PARITY fixed). Passing PARITY straight to warpgroup_compute in
 # warp_specialize compiles too, to differently scheduled code (not measured).
 @gluon.jit
-def _warpgroup_even(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
+def warpgroup_even(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
                     o_ptr, lse_ptr, stride_o_h, stride_lse_h, num_rows, WRITE_LSE: gl.constexpr,
                     ONE_SPLIT: gl.constexpr):
-    _compute(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_log2, o_ptr,
+    warpgroup_compute(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_log2, o_ptr,
              lse_ptr, stride_o_h, stride_lse_h, num_rows, WRITE_LSE, ONE_SPLIT, 0)
 
 
 @gluon.jit
-def _warpgroup_odd(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
+def warpgroup_odd(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
                    o_ptr, lse_ptr, stride_o_h, stride_lse_h, num_rows, WRITE_LSE: gl.constexpr,
                    ONE_SPLIT: gl.constexpr):
-    _compute(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_log2, o_ptr,
+    warpgroup_compute(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_log2, o_ptr,
              lse_ptr, stride_o_h, stride_lse_h, num_rows, WRITE_LSE, ONE_SPLIT, 1)
 
 
 @gluon.jit
-def _shared_state(q_desc, kv_desc):
+def shared_state(q_desc, kv_desc):
     """Q, the two KV tiles, the row statistics and the barriers (initialised) of a program."""
     q_s = gl.allocate_shared_memory(gl.bfloat16, [CHUNKS, ROWS, BOX], q_desc.layout)
     kv_s = gl.allocate_shared_memory(gl.bfloat16, [2 * CHUNKS, TILE, BOX], kv_desc.layout)
@@ -303,8 +315,9 @@ def _shared_state(q_desc, kv_desc):
         gl.float32, [2 * NUM_STATS, ROWS],
         gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
     bars = gl.allocate_shared_memory(gl.int64, [NUM_BARRIERS, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_BARRIERS):
+    for i in gl.static_range(B_QFREE):
         mbarrier.init(bars.index(i), count=1)
+    mbarrier.init(bars.index(B_QFREE), count=2)
     fence_async_shared()
     return q_s, kv_s, stats_s, bars
 
@@ -328,7 +341,7 @@ def seesaw_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, OUT, LSE, PART_
     end = gl.minimum(start + per * TILE, seq_len)
     if start < end:
         num_steps = gl.cdiv(gl.cdiv(end - start, TILE), 2)
-        q_s, kv_s, stats_s, bars = _shared_state(q_desc, kv_desc)
+        q_s, kv_s, stats_s, bars = shared_state(q_desc, kv_desc)
         h0 = head_block * ROWS
         if ONE_SPLIT:
             o_ptr = OUT + bid * stride_o_b + h0 * stride_o_h
@@ -342,13 +355,13 @@ def seesaw_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, OUT, LSE, PART_
             stride_lse_rows = stride_pl_h
         num_rows = gl.minimum(num_heads - h0, ROWS)
         gl.warp_specialize([
-            (_warpgroup_even, (q_s, kv_s, stats_s, bars, start, end, num_steps,
+            (warpgroup_even, (q_s, kv_s, stats_s, bars, start, end, num_steps,
                                qk_scale_log2, o_ptr, lse_ptr, stride_rows, stride_lse_rows,
                                num_rows, WRITE_LSE, ONE_SPLIT)),
-            (_warpgroup_odd, (q_s, kv_s, stats_s, bars, start, end, num_steps,
+            (warpgroup_odd, (q_s, kv_s, stats_s, bars, start, end, num_steps,
                               qk_scale_log2, o_ptr, lse_ptr, stride_rows, stride_lse_rows,
                               num_rows, WRITE_LSE, ONE_SPLIT)),
-            (_loader, (q_desc, kv_desc, BLOCK_TABLE + bid * stride_bt_b, q_s, kv_s, bars,
+            (tile_loader, (q_desc, kv_desc, BLOCK_TABLE + bid * stride_bt_b, q_s, kv_s, bars,
                        bid * num_heads + h0, start, end, num_steps, PAGE_SIZE)),
         ], [4, 4], [240, 24])
     elif ONE_SPLIT:  # an empty request (seq_len 0): zeros, LSE -inf
@@ -362,53 +375,6 @@ def seesaw_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, OUT, LSE, PART_
             gl.store(LSE + bid * stride_lse_b + offs_h,
                      gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, pad)),
                      mask=offs_h < num_heads)
-
-
-@gluon.jit
-def _item_owner(ITEM_INDPTR, item, batch, BLOCK_B: gl.constexpr):
-    """The request owning work ``item``: #{j in 1..B : indptr[j] <= item}."""
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    owner = 0
-    for b0 in range(0, batch, BLOCK_B):
-        offs = b0 + gl.arange(0, BLOCK_B, layout)
-        ends = gl.load(ITEM_INDPTR + 1 + offs, mask=offs < batch, other=2147483647)
-        owner += gl.sum((ends <= item).to(gl.int32), axis=0)
-    return owner
-
-
-@gluon.jit
-def seesaw_balanced_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, ITEM_INDPTR,
-                                  CHUNK_TILES, PART_O, PART_LSE, batch, num_heads,
-                                  qk_scale_log2, stride_bt_b, stride_po_i, stride_po_h,
-                                  stride_pl_i, PAGE_SIZE: gl.constexpr,
-                                  BLOCK_B: gl.constexpr):
-    """The seesaw over balanced work items (``kernels/balanced.py``'s partition of the
-    step's tiles, computed on the device): grid (head blocks, most items), program i takes
-    item i when the step has that many. Every item writes a float32 partial (log2 LSE); the
-    balanced merge combines them, one-item requests included."""
-    head_block = gl.program_id(0)
-    item = gl.program_id(1)
-    if item < gl.load(ITEM_INDPTR + batch):
-        bid = _item_owner(ITEM_INDPTR, item, batch, BLOCK_B)
-        chunk = gl.load(CHUNK_TILES) * TILE
-        start = (item - gl.load(ITEM_INDPTR + bid)) * chunk
-        end = gl.minimum(start + chunk, gl.load(SEQ_LENS + bid))  # items are non-empty
-        num_steps = gl.cdiv(gl.cdiv(end - start, TILE), 2)
-        q_s, kv_s, stats_s, bars = _shared_state(q_desc, kv_desc)
-        h0 = head_block * ROWS
-        o_ptr = PART_O + item * stride_po_i + h0 * stride_po_h
-        lse_ptr = PART_LSE + item * stride_pl_i + h0
-        num_rows = gl.minimum(num_heads - h0, ROWS)
-        gl.warp_specialize([
-            (_warpgroup_even, (q_s, kv_s, stats_s, bars, start, end, num_steps,
-                               qk_scale_log2, o_ptr, lse_ptr, stride_po_h, 1, num_rows, False,
-                               False)),
-            (_warpgroup_odd, (q_s, kv_s, stats_s, bars, start, end, num_steps,
-                              qk_scale_log2, o_ptr, lse_ptr, stride_po_h, 1, num_rows, False,
-                              False)),
-            (_loader, (q_desc, kv_desc, BLOCK_TABLE + bid * stride_bt_b, q_s, kv_s, bars,
-                       bid * num_heads + h0, start, end, num_steps, PAGE_SIZE)),
-        ], [4, 4], [240, 24])
 
 
 def descriptors(q: torch.Tensor, kv_cache: torch.Tensor):

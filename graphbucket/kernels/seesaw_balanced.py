@@ -1,0 +1,182 @@
+"""The Gluon seesaw (``kernels/seesaw.py``) over balanced partitions of the step's tiles.
+
+Two partitions, both computed on the device per step and merged by the balanced merge
+(every work item writes a float32 partial, log2 LSE):
+
+- ``seesaw_balanced_stage1_kernel``: one program per work item (``kernels/balanced.py``'s
+  chunks of a request); the hardware hands the next item to the SM that frees first.
+- ``seesaw_range_stage1_kernel``: one persistent program per SM over an equal range of
+  the batch's tiles in request order, across request boundaries
+  (``plan_tile_ranges_kernel``); a work item is a (request, program) segment. Its loader
+  brings the next segment's Q and tiles while the warpgroups finish the last one's, so a
+  program streams pages without a gap between requests, and no program starts or ends
+  mid-step.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+
+from graphbucket.kernels.seesaw import (
+    B_QFREE,
+    ROWS,
+    TILE,
+    shared_state,
+    tile_loader,
+    warpgroup_compute,
+    warpgroup_even,
+    warpgroup_odd,
+)
+
+
+@gluon.jit
+def _item_owner(ITEM_INDPTR, item, batch, BLOCK_B: gl.constexpr):
+    """The request owning work ``item``: #{j in 1..B : indptr[j] <= item}."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    owner = 0
+    for b0 in range(0, batch, BLOCK_B):
+        offs = b0 + gl.arange(0, BLOCK_B, layout)
+        ends = gl.load(ITEM_INDPTR + 1 + offs, mask=offs < batch, other=2147483647)
+        owner += gl.sum((ends <= item).to(gl.int32), axis=0)
+    return owner
+
+
+@gluon.jit
+def seesaw_balanced_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, ITEM_INDPTR,
+                                  CHUNK_TILES, PART_O, PART_LSE, batch, num_heads,
+                                  qk_scale_log2, stride_bt_b, stride_po_i, stride_po_h,
+                                  stride_pl_i, PAGE_SIZE: gl.constexpr,
+                                  BLOCK_B: gl.constexpr):
+    """The seesaw over balanced work items (``kernels/balanced.py``'s partition of the
+    step's tiles, computed on the device): grid (head blocks, most items), program i takes
+    item i when the step has that many. Every item writes a float32 partial (log2 LSE); the
+    balanced merge combines them, one-item requests included."""
+    head_block = gl.program_id(0)
+    item = gl.program_id(1)
+    if item < gl.load(ITEM_INDPTR + batch):
+        bid = _item_owner(ITEM_INDPTR, item, batch, BLOCK_B)
+        chunk = gl.load(CHUNK_TILES) * TILE
+        start = (item - gl.load(ITEM_INDPTR + bid)) * chunk
+        end = gl.minimum(start + chunk, gl.load(SEQ_LENS + bid))  # items are non-empty
+        num_steps = gl.cdiv(gl.cdiv(end - start, TILE), 2)
+        q_s, kv_s, stats_s, bars = shared_state(q_desc, kv_desc)
+        h0 = head_block * ROWS
+        o_ptr = PART_O + item * stride_po_i + h0 * stride_po_h
+        lse_ptr = PART_LSE + item * stride_pl_i + h0
+        num_rows = gl.minimum(num_heads - h0, ROWS)
+        gl.warp_specialize([
+            (warpgroup_even, (q_s, kv_s, stats_s, bars, start, end, num_steps,
+                               qk_scale_log2, o_ptr, lse_ptr, stride_po_h, 1, num_rows, False,
+                               False)),
+            (warpgroup_odd, (q_s, kv_s, stats_s, bars, start, end, num_steps,
+                              qk_scale_log2, o_ptr, lse_ptr, stride_po_h, 1, num_rows, False,
+                              False)),
+            (tile_loader, (q_desc, kv_desc, BLOCK_TABLE + bid * stride_bt_b, q_s, kv_s, bars,
+                       bid * num_heads + h0, start, end, num_steps, PAGE_SIZE)),
+        ], [4, 4], [240, 24])
+
+
+@gluon.jit
+def _segment(TILE_INDPTR, SEQ_LENS, t, last, batch, BLOCK_B: gl.constexpr):
+    """The segment of a tile range that starts at tile ``t``: its request, that request's
+    first tile, the segment's tokens [start, end) and its steps."""
+    bid = _item_owner(TILE_INDPTR, t, batch, BLOCK_B)
+    request_first = gl.load(TILE_INDPTR + bid)
+    segment_last = gl.minimum(last, gl.load(TILE_INDPTR + bid + 1))
+    start = (t - request_first) * TILE
+    end = gl.minimum((segment_last - request_first) * TILE, gl.load(SEQ_LENS + bid))
+    return bid, request_first, segment_last, start, end, gl.cdiv(segment_last - t, 2)
+
+
+@gluon.jit
+def _range_loader(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDPTR, q_s, kv_s, bars,
+                  first, last, segments, batch, num_heads, h0, stride_bt_b,
+                  PAGE_SIZE: gl.constexpr, BLOCK_B: gl.constexpr):
+    t = first
+    g0 = 0
+    for seg in range(segments):
+        bid, _, segment_last, start, end, num_steps = _segment(
+            TILE_INDPTR, SEQ_LENS, t, last, batch, BLOCK_B)
+        if seg > 0:  # the next request's Q once both warpgroups' last QK has read this one
+            mbarrier.wait(bars.index(B_QFREE), (seg - 1) & 1)
+        tile_loader(q_desc, kv_desc, BLOCK_TABLE + bid * stride_bt_b, q_s, kv_s, bars,
+                bid * num_heads + h0, start, end, num_steps, PAGE_SIZE, g0)
+        g0 += num_steps
+        t = segment_last
+
+
+@gluon.jit
+def _range_compute(q_s, kv_s, stats_s, bars, SEQ_LENS, TILE_INDPTR, ITEM_INDPTR, PART_O,
+                   PART_LSE, first, last, segments, per, program, batch, num_heads, h0,
+                   qk_scale_log2, stride_po_i, stride_po_h, stride_pl_i,
+                   BLOCK_B: gl.constexpr, PARITY: gl.constexpr):
+    t = first
+    g0 = 0
+    num_rows = gl.minimum(num_heads - h0, ROWS)
+    for seg in range(segments):
+        bid, request_first, segment_last, start, end, num_steps = _segment(
+            TILE_INDPTR, SEQ_LENS, t, last, batch, BLOCK_B)
+        # Partials of a request are its segments in program order (the planner's count).
+        item = gl.load(ITEM_INDPTR + bid) + program - request_first // per
+        warpgroup_compute(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
+                 PART_O + item * stride_po_i + h0 * stride_po_h,
+                 PART_LSE + item * stride_pl_i + h0, stride_po_h, 1, num_rows, False, False,
+                 PARITY, g0, seg & 1, True)
+        g0 += num_steps
+        t = segment_last
+
+
+@gluon.jit
+def _range_even(q_s, kv_s, stats_s, bars, SEQ_LENS, TILE_INDPTR, ITEM_INDPTR, PART_O,
+                PART_LSE, first, last, segments, per, program, batch, num_heads, h0,
+                qk_scale_log2, stride_po_i, stride_po_h, stride_pl_i, BLOCK_B: gl.constexpr):
+    _range_compute(q_s, kv_s, stats_s, bars, SEQ_LENS, TILE_INDPTR, ITEM_INDPTR, PART_O,
+                   PART_LSE, first, last, segments, per, program, batch, num_heads, h0,
+                   qk_scale_log2, stride_po_i, stride_po_h, stride_pl_i, BLOCK_B, 0)
+
+
+@gluon.jit
+def _range_odd(q_s, kv_s, stats_s, bars, SEQ_LENS, TILE_INDPTR, ITEM_INDPTR, PART_O,
+               PART_LSE, first, last, segments, per, program, batch, num_heads, h0,
+               qk_scale_log2, stride_po_i, stride_po_h, stride_pl_i, BLOCK_B: gl.constexpr):
+    _range_compute(q_s, kv_s, stats_s, bars, SEQ_LENS, TILE_INDPTR, ITEM_INDPTR, PART_O,
+                   PART_LSE, first, last, segments, per, program, batch, num_heads, h0,
+                   qk_scale_log2, stride_po_i, stride_po_h, stride_pl_i, BLOCK_B, 1)
+
+
+@gluon.jit
+def seesaw_range_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDPTR,
+                               ITEM_INDPTR, RANGE_TILES, PART_O, PART_LSE, batch, num_heads,
+                               qk_scale_log2, stride_bt_b, stride_po_i, stride_po_h,
+                               stride_pl_i, PAGE_SIZE: gl.constexpr, BLOCK_B: gl.constexpr):
+    """The seesaw on persistent programs over equal ranges of the step's tiles
+    (``kernels.balanced.plan_tile_ranges_kernel``): grid (head blocks, programs); program p
+    takes the batch's 64-token tiles [p * per, (p + 1) * per) in request order, across
+    request boundaries, one partial per (request, program) segment. The loader brings the
+    next segment's tiles while the warpgroups finish the last one's, so the stream of pages
+    does not stop between requests; the balanced merge combines the partials."""
+    head_block = gl.program_id(0)
+    program = gl.program_id(1)
+    per = gl.load(RANGE_TILES)
+    first = program * per
+    last = gl.minimum(first + per, gl.load(TILE_INDPTR + batch))
+    if first < last:
+        segments = _item_owner(TILE_INDPTR, last - 1, batch, BLOCK_B) \
+            - _item_owner(TILE_INDPTR, first, batch, BLOCK_B) + 1
+        q_s, kv_s, stats_s, bars = shared_state(q_desc, kv_desc)
+        h0 = head_block * ROWS
+        gl.warp_specialize([
+            (_range_even, (q_s, kv_s, stats_s, bars, SEQ_LENS, TILE_INDPTR, ITEM_INDPTR,
+                           PART_O, PART_LSE, first, last, segments, per, program, batch,
+                           num_heads, h0, qk_scale_log2, stride_po_i, stride_po_h, stride_pl_i,
+                           BLOCK_B)),
+            (_range_odd, (q_s, kv_s, stats_s, bars, SEQ_LENS, TILE_INDPTR, ITEM_INDPTR,
+                          PART_O, PART_LSE, first, last, segments, per, program, batch,
+                          num_heads, h0, qk_scale_log2, stride_po_i, stride_po_h, stride_pl_i,
+                          BLOCK_B)),
+            (_range_loader, (q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDPTR, q_s, kv_s,
+                             bars, first, last, segments, batch, num_heads, h0, stride_bt_b,
+                             PAGE_SIZE, BLOCK_B)),
+        ], [4, 4], [240, 24])
