@@ -79,6 +79,22 @@ def seesaw_balanced_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, ITEM_I
 
 
 @gluon.jit
+def _requests_meeting(TILE_INDPTR, first, last, batch, BLOCK_B: gl.constexpr):
+    """How many requests have tiles in [first, last): the range's segments. Requests with
+    no tiles (padding) lie between others without being one."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    count = 0
+    for b0 in range(0, batch, BLOCK_B):
+        offs = b0 + gl.arange(0, BLOCK_B, layout)
+        live = offs < batch
+        starts = gl.load(TILE_INDPTR + offs, mask=live, other=0)
+        ends = gl.load(TILE_INDPTR + 1 + offs, mask=live, other=0)
+        count += gl.sum(((starts < last) & (ends > first) & (ends > starts)).to(gl.int32),
+                        axis=0)
+    return count
+
+
+@gluon.jit
 def _segment(TILE_INDPTR, SEQ_LENS, t, last, batch, BLOCK_B: gl.constexpr):
     """The segment of a tile range that starts at tile ``t``: its request, that request's
     first tile, the segment's tokens [start, end) and its steps."""
@@ -163,8 +179,7 @@ def seesaw_range_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDP
     first = program * per
     last = gl.minimum(first + per, gl.load(TILE_INDPTR + batch))
     if first < last:
-        segments = _item_owner(TILE_INDPTR, last - 1, batch, BLOCK_B) \
-            - _item_owner(TILE_INDPTR, first, batch, BLOCK_B) + 1
+        segments = _requests_meeting(TILE_INDPTR, first, last, batch, BLOCK_B)
         q_s, kv_s, stats_s, bars = shared_state(q_desc, kv_desc)
         h0 = head_block * ROWS
         gl.warp_specialize([
