@@ -74,7 +74,8 @@ B_PB = gl.constexpr(24)
 B_PA = gl.constexpr(25)
 B_QFREE = gl.constexpr(26)       # both warpgroups' last QK of a range's segment is done:
                                  # the loader may bring the next request's Q (count 2)
-NUM_BARRIERS = gl.constexpr(27)
+B_DESC = gl.constexpr(27)        # + slot: the loader wrote a range segment's descriptor
+NUM_BARRIERS = gl.constexpr(29)
 BOX_BYTES = gl.constexpr(64 * 64 * 2)
 # Row-statistics slots (float32 [64] each), two sets: step s uses set s % 2, so a
 # warpgroup one step ahead never overwrites what the other has still to read.
@@ -318,6 +319,8 @@ def shared_state(q_desc, kv_desc):
     for i in gl.static_range(B_QFREE):
         mbarrier.init(bars.index(i), count=1)
     mbarrier.init(bars.index(B_QFREE), count=2)
+    for i in gl.static_range(B_DESC, NUM_BARRIERS):
+        mbarrier.init(bars.index(i), count=1)
     fence_async_shared()
     return q_s, kv_s, stats_s, bars
 

@@ -20,6 +20,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from graphbucket.kernels.seesaw import (
+    B_DESC,
     B_QFREE,
     ROWS,
     TILE,
@@ -106,60 +107,78 @@ def _segment(TILE_INDPTR, SEQ_LENS, t, last, batch, BLOCK_B: gl.constexpr):
     return bid, request_first, segment_last, start, end, gl.cdiv(segment_last - t, 2)
 
 
-@gluon.jit
-def _range_loader(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDPTR, q_s, kv_s, bars,
-                  first, last, segments, batch, num_heads, h0, stride_bt_b,
-                  PAGE_SIZE: gl.constexpr, BLOCK_B: gl.constexpr):
-    t = first
-    g0 = 0
-    for seg in range(segments):
-        bid, _, segment_last, start, end, num_steps = _segment(
-            TILE_INDPTR, SEQ_LENS, t, last, batch, BLOCK_B)
-        if seg > 0:  # the next request's Q once both warpgroups' last QK has read this one
-            mbarrier.wait(bars.index(B_QFREE), (seg - 1) & 1)
-        tile_loader(q_desc, kv_desc, BLOCK_TABLE + bid * stride_bt_b, q_s, kv_s, bars,
-                bid * num_heads + h0, start, end, num_steps, PAGE_SIZE, g0)
-        g0 += num_steps
-        t = segment_last
+# A segment's descriptor, written by the loader into one of two shared-memory slots: the
+# warpgroups read it there instead of walking the segments themselves, so their step loop
+# carries no state of the segment loop.
+D_START = gl.constexpr(0)
+D_END = gl.constexpr(1)
+D_STEPS = gl.constexpr(2)
+D_ITEM = gl.constexpr(3)
+D_G0 = gl.constexpr(4)
+DESC_WORDS = gl.constexpr(8)
 
 
 @gluon.jit
-def _range_compute(q_s, kv_s, stats_s, bars, SEQ_LENS, TILE_INDPTR, ITEM_INDPTR, PART_O,
-                   PART_LSE, first, last, segments, per, program, batch, num_heads, h0,
-                   qk_scale_log2, stride_po_i, stride_po_h, stride_pl_i,
-                   BLOCK_B: gl.constexpr, PARITY: gl.constexpr):
+def _range_loader(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDPTR, ITEM_INDPTR, q_s, kv_s,
+                  bars, desc_s, first, last, segments, per, program, batch, num_heads, h0,
+                  stride_bt_b, PAGE_SIZE: gl.constexpr, BLOCK_B: gl.constexpr):
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    words = gl.arange(0, DESC_WORDS, layout)
     t = first
     g0 = 0
-    num_rows = gl.minimum(num_heads - h0, ROWS)
     for seg in range(segments):
         bid, request_first, segment_last, start, end, num_steps = _segment(
             TILE_INDPTR, SEQ_LENS, t, last, batch, BLOCK_B)
         # Partials of a request are its segments in program order (the planner's count).
         item = gl.load(ITEM_INDPTR + bid) + program - request_first // per
-        warpgroup_compute(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
-                 PART_O + item * stride_po_i + h0 * stride_po_h,
-                 PART_LSE + item * stride_pl_i + h0, stride_po_h, 1, num_rows, False, False,
-                 PARITY, g0, seg & 1, True)
+        # Slot seg % 2 was last read at segment seg - 2, whose steps the loads below wait on.
+        desc = gl.where(words == D_START, start, gl.where(words == D_END, end, gl.where(
+            words == D_STEPS, num_steps, gl.where(words == D_ITEM, item, g0))))
+        desc_s.index(seg % 2).store(desc)
+        mbarrier.arrive(bars.index(B_DESC + seg % 2))
+        if seg > 0:  # the next request's Q once both warpgroups' last QK has read this one
+            mbarrier.wait(bars.index(B_QFREE), (seg - 1) & 1)
+        tile_loader(q_desc, kv_desc, BLOCK_TABLE + bid * stride_bt_b, q_s, kv_s, bars,
+                    bid * num_heads + h0, start, end, num_steps, PAGE_SIZE, g0)
         g0 += num_steps
         t = segment_last
 
 
 @gluon.jit
-def _range_even(q_s, kv_s, stats_s, bars, SEQ_LENS, TILE_INDPTR, ITEM_INDPTR, PART_O,
-                PART_LSE, first, last, segments, per, program, batch, num_heads, h0,
-                qk_scale_log2, stride_po_i, stride_po_h, stride_pl_i, BLOCK_B: gl.constexpr):
-    _range_compute(q_s, kv_s, stats_s, bars, SEQ_LENS, TILE_INDPTR, ITEM_INDPTR, PART_O,
-                   PART_LSE, first, last, segments, per, program, batch, num_heads, h0,
-                   qk_scale_log2, stride_po_i, stride_po_h, stride_pl_i, BLOCK_B, 0)
+def _word(desc, words, which: gl.constexpr):
+    return gl.max(gl.where(words == which, desc, -2147483647), axis=0)
 
 
 @gluon.jit
-def _range_odd(q_s, kv_s, stats_s, bars, SEQ_LENS, TILE_INDPTR, ITEM_INDPTR, PART_O,
-               PART_LSE, first, last, segments, per, program, batch, num_heads, h0,
-               qk_scale_log2, stride_po_i, stride_po_h, stride_pl_i, BLOCK_B: gl.constexpr):
-    _range_compute(q_s, kv_s, stats_s, bars, SEQ_LENS, TILE_INDPTR, ITEM_INDPTR, PART_O,
-                   PART_LSE, first, last, segments, per, program, batch, num_heads, h0,
-                   qk_scale_log2, stride_po_i, stride_po_h, stride_pl_i, BLOCK_B, 1)
+def _range_compute(q_s, kv_s, stats_s, bars, desc_s, PART_O, PART_LSE, segments, num_heads,
+                   qk_scale_log2, stride_po_i, stride_po_h, stride_pl_i, PARITY: gl.constexpr):
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    words = gl.arange(0, DESC_WORDS, layout)
+    for seg in range(segments):
+        mbarrier.wait(bars.index(B_DESC + seg % 2), (seg // 2) & 1)
+        desc = desc_s.index(seg % 2).load(layout)
+        h0 = gl.program_id(0) * ROWS
+        item = _word(desc, words, D_ITEM)
+        warpgroup_compute(q_s, kv_s, stats_s, bars, _word(desc, words, D_START),
+                          _word(desc, words, D_END), _word(desc, words, D_STEPS),
+                          qk_scale_log2, PART_O + item * stride_po_i + h0 * stride_po_h,
+                          PART_LSE + item * stride_pl_i + h0, stride_po_h, 1,
+                          gl.minimum(num_heads - h0, ROWS), False, False, PARITY,
+                          _word(desc, words, D_G0), seg & 1, True)
+
+
+@gluon.jit
+def _range_even(q_s, kv_s, stats_s, bars, desc_s, PART_O, PART_LSE, segments, num_heads,
+                qk_scale_log2, stride_po_i, stride_po_h, stride_pl_i):
+    _range_compute(q_s, kv_s, stats_s, bars, desc_s, PART_O, PART_LSE, segments, num_heads,
+                   qk_scale_log2, stride_po_i, stride_po_h, stride_pl_i, 0)
+
+
+@gluon.jit
+def _range_odd(q_s, kv_s, stats_s, bars, desc_s, PART_O, PART_LSE, segments, num_heads,
+               qk_scale_log2, stride_po_i, stride_po_h, stride_pl_i):
+    _range_compute(q_s, kv_s, stats_s, bars, desc_s, PART_O, PART_LSE, segments, num_heads,
+                   qk_scale_log2, stride_po_i, stride_po_h, stride_pl_i, 1)
 
 
 @gluon.jit
@@ -181,17 +200,16 @@ def seesaw_range_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDP
     if first < last:
         segments = _requests_meeting(TILE_INDPTR, first, last, batch, BLOCK_B)
         q_s, kv_s, stats_s, bars = shared_state(q_desc, kv_desc)
+        desc_s = gl.allocate_shared_memory(
+            gl.int32, [2, DESC_WORDS],
+            gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
         h0 = head_block * ROWS
         gl.warp_specialize([
-            (_range_even, (q_s, kv_s, stats_s, bars, SEQ_LENS, TILE_INDPTR, ITEM_INDPTR,
-                           PART_O, PART_LSE, first, last, segments, per, program, batch,
-                           num_heads, h0, qk_scale_log2, stride_po_i, stride_po_h, stride_pl_i,
-                           BLOCK_B)),
-            (_range_odd, (q_s, kv_s, stats_s, bars, SEQ_LENS, TILE_INDPTR, ITEM_INDPTR,
-                          PART_O, PART_LSE, first, last, segments, per, program, batch,
-                          num_heads, h0, qk_scale_log2, stride_po_i, stride_po_h, stride_pl_i,
-                          BLOCK_B)),
-            (_range_loader, (q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDPTR, q_s, kv_s,
-                             bars, first, last, segments, batch, num_heads, h0, stride_bt_b,
-                             PAGE_SIZE, BLOCK_B)),
+            (_range_even, (q_s, kv_s, stats_s, bars, desc_s, PART_O, PART_LSE, segments,
+                           num_heads, qk_scale_log2, stride_po_i, stride_po_h, stride_pl_i)),
+            (_range_odd, (q_s, kv_s, stats_s, bars, desc_s, PART_O, PART_LSE, segments,
+                          num_heads, qk_scale_log2, stride_po_i, stride_po_h, stride_pl_i)),
+            (_range_loader, (q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDPTR, ITEM_INDPTR,
+                             q_s, kv_s, bars, desc_s, first, last, segments, per, program,
+                             batch, num_heads, h0, stride_bt_b, PAGE_SIZE, BLOCK_B)),
         ], [4, 4], [240, 24])
