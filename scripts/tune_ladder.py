@@ -48,6 +48,7 @@ import os
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -343,24 +344,23 @@ def measure(args: argparse.Namespace) -> tuple[dict, dict]:
                     progress.step(f"ctx={context} b={batch} {label}: {us:.2f} us", one)
 
     run(todo["contexts"], plans)
-    contexts, left = list(todo["contexts"]), args.refine
-    while left > 0:
-        new = [c for c in refine_contexts(times, left) if c not in contexts]
-        if not new:
-            break
-        if not args.no_edges:
-            new = sorted(set(new) | set(edge_contexts(new, args.max_model_len)) - set(contexts))
-        contexts = sorted(contexts + new)
+    plans_now = [plans]
+
+    def measure(new: list[int], contexts: list[int]) -> None:
         hints = hints_to_measure(contexts, args.max_model_len, ladders=[todo["baseline"]])
         grown = plans_to_measure(batches, plan_for, hints)
         # A plan only the new contexts' hints capture is timed at every context.
-        added = {b: {k: p for k, p in grown[b].items() if k not in plans[b]} for b in batches}
+        added = {b: {k: p for k, p in grown[b].items() if k not in plans_now[0][b]}
+                 for b in batches}
         progress.total += len(new) * sum(map(len, grown.values())) + (
             len(contexts) - len(new)) * sum(map(len, added.values()))
         print(f"refining at {new}", flush=True)
         run(new, grown)
         run([c for c in contexts if c not in new], added)
-        plans, left = grown, left - len(new)
+        plans_now[0] = grown
+
+    edges = None if args.no_edges else (lambda new: edge_contexts(new, args.max_model_len))
+    contexts = refinement_rounds(times, todo["contexts"], args.refine, edges, measure)
     meta.update(num_heads=todo["heads"], q_len=todo["q_len"], batches=batches,
                 contexts=contexts, kv_cache=todo["kv_cache"], **todo["meta"], timed="plans",
                 edges=not args.no_edges,
@@ -504,6 +504,26 @@ def load_times(args: argparse.Namespace) -> tuple[dict, dict]:
                 command=shlex.join(["python3", *sys.argv]),
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
     return times, meta
+
+
+def refinement_rounds(times: dict, contexts: list[int], budget: int,
+                      edges: Callable[[list[int]], list[int]] | None,
+                      measure: Callable[[list[int], list[int]], None]) -> list[int]:
+    """Refine the measured contexts in rounds until ``budget`` refined contexts are spent or
+    no gap asks for one: each round adds ``refine_contexts``' midpoints (and, with ``edges``,
+    each one's edge, which the budget does not count), then ``measure(new, contexts)`` times
+    them into ``times``, so the next round sees the crossings the last one found."""
+    contexts, left = sorted(contexts), budget
+    while left > 0:
+        new = [c for c in refine_contexts(times, left) if c not in contexts]
+        if not new:
+            break
+        left -= len(new)
+        if edges is not None:
+            new = sorted(set(new) | set(edges(new)) - set(contexts))
+        contexts = sorted(contexts + new)
+        measure(new, contexts)
+    return contexts
 
 
 def main(argv: list[str] | None = None) -> None:

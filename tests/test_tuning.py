@@ -593,6 +593,33 @@ def test_refinement_goes_first_where_one_plan_cannot_serve_both_ends():
     assert refine_contexts(times, 2) == [128, 8192]
 
 
+@pytest.mark.host
+def test_refinement_runs_in_rounds_until_it_brackets_the_crossing():
+    # 256 splits win below 4500 tokens, 128 above: the first round's midpoint of 4096 and
+    # 5793 (4871) is already past the crossing, so only a second round measures inside it.
+    def us(c, s):
+        return (10.0 if c < 4500 else 11.0) if s == 256 else (10.5 if c < 4500 else 10.0)
+
+    times, rounds = {}, []
+
+    def measure(new, contexts):
+        rounds.append(new)
+        times.update({(c, 1, s): us(c, s) for c in new for s in (128, 256)})
+
+    measure([4096, 5793], [4096, 5793])
+    rounds.clear()
+    got = _tune_script().refinement_rounds(times, [4096, 5793], 3, lambda new: [c + 1 for c in new],
+                                           measure)
+    assert rounds[0] == [4871, 4872] and len(rounds) == 3  # edges do not count against 3
+    assert 4467 in got and all(c in got for r in rounds for c in r)
+    mids = [c for r in rounds for c in r if c - 1 not in r]
+    assert len(mids) == 3 and max(c for c in mids if us(c, 256) < us(c, 128)) < 4500 < min(
+        c for c in mids if us(c, 128) < us(c, 256))
+    times.clear()
+    measure([4096, 5793], [4096, 5793])
+    assert _tune_script().refinement_rounds(times, [4096, 5793], 0, None, measure) == [4096, 5793]
+
+
 def test_dry_run_counts_measurements_for_every_capture_size(capsys):
     script = _tune_script()
     script.main(["--dry-run", "--heads", "16"])
