@@ -40,14 +40,21 @@ from graphbucket.kernels.tiles import load_q, store_final
 
 
 @triton.jit
-def plan_work_items_kernel(SEQ_LENS, ITEM_INDPTR, CHUNK_TILES, batch, num_programs,
-                           BLOCK_N: tl.constexpr, MIN_CHUNK_TILES: tl.constexpr,
-                           BLOCK_B: tl.constexpr):
-    total_tiles = 0
+def _total_tiles(SEQ_LENS, batch, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
+    """The batch's tiles of BLOCK_N tokens (padding rows have none)."""
+    total = 0
     for b0 in range(0, batch, BLOCK_B):
         offs = b0 + tl.arange(0, BLOCK_B)
         lens = tl.load(SEQ_LENS + offs, mask=offs < batch, other=0)
-        total_tiles += tl.sum(tl.cdiv(lens, BLOCK_N), 0)
+        total += tl.sum(tl.cdiv(lens, BLOCK_N), 0)
+    return total
+
+
+@triton.jit
+def plan_work_items_kernel(SEQ_LENS, ITEM_INDPTR, CHUNK_TILES, batch, num_programs,
+                           BLOCK_N: tl.constexpr, MIN_CHUNK_TILES: tl.constexpr,
+                           BLOCK_B: tl.constexpr):
+    total_tiles = _total_tiles(SEQ_LENS, batch, BLOCK_N, BLOCK_B)
     chunk_tiles = tl.maximum(tl.cdiv(total_tiles, num_programs), MIN_CHUNK_TILES)
     tl.store(CHUNK_TILES, chunk_tiles)
     tl.store(ITEM_INDPTR, 0)
@@ -76,11 +83,7 @@ def plan_tile_ranges_kernel(SEQ_LENS, TILE_INDPTR, ITEM_INDPTR, RANGE_TILES, bat
 
     At most G + (live requests) - 1 segments: each program boundary inside a request adds
     one."""
-    total_tiles = 0
-    for b0 in range(0, batch, BLOCK_B):
-        offs = b0 + tl.arange(0, BLOCK_B)
-        lens = tl.load(SEQ_LENS + offs, mask=offs < batch, other=0)
-        total_tiles += tl.sum(tl.cdiv(lens, BLOCK_N), 0)
+    total_tiles = _total_tiles(SEQ_LENS, batch, BLOCK_N, BLOCK_B)
     per = tl.maximum(tl.cdiv(total_tiles, num_programs), MIN_RANGE_TILES)
     tl.store(RANGE_TILES, per)
     tl.store(TILE_INDPTR, 0)
