@@ -142,6 +142,9 @@ class LaunchPlan:
     # tiles across request boundaries (one partial per request it meets) instead of one
     # program per chunk of a request.
     tile_ranges: bool = False
+    # Balanced item plans: the device grows the chunk until the step has no more items than
+    # programs (where its live requests allow), so no program runs a second item.
+    fit_items: bool = False
     # How stage 1 streams an fp8 cache (tile, warps, dequantization); unused otherwise.
     fp8: Fp8Stream = Fp8Stream()
 
@@ -205,6 +208,7 @@ class LaunchPlan:
             return (f"balanced programs={self.persistent_programs} grid={self.grid} "
                     f"block_h={self.block_h} block_n={self.block_n}{self._layout}"
                     f"{' seesaw' if self.seesaw else ''}{' ranges' if self.tile_ranges else ''}"
+                    f"{' fitted' if self.fit_items else ''}"
                     f" min_chunk={self.min_chunk_tiles} "
                     f"+merge(bs={self.merge_block_s}){fp8}")
         stage2 = f"+merge(bs={self.merge_block_s})" if self.use_stage2 else " one-split"
@@ -352,6 +356,7 @@ def plan_balanced_mla_decode(
     min_chunk_tiles: int | None = None,
     stream: StreamConfig | None = None,
     tile_ranges: bool = False,
+    fit_items: bool = False,
 ) -> LaunchPlan:
     """Plan balanced split-KV decode for ``batch_size`` requests of any lengths.
 
@@ -367,7 +372,9 @@ def plan_balanced_mla_decode(
     ``tile_ranges`` (64-row programs only): the seesaw runs one persistent program per SM
     (``programs`` defaults to num_sms / head blocks), each over an equal range of the
     step's tiles across request boundaries; where the seesaw cannot run, the Triton
-    kernel runs the plan's chunks.
+    kernel runs the plan's chunks. ``fit_items`` (item plans): the chunk is the smallest of
+    at least that size that cuts the step into at most ``programs`` items, where the live
+    requests number no more than the programs; each program then runs one item.
     """
     _check_positive(batch_size=batch_size, num_heads=num_heads, num_sms=num_sms)
     block_h = stream.block_h if stream is not None and stream.block_h else \
@@ -377,6 +384,9 @@ def plan_balanced_mla_decode(
     if tile_ranges and not (stream.seesaw and block_h == 64):
         raise ValueError(f"tile_ranges needs the seesaw's 64-row programs (block_h 64, "
                          f"seesaw stream); got block_h {block_h}, seesaw {stream.seesaw}")
+    if fit_items and tile_ranges:
+        raise ValueError("fit_items sizes the chunks of item plans; a tile_ranges plan has "
+                         "one range per program already")
     if programs is None:
         per_sm = 1 if tile_ranges else stream.ctas_per_sm  # the seesaw fills an SM's smem
         programs = max(1, per_sm * num_sms // head_blocks)
@@ -390,4 +400,5 @@ def plan_balanced_mla_decode(
     return _plan(batch_size, num_heads, block_h, stream, kv_lora_rank, qk_rope_dim,
                  num_kv_splits=1, merge_block_s=merge_block_s(items_per_request),
                  persistent_programs=programs, min_chunk_tiles=min_chunk_tiles,
-                 seesaw=stream.seesaw, tile_ranges=tile_ranges)
+                 seesaw=stream.seesaw, tile_ranges=tile_ranges,
+                 fit_items=fit_items)

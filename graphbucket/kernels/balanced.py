@@ -12,7 +12,10 @@ among short ones sets the step time; here every work item has about the same siz
        items_b     = cdiv(tiles_b, chunk_tiles)               # 0 for padding rows
        item_indptr = [0, items_0, items_0 + items_1, ...]     # B + 1 entries
 
-   chunk_tiles >= total / G bounds the item count by G + B (the workspace's size).
+   chunk_tiles >= total / G bounds the item count by G + B (the workspace's size). A
+   program strided over G + B items runs two where the count passes G; with ``FIT_ITEMS``
+   the planner bisects for the smallest chunk whose items fit in G (where the live
+   requests are at most G), so every program runs at most one.
 2. ``balanced_stage1_kernel`` runs G persistent programs per head block; program g
    takes items g, g + G, ...; item i of request b covers tokens
    [(i - indptr[b]) * chunk, min(+chunk, len_b)) with chunk = chunk_tiles * BLOCK_N.
@@ -51,11 +54,51 @@ def _total_tiles(SEQ_LENS, batch, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
 
 
 @triton.jit
+def _item_count(SEQ_LENS, batch, chunk_tiles, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
+    """The step's work items at ``chunk_tiles`` tiles per item."""
+    items = 0
+    for b0 in range(0, batch, BLOCK_B):
+        offs = b0 + tl.arange(0, BLOCK_B)
+        lens = tl.load(SEQ_LENS + offs, mask=offs < batch, other=0)
+        items += tl.sum(tl.cdiv(tl.cdiv(lens, BLOCK_N), chunk_tiles), 0)
+    return items
+
+
+@triton.jit
+def _fitted_chunk(SEQ_LENS, batch, num_programs, lo, BLOCK_N: tl.constexpr,
+                  BLOCK_B: tl.constexpr):
+    """The smallest chunk >= ``lo`` giving at most ``num_programs`` items; ``lo`` where
+    none does (more live requests than programs). At a chunk of the longest request's
+    tiles every live request is one item, so the search stays below that."""
+    longest = 0
+    for b0 in range(0, batch, BLOCK_B):
+        offs = b0 + tl.arange(0, BLOCK_B)
+        lens = tl.load(SEQ_LENS + offs, mask=offs < batch, other=0)
+        longest = tl.maximum(longest, tl.max(tl.cdiv(lens, BLOCK_N), 0))
+    hi = tl.maximum(lo, longest)
+    chunk = lo
+    if _item_count(SEQ_LENS, batch, lo, BLOCK_N, BLOCK_B) > num_programs:
+        if _item_count(SEQ_LENS, batch, hi, BLOCK_N, BLOCK_B) <= num_programs:
+            # items(lo) > G >= items(hi); items is non-increasing in the chunk
+            while lo + 1 < hi:
+                mid = (lo + hi) // 2
+                if _item_count(SEQ_LENS, batch, mid, BLOCK_N, BLOCK_B) <= num_programs:
+                    hi = mid
+                else:
+                    lo = mid
+            chunk = hi
+    return chunk
+
+
+@triton.jit
 def plan_work_items_kernel(SEQ_LENS, ITEM_INDPTR, CHUNK_TILES, batch, num_programs,
                            BLOCK_N: tl.constexpr, MIN_CHUNK_TILES: tl.constexpr,
-                           BLOCK_B: tl.constexpr):
+                           BLOCK_B: tl.constexpr, FIT_ITEMS: tl.constexpr = False):
     total_tiles = _total_tiles(SEQ_LENS, batch, BLOCK_N, BLOCK_B)
     chunk_tiles = tl.maximum(tl.cdiv(total_tiles, num_programs), MIN_CHUNK_TILES)
+    if FIT_ITEMS:
+        chunk_tiles = _fitted_chunk(SEQ_LENS, batch, num_programs, chunk_tiles, BLOCK_N,
+                                    BLOCK_B)
     tl.store(CHUNK_TILES, chunk_tiles)
     tl.store(ITEM_INDPTR, 0)
     carry = 0

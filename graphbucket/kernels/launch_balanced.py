@@ -74,7 +74,7 @@ def launch_item_planner(seq_lens: torch.Tensor, workspace: SplitWorkspace, *,
         seq_lens, workspace.item_indptr, workspace.chunk_tiles,
         plan.batch_size, plan.persistent_programs,
         BLOCK_N=block_n, MIN_CHUNK_TILES=plan.min_chunk_tiles,
-        BLOCK_B=scan_block(plan.batch_size),
+        BLOCK_B=scan_block(plan.batch_size), FIT_ITEMS=plan.fit_items,
     )
 
 
