@@ -76,6 +76,9 @@ H200_NUM_SMS = 132
 MERGE_BLOCK_S = 256
 MERGE_BLOCK_S_SMALL = 32
 MERGE_BLOCK_DV = 32
+# Balanced merges over few items per request: whole rows per program (``whole_row_merge``).
+WHOLE_ROW_MERGE_DV = 512
+WHOLE_ROW_MERGE_MAX_PROGRAMS = 256
 # A fused merge is done by one program per (request, head block), reading every partial
 # alone: cheap for a few splits, a serial tail for many.
 FUSED_MERGE_MAX_SPLITS = 4
@@ -397,8 +400,22 @@ def plan_balanced_mla_decode(
     # requests of a few items is mostly masked work (see MERGE_BLOCK_S); a single
     # long request with every item loops over its items in steps of that tile.
     items_per_request = cdiv(programs + batch_size, batch_size)
-    return _plan(batch_size, num_heads, block_h, stream, kv_lora_rank, qk_rope_dim,
+    plan = _plan(batch_size, num_heads, block_h, stream, kv_lora_rank, qk_rope_dim,
                  num_kv_splits=1, merge_block_s=merge_block_s(items_per_request),
                  persistent_programs=programs, min_chunk_tiles=min_chunk_tiles,
                  seesaw=stream.seesaw, tile_ranges=tile_ranges,
                  fit_items=fit_items)
+    if whole_row_merge(batch_size, num_heads, programs):
+        plan = replace(plan, merge_block_dv=min(WHOLE_ROW_MERGE_DV, kv_lora_rank),
+                       merge_num_warps=8)
+    return plan
+
+
+def whole_row_merge(batch_size: int, num_heads: int, programs: int) -> bool:
+    """Balanced merges of a few items per request read whole rows (one program per request
+    and head): at up to 5 programs per request, no request has more than
+    WHOLE_ROW_MERGE_MAX_PROGRAMS + 1 items to walk serially, and the column-blocked grid's
+    per-program cost (each block re-reads and re-weighs every LSE) dominates. Below 64
+    heads, where it was measured."""
+    return (num_heads < 64 and programs <= WHOLE_ROW_MERGE_MAX_PROGRAMS
+            and cdiv(programs, batch_size) <= 5)

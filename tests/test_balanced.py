@@ -144,6 +144,20 @@ def test_balanced_plan_shape():
 
 
 @pytest.mark.host
+def test_merge_reads_whole_rows_only_for_few_items_per_request():
+    seesaw = plan_balanced_mla_decode(64, 16, num_sms=132, stream=SEESAW_STREAM)
+    assert seesaw.merge_block_dv == 512 and seesaw.merge_grid == (64, 16, 1)
+    assert seesaw.merge_num_warps == 8
+    # 528 programs: up to 529 items of one request walked serially; 128 heads: unmeasured
+    for plan in (plan_balanced_mla_decode(64, 16, num_sms=132),
+                 plan_balanced_mla_decode(8, 16, num_sms=132, stream=SEESAW_STREAM),
+                 plan_balanced_mla_decode(64, 128, num_sms=132)):
+        assert plan.merge_block_dv == 32, plan.describe()
+    small = balanced_plan(8, 6)  # rank 64: one block of the whole row
+    assert small.merge_block_dv == RANK and small.merge_grid == (8, HEADS, 1)
+
+
+@pytest.mark.host
 def test_item_count_never_exceeds_programs_plus_requests():
     rng = random.Random(11)
     for _ in range(2000):
