@@ -157,13 +157,17 @@ def test_merge_reads_whole_rows_only_for_few_items_per_request():
     assert small.merge_block_dv == RANK and small.merge_grid == (8, HEADS, 1)
 
 
+def random_lens(rng: random.Random, short: int) -> list[int]:
+    """1-40 lengths, each padding, one token, up to ``short`` or up to 100K tokens."""
+    return [rng.choice([0, 1, rng.randint(1, short), rng.randint(1, 100_000)])
+            for _ in range(rng.randint(1, 40))]
+
+
 @pytest.mark.host
 def test_item_count_never_exceeds_programs_plus_requests():
     rng = random.Random(11)
     for _ in range(2000):
-        batch = rng.randint(1, 40)
-        lens = [rng.choice([0, 1, rng.randint(1, 300), rng.randint(1, 100_000)])
-                for _ in range(batch)]
+        lens = random_lens(rng, 300)
         programs, min_chunk = rng.randint(1, 600), rng.randint(1, 8)
         indptr, chunk = python_partition(lens, 32, programs, min_chunk)
         assert indptr[-1] <= programs + sum(n > 0 for n in lens)
@@ -174,9 +178,7 @@ def test_item_count_never_exceeds_programs_plus_requests():
 def test_fitted_items_give_each_program_at_most_one():
     rng = random.Random(12)
     for _ in range(1000):
-        batch = rng.randint(1, 40)
-        lens = [rng.choice([0, 1, rng.randint(1, 3000), rng.randint(1, 100_000)])
-                for _ in range(batch)]
+        lens = random_lens(rng, 3000)
         programs, min_chunk = rng.randint(1, 300), rng.randint(1, 8)
         plain, lo = python_partition(lens, 32, programs, min_chunk)
         indptr, chunk = python_partition(lens, 32, programs, min_chunk, fit=True)
