@@ -109,7 +109,7 @@ class MLADecoder:
 
 
 def make_runner(cfg: Config, model: MLADecoder, ladder: BucketLadder, *,
-                copy_in_graph: bool = True) -> GraphBucketRunner:
+                copy_in_graph: bool = True, copy_kernel: bool = True) -> GraphBucketRunner:
     spec = BufferSpec(max_pages_per_seq=cfg.max_model_len // cfg.page, num_pages=cfg.num_pages,
                       page_size=cfg.page, num_heads=cfg.heads, output_shape=(cfg.hidden,),
                       output_dtype=cfg.dtype, inputs=(InputSpec("token_ids", (), torch.int64),),
@@ -118,7 +118,7 @@ def make_runner(cfg: Config, model: MLADecoder, ladder: BucketLadder, *,
                           num_sms=cfg.num_sms, device=cfg.device)
     return GraphBucketRunner(model, spec=spec, batch_sizes=list(cfg.batch_sizes), ladder=ladder,
                              sm_scale=(cfg.rank + cfg.rope) ** -0.5, backend=backend,
-                             copy_in_graph=copy_in_graph)
+                             copy_in_graph=copy_in_graph, copy_kernel=copy_kernel)
 
 
 def random_batches(cfg: Config, ladder: BucketLadder, n: int, *, batch_size: int | None = None,
@@ -352,21 +352,20 @@ def _pinned_core() -> int:
     return max(os.sched_getaffinity(0))
 
 
-AB_PATHS = ("full", "table", "table_copy")
+AB_PATHS = ("full", "table", "table_memcpy", "table_copy")
 
 
-def _ab_cell(cfg: Config, full: GraphBucketRunner, inc: GraphBucketRunner,
-             old: GraphBucketRunner, bs: int, lo: int, hi: int, steps: int, cuda: bool,
-             seed: int) -> dict:
-    """Host us per step of three paths, interleaved (the order rotates every step): the
-    full table, the BlockTable with each graph copying its staging slot, and the BlockTable
-    with the stage enqueueing the copy (``copy_in_graph=False``, the path before graphs
-    copied); and the outputs' worst relative difference against the full table."""
-    runners = {"table": inc, "table_copy": old}
+def _ab_cell(cfg: Config, full: GraphBucketRunner, runners: dict[str, GraphBucketRunner],
+             bs: int, lo: int, hi: int, steps: int, cuda: bool, seed: int) -> dict:
+    """Host us per step of four paths, interleaved (the order rotates every step): the
+    full table; the BlockTable with each graph copying its staging slot by the copy kernel
+    (``table``) or by a memcpy node (``table_memcpy``); the BlockTable with the stage
+    enqueueing the copy (``table_copy``, ``copy_in_graph=False``); and the outputs' worst
+    relative difference against the full table."""
     for runner in runners.values():
         for row in range(runner.block_table.num_rows):
             runner.block_table.release(row)
-    traj = Trajectory(cfg, [inc.block_table, old.block_table], bs, lo, hi,
+    traj = Trajectory(cfg, [r.block_table for r in runners.values()], bs, lo, hi,
                       np.random.default_rng(seed))
     times: dict[str, list[float]] = {path: [] for path in AB_PATHS}
     worst = 0.0
@@ -398,19 +397,23 @@ def _ab_cell(cfg: Config, full: GraphBucketRunner, inc: GraphBucketRunner,
     times = {path: t[skip:] for path, t in times.items()}
     return {"batch_size": bs, "lengths": [lo, hi], "steps": steps,
             "full_table": _summary(times["full"]), "block_table": _summary(times["table"]),
+            "block_table_memcpy_node": _summary(times["table_memcpy"]),
             "block_table_stage_copies": _summary(times["table_copy"]),
             "max_rel_diff": worst, "_times": times}
 
 
 def host_ab(cfg: Config, model: MLADecoder, full: GraphBucketRunner, ladder: BucketLadder,
             cuda: bool) -> dict:
-    """Full-table path against the BlockTable path (graphs copying their staging slot, and
-    the stage copying), interleaved, pinned to one core: batch 1 in every bucket, and the
-    largest capture size in the top bucket (64 x 128K on CUDA)."""
-    inc = make_runner(cfg, model, ladder)
-    inc.capture()
-    old = make_runner(cfg, model, ladder, copy_in_graph=False)
-    old.capture()
+    """Full-table path against the BlockTable paths (graphs copying their staging slot by
+    the copy kernel or by a memcpy node, and the stage copying), interleaved, pinned to one
+    core: batch 1 in every bucket, and the largest capture size in the top bucket (64 x 128K
+    on CUDA)."""
+    runners = {"table": make_runner(cfg, model, ladder),
+               "table_memcpy": make_runner(cfg, model, ladder, copy_kernel=False),
+               "table_copy": make_runner(cfg, model, ladder, copy_in_graph=False)}
+    for runner in runners.values():
+        runner.capture()
+    inc = runners["table"]
     steps = AB_STEPS if cuda else 3
     affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
     core = _pinned_core()
@@ -420,17 +423,17 @@ def host_ab(cfg: Config, model: MLADecoder, full: GraphBucketRunner, ladder: Buc
         batch1 = []
         for i, (lo, hi) in enumerate(ladder.ranges):
             n = min(steps, max(8, (hi - lo) // 2))  # the request stays in its bucket
-            batch1.append(_ab_cell(cfg, full, inc, old, 1, lo, hi - n, n, cuda,
+            batch1.append(_ab_cell(cfg, full, runners, 1, lo, hi - n, n, cuda,
                                    SEED + 10 + i))
         big = max(cfg.batch_sizes)
         lo, hi = ladder.ranges[-1]
-        top = _ab_cell(cfg, full, inc, old, big, lo, hi - steps, steps, cuda, SEED + 20)
+        top = _ab_cell(cfg, full, runners, big, lo, hi - steps, steps, cuda, SEED + 20)
     finally:
         os.sched_setaffinity(0, affinity)
         torch.set_num_threads(threads)
     syncs = _table_syncs(cfg, inc, big, lo, hi, SYNC_STEPS if cuda else 3, cuda)
-    inc.close()
-    old.close()
+    for runner in runners.values():
+        runner.close()
 
     def pooled(cells: list[dict], path: str) -> float:
         # Every bucket's steps together, as the random grid's batch-1 median pools them.
@@ -438,7 +441,7 @@ def host_ab(cfg: Config, model: MLADecoder, full: GraphBucketRunner, ladder: Buc
 
     headline = cuda and big == 64 and cfg.max_model_len == 131072
     medians = {"batch1": (pooled(batch1, "table"), pooled(batch1, "full"),
-                          pooled(batch1, "table_copy"))}
+                          pooled(batch1, "table_copy"), pooled(batch1, "table_memcpy"))}
     for cell in (*batch1, top):
         del cell["_times"]
     return {
@@ -446,12 +449,15 @@ def host_ab(cfg: Config, model: MLADecoder, full: GraphBucketRunner, ladder: Buc
         "host_us_median_batch1": medians["batch1"][0],
         "host_us_median_batch1_full_table": medians["batch1"][1],
         "host_us_median_batch1_stage_copies": medians["batch1"][2],
+        "host_us_median_batch1_memcpy_node": medians["batch1"][3],
         # The issue's names; None on configurations without batch 64 or a 128K top.
         "host_us_median_batch64_128k": top["block_table"]["median"] if headline else None,
         "host_us_median_batch64_128k_full_table": top["full_table"]["median"]
         if headline else None,
         "host_us_median_batch64_128k_stage_copies":
         top["block_table_stage_copies"]["median"] if headline else None,
+        "host_us_median_batch64_128k_memcpy_node":
+        top["block_table_memcpy_node"]["median"] if headline else None,
         "block_table_syncs": syncs, "block_table_sync_steps": SYNC_STEPS if cuda else 3,
         "block_table_max_rel_diff": max(c["max_rel_diff"] for c in [*batch1, top]),
     }
@@ -518,6 +524,7 @@ def run(cfg: Config, steps: int) -> dict:
                                       "pool_bytes")},
         "pool_bytes_single_bucket": single_rec["pool_bytes"],
         "graphs_captured_single_bucket": single_rec["graphs_captured"],
+        "slot_copy": runner.buffers.slot_copy_kind,
         "syncs_on_replay": syncs,
         "replay_steps": len(batches),
         "staging_waits_while_counting_syncs": sync_waits,
@@ -559,22 +566,27 @@ def markdown(result: dict) -> str:
         ("capture seconds", f"{result['capture_s']:.2f}"),
         ("pool MiB (ladder / one bucket)", f"{result['pool_bytes'] / 2**20:.1f} / "
          f"{result['pool_bytes_single_bucket'] / 2**20:.1f} (x{t['pool_ratio']}, target <= 1.2)"),
+        ("a slot's graph starts with", result["slot_copy"]),
         ("syncs on replay", f"{result['syncs_on_replay']} in {result['replay_steps']} steps "
          "(target 0)"),
         ("host step us median / p90 (random batches)", f"{result['step_host_us_median']} / "
          f"{result['step_host_us_p90']}"),
-        ("host step us median, batch 1 (every bucket), BlockTable / BlockTable with the "
-         "stage copying / full table, interleaved, "
+        ("host step us median, batch 1 (every bucket), BlockTable (copy kernel) / memcpy "
+         "node / stage copying / full table, interleaved, "
          f"core {result['host_ab']['pinned_core']}",
-         f"{result['host_us_median_batch1']} / {result['host_us_median_batch1_stage_copies']}"
+         f"{result['host_us_median_batch1']} / {result['host_us_median_batch1_memcpy_node']}"
+         f" / {result['host_us_median_batch1_stage_copies']}"
          f" / {result['host_us_median_batch1_full_table']} (target <= 20)"),
-        ("host step us median, batch 64 at 128K, BlockTable / stage copying / full table, "
-         "interleaved",
+        ("host step us median, batch 64 at 128K, copy kernel / memcpy node / stage copying / "
+         "full table, interleaved",
          f"{result['host_us_median_batch64_128k']} / "
+         f"{result['host_us_median_batch64_128k_memcpy_node']} / "
          f"{result['host_us_median_batch64_128k_stage_copies']} / "
          f"{result['host_us_median_batch64_128k_full_table']} (target <= 40)"),
-        ("host step us median, batch 1 by bucket, BlockTable / stage copying / full table",
+        ("host step us median, batch 1 by bucket, copy kernel / memcpy node / stage copying / "
+         "full table",
          ", ".join(f"{c['lengths'][1]}: {c['block_table']['median']} / "
+                   f"{c['block_table_memcpy_node']['median']} / "
                    f"{c['block_table_stage_copies']['median']} / {c['full_table']['median']}"
                    for c in result["host_ab"]["batch1_by_bucket"])),
         ("syncs in BlockTable steps", f"{result['block_table_syncs']} in "

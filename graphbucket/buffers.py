@@ -10,9 +10,13 @@ still in flight.
 Two ways to move a staged slot. ``stage(batch, padded_bs)`` enqueues the copy and records
 the slot's event (the eager path). ``stage(..., in_graph=True)`` only fills the slot and
 returns its index: the graph replayed next copies that slot itself, as its first nodes
-(``slot_copy``: the copy, then the event, captured once per slot), so a replayed step
-makes no copy or event call on the host. The graph table therefore holds one graph per
-(key, slot), and a replay must name the slot its stage returned.
+(``slot_copy``, captured once per slot), so a replayed step makes no copy or event call
+on the host. The graph table therefore holds one graph per (key, slot), and a replay must
+name the slot its stage returned. On CUDA that first node is a kernel reading the pinned
+slot (``kernels.staging``): it hands the slot's ticket back to a pinned word when done, and
+the next stage of the slot compares two integers instead of querying an event. Where the
+kernel cannot read pinned memory (a trial copy at allocation fails) it is a memcpy node
+followed by an event node.
 
 Per-token tensors (``positions``, the inputs, the output) hold ``max_q_len`` rows per
 request: a verify step of q_len tokens per request stages B x q_len of them (token j of
@@ -81,7 +85,9 @@ def _layout(spec: BufferSpec, max_bs: int, max_q_len: int = 1, max_changes: int 
     # block_table goes last: a stage copies the arena prefix up to row padded_bs of it (a
     # step with a BlockTable: up to the table). One element past the table is the sink.
     tokens = max_bs * max_q_len
-    wanted = [("seq_lens", (max_bs,), torch.int32), ("positions", (tokens,), torch.int64)]
+    # The ticket: word 0 of a slot, which a graph's copy kernel hands back when done.
+    wanted = [("ticket", (1,), torch.int64), ("seq_lens", (max_bs,), torch.int32),
+              ("positions", (tokens,), torch.int64)]
     wanted += [(f"input:{s.name}", (tokens, *s.shape), s.dtype) for s in spec.inputs]
     wanted += [("change_index", (max_changes,), torch.int64),
                ("change_value", (max_changes,), torch.int32),
@@ -118,6 +124,12 @@ class _StagingSlot:
     # a cheaper call than torch.cuda.Event's); ``pending`` is whichever was recorded last.
     host_event: torch.Event | None = None
     pending: torch.Event | torch.cuda.Event | None = None
+    # The copy-kernel path: the ticket this slot carries and the pinned word the kernel
+    # writes it back to (``pending`` is None while a ticket is out).
+    ticket: np.ndarray | None = None
+    done: torch.Tensor | None = None
+    done_words: np.ndarray | None = None
+    issued: int = 0
     in_flight: bool = False
     live_rows: int = 0
     live_tokens: int = 0
@@ -185,11 +197,13 @@ def _staging_slot(segments: dict[str, _Segment], nbytes: int, device: torch.devi
               for name, t in views.items() if name.startswith("input:")}
     table, _, sink = _table_views(views["block_table"], segments["seq_lens"].shape[0])
     views["change_index"].fill_(sink)
+    done = torch.zeros(1, dtype=torch.int64, pin_memory=pin)
     return _StagingSlot(arena, views["seq_lens"].numpy(), views["positions"].numpy(),
                         table.numpy(), table, views["change_index"].numpy(),
                         views["change_value"].numpy(), sink, inputs,
                         torch.cuda.Event(external=True) if pin else None,
-                        torch.Event(device) if pin else None)
+                        torch.Event(device) if pin else None, ticket=views["ticket"].numpy(),
+                        done=done, done_words=done.numpy())
 
 
 def _table_views(flat: torch.Tensor, max_bs: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -228,14 +242,20 @@ class StaticBuffers:
     max_q_len: int = 1
     _changes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     _mirror: BlockTable | None = None  # the BlockTable the device table mirrors
+    # Device int32 arrival counter of the slot-copy kernel; None: graphs copy with a
+    # memcpy node and an event node (no CUDA, or the kernel cannot read pinned memory).
+    _copy_counter: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, spec: BufferSpec, *, max_batch_size: int, workspace: WorkspaceSpec,
                  num_staging_slots: int = 2, max_q_len: int = 1,
-                 max_table_changes: int | None = None) -> StaticBuffers:
+                 max_table_changes: int | None = None,
+                 copy_kernel: bool = True) -> StaticBuffers:
         """Allocate everything once for ``max_batch_size`` requests of up to ``max_q_len``
         query tokens each (before any capture). ``max_table_changes``: block-table entries
-        a ``BlockTable`` step stages as a list (default ``default_max_table_changes``)."""
+        a ``BlockTable`` step stages as a list (default ``default_max_table_changes``).
+        ``copy_kernel``: on CUDA, let a slot's graph copy the slot with the copy kernel
+        where it reads pinned memory (False: always a memcpy node and an event node)."""
         changes = (default_max_table_changes(max_batch_size) if max_table_changes is None
                    else max_table_changes)
         if max_batch_size < 1 or num_staging_slots < 1 or max_q_len < 1 or changes < 1:
@@ -248,7 +268,7 @@ class StaticBuffers:
         table, flat, sink = _table_views(views["block_table"], max_batch_size)
         views["change_index"].fill_(sink)
         pin = spec.device.type == "cuda" and torch.cuda.is_available()
-        return cls(
+        buffers = cls(
             spec=spec, max_batch_size=max_batch_size, seq_lens=views["seq_lens"],
             positions=views["positions"], block_table=table,
             inputs={s.name: views[f"input:{s.name}"] for s in spec.inputs},
@@ -259,6 +279,9 @@ class StaticBuffers:
             _slots=[_staging_slot(segments, nbytes, spec.device if pin else None)
                     for _ in range(num_staging_slots)], max_q_len=max_q_len,
             _changes=(flat, views["change_index"], views["change_value"]))
+        if pin and copy_kernel:
+            buffers._copy_counter = _probe_copy_kernel(buffers)
+        return buffers
 
     @property
     def nbytes(self) -> int:
@@ -310,7 +333,8 @@ class StaticBuffers:
             self.inputs[name][:tokens].copy_(t, non_blocking=True)
         if event is not None:
             if in_graph:
-                slot.pending = event  # recorded by the graph
+                # Recorded by the graph: its event, or the copy kernel's ticket.
+                slot.pending = None if self._copy_counter is not None else event
             else:
                 slot.pending = slot.host_event
                 slot.host_event.record()
@@ -319,11 +343,18 @@ class StaticBuffers:
 
     def slot_copy(self, index: int) -> Callable[[], None]:
         """The copy a graph captured for staging slot ``index`` starts with: the arena
-        prefix before the block table (seq_lens, positions, inputs, the change list),
-        then the slot's event (an event node of the graph, so the next stage of the slot
-        knows when the copy has landed)."""
+        prefix before the block table (the ticket, seq_lens, positions, inputs, the change
+        list), by the copy kernel that hands the ticket back; without it (no CUDA, or the
+        trial copy failed) a copy and the slot's event (an event node of the graph), so the
+        next stage of the slot knows when the copy has landed."""
         dst, srcs = self._prefixes.get(0) or self._prefix_views(0)
-        src, event = srcs[index], self._slots[index].event
+        slot = self._slots[index]
+        src, event = srcs[index], slot.event
+        if self._copy_counter is not None:
+            from graphbucket.kernels.staging import launch_copy_slot
+            words, dst_words = src.view(torch.int64), dst.view(torch.int64)
+            counter, done = self._copy_counter, slot.done
+            return lambda: launch_copy_slot(words, dst_words, counter, done)
 
         def copy() -> None:
             dst.copy_(src, non_blocking=event is not None)
@@ -334,6 +365,14 @@ class StaticBuffers:
     @property
     def num_staging_slots(self) -> int:
         return len(self._slots)
+
+    @property
+    def slot_copy_kind(self) -> str:
+        """What a slot's graph starts with: "kernel" (CUDA, the copy kernel), "memcpy" (CUDA,
+        a memcpy node and an event node) or "copy" (no CUDA)."""
+        if self._copy_counter is not None:
+            return "kernel"
+        return "memcpy" if self._slots and self._slots[0].event is not None else "copy"
 
     def _stage_table(self, table: BlockTable, index: int, slot: _StagingSlot,
                      in_graph: bool) -> None:
@@ -388,10 +427,20 @@ class StaticBuffers:
         slot = self._slots[index]
         self._next_slot = index + 1 if index + 1 < len(self._slots) else 0
         if slot.in_flight:
-            if not slot.pending.query():
+            pending = slot.pending
+            if pending is None:  # a copy kernel's ticket: back once the slot was read
+                if int(slot.done_words[0]) != slot.issued:
+                    self.staging_waits += 1
+                    # Everything enqueued has run after this; a ticket still out then
+                    # belongs to a graph that was never launched, which reads nothing.
+                    torch.cuda.synchronize(self.spec.device)
+            elif not pending.query():
                 self.staging_waits += 1
-                slot.pending.synchronize()  # its copy has not landed: rewriting it would race
+                pending.synchronize()  # its copy has not landed: rewriting it would race
             slot.in_flight = False
+        if self._copy_counter is not None:
+            slot.issued += 1
+            slot.ticket[0] = slot.issued
         return index, slot
 
     def context(self, batch_size: int, plan: Plan, backend: DecodeBackend,
@@ -421,3 +470,23 @@ class StaticBuffers:
         empty = torch.empty(0)
         self.seq_lens = self.positions = self.block_table = self.output = self._arena = empty
 
+
+
+def _probe_copy_kernel(buffers: StaticBuffers) -> torch.Tensor | None:
+    """The slot-copy kernel's arrival counter if the kernel reads a pinned slot here (one
+    trial copy of slot 0, checked), else None: graphs then copy with a memcpy node."""
+    from graphbucket.kernels.staging import launch_copy_slot
+
+    counter = torch.zeros(1, dtype=torch.int32, device=buffers.spec.device)
+    dst, srcs = buffers._prefix_views(0)
+    slot = buffers._slots[0]
+    slot.ticket[0] = -1
+    try:
+        launch_copy_slot(srcs[0].view(torch.int64), dst.view(torch.int64), counter, slot.done)
+        torch.cuda.synchronize(buffers.spec.device)
+        ok = int(slot.done_words[0]) == -1 and torch.equal(dst.cpu(), srcs[0])
+    except Exception:  # noqa: BLE001 - any failure means: use the memcpy node
+        ok = False
+    slot.ticket[0] = 0
+    slot.done_words[0] = 0
+    return counter if ok else None  # dst now holds slot 0 as allocated: a neutral batch

@@ -83,7 +83,9 @@ class GraphBucketRunner:
     ``copy_in_graph``: also capture every graph once per staging slot with that slot's
     seq_info copy as its first node, so a step enqueues no copy of its own (steps that
     carry device inputs still do, and replay the graph without one); False captures
-    only the latter, for a third of the graphs.
+    only the latter, for a third of the graphs. ``copy_kernel``: that first node is the
+    slot-copy kernel where it can read pinned memory (False: a memcpy node and an event
+    node).
     Graph-safe: ``step`` is host-only selection, numpy writes into a pinned staging slot
     and the replay of that slot's graph, which copies the slot in as its first node.
     """
@@ -94,7 +96,8 @@ class GraphBucketRunner:
                  qk_rope_dim: int = 64, rule: SelectRule = "max", warmup_iters: int = 1,
                  progress: bool = True, q_lens: tuple[int, ...] = (1,),
                  q_ladders: Mapping[int, BucketLadder] | None = None,
-                 max_table_changes: int | None = None, copy_in_graph: bool = True) -> None:
+                 max_table_changes: int | None = None, copy_in_graph: bool = True,
+                 copy_kernel: bool = True) -> None:
         if ladder is None and max_model_len is None:
             raise ValueError("an eager runner (ladder=None) needs max_model_len")
         top = ladder.max_model_len if ladder is not None else max_model_len
@@ -123,7 +126,7 @@ class GraphBucketRunner:
         self.buffers = StaticBuffers.allocate(
             spec, max_batch_size=self.selector.max_batch_size, max_q_len=max_q,
             workspace=self.backend.workspace_spec(self._workspace_plans()),
-            max_table_changes=max_table_changes)
+            max_table_changes=max_table_changes, copy_kernel=copy_kernel)
         self.block_table = BlockTable(spec, self.selector.max_batch_size)
         self._validate = BatchValidator(spec, max_q_len=max_q, block_table=self.block_table)
         # Output views by token count (batch x q_len), so a step slices nothing.
