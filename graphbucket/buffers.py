@@ -42,175 +42,26 @@ whole table once, so the device mirrors the host table from then on.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from graphbucket.backends.base import DecodeBackend, Plan, WorkspaceSpec
-from graphbucket.batch import CheckedBatch, numpy_view_dtype
+from graphbucket.batch import CheckedBatch
 from graphbucket.block_table import BlockTable
 from graphbucket.context import DecodeContext
 from graphbucket.spec import BufferSpec
+from graphbucket.staging import (
+    StagingSlot,
+    arena_layout,
+    default_max_table_changes,
+    staging_slot,
+    table_views,
+)
 
-_ALIGN = 256  # bytes; keeps every arena view aligned for any dtype and vector loads
-
-
-@dataclass(frozen=True, slots=True)
-class _Segment:
-    name: str
-    offset: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
-
-    def view(self, arena: torch.Tensor) -> torch.Tensor:
-        return arena[self.offset:self.offset + self.nbytes].view(self.dtype).view(self.shape)
-
-
-def default_max_table_changes(max_bs: int) -> int:
-    """Table entries one step stages as a list: a decode step appends at most one page per
-    request; the headroom takes a few new short requests."""
-    return 4 * max_bs + 64
-
-
-def _layout(spec: BufferSpec, max_bs: int, max_q_len: int = 1, max_changes: int = 64
-            ) -> tuple[dict[str, _Segment], int]:
-    # block_table goes last: a stage copies the arena prefix up to row padded_bs of it (a
-    # step with a BlockTable: up to the table). One element past the table is the sink.
-    tokens = max_bs * max_q_len
-    # The ticket: word 0 of a slot, which a graph's copy kernel hands back when done.
-    wanted = [("ticket", (1,), torch.int64), ("seq_lens", (max_bs,), torch.int32),
-              ("positions", (tokens,), torch.int64)]
-    wanted += [(f"input:{s.name}", (tokens, *s.shape), s.dtype) for s in spec.inputs]
-    wanted += [("change_index", (max_changes,), torch.int64),
-               ("change_value", (max_changes,), torch.int32),
-               ("block_table", (max_bs * spec.max_pages_per_seq + 1,), torch.int32)]
-    segments, offset = {}, 0
-    for name, shape, dtype in wanted:
-        seg = _Segment(name, offset, tuple(shape), dtype)
-        segments[name] = seg
-        offset += -(-seg.nbytes // _ALIGN) * _ALIGN
-    return segments, offset
-
-
-@dataclass(eq=False, slots=True)
-class _StagingSlot:
-    """One pinned staging arena and what is known about the bytes it still holds.
-
-    Dirt tracking lets a stage zero only what an earlier stage left behind: seq_lens
-    rows from ``live_rows`` on and positions and input rows from ``live_tokens`` on are zero,
-    change entries from ``live_changes`` on aim at the sink.
-    """
-
-    arena: torch.Tensor  # uint8, host; pinned when the buffers live on CUDA
-    seq_lens: np.ndarray
-    positions: np.ndarray
-    block_table: np.ndarray  # [max_bs, max_pages]
-    table_tensor: torch.Tensor  # the same memory, the source of whole-row copies
-    change_index: np.ndarray
-    change_value: np.ndarray
-    sink: int
-    inputs: dict[str, np.ndarray]  # viewed as numpy_view_dtype (raw bits where numpy has none)
-    # External: recorded inside a captured graph, it becomes an event node of that graph.
-    event: torch.cuda.Event | None
-    # Recorded by a stage that copies (torch.Event records on the current stream in C++,
-    # a cheaper call than torch.cuda.Event's); ``pending`` is whichever was recorded last.
-    host_event: torch.Event | None = None
-    pending: torch.Event | torch.cuda.Event | None = None
-    # The copy-kernel path: the ticket this slot carries and the pinned word the kernel
-    # writes it back to (``pending`` is None while a ticket is out).
-    ticket: np.ndarray | None = None
-    done: torch.Tensor | None = None
-    done_words: np.ndarray | None = None
-    issued: int = 0
-    in_flight: bool = False
-    live_rows: int = 0
-    live_tokens: int = 0
-    live_changes: int = 0
-
-    def fill(self, batch: CheckedBatch, padded_bs: int) -> None:
-        """Rows [0, bs) from ``batch``; rows [bs, padded_bs) neutral (zero lengths). Per-token
-        rows: [0, bs x q_len) from ``batch``, [bs x q_len, padded_bs x q_len) zero."""
-        bs, lens, q_len = batch.batch_size, batch.seq_lens, batch.q_len
-        tokens = bs * q_len
-        self.seq_lens[:bs] = lens
-        positions = self.positions[:tokens]
-        if batch.positions is not None:
-            positions[...] = batch.positions
-        elif q_len == 1:
-            np.subtract(lens, 1, out=positions, dtype=np.int64)
-            if batch.min_len == 0:
-                np.maximum(positions, 0, out=positions)
-        else:  # token j at seq_len - q_len + j; padding requests at 0
-            grid = positions.reshape(bs, q_len)
-            np.add(lens[:, None].astype(np.int64) - q_len, np.arange(q_len), out=grid)
-            np.maximum(grid, 0, out=grid)
-        for name, arr in batch.host_inputs:
-            self.inputs[name][:tokens] = arr
-        live = self.live_rows
-        top = padded_bs if padded_bs < live else live
-        if top > bs:
-            self.seq_lens[bs:top] = 0
-        self.live_rows = bs if live <= padded_bs else live
-        live, padded = self.live_tokens, padded_bs * q_len
-        top = padded if padded < live else live
-        if top > tokens:
-            self.positions[tokens:top] = 0
-            for arr in self.inputs.values():  # device inputs too: the prefix copy pads them
-                arr[tokens:top] = 0
-        self.live_tokens = tokens if live <= padded else live
-        table = batch.block_table
-        if table is not None:
-            self.block_table[:bs, :table.shape[1]] = table
-            self._changed(0)
-
-    def fill_changes(self, table: BlockTable) -> list[tuple[int, int, int]]:
-        """The table's changes: listed up to capacity, the rest written into this slot's
-        rows; returns those rows' (row, lo, hi) column ranges to copy."""
-        n, whole = table.changes(self.change_index, self.change_value,
-                                 self.block_table.shape[1])
-        self._changed(n)
-        for row, lo, hi in whole:
-            self.block_table[row, lo:hi] = table.table[row, lo:hi]
-        return whole
-
-    def _changed(self, n: int) -> None:
-        if self.live_changes > n:
-            self.change_index[n:self.live_changes] = self.sink
-        self.live_changes = n
-
-
-def _staging_slot(segments: dict[str, _Segment], nbytes: int, device: torch.device | None
-                  ) -> _StagingSlot:
-    """A staging arena; pinned, with a reuse event, when ``device`` (a CUDA device) is given."""
-    pin = device is not None
-    arena = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
-    views = {name: seg.view(arena) for name, seg in segments.items()}
-    inputs = {name[6:]: t.view(numpy_view_dtype(t.dtype)).numpy()
-              for name, t in views.items() if name.startswith("input:")}
-    table, _, sink = _table_views(views["block_table"], segments["seq_lens"].shape[0])
-    views["change_index"].fill_(sink)
-    done = torch.zeros(1, dtype=torch.int64, pin_memory=pin)
-    return _StagingSlot(arena, views["seq_lens"].numpy(), views["positions"].numpy(),
-                        table.numpy(), table, views["change_index"].numpy(),
-                        views["change_value"].numpy(), sink, inputs,
-                        torch.cuda.Event(external=True) if pin else None,
-                        torch.Event(device) if pin else None, ticket=views["ticket"].numpy(),
-                        done=done, done_words=done.numpy())
-
-
-def _table_views(flat: torch.Tensor, max_bs: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(table [max_bs, max_pages], flat table with its sink element, the sink's index)."""
-    sink = flat.shape[0] - 1
-    return flat[:sink].view(max_bs, sink // max_bs), flat, sink
-
+__all__ = ["StaticBuffers", "default_max_table_changes"]
 
 @dataclass(eq=False)
 class StaticBuffers:
@@ -234,7 +85,7 @@ class StaticBuffers:
     workspace_nbytes: int
     _arena: torch.Tensor
     _bt_offset: int
-    _slots: list[_StagingSlot]
+    _slots: list[StagingSlot]
     _next_slot: int = 0
     _prefixes: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=dict)
     _rows: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=dict)
@@ -262,10 +113,10 @@ class StaticBuffers:
             raise ValueError(f"need max_batch_size, num_staging_slots, max_q_len and "
                              f"max_table_changes >= 1, got {max_batch_size}, "
                              f"{num_staging_slots}, {max_q_len} and {changes}")
-        segments, nbytes = _layout(spec, max_batch_size, max_q_len, changes)
+        segments, nbytes = arena_layout(spec, max_batch_size, max_q_len, changes)
         arena = torch.zeros(nbytes, dtype=torch.uint8, device=spec.device)
         views = {name: seg.view(arena) for name, seg in segments.items()}
-        table, flat, sink = _table_views(views["block_table"], max_batch_size)
+        table, flat, sink = table_views(views["block_table"], max_batch_size)
         views["change_index"].fill_(sink)
         pin = spec.device.type == "cuda" and torch.cuda.is_available()
         buffers = cls(
@@ -276,7 +127,7 @@ class StaticBuffers:
                                dtype=spec.output_dtype, device=spec.device),
             workspace=workspace.allocate(spec.device), workspace_nbytes=workspace.nbytes,
             _arena=arena, _bt_offset=segments["block_table"].offset,
-            _slots=[_staging_slot(segments, nbytes, spec.device if pin else None)
+            _slots=[staging_slot(segments, nbytes, spec.device if pin else None)
                     for _ in range(num_staging_slots)], max_q_len=max_q_len,
             _changes=(flat, views["change_index"], views["change_value"]))
         if pin and copy_kernel:
@@ -374,7 +225,7 @@ class StaticBuffers:
             return "kernel"
         return "memcpy" if self._slots and self._slots[0].event is not None else "copy"
 
-    def _stage_table(self, table: BlockTable, index: int, slot: _StagingSlot,
+    def _stage_table(self, table: BlockTable, index: int, slot: StagingSlot,
                      in_graph: bool) -> None:
         """Everything before the block table (the change list included; left to the graph
         when ``in_graph``), then the rows whose changes did not fit the list; the whole
@@ -422,7 +273,7 @@ class StaticBuffers:
         cache[padded_bs] = views
         return views
 
-    def _acquire_slot(self) -> tuple[int, _StagingSlot]:
+    def _acquire_slot(self) -> tuple[int, StagingSlot]:
         index = self._next_slot
         slot = self._slots[index]
         self._next_slot = index + 1 if index + 1 < len(self._slots) else 0

@@ -377,7 +377,8 @@ def plan_balanced_mla_decode(
     step's tiles across request boundaries; where the seesaw cannot run, the Triton
     kernel runs the plan's chunks. ``fit_items`` (item plans): the chunk is the smallest of
     at least that size that cuts the step into at most ``programs`` items, where the live
-    requests number no more than the programs; each program then runs one item.
+    requests number no more than the programs and that chunk is at most 1.5x the plain
+    one; each program then runs one item.
     """
     _check_positive(batch_size=batch_size, num_heads=num_heads, num_sms=num_sms)
     block_h = stream.block_h if stream is not None and stream.block_h else \

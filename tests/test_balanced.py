@@ -42,12 +42,15 @@ DIMS = {"kv_lora_rank": RANK, "qk_rope_dim": ROPE}
 def python_partition(lens: list[int], block_n: int, programs: int, min_chunk: int,
                      fit: bool = False) -> tuple[list[int], int]:
     """item_indptr and chunk_tiles as the planning kernel must compute them; ``fit``: the
-    smallest chunk from there on with at most ``programs`` items, by counting upwards."""
+    smallest chunk from there on with at most ``programs`` items, by counting upwards, if
+    it is at most 1.5x the plain chunk."""
     tiles = [cdiv(n, block_n) for n in lens]
-    chunk = max(min_chunk, cdiv(sum(tiles), programs))
+    chunk = plain = max(min_chunk, cdiv(sum(tiles), programs))
     if fit and sum(t > 0 for t in tiles) <= programs:
         while sum(cdiv(t, chunk) for t in tiles) > programs:
             chunk += 1
+        if 2 * chunk > 3 * plain:
+            chunk = plain
     indptr = [0]
     for t in tiles:
         indptr.append(indptr[-1] + cdiv(t, chunk))
@@ -183,12 +186,17 @@ def test_fitted_items_give_each_program_at_most_one():
         plain, lo = python_partition(lens, 32, programs, min_chunk)
         indptr, chunk = python_partition(lens, 32, programs, min_chunk, fit=True)
         assert chunk >= lo and indptr[-1] <= plain[-1]
-        if sum(n > 0 for n in lens) <= programs:
-            assert indptr[-1] <= programs
-            if chunk > lo:  # the smallest such chunk
-                assert python_partition(lens, 32, programs, chunk - 1)[0][-1] > programs
+        if sum(n > 0 for n in lens) <= programs and chunk > lo:
+            assert indptr[-1] <= programs and 2 * chunk <= 3 * lo
+            # the smallest such chunk
+            assert python_partition(lens, 32, programs, chunk - 1)[0][-1] > programs
+        elif chunk == lo:  # no fitted chunk within 1.5x the plain one (or too many live)
+            assert indptr == plain
+            fits = [c for c in range(lo, 3 * lo // 2 + 1)
+                    if python_partition(lens, 32, programs, c)[0][-1] <= programs]
+            assert sum(n > 0 for n in lens) > programs or not fits or fits[0] == lo
         else:
-            assert (indptr, chunk) == (plain, lo)
+            raise AssertionError(f"chunk {chunk} below the plain {lo}")
 
 
 @pytest.mark.parametrize("fit", [False, True])
@@ -201,6 +209,7 @@ def test_fitted_items_give_each_program_at_most_one():
     ([64 * 9, 64 * 9 + 1, 64 * 9 - 1], 3, 2),
     ([64 * 40] * 5 + [64 * 41], 8, 1),
     ([7000, 3, 3, 3], 3, 1),
+    ([8192] + [64] * 9, 10, 1),  # fitting needs the longest whole: kept plain
 ])
 def test_item_planner_matches_python(lens, programs, min_chunk, fit):
     plan = balanced_plan(len(lens), programs, min_chunk_tiles=min_chunk, fit_items=fit)
@@ -335,15 +344,22 @@ def test_padding_rows_give_zeros_and_lse_minus_inf(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fitted_chunks(dtype):
-    # Fitted: fewer, longer items (one per program); more live requests than programs keeps
-    # the plain chunk. Padding rows, a one-token request and chunk edges inside pages.
+    # Fitted: fewer, longer items (one per program) where the chunk stays within 1.5x the
+    # plain one; more live requests than programs, or a longer fitted chunk, keeps the plain
+    # chunk. Padding rows, a one-token request and chunk edges inside pages.
     lens = [700, 3, 0, 17, 40, 1, 64, 0, 9, 333]
     c = case(lens, dtype)
-    for programs in (9, 12, 40, 4):
+    fitted = 0
+    for programs in (9, 12, 16, 40, 4):
         plan = balanced_plan(len(lens), programs, fit_items=True)
-        check(c, plan)
-        if programs >= 8:  # 8 live requests
-            assert sum(ws_items(c, plan)) <= programs
+        check(c, plan)  # the partition is python_partition's, fitted or not
+        block_n = tile_tokens(plan, c.q.element_size())
+        plain = python_partition(lens, block_n, programs, plan.min_chunk_tiles)[1]
+        items, chunk = ws_partition(c, plan)
+        if chunk > plain:
+            fitted += 1
+            assert sum(items) <= programs
+    assert fitted >= 1, "no program count took the fitted chunk: the case tests nothing"
 
 
 def test_more_programs_than_tiles():
@@ -431,12 +447,18 @@ def test_as_close_to_float64_as_split_kv(dtype, seed):
     assert 0 < err <= (1.15 if ON_GPU else 1.05) * max(split_errs), (err, split_errs)
 
 
-def ws_items(c: DecodeCase, plan: LaunchPlan) -> list[int]:
-    """Work items per request the planning kernel gives ``c``'s lengths."""
+def ws_partition(c: DecodeCase, plan: LaunchPlan) -> tuple[list[int], int]:
+    """Work items per request and the chunk (tiles) the planning kernel gives ``c``'s
+    lengths."""
     ws = workspace_for(plan)
     launch_item_planner(c.seq_lens, ws, plan=plan, block_n=tile_tokens(plan, c.q.element_size()))
     indptr = ws.item_indptr[:plan.batch_size + 1].tolist()
-    return [b - a for a, b in zip(indptr, indptr[1:], strict=False)]
+    return [b - a for a, b in zip(indptr, indptr[1:], strict=False)], int(ws.chunk_tiles.item())
+
+
+def ws_items(c: DecodeCase, plan: LaunchPlan) -> list[int]:
+    """Work items per request the planning kernel gives ``c``'s lengths."""
+    return ws_partition(c, plan)[0]
 
 
 # --- host side ----------------------------------------------------------------------------

@@ -69,9 +69,11 @@ def test_a_bad_kernel_map_in_json_names_the_key():
 
 def test_backends_offer_their_balanced_kernels_and_refuse_others():
     triton = get_backend("triton", num_sms=132)
-    assert triton.balanced_kernels(16) == (DEFAULT_BALANCED_KERNEL, "seesaw", "seesaw-ranges")
+    assert triton.balanced_kernels(16) == (DEFAULT_BALANCED_KERNEL, "seesaw", "seesaw-ranges",
+                                           "seesaw-fitted")
     # From 64 heads the default is the seesaw over work items.
-    assert triton.balanced_kernels(128) == (DEFAULT_BALANCED_KERNEL, "seesaw-ranges")
+    assert triton.balanced_kernels(128) == (DEFAULT_BALANCED_KERNEL, "seesaw-ranges",
+                                            "seesaw-fitted")
     seesaw, default = triton.plan_balanced(32, 16, "seesaw"), triton.plan_balanced(32, 16)
     assert seesaw.balanced and seesaw.seesaw and seesaw.block_h == SEESAW_STREAM.block_h
     assert default.block_h == 16 and not default.seesaw and seesaw != default
@@ -79,8 +81,11 @@ def test_backends_offer_their_balanced_kernels_and_refuse_others():
     for heads, programs in ((16, 132), (128, 66)):  # one program per SM
         ranges = triton.plan_balanced(32, heads, "seesaw-ranges")
         assert ranges.seesaw and ranges.tile_ranges and ranges.persistent_programs == programs
+        fitted = triton.plan_balanced(32, heads, "seesaw-fitted")
+        assert fitted.seesaw and fitted.fit_items and not fitted.tile_ranges
+        assert fitted.persistent_programs == programs and " fitted " in fitted.describe()
     with pytest.raises(ValueError, match="no balanced kernel 'seesaw'.*offers "
-                                         "\\['default', 'seesaw-ranges'\\]"):
+                                         "\\['default', 'seesaw-ranges', 'seesaw-fitted'\\]"):
         triton.plan_balanced(32, 128, "seesaw")
     with pytest.raises(ValueError, match="no balanced kernel 'fast'"):
         get_backend("dense").plan_balanced(4, 16, "fast")

@@ -15,7 +15,8 @@ among short ones sets the step time; here every work item has about the same siz
    chunk_tiles >= total / G bounds the item count by G + B (the workspace's size). A
    program strided over G + B items runs two where the count passes G; with ``FIT_ITEMS``
    the planner bisects for the smallest chunk whose items fit in G (where the live
-   requests are at most G), so every program runs at most one.
+   requests are at most G) and takes it if it is at most 1.5x the plain chunk, so every
+   program runs at most one.
 2. ``balanced_stage1_kernel`` runs G persistent programs per head block; program g
    takes items g, g + G, ...; item i of request b covers tokens
    [(i - indptr[b]) * chunk, min(+chunk, len_b)) with chunk = chunk_tiles * BLOCK_N.
@@ -67,14 +68,18 @@ def _item_count(SEQ_LENS, batch, chunk_tiles, BLOCK_N: tl.constexpr, BLOCK_B: tl
 @triton.jit
 def _fitted_chunk(SEQ_LENS, batch, num_programs, lo, BLOCK_N: tl.constexpr,
                   BLOCK_B: tl.constexpr):
-    """The smallest chunk >= ``lo`` giving at most ``num_programs`` items; ``lo`` where
-    none does (more live requests than programs). At a chunk of the longest request's
-    tiles every live request is one item, so the search stays below that."""
+    """The smallest chunk >= ``lo`` giving at most ``num_programs`` items, if it is at most
+    1.5 ``lo``; else ``lo`` (and ``lo`` where no chunk fits: more live requests than
+    programs). A longer fitted chunk makes every program's one item nearly as long as a
+    request and leaves the SMs idle as the short ones finish, which costs more than the
+    second items it removes. At a chunk of the longest request's tiles every live request
+    is one item, so the search stays below that."""
     longest = 0
     for b0 in range(0, batch, BLOCK_B):
         offs = b0 + tl.arange(0, BLOCK_B)
         lens = tl.load(SEQ_LENS + offs, mask=offs < batch, other=0)
         longest = tl.maximum(longest, tl.max(tl.cdiv(lens, BLOCK_N), 0))
+    plain = lo
     hi = tl.maximum(lo, longest)
     chunk = lo
     if _item_count(SEQ_LENS, batch, lo, BLOCK_N, BLOCK_B) > num_programs:
@@ -86,7 +91,8 @@ def _fitted_chunk(SEQ_LENS, batch, num_programs, lo, BLOCK_N: tl.constexpr,
                     hi = mid
                 else:
                     lo = mid
-            chunk = hi
+            if 2 * hi <= 3 * plain:
+                chunk = hi
     return chunk
 
 

@@ -1,0 +1,173 @@
+"""The staging arena: its layout, shared by the device arena, and the pinned slots a host
+step writes before the arena prefix moves to the device (``buffers.StaticBuffers``).
+
+Each slot knows which bytes an earlier stage left dirty, so a stage zeroes only those; its
+first word is the ticket a graph's copy kernel hands back (``kernels.staging``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from graphbucket.batch import CheckedBatch, numpy_view_dtype
+from graphbucket.block_table import BlockTable
+from graphbucket.spec import BufferSpec
+
+_ALIGN = 256  # bytes; keeps every arena view aligned for any dtype and vector loads
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    name: str
+    offset: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+    def view(self, arena: torch.Tensor) -> torch.Tensor:
+        return arena[self.offset:self.offset + self.nbytes].view(self.dtype).view(self.shape)
+
+
+def default_max_table_changes(max_bs: int) -> int:
+    """Table entries one step stages as a list: a decode step appends at most one page per
+    request; the headroom takes a few new short requests."""
+    return 4 * max_bs + 64
+
+
+def arena_layout(spec: BufferSpec, max_bs: int, max_q_len: int = 1, max_changes: int = 64
+            ) -> tuple[dict[str, Segment], int]:
+    # block_table goes last: a stage copies the arena prefix up to row padded_bs of it (a
+    # step with a BlockTable: up to the table). One element past the table is the sink.
+    tokens = max_bs * max_q_len
+    # The ticket: word 0 of a slot, which a graph's copy kernel hands back when done.
+    wanted = [("ticket", (1,), torch.int64), ("seq_lens", (max_bs,), torch.int32),
+              ("positions", (tokens,), torch.int64)]
+    wanted += [(f"input:{s.name}", (tokens, *s.shape), s.dtype) for s in spec.inputs]
+    wanted += [("change_index", (max_changes,), torch.int64),
+               ("change_value", (max_changes,), torch.int32),
+               ("block_table", (max_bs * spec.max_pages_per_seq + 1,), torch.int32)]
+    segments, offset = {}, 0
+    for name, shape, dtype in wanted:
+        seg = Segment(name, offset, tuple(shape), dtype)
+        segments[name] = seg
+        offset += -(-seg.nbytes // _ALIGN) * _ALIGN
+    return segments, offset
+
+
+@dataclass(eq=False, slots=True)
+class StagingSlot:
+    """One pinned staging arena and what is known about the bytes it still holds.
+
+    Dirt tracking lets a stage zero only what an earlier stage left behind: seq_lens
+    rows from ``live_rows`` on and positions and input rows from ``live_tokens`` on are zero,
+    change entries from ``live_changes`` on aim at the sink.
+    """
+
+    arena: torch.Tensor  # uint8, host; pinned when the buffers live on CUDA
+    seq_lens: np.ndarray
+    positions: np.ndarray
+    block_table: np.ndarray  # [max_bs, max_pages]
+    table_tensor: torch.Tensor  # the same memory, the source of whole-row copies
+    change_index: np.ndarray
+    change_value: np.ndarray
+    sink: int
+    inputs: dict[str, np.ndarray]  # viewed as numpy_view_dtype (raw bits where numpy has none)
+    # External: recorded inside a captured graph, it becomes an event node of that graph.
+    event: torch.cuda.Event | None
+    # Recorded by a stage that copies (torch.Event records on the current stream in C++,
+    # a cheaper call than torch.cuda.Event's); ``pending`` is whichever was recorded last.
+    host_event: torch.Event | None = None
+    pending: torch.Event | torch.cuda.Event | None = None
+    # The copy-kernel path: the ticket this slot carries and the pinned word the kernel
+    # writes it back to (``pending`` is None while a ticket is out).
+    ticket: np.ndarray | None = None
+    done: torch.Tensor | None = None
+    done_words: np.ndarray | None = None
+    issued: int = 0
+    in_flight: bool = False
+    live_rows: int = 0
+    live_tokens: int = 0
+    live_changes: int = 0
+
+    def fill(self, batch: CheckedBatch, padded_bs: int) -> None:
+        """Rows [0, bs) from ``batch``; rows [bs, padded_bs) neutral (zero lengths). Per-token
+        rows: [0, bs x q_len) from ``batch``, [bs x q_len, padded_bs x q_len) zero."""
+        bs, lens, q_len = batch.batch_size, batch.seq_lens, batch.q_len
+        tokens = bs * q_len
+        self.seq_lens[:bs] = lens
+        positions = self.positions[:tokens]
+        if batch.positions is not None:
+            positions[...] = batch.positions
+        elif q_len == 1:
+            np.subtract(lens, 1, out=positions, dtype=np.int64)
+            if batch.min_len == 0:
+                np.maximum(positions, 0, out=positions)
+        else:  # token j at seq_len - q_len + j; padding requests at 0
+            grid = positions.reshape(bs, q_len)
+            np.add(lens[:, None].astype(np.int64) - q_len, np.arange(q_len), out=grid)
+            np.maximum(grid, 0, out=grid)
+        for name, arr in batch.host_inputs:
+            self.inputs[name][:tokens] = arr
+        live = self.live_rows
+        top = padded_bs if padded_bs < live else live
+        if top > bs:
+            self.seq_lens[bs:top] = 0
+        self.live_rows = bs if live <= padded_bs else live
+        live, padded = self.live_tokens, padded_bs * q_len
+        top = padded if padded < live else live
+        if top > tokens:
+            self.positions[tokens:top] = 0
+            for arr in self.inputs.values():  # device inputs too: the prefix copy pads them
+                arr[tokens:top] = 0
+        self.live_tokens = tokens if live <= padded else live
+        table = batch.block_table
+        if table is not None:
+            self.block_table[:bs, :table.shape[1]] = table
+            self._changed(0)
+
+    def fill_changes(self, table: BlockTable) -> list[tuple[int, int, int]]:
+        """The table's changes: listed up to capacity, the rest written into this slot's
+        rows; returns those rows' (row, lo, hi) column ranges to copy."""
+        n, whole = table.changes(self.change_index, self.change_value,
+                                 self.block_table.shape[1])
+        self._changed(n)
+        for row, lo, hi in whole:
+            self.block_table[row, lo:hi] = table.table[row, lo:hi]
+        return whole
+
+    def _changed(self, n: int) -> None:
+        if self.live_changes > n:
+            self.change_index[n:self.live_changes] = self.sink
+        self.live_changes = n
+
+
+def staging_slot(segments: dict[str, Segment], nbytes: int, device: torch.device | None
+                  ) -> StagingSlot:
+    """A staging arena; pinned, with a reuse event, when ``device`` (a CUDA device) is given."""
+    pin = device is not None
+    arena = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
+    views = {name: seg.view(arena) for name, seg in segments.items()}
+    inputs = {name[6:]: t.view(numpy_view_dtype(t.dtype)).numpy()
+              for name, t in views.items() if name.startswith("input:")}
+    table, _, sink = table_views(views["block_table"], segments["seq_lens"].shape[0])
+    views["change_index"].fill_(sink)
+    done = torch.zeros(1, dtype=torch.int64, pin_memory=pin)
+    return StagingSlot(arena, views["seq_lens"].numpy(), views["positions"].numpy(),
+                        table.numpy(), table, views["change_index"].numpy(),
+                        views["change_value"].numpy(), sink, inputs,
+                        torch.cuda.Event(external=True) if pin else None,
+                        torch.Event(device) if pin else None, ticket=views["ticket"].numpy(),
+                        done=done, done_words=done.numpy())
+
+
+def table_views(flat: torch.Tensor, max_bs: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(table [max_bs, max_pages], flat table with its sink element, the sink's index)."""
+    sink = flat.shape[0] - 1
+    return flat[:sink].view(max_bs, sink // max_bs), flat, sink
