@@ -108,11 +108,10 @@ def exhaustive_plans(backend, batch: int, num_heads: int, max_model_len: int, *,
 def ladder_plan(selector: GraphSelector, backend, num_heads: int, lens: list[int],
                 q_len: int = 1) -> LaunchPlan:
     """The plan the runner's graph replays for these host lengths."""
-    from graphbucket.graphs import plan_for_key
+    from graphbucket.graphs import balanced_kernel_of, plan_for_key
 
     key = selector.choose(lens, q_len)
-    return plan_for_key(backend, key, num_heads,
-                        selector.ladder.balanced_kernel_for(key.bucket, key.batch_size))
+    return plan_for_key(backend, key, num_heads, balanced_kernel_of(selector, key))
 
 
 def oracle_row(times: dict[str, float], *, ladder: LaunchPlan, fixed_max: LaunchPlan,

@@ -43,7 +43,11 @@ class Bucket:
     ``balanced_kernels``: ``{batch_size: kernel}`` (or pairs): from that padded batch size
     up, this bucket's balanced graphs are planned with that kernel of the backend
     (``DecodeBackend.plan_balanced(..., kernel=)``); below the smallest, and without any,
-    with ``DEFAULT_BALANCED_KERNEL`` (``balanced_kernel_for``).
+    with ``DEFAULT_BALANCED_KERNEL`` (``balanced_kernel_for``). ``alternate_kernels``:
+    ``{batch_size: kernel}`` (or pairs; ``""``: none from there), a second balanced graph
+    per capture size, replayed where the ladder's cost model
+    (``graphbucket.balanced_cost``) predicts it faster for the step's lengths
+    (``alternate_kernel_for``).
     """
 
     max_len: int
@@ -52,6 +56,7 @@ class Bucket:
     balanced_imbalance: float = 0.0
     batch_imbalance: tuple[tuple[int, float], ...] = ()
     balanced_kernels: tuple[tuple[int, str], ...] = ()
+    alternate_kernels: tuple[tuple[int, str], ...] = ()
 
     def __post_init__(self) -> None:
         # Normalise numpy / torch integers to int so buckets hash, compare and serialise
@@ -72,6 +77,14 @@ class Bucket:
         object.__setattr__(self, "balanced_kernels", self._by_batch(
             "balanced_kernels", self.balanced_kernels, "kernel names", _kernel_name,
             TypeError))
+        object.__setattr__(self, "alternate_kernels", self._by_batch(
+            "alternate_kernels", self.alternate_kernels, "kernel names (or '')",
+            _alternate_name, TypeError))
+        for size, alt in self.alternate_kernels:
+            if alt and alt == self.balanced_kernel_for(size):
+                raise ValueError(f"Bucket(max_len={self.max_len}).alternate_kernels[{size}] is "
+                                 f"{alt!r}, the balanced kernel itself at that batch size; an "
+                                 "alternate must be another kernel (or '' for none)")
 
     def _threshold(self, name: str, threshold: object) -> float:
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not (
@@ -122,6 +135,10 @@ class Bucket:
         """The backend kernel a balanced graph of ``batch_size`` (padded) rows runs."""
         return value_for_batch(self.balanced_kernels, DEFAULT_BALANCED_KERNEL, batch_size)
 
+    def alternate_kernel_for(self, batch_size: int) -> str | None:
+        """The second balanced kernel of ``batch_size`` (padded) rows, or None."""
+        return value_for_batch(self.alternate_kernels, "", batch_size) or None
+
     def hint_for(self, batch_size: int) -> int:
         """The hint a graph of ``batch_size`` (padded) rows is planned with."""
         return value_for_batch(self.batch_hints, self.hint, batch_size)
@@ -139,6 +156,8 @@ class Bucket:
             out["batch_imbalance"] = {str(b): t for b, t in self.batch_imbalance}
         if self.balanced_kernels:
             out["balanced_kernels"] = {str(b): k for b, k in self.balanced_kernels}
+        if self.alternate_kernels:
+            out["alternate_kernels"] = {str(b): k for b, k in self.alternate_kernels}
         return out
 
     def __repr__(self) -> str:
@@ -149,6 +168,8 @@ class Bucket:
             extra += f", batch_imbalance={dict(self.batch_imbalance)}"
         if self.balanced_kernels:
             extra += f", balanced_kernels={dict(self.balanced_kernels)}"
+        if self.alternate_kernels:
+            extra += f", alternate_kernels={dict(self.alternate_kernels)}"
         return f"Bucket(max_len={self.max_len}, hint={self.hint}{extra})"
 
 
@@ -170,13 +191,20 @@ def _kernel_name(batch_size: int, kernel: object) -> str:
     return kernel
 
 
-def kernel_changes(by_batch: Mapping[int, str] | Iterable[tuple[int, str]]
-                   ) -> tuple[tuple[int, str], ...]:
+def _alternate_name(batch_size: int, kernel: object) -> str:
+    if not isinstance(kernel, str):
+        raise TypeError(f"alternate_kernels[{batch_size}] must be a kernel name or '' (none), "
+                        f"got {kernel!r}")
+    return kernel
+
+
+def kernel_changes(by_batch: Mapping[int, str] | Iterable[tuple[int, str]],
+                   start: str = DEFAULT_BALANCED_KERNEL) -> tuple[tuple[int, str], ...]:
     """``{batch: kernel}`` (or pairs) as the batch sizes from which the kernel changes,
-    starting from ``DEFAULT_BALANCED_KERNEL``: entries that change nothing from the size
-    below are dropped."""
+    starting from ``start`` (``DEFAULT_BALANCED_KERNEL``; ``""`` for alternates): entries
+    that change nothing from the size below are dropped."""
     items = by_batch.items() if isinstance(by_batch, Mapping) else by_batch
-    out, last = [], DEFAULT_BALANCED_KERNEL
+    out, last = [], start
     for batch, kernel in sorted(items):
         if kernel != last:
             out.append((batch, kernel))

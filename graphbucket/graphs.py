@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from graphbucket.backends.base import DecodeBackend, Plan
+from graphbucket.balanced_cost import partition_of
 from graphbucket.bucket import DEFAULT_BALANCED_KERNEL
 from graphbucket.buffers import StaticBuffers
 from graphbucket.context import DecodeContext
@@ -132,6 +133,39 @@ def plan_for_key(backend: DecodeBackend, key: GraphKey, num_heads: int,
     return backend.plan_balanced(key.batch_size, num_heads, balanced_kernel)
 
 
+def balanced_kernel_of(selector: GraphSelector, key: GraphKey) -> str:
+    """The balanced kernel ``key``'s graph runs: its bucket's, or with ``key.alternate``
+    the bucket's alternate."""
+    ladder = selector.ladder
+    if key.alternate:
+        alt = ladder.alternate_kernel_for(key.bucket, key.batch_size)
+        if alt is None:
+            raise ValueError(f"{key} asks for an alternate balanced graph; bucket "
+                             f"{key.bucket} has none at batch size {key.batch_size}")
+        return alt
+    return ladder.balanced_kernel_for(key.bucket, key.batch_size)
+
+
+def check_cost_partitions(selector: GraphSelector, plans: dict[GraphKey, Plan],
+                          num_sms: int | None) -> None:
+    """ValueError where a graph that the cost model weighs is planned with another
+    partition than the model was fitted on (a ladder tuned for another GPU or backend)."""
+    model = selector.ladder.balanced_cost
+    if model is None or num_sms is None:
+        return
+    for key, plan in plans.items():
+        pair = selector.alternate_kernels(key) if key.balanced else None
+        if pair is None:
+            continue
+        kernel = pair[1] if key.alternate else pair[0]
+        want, got = model.partitions[kernel][key.batch_size], partition_of(plan, num_sms)
+        if want != got:
+            raise ValueError(f"the ladder's balanced cost model was fitted on {kernel!r} "
+                             f"partitioned as {want} at batch size {key.batch_size}, but this "
+                             f"backend plans {got}; use a ladder tuned for this GPU "
+                             "(scripts/tune_ladder.py)")
+
+
 class GraphTable:
     """Plans, captures and replays every graph of one selector.
 
@@ -147,9 +181,9 @@ class GraphTable:
                  copy_in_graph: bool = True) -> None:
         self.selector, self.backend, self.copy_in_graph = selector, backend, copy_in_graph
         self.plans: dict[GraphKey, Plan] = {
-            key: plan_for_key(backend, key, num_heads,
-                              selector.ladder.balanced_kernel_for(key.bucket, key.batch_size))
+            key: plan_for_key(backend, key, num_heads, balanced_kernel_of(selector, key))
             for key in selector.keys()}
+        check_cost_partitions(selector, self.plans, getattr(backend, "num_sms", None))
         self.records: list[GraphRecord] = []
         self.summary: CaptureSummary | None = None
         # Per key: the graph without a copy, then one per staging slot (copy_in_graph).

@@ -12,10 +12,13 @@ class GraphKey(NamedTuple):
     """One graph slot: ``batch_size`` rows (padded), ``bucket`` of the ladder, planned
     with ``hint`` (split-KV) or, with ``balanced``, as balanced split-KV. Keys whose plans
     are equal share one captured graph. A named tuple: immutable, and hashed in C (a step
-    hashes its key three times). ``q_len``: query tokens per request (1: plain decode)."""
+    hashes its key three times). ``q_len``: query tokens per request (1: plain decode).
+    ``alternate``: a balanced graph planned with its bucket's second balanced kernel
+    (``Bucket.alternate_kernels``)."""
 
     batch_size: int
     bucket: int
     hint: int
     balanced: bool = False
     q_len: int = 1
+    alternate: bool = False

@@ -16,7 +16,10 @@ threshold may change with the batch size (``batch_imbalance``, ``Bucket.imbalanc
 ``BucketLadder`` is an ordered list of buckets that covers ``1..max_model_len`` exactly,
 with no gaps and no overlaps; every graph of one bucket serves the same lengths. Which
 kernel a balanced graph runs is the bucket's, per capture size (``balanced_kernels``:
-the backend offers them, ``DecodeBackend.balanced_kernels``; the tuner times each).
+the backend offers them, ``DecodeBackend.balanced_kernels``; the tuner times each), and a
+bucket may capture a second one per capture size (``alternate_kernels``), replayed where
+the cost model in ``meta["balanced_cost"]`` (``graphbucket.balanced_cost``, fitted by the
+tuner) predicts it faster for the step's lengths.
 
 Which bucket serves a batch is decided by ``graphbucket.select.GraphSelector`` (a
 ``bisect`` over ``bounds``, host arithmetic only). Ladders come from ``default_ladder``
@@ -33,6 +36,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from graphbucket.balanced_cost import BalancedCostModel
 from graphbucket.bucket import Bucket, as_int, kernel_changes
 
 # Upper bounds of the buckets used in the field (Kimi-K3 / DeepSeek-V3 deployments):
@@ -49,7 +53,7 @@ BALANCED_ABOVE = 4096
 _JSON_KEYS = frozenset({"max_model_len", "buckets", "meta"})
 _BUCKET_KEYS = frozenset({"max_len", "hint"})
 _BUCKET_OPTIONAL_KEYS = frozenset({"batch_hints", "balanced_imbalance", "batch_imbalance",
-                                   "balanced_kernels"})
+                                   "balanced_kernels", "alternate_kernels"})
 
 
 def _validate(buckets: tuple[Bucket, ...], max_model_len: int) -> None:
@@ -89,7 +93,9 @@ class BucketLadder:
     """Ordered buckets covering ``1..max_model_len``; frozen, validated on construction.
 
     ``meta`` is a free-form dict (device name, heads, who tuned it) kept through JSON
-    round trips; it takes no part in equality or hashing. Which bucket serves a batch is
+    round trips; it takes no part in equality or hashing. One entry is read:
+    ``meta["balanced_cost"]``, the cost model that picks between a bucket's two balanced
+    graphs (``balanced_cost``), required where a bucket has ``alternate_kernels``. Which bucket serves a batch is
     ``GraphSelector``'s job (``graphbucket.select``); the ladder only knows its bounds.
     """
 
@@ -145,6 +151,16 @@ class BucketLadder:
         """The backend kernel the balanced graph of (``batch_size``, ``bucket``) runs."""
         return self.buckets[bucket].balanced_kernel_for(batch_size)
 
+    def alternate_kernel_for(self, bucket: int, batch_size: int) -> str | None:
+        """The second balanced kernel of (``batch_size``, ``bucket``), or None."""
+        return self.buckets[bucket].alternate_kernel_for(batch_size)
+
+    @property
+    def balanced_cost(self) -> BalancedCostModel | None:
+        """The cost model of ``meta["balanced_cost"]`` (None where absent)."""
+        raw = self.meta.get("balanced_cost")
+        return None if raw is None else BalancedCostModel.from_dict(raw)
+
     def with_balanced_kernels(self, by_batch: Mapping[int, str]) -> BucketLadder:
         """The same buckets, the balanced graphs of each listed capture size (and those
         above it, up to the next listed) running that kernel in every bucket; entries that
@@ -186,21 +202,25 @@ class BucketLadder:
         edge falls inside is cut there into buckets with its hints (their graphs plan alike
         and are captured once); lengths in no range keep split-KV only."""
         spans = [(int(sw.lo), int(sw.hi), float(sw.threshold), tuple(sw.by_batch),
-                  tuple(getattr(sw, "kernels", ()))) for sw in switches]
+                  tuple(getattr(sw, "kernels", ())), tuple(getattr(sw, "alternates", ())))
+                 for sw in switches]
         edges = sorted({e for lo, hi, *_ in spans for e in (lo, hi)})
         buckets, lo = [], 0
         for b in self.buckets:
             for top in [e for e in edges if lo < e < b.max_len] + [b.max_len]:
                 span = next((sp for sp in spans if sp[0] < top <= sp[1]), None)
-                threshold, pairs, kernels = span[2:] if span else (0.0, (), ())
-                buckets.append(Bucket(top, b.hint, b.batch_hints, threshold, pairs, kernels))
+                threshold, pairs, kernels, alternates = span[2:] if span else (0.0, (), (), ())
+                buckets.append(Bucket(top, b.hint, b.batch_hints, threshold, pairs, kernels,
+                                      alternates))
             lo = b.max_len
         meta = {**self.meta, "balanced_above": above,
                 "ragged_switches": [{"lo": lo_, "hi": hi, "balanced_imbalance": t,
                                      "batch_imbalance": {str(n): v for n, v in pairs},
                                      **({"balanced_kernels": {str(n): k for n, k in kernels}}
-                                        if kernels else {})}
-                                    for lo_, hi, t, pairs, kernels in spans]}
+                                        if kernels else {}),
+                                     **({"alternate_kernels": {str(n): k for n, k in alts}}
+                                        if alts else {})}
+                                    for lo_, hi, t, pairs, kernels, alts in spans]}
         meta.pop("balanced_imbalance", None)
         meta.pop("batch_imbalance", None)
         return BucketLadder(tuple(buckets), self.max_model_len, meta=meta)
@@ -255,7 +275,7 @@ class BucketLadder:
                 raise ValueError(
                     f"ladder bucket {i} must be an object with keys 'max_len' and 'hint' "
                     f"(optionally 'batch_hints', 'balanced_imbalance', 'batch_imbalance', "
-                    f"'balanced_kernels'), "
+                    f"'balanced_kernels', 'alternate_kernels'), "
                     f"got {entry!r}"
                 )
             buckets.append(Bucket(max_len=entry["max_len"], hint=entry["hint"],
@@ -264,8 +284,30 @@ class BucketLadder:
                                   batch_imbalance=_json_batch_map(entry, "batch_imbalance", i,
                                                                   "thresholds"),
                                   balanced_kernels=_json_batch_map(entry, "balanced_kernels",
-                                                                   i, "kernel names")))
-        return cls(tuple(buckets), data["max_model_len"], meta=data.get("meta"))
+                                                                   i, "kernel names"),
+                                  alternate_kernels=_json_batch_map(entry, "alternate_kernels",
+                                                                    i, "kernel names")))
+        ladder = cls(tuple(buckets), data["max_model_len"], meta=data.get("meta"))
+        ladder.check_alternates()
+        return ladder
+
+    def check_alternates(self) -> None:
+        """ValueError unless every alternate kernel has a cost in ``meta["balanced_cost"]``
+        (and the balanced kernel it is weighed against too), at every capture size."""
+        if not any(b.alternate_kernels for b in self.buckets):
+            return
+        model = self.balanced_cost
+        if model is None:
+            raise ValueError("this ladder has alternate_kernels but no meta['balanced_cost'] "
+                             "to choose between them; re-run scripts/tune_ladder.py or drop "
+                             "the alternates")
+        for i, b in enumerate(self.buckets):
+            for size, alt in b.alternate_kernels:
+                for kernel in filter(None, (alt, alt and b.balanced_kernel_for(size))):
+                    if kernel not in model.costs:
+                        raise ValueError(f"ladder bucket {i}: alternate_kernels[{size}] needs "
+                                         f"the cost of {kernel!r}, which meta['balanced_cost']"
+                                         f" lacks (it has {sorted(model.costs)})")
 
     @classmethod
     def from_json(cls, text: str) -> BucketLadder:

@@ -21,7 +21,12 @@ total tokens`` gets the key with
 ``balanced=True`` (a balanced split-KV graph; one per batch size, since a balanced plan
 ignores the hint and its keys alias). One sum over the host lengths, only in such buckets.
 A bucket with ``balanced_imbalance`` 1 replays its balanced graph for every batch of one
-query token, one row included (the ``balanced-only`` policy).
+query token, one row included (the ``balanced-only`` policy). Where the bucket has a second
+balanced kernel at that capture size (``Bucket.alternate_kernels``), a batch sent to the
+balanced graph replays the key with ``alternate=True`` instead when the ladder's cost
+model predicts that kernel faster for these lengths (``graphbucket.balanced_cost``: a host
+replay of both kernels' partitions, numpy over the batch's work items, only on such steps).
+A capture size the model has no partition for keeps one balanced graph.
 
 Multi-token steps (MTP / speculative verification, ``q_len`` query tokens per request):
 every (capture size, bucket) has one key per captured q_len, hinted as at q_len 1 (the
@@ -91,6 +96,10 @@ class GraphSelector:
                            for bs in sizes}
         self._keys: dict[int, dict[int, tuple[GraphKey, ...]]] = {}
         self._balanced_keys: dict[int, dict[int, tuple[GraphKey | None, ...]]] = {}
+        ladder.check_alternates()
+        self._cost = ladder.balanced_cost
+        # (capture size, bucket) -> (primary kernel, alternate kernel, alternate key).
+        self._alternates: dict[tuple[int, int], tuple[str, str, GraphKey]] = {}
         for q in self.q_lens:
             keys = {bs: tuple(GraphKey(bs, i, h, False, q)
                               for i, h in enumerate(self.ladder_for(q).hints_for(bs)))
@@ -103,6 +112,13 @@ class GraphSelector:
                     self._imbalance[bs][k.bucket] == 1
                     or self._imbalance[bs][k.bucket] and bs > 1)
                     else None for k in keys[bs]) for bs in sizes}
+        for bs in sizes:
+            for key in self._balanced_keys[1].get(bs, ()) if 1 in self.q_lens else ():
+                alt = key and ladder.alternate_kernel_for(key.bucket, bs)
+                main = alt and ladder.balanced_kernel_for(key.bucket, bs)
+                if alt and self._cost.covers(alt, bs) and self._cost.covers(main, bs):
+                    self._alternates[bs, key.bucket] = (main, alt,
+                                                        key._replace(alternate=True))
 
     def __repr__(self) -> str:
         q = "" if self.q_lens == (1,) else f", q_lens={list(self.q_lens)}"
@@ -123,16 +139,25 @@ class GraphSelector:
 
     def keys(self) -> list[GraphKey]:
         """Every key, largest batch first, then the largest q_len, then ladder order
-        (balanced keys after a batch size's split keys): the capture order."""
+        (balanced keys after a batch size's split keys, their alternates after them): the
+        capture order."""
         # A bucket balanced always (imbalance 1) never replays its q_len-1 split graph.
         return [key for bs in reversed(self.capture_sizes) for q in reversed(self.q_lens)
                 for key in (*(k for k in self._keys[q][bs]
                               if q != 1 or self._imbalance[bs][k.bucket] != 1),
-                            *filter(None, self._balanced_keys[q][bs]))]
+                            *filter(None, self._balanced_keys[q][bs]),
+                            *(self._alternates[bs, k.bucket][2]
+                              for k in filter(None, self._balanced_keys[q][bs])
+                              if (bs, k.bucket) in self._alternates))]
 
     def key(self, batch_size: int, bucket: int, *, balanced: bool = False,
-            q_len: int = 1) -> GraphKey:
+            q_len: int = 1, alternate: bool = False) -> GraphKey:
         """The key of a capture size, bucket index and q_len (KeyError: no such key)."""
+        if alternate:
+            if q_len != 1 or (batch_size, bucket) not in self._alternates:
+                raise KeyError(f"bucket {bucket} has no alternate balanced graph at batch size "
+                               f"{batch_size}, q_len {q_len}")
+            return self._alternates[batch_size, bucket][2]
         if balanced:
             key = self._balanced_keys[q_len][batch_size][bucket]
             if key is None:
@@ -195,12 +220,28 @@ class GraphSelector:
             return by_size[padded][bucket]
         threshold = self._imbalance[padded][bucket]
         if threshold == 1 and q_len == 1:
-            return self._balanced_keys[1][padded][bucket]
+            return self._balanced(padded, bucket, lens)
         if threshold and q_len == 1 and padded > 1 and lens is not None and min_len < max_len:
             live, total = _live_and_total(lens, batch_size if min_len > 0 else None)
             if max_len * live >= threshold * total:
-                return self._balanced_keys[1][padded][bucket]
+                return self._balanced(padded, bucket, lens)
         return by_size[padded][bucket]
+
+    def _balanced(self, padded: int, bucket: int, lens: Any) -> GraphKey:
+        """The balanced key, or its alternate where the cost model predicts it faster."""
+        alternate = self._alternates.get((padded, bucket))
+        if alternate is not None and lens is not None:
+            main, alt, key = alternate
+            if (self._cost.predict(alt, padded, lens)
+                    < self._cost.predict(main, padded, lens)):
+                return key
+        return self._balanced_keys[1][padded][bucket]
+
+    def alternate_kernels(self, key: GraphKey) -> tuple[str, str] | None:
+        """(balanced kernel, alternate kernel) weighed for ``key``'s capture size and bucket,
+        or None where it has one balanced graph."""
+        alternate = self._alternates.get((key.batch_size, key.bucket))
+        return None if alternate is None else alternate[:2]
 
 
 def checked_q_ladders(q_ladders: Mapping[int, BucketLadder], ladder: BucketLadder,

@@ -263,10 +263,11 @@ def test_graph_key_fields_are_real_types():
     import typing
 
     import graphbucket
-    want = {"batch_size": int, "bucket": int, "hint": int, "balanced": bool, "q_len": int}
+    want = {"batch_size": int, "bucket": int, "hint": int, "balanced": bool, "q_len": int,
+            "alternate": bool}
     assert GraphKey.__annotations__ == want  # not strings or ForwardRefs
     assert typing.get_type_hints(GraphKey) == want
-    assert GraphKey._field_defaults == {"balanced": False, "q_len": 1}
+    assert GraphKey._field_defaults == {"balanced": False, "q_len": 1, "alternate": False}
     assert graphbucket.GraphKey is GraphKey
 
 

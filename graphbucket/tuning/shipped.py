@@ -125,7 +125,8 @@ def find_tuned_ladder(device_name: str, num_heads: int, max_model_len: int, *,
                    "sparse " * sparse, kv_cache_format, device_name, num_heads,
                    kv_cache_format, " --sparse" * sparse)
         # Its balanced kernels were chosen over bf16 caches: the fallback keeps the default.
-        return BucketLadder(tuple(replace(b, balanced_kernels=()) for b in ladder.buckets),
+        return BucketLadder(tuple(replace(b, balanced_kernels=(), alternate_kernels=())
+                                  for b in ladder.buckets),
                             ladder.max_model_len,
                             meta={**ladder.meta, "kv_cache_fallback": kv_cache_format})
     ladder = BucketLadder.load(path)
@@ -181,7 +182,8 @@ def clip_ladder(ladder: BucketLadder, max_model_len: int) -> BucketLadder:
         buckets.append(Bucket(max_len=top, hint=min(bucket.hint, max_model_len), batch_hints={
             size: min(h, max_model_len) for size, h in bucket.batch_hints},
             balanced_imbalance=bucket.balanced_imbalance,
-            batch_imbalance=bucket.batch_imbalance, balanced_kernels=bucket.balanced_kernels))
+            batch_imbalance=bucket.batch_imbalance, balanced_kernels=bucket.balanced_kernels,
+            alternate_kernels=bucket.alternate_kernels))
         lower = bucket.max_len
     meta = {**ladder.meta, "clipped_from": ladder.max_model_len}
     return BucketLadder(buckets, max_model_len, meta=meta)

@@ -1,0 +1,255 @@
+"""Which of a bucket's two balanced graphs a ragged batch replays: a host cost model.
+
+No balanced kernel wins every ragged shape of a length range: a few long requests among
+short ones favour the per-item seesaw's plain chunks, a spread from 1 token the fitted
+chunks or the tile ranges. A bucket may therefore capture a second balanced graph per
+capture size (``Bucket.alternate_kernels``), and the selector replays whichever this model
+predicts faster for the step's host lengths.
+
+The model mirrors each kernel's partition of the step's 64-token tiles on the host (the
+device planners' rules, ``kernels/balanced.py``): the chunk, the work items and how the
+programs take them, and from that the busiest program's load in tiles (``makespan``),
+each item or range segment charged ``overhead_tiles`` more. A kernel's time is then linear
+in (1, makespan, padded rows, work items), with coefficients the tuner fits to the mixes
+it timed (``fit_kernel_cost``). Host numpy only, and only on steps that replay a balanced
+graph of a bucket with an alternate.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+TILE = 64  # tokens per tile of the seesaw's partition; other tile sizes are scaled to it
+
+# How a balanced kernel's programs take the step's work (``partition_of``).
+ITEMS, FITTED, RANGES, STRIDED = "items", "fitted", "ranges", "strided"
+_KINDS = (ITEMS, FITTED, RANGES, STRIDED)
+
+
+@dataclass(frozen=True, slots=True)
+class Partition:
+    """How one balanced plan cuts a step: ``kind`` (one program per work item, ``items``;
+    the same with chunks fitted to at most ``programs`` items, ``fitted``; one persistent
+    program per equal range of tiles, ``ranges``; persistent programs striding over the
+    items, ``strided``, ``per_sm`` of them per SM), ``programs`` per head block, tile size
+    ``block_n`` and the smallest chunk ``min_chunk`` in tiles."""
+
+    kind: str
+    programs: int
+    block_n: int
+    min_chunk: int
+    per_sm: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KINDS:
+            raise ValueError(f"Partition.kind must be one of {_KINDS}, got {self.kind!r}")
+        if min(self.programs, self.block_n, self.min_chunk, self.per_sm) < 1:
+            raise ValueError(f"Partition needs positive programs, block_n, min_chunk and "
+                             f"per_sm, got {self}")
+
+    def to_list(self) -> list:
+        return [self.kind, self.programs, self.block_n, self.min_chunk, self.per_sm]
+
+    @classmethod
+    def from_list(cls, raw: Sequence) -> Partition:
+        if not isinstance(raw, Sequence) or len(raw) != 5:
+            raise ValueError(f"a partition is [kind, programs, block_n, min_chunk, per_sm], "
+                             f"got {raw!r}")
+        return cls(str(raw[0]), *(int(v) for v in raw[1:]))
+
+
+def partition_of(plan: Any, num_sms: int) -> Partition:
+    """The partition of a balanced ``LaunchPlan`` (``plan.balanced`` must hold) on a GPU of
+    ``num_sms`` SMs."""
+    if not plan.balanced:
+        raise ValueError(f"partition_of needs a balanced plan, got {plan.describe()}")
+    if plan.tile_ranges:
+        kind = RANGES
+    elif plan.seesaw:
+        kind = FITTED if plan.fit_items else ITEMS
+    else:
+        kind = STRIDED
+    programs = plan.persistent_programs
+    per_sm = max(1, programs * plan.num_head_blocks // num_sms) if kind == STRIDED else 1
+    return Partition(kind, programs, plan.block_n, plan.min_chunk_tiles, per_sm)
+
+
+def _item_count(tiles: np.ndarray, chunk: int) -> int:
+    return int(np.ceil(tiles / chunk).sum())
+
+
+def _chunk(tiles: np.ndarray, part: Partition) -> int:
+    """The device planner's chunk in tiles: cdiv(total, programs), at least ``min_chunk``;
+    fitted, the smallest chunk up to 1.5x that giving at most ``programs`` items, where
+    the live requests fit the programs (bisected, as the device does)."""
+    plain = max(part.min_chunk, -(-int(tiles.sum()) // part.programs))
+    if part.kind != FITTED or np.count_nonzero(tiles) > part.programs:
+        return plain
+    lo, hi = plain, max(plain, int(tiles.max()))
+    if _item_count(tiles, lo) <= part.programs or _item_count(tiles, hi) > part.programs:
+        return plain
+    while lo + 1 < hi:  # items(lo) > programs >= items(hi)
+        mid = (lo + hi) // 2
+        if _item_count(tiles, mid) <= part.programs:
+            hi = mid
+        else:
+            lo = mid
+    return hi if 2 * hi <= 3 * plain else plain
+
+
+def _items(tiles: np.ndarray, chunk: int) -> np.ndarray:
+    """Every work item's tiles, in request order."""
+    live = tiles[tiles > 0]
+    counts = np.ceil(live / chunk).astype(np.int64)
+    items = np.full(int(counts.sum()), float(chunk))
+    last = np.cumsum(counts) - 1
+    items[last] = live - (counts - 1) * chunk
+    return items
+
+
+def _waves(items: np.ndarray, slots: int, overhead: float) -> float:
+    """One program per item on ``slots`` SMs, each item taken in order by the SM that
+    frees up first (list scheduling; a sorted list is already a min-heap)."""
+    work = items + overhead
+    finish = np.sort(work[:slots]).tolist()
+    for w in work[slots:].tolist():
+        heapq.heapreplace(finish, finish[0] + w)
+    return max(finish) if finish else 0.0
+
+
+def _strided(items: np.ndarray, part: Partition, overhead: float) -> float:
+    """Persistent programs taking items p, p + G, ...; ``per_sm`` programs share an SM,
+    so the busiest SM's share bounds the step as much as the busiest program."""
+    g = part.programs
+    work = np.zeros(-(-items.size // g) * g)
+    work[:items.size] = items + overhead
+    per_program = work.reshape(-1, g).sum(axis=0)
+    sms = max(1, g // part.per_sm)
+    padded = np.zeros(-(-g // sms) * sms)
+    padded[:g] = per_program
+    per_sm = padded.reshape(-1, sms).sum(axis=0) / part.per_sm
+    return float(max(per_program.max(), per_sm.max()))
+
+
+def _ranges(tiles: np.ndarray, part: Partition, overhead: float) -> tuple[float, int]:
+    """One program per equal range of tiles across request boundaries, each (request,
+    range) segment charged ``overhead``: (the busiest range, the segments)."""
+    live = tiles[tiles > 0]
+    total = int(live.sum())
+    if not total:
+        return 0.0, 0
+    per = max(part.min_chunk, -(-total // part.programs))
+    ends = np.cumsum(live)
+    starts = ends - live
+    lo = np.arange(0, total, per)
+    hi = np.minimum(lo + per, total)
+    first = np.searchsorted(ends, lo, side="right")
+    last = np.searchsorted(starts, hi, side="left") - 1
+    segments = last - first + 1
+    return float(((hi - lo) + overhead * segments).max()), int(segments.sum())
+
+
+def makespan(lens: Sequence[int] | np.ndarray, part: Partition, overhead: float
+             ) -> tuple[float, int]:
+    """(the busiest program's load in 64-token tiles, work items or segments) of a step
+    with host lengths ``lens`` under ``part``, each item charged ``overhead`` tiles."""
+    tiles = np.ceil(np.asarray(lens, dtype=np.float64) / part.block_n)
+    scale = part.block_n / TILE
+    if part.kind == RANGES:
+        load, segments = _ranges(tiles, part, overhead / scale)
+        return load * scale, segments
+    items = _items(tiles, _chunk(tiles, part))
+    if part.kind == STRIDED:
+        return _strided(items, part, overhead / scale) * scale, int(items.size)
+    return _waves(items, part.programs, overhead / scale) * scale, int(items.size)
+
+
+@dataclass(frozen=True, slots=True)
+class KernelCost:
+    """One balanced kernel's time in us: ``coefficients`` (constant, per makespan tile,
+    per padded row, per work item) over ``makespan(..., overhead_tiles)``."""
+
+    overhead_tiles: float
+    coefficients: tuple[float, float, float, float]
+
+    def features(self, lens: Sequence[int] | np.ndarray, rows: int, part: Partition
+                 ) -> np.ndarray:
+        load, items = makespan(lens, part, self.overhead_tiles)
+        return np.array([1.0, load, float(rows), float(items)])
+
+    def predict(self, lens: Sequence[int] | np.ndarray, rows: int, part: Partition) -> float:
+        return float(np.dot(self.coefficients, self.features(lens, rows, part)))
+
+
+@dataclass(frozen=True)
+class BalancedCostModel:
+    """Per balanced kernel, its cost (``costs``) and its partition at each capture size
+    (``partitions``: kernel -> capture size -> ``Partition``, as the tuner's backend
+    planned it; ``GraphTable`` checks its own plans against them)."""
+
+    costs: Mapping[str, KernelCost]
+    partitions: Mapping[str, Mapping[int, Partition]]
+
+    def predict(self, kernel: str, batch_size: int, lens: Sequence[int] | np.ndarray
+                ) -> float:
+        """Predicted us of ``kernel``'s balanced graph of ``batch_size`` (padded) rows."""
+        return self.costs[kernel].predict(lens, batch_size,
+                                          self.partitions[kernel][batch_size])
+
+    def covers(self, kernel: str, batch_size: int) -> bool:
+        return kernel in self.costs and batch_size in self.partitions.get(kernel, {})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: {"overhead_tiles": c.overhead_tiles,
+                    "coefficients": [round(x, 6) for x in c.coefficients],
+                    "partitions": {str(b): p.to_list()
+                                   for b, p in sorted(self.partitions.get(k, {}).items())}}
+                for k, c in self.costs.items()}
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> BalancedCostModel:
+        if not isinstance(raw, Mapping) or not raw:
+            raise ValueError(f"balanced_cost must map kernel names to their cost, got {raw!r}")
+        costs, partitions = {}, {}
+        for kernel, entry in raw.items():
+            try:
+                coef = tuple(float(x) for x in entry["coefficients"])
+                if len(coef) != 4:
+                    raise ValueError("four coefficients")
+                costs[kernel] = KernelCost(float(entry["overhead_tiles"]), coef)
+                partitions[kernel] = {int(b): Partition.from_list(p)
+                                      for b, p in entry["partitions"].items()}
+            except (KeyError, TypeError, ValueError) as err:
+                raise ValueError(
+                    f"balanced_cost[{kernel!r}] must have overhead_tiles, four coefficients "
+                    f"(constant, per makespan tile, per row, per item) and partitions "
+                    f"{{capture size: [kind, programs, block_n, min_chunk, per_sm]}}: {err}"
+                ) from None
+        return cls(costs, partitions)
+
+
+def fit_kernel_cost(samples: Sequence[tuple[Sequence[int], int, float]], part_for: Any,
+                    overheads: Sequence[float] = (0, 0.5, 1, 2, 3, 4, 6, 8)) -> KernelCost:
+    """The ``KernelCost`` of one kernel from ``(lens, padded rows, us)`` samples:
+    ``part_for(rows)`` is its partition at that capture size. Per candidate overhead, the
+    coefficients minimising the squared relative error; kept, the overhead with the
+    smallest worst relative error."""
+    if len(samples) < 4:
+        raise ValueError(f"fitting a kernel's cost needs at least 4 timed mixes, got "
+                         f"{len(samples)}")
+    times = np.array([us for _, _, us in samples])
+    best: tuple[float, KernelCost] | None = None
+    for c in overheads:
+        probe = KernelCost(float(c), (0.0, 0.0, 0.0, 0.0))
+        x = np.stack([probe.features(lens, rows, part_for(rows))
+                      for lens, rows, _ in samples]) / times[:, None]
+        coef = np.linalg.lstsq(x, np.ones_like(times), rcond=None)[0]
+        worst = float(np.abs(x @ coef - 1).max())
+        if best is None or worst < best[0]:
+            best = (worst, KernelCost(float(c), tuple(float(v) for v in coef)))
+    return best[1]
