@@ -95,8 +95,9 @@ class BucketLadder:
     ``meta`` is a free-form dict (device name, heads, who tuned it) kept through JSON
     round trips; it takes no part in equality or hashing. One entry is read:
     ``meta["balanced_cost"]``, the cost model that picks between a bucket's two balanced
-    graphs (``balanced_cost``), required where a bucket has ``alternate_kernels``. Which bucket serves a batch is
-    ``GraphSelector``'s job (``graphbucket.select``); the ladder only knows its bounds.
+    graphs (``balanced_cost``), required where a bucket has ``alternate_kernels``. Which
+    bucket serves a batch is ``GraphSelector``'s job (``graphbucket.select``); the ladder
+    only knows its bounds.
     """
 
     buckets: tuple[Bucket, ...]

@@ -170,6 +170,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "never; auto (default): chosen from ragged mixes timed after the "
                          f"buckets (from the report's with --from-times; "
                          f"{DEFAULT_BALANCED_IMBALANCE} where none were timed)")
+    ap.add_argument("--one-balanced-kernel", action="store_true",
+                    help="one balanced graph per capture size and length range (default: a "
+                         "second one where the fitted cost model's pick between the two "
+                         "beats the best kernel alone on the timed mixes)")
     ap.add_argument("--kv-cache", choices=KV_CACHE_FORMATS, default=None,
                     help="latent cache format to time (default: bf16; with --from-times, "
                          "the report's)")
@@ -446,8 +450,10 @@ def ragged_switch(args: argparse.Namespace, ladder, meta: dict, saved: list[Ragg
               "(the default)")
         return ladder.with_balanced_topology(DEFAULT_BALANCED_IMBALANCE), None
     ranges = ragged_ranges(ladder.bounds, BALANCED_ABOVE)
-    switches, summary = choose_switches(samples, ranges)
-    samples = [s.with_kernel(switch_of(switches, s).kernel_for(s.batch)) for s in samples]
+    model = balanced_cost_model(samples, meta) if not args.one_balanced_kernel else None
+    switches, summary = choose_switches(samples, ranges, model)
+    samples = [s.with_kernel(replayed_kernel(switch_of(switches, s), s, model))
+               for s in samples]
     print(f"ragged switch by length: {switches_text(summary)}: worst "
           f"{summary['worst_over_best']} over the faster plan per mix (one switch for every "
           f"length: {summary['one_switch_worst_over_best']}; off: "
@@ -457,8 +463,43 @@ def ragged_switch(args: argparse.Namespace, ladder, meta: dict, saved: list[Ragg
         print("balanced kernel by capture size: " + "; ".join(
             f"({sw.lo}, {sw.hi}]: {dict(sw.kernels) or DEFAULT_BALANCED_KERNEL}"
             for sw in switches), flush=True)
-    return (ladder.with_ragged_switches(switches, above=BALANCED_ABOVE),
-            {"samples": [s.to_dict() for s in samples], "summary": summary})
+    if any(sw.alternates for sw in switches):
+        print("second balanced kernel by capture size (the cost model picks per step): "
+              + "; ".join(f"({sw.lo}, {sw.hi}]: {dict(sw.alternates)}"
+                          for sw in switches if sw.alternates), flush=True)
+    tuned = ladder.with_ragged_switches(switches, above=BALANCED_ABOVE)
+    if model is not None and any(b.alternate_kernels for b in tuned.buckets):
+        tuned.meta["balanced_cost"] = model.to_dict()
+        summary["balanced_cost"] = model.to_dict()
+    return tuned, {"samples": [s.to_dict() for s in samples], "summary": summary}
+
+
+MIN_COST_MIXES = 16
+
+
+def balanced_cost_model(samples: list[RaggedSample], meta: dict):
+    """The cost model of every balanced kernel timed on every mix, fitted on all of them,
+    with each kernel's partition at every measured capture size (None with one kernel)."""
+    from graphbucket.backends.triton import TritonBackend
+    from graphbucket.balanced_cost import partition_of
+    from graphbucket.tuning.kernel_pairs import fit_cost_model
+
+    # Four coefficients per kernel: with few mixes (or one kernel) one graph per size stays.
+    if len({k for s in samples for k in s.kernel_us()}) < 2 or len(samples) < MIN_COST_MIXES:
+        return None
+    backend = TritonBackend(num_sms=meta["num_sms"])
+    heads = meta["num_heads"]
+    return fit_cost_model(
+        samples, lambda k, b: partition_of(backend.plan_balanced(b, heads, k), meta["num_sms"]),
+        meta["batches"])
+
+
+def replayed_kernel(switch, sample: RaggedSample, model) -> str:
+    """The balanced kernel the selector replays for the sample under ``switch``."""
+    from graphbucket.tuning.kernel_pairs import faster_kernel
+
+    main, alt = switch.kernel_for(sample.batch), switch.alternate_for(sample.batch)
+    return faster_kernel(model, sample.batch, sample.lens, main, alt) if alt else main
 
 
 def switch_of(switches, sample: RaggedSample):

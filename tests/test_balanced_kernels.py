@@ -176,3 +176,42 @@ def test_tune_ladder_writes_the_kernel_it_chose_per_length_range(tmp_path: Path)
     assert kernels == {9000: {"8": "seesaw"}, 20000: {}}
     assert [r["kernel"] for r in ragged["samples"]] == ["seesaw", "seesaw", "default"]
     assert ragged["summary"]["worst_over_best"] == 1.0
+
+
+def test_the_runner_replays_the_alternate_kernel_the_cost_model_predicts_faster(device):
+    # Batch 4's balanced graphs: the seesaw's plan, and the default one as the alternate.
+    # The seesaw is predicted to take its busiest program's tiles (one program here: every
+    # live tile), the default a constant 8: up to 7 tiles the seesaw replays, from 9 the
+    # alternate.
+    from graphbucket.balanced_cost import BalancedCostModel, KernelCost, partition_of
+
+    backend = get_backend("triton", num_sms=1, **DIMS)
+    parts = {k: {4: partition_of(backend.plan_balanced(4, 16, k), 1)}
+             for k in ("seesaw", DEFAULT_BALANCED_KERNEL)}
+    model = BalancedCostModel({"seesaw": KernelCost(0.0, (0.0, 1.0, 0.0, 0.0)),
+                               DEFAULT_BALANCED_KERNEL: KernelCost(0.0, (8.0, 0.0, 0.0, 0.0))},
+                              parts)
+    ladder = BucketLadder([Bucket(32, 32), Bucket(64, 64),
+                           Bucket(320, 320, balanced_imbalance=1.5,
+                                  balanced_kernels={4: "seesaw"},
+                                  alternate_kernels={4: DEFAULT_BALANCED_KERNEL})], 320,
+                          meta={"balanced_cost": model.to_dict()})
+    model_, runner = _runner(ladder, device=device, sizes=(4,))
+    runner.capture()
+    plans = {(r.plan.seesaw, r.plan.block_h) for r in runner.records if r.plan.balanced}
+    assert plans == {(True, 64), (False, 16)}
+    rng = np.random.default_rng(5)
+    seen = set()
+    # Tiles of 64 tokens: 5 + 1 + 1 = 7 (seesaw); 5 + 5 + 1 + 1 = 12 (alternate); 5 + 1 (seesaw)
+    for lens, alternate in (([300, 10, 20], False), ([320, 300, 1, 64], True),
+                            ([310, 5], False), ([301, 257, 3, 2], True)):
+        batch = toy_batch(lens, rng=rng, max_pages=24)
+        before = runner.stats().replays
+        got = runner.step(batch)
+        want = toy_reference(model_, batch, sm_scale=SM_SCALE)
+        assert rel_l2(got, want) < (1e-2 if device == "cuda" else 1e-5), lens
+        (key,) = [k for k, n in runner.stats().replays.items() if n != before.get(k, 0)]
+        assert key.balanced and key.alternate == alternate, (lens, key)
+        seen.add(key.alternate)
+    assert seen == {False, True}
+    runner.close()

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from graphbucket.bucket import DEFAULT_BALANCED_KERNEL, kernel_changes
+from graphbucket.tuning.kernel_pairs import choose_kernel_pairs
 
 
 def imbalance(lens: Sequence[int]) -> float:
@@ -79,41 +80,58 @@ class RaggedSwitch:
     """The switch chosen for lengths ``(lo, hi]``: the threshold from the smallest batch
     size, the batch sizes from which it changes (``Bucket.batch_imbalance``), and the
     balanced kernel from each batch size where it is not the backend's default
-    (``Bucket.balanced_kernels``)."""
+    (``Bucket.balanced_kernels``), and the second balanced kernel from each batch size where
+    it changes (``Bucket.alternate_kernels``; "" for none)."""
 
     lo: int
     hi: int
     threshold: float
     by_batch: tuple[tuple[int, float], ...] = ()
     kernels: tuple[tuple[int, str], ...] = ()
+    alternates: tuple[tuple[int, str], ...] = ()
 
     def kernel_for(self, batch: int) -> str:
         """The balanced kernel a capture size ``batch`` runs in this range."""
         listed = [k for b, k in self.kernels if b <= batch]
         return listed[-1] if listed else DEFAULT_BALANCED_KERNEL
 
+    def alternate_for(self, batch: int) -> str | None:
+        """The second balanced kernel of capture size ``batch`` in this range, or None."""
+        listed = [k for b, k in self.alternates if b <= batch]
+        return (listed[-1] if listed else "") or None
+
     def to_dict(self) -> dict[str, Any]:
         out = {"lo": self.lo, "hi": self.hi, "balanced_imbalance": self.threshold,
                "batch_imbalance": {str(b): t for b, t in self.by_batch}}
         if self.kernels:
             out["balanced_kernels"] = {str(b): k for b, k in self.kernels}
+        if self.alternates:
+            out["alternate_kernels"] = {str(b): k for b, k in self.alternates}
         return out
 
 
-def _choose_range(samples: Sequence[RaggedSample]) -> tuple[RaggedSwitch, list[float]]:
-    """Kernels per capture size, then the switch, over one range's samples; the switch
-    (with lo = hi = 0) and the ratio to the faster plan of each sample under it."""
-    kernels, timed = choose_balanced_kernels(samples)
+def _choose_range(samples: Sequence[RaggedSample], model: Any = None
+                  ) -> tuple[RaggedSwitch, list[float]]:
+    """Kernels per capture size (pairs, with a cost model), then the switch, over one
+    range's samples; the switch (with lo = hi = 0) and the ratio to the faster plan of
+    each sample under it."""
+    alternates: dict[int, str] = {}
+    if model is None:
+        kernels, timed = choose_balanced_kernels(samples)
+    else:
+        kernels, alternates, timed = choose_kernel_pairs(samples, model)
     t, by = choose_by_batch(timed)[:2]
     ratios = [r for b in sorted({s.batch for s in timed})
               for r in ratios_at([s for s in timed if s.batch == b], _threshold_at(t, by, b))]
-    return RaggedSwitch(0, 0, t, tuple(sorted(by.items())), kernel_changes(kernels)), ratios
+    return RaggedSwitch(0, 0, t, tuple(sorted(by.items())), kernel_changes(kernels),
+                        kernel_changes(alternates, start="")), ratios
 
 
-def choose_switches(samples: Sequence[RaggedSample], ranges: Sequence[tuple[int, int]]
-                    ) -> tuple[list[RaggedSwitch], dict[str, Any]]:
+def choose_switches(samples: Sequence[RaggedSample], ranges: Sequence[tuple[int, int]],
+                    model: Any = None) -> tuple[list[RaggedSwitch], dict[str, Any]]:
     """Within each range, over the samples whose longest request falls in it: the balanced
-    kernel per capture size (``choose_balanced_kernels``), then ``choose_by_batch``; a range
+    kernel per capture size (``choose_balanced_kernels``; with a ``BalancedCostModel``, a
+    pair of them, ``kernel_pairs.choose_kernel_pairs``), then ``choose_by_batch``; a range
     with no samples takes the nearest range's choice (all samples' where none has any).
     Neighbouring ranges with the same choice are joined. Returns (switches, summary): the
     summary has the worst and mean ratio to the faster plan per sample, and those of one
@@ -129,9 +147,9 @@ def choose_switches(samples: Sequence[RaggedSample], ranges: Sequence[tuple[int,
     for i, (lo, hi) in enumerate(ranges):
         mine = [s for s in samples if lo < max(s.lens) <= hi]
         if mine:
-            chosen[i], mine_ratios = _choose_range(mine)
+            chosen[i], mine_ratios = _choose_range(mine, model)
             ratios += mine_ratios
-    fallback = _choose_range(samples)[0]
+    fallback = _choose_range(samples, model)[0]
     switches: list[RaggedSwitch] = []
     for i, (lo, hi) in enumerate(ranges):
         near = min(chosen, key=lambda j: (abs(j - i), j), default=None)

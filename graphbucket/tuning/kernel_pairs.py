@@ -1,0 +1,93 @@
+"""Two balanced kernels per capture size: the cost model and which pair a bucket captures.
+
+The tuner times every balanced kernel on every ragged mix (``tuning.ragged``). From those
+times ``fit_cost_model`` fits one ``KernelCost`` per kernel over all mixes (each kernel's
+partition at each capture size planned by the backend), and ``choose_kernel_pairs`` keeps,
+per capture size, the kernel with the smallest summed ratio to the fastest per mix, plus a
+second kernel where replaying whichever of the two the model predicts faster lowers the
+worst or the mean ratio by ``MIN_GAIN`` (an extra graph per bucket must earn its capture).
+Host arithmetic only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from itertools import combinations
+
+from graphbucket.balanced_cost import BalancedCostModel, Partition, fit_kernel_cost
+
+# Smallest drop in the worst (or mean) ratio to the fastest kernel per mix that adopts a
+# second balanced kernel; below it one graph serves as well within timing noise.
+MIN_GAIN = 0.005
+
+
+def fit_cost_model(samples: Sequence, partition: Callable[[str, int], Partition],
+                   capture_sizes: Sequence[int]) -> BalancedCostModel:
+    """One cost per kernel timed on every sample (``RaggedSample.kernel_us``), its
+    partition at each of ``capture_sizes`` from ``partition(kernel, batch_size)``."""
+    if not samples:
+        raise ValueError("fitting the balanced cost model needs timed ragged mixes")
+    timed = [s.kernel_us() for s in samples]
+    kernels = [k for k in timed[0] if all(k in t for t in timed)]
+    parts = {k: {b: partition(k, b) for b in capture_sizes} for k in kernels}
+    costs = {k: fit_kernel_cost([(s.lens, s.batch, t[k]) for s, t in zip(samples, timed,
+                                                                         strict=True)],
+                                lambda b, k=k: parts[k].get(b) or partition(k, b))
+             for k in kernels}
+    return BalancedCostModel(costs, parts)
+
+
+def _ratios(samples: Sequence, pick: Callable) -> list[float]:
+    out = []
+    for s in samples:
+        t = s.kernel_us()
+        out.append(t[pick(s)] / min(t.values()))
+    return out
+
+
+def choose_kernel_pairs(samples: Sequence, model: BalancedCostModel
+                        ) -> tuple[dict[int, str], dict[int, str], list]:
+    """Per capture size: (kernel, alternate kernel or "" for none, the samples with the
+    time of the kernel the selector would replay). Alone, the kernel with the smallest
+    summed ratio to the fastest per mix (ties: timing order); the pair whose model-chosen
+    times have the smallest (worst, mean) ratio where that beats the kernel alone by
+    ``MIN_GAIN`` in one and loses in neither."""
+    kernels: dict[int, str] = {}
+    alternates: dict[int, str] = {}
+    out: list = []
+    for batch in sorted({s.batch for s in samples}):
+        mine = [s for s in samples if s.batch == batch]
+        timed = [s.kernel_us() for s in mine]
+        names = [k for k in timed[0] if all(k in t for t in timed)]
+        if not names:
+            raise ValueError(f"no balanced kernel was timed on every mix at batch {batch}")
+
+        def score(ratios: list[float]) -> tuple[float, float]:
+            return round(max(ratios), 4), round(sum(ratios) / len(ratios), 4)
+
+        single = {k: score(_ratios(mine, lambda s, k=k: k)) for k in names}
+        # Alone: the smallest mean ratio (the summed one, as choose_balanced_kernels), ties
+        # to timing order.
+        rank = {k: (single[k][1], names.index(k)) for k in names}
+        order = rank.__getitem__
+
+        alone = min(names, key=order)
+        main, best_alt, best = alone, "", single[alone]
+        # A pair lists its better kernel alone first: that one is the bucket's kernel.
+        for a, b in combinations(sorted(names, key=order), 2):
+            if not (model.covers(a, batch) and model.covers(b, batch)):
+                continue
+            pair = score(_ratios(
+                mine, lambda s, a=a, b=b, n=batch: faster_kernel(model, n, s.lens, a, b)))
+            gains = (single[alone][0] - pair[0], single[alone][1] - pair[1])
+            if max(gains) >= MIN_GAIN and min(gains) >= 0 and pair < best:
+                main, best_alt, best = a, b, pair
+        kernels[batch], alternates[batch] = main, best_alt
+        out += [s.with_kernel(faster_kernel(model, batch, s.lens, main, best_alt) if best_alt
+                              else main) for s in mine]
+    return kernels, alternates, out
+
+
+def faster_kernel(model: BalancedCostModel, batch: int, lens, main: str, alt: str) -> str:
+    """The kernel the selector replays: ``alt`` where predicted strictly faster."""
+    return alt if model.predict(alt, batch, lens) < model.predict(main, batch, lens) else main
