@@ -39,7 +39,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -146,19 +146,21 @@ def balanced_kernel_of(selector: GraphSelector, key: GraphKey) -> str:
     return ladder.balanced_kernel_for(key.bucket, key.batch_size)
 
 
-def check_cost_partitions(selector: GraphSelector, plans: dict[GraphKey, Plan],
-                          num_sms: int | None) -> None:
+def check_cost_partitions(selector: GraphSelector, plans: dict[GraphKey, Plan]) -> None:
     """ValueError where a graph that the cost model weighs is planned with another
-    partition than the model was fitted on (a ladder tuned for another GPU or backend)."""
+    partition than the model was fitted on (a ladder tuned for another GPU or backend):
+    kind, programs, tile size and smallest chunk (programs per SM is the model's own)."""
     model = selector.ladder.balanced_cost
-    if model is None or num_sms is None:
+    if model is None:
         return
     for key, plan in plans.items():
         pair = selector.alternate_kernels(key) if key.balanced else None
         if pair is None:
             continue
         kernel = pair[1] if key.alternate else pair[0]
-        want, got = model.partitions[kernel][key.batch_size], partition_of(plan, num_sms)
+        want = model.partitions[kernel][key.batch_size]
+        got = replace(partition_of(plan, plan.persistent_programs * plan.num_head_blocks),
+                      per_sm=want.per_sm)
         if want != got:
             raise ValueError(f"the ladder's balanced cost model was fitted on {kernel!r} "
                              f"partitioned as {want} at batch size {key.batch_size}, but this "
@@ -183,7 +185,7 @@ class GraphTable:
         self.plans: dict[GraphKey, Plan] = {
             key: plan_for_key(backend, key, num_heads, balanced_kernel_of(selector, key))
             for key in selector.keys()}
-        check_cost_partitions(selector, self.plans, getattr(backend, "num_sms", None))
+        check_cost_partitions(selector, self.plans)
         self.records: list[GraphRecord] = []
         self.summary: CaptureSummary | None = None
         # Per key: the graph without a copy, then one per staging slot (copy_in_graph).
