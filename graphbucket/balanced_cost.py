@@ -52,6 +52,12 @@ class Partition:
             raise ValueError(f"Partition needs positive programs, block_n, min_chunk and "
                              f"per_sm, got {self}")
 
+    @property
+    def cut(self) -> tuple[str, int, int, int]:
+        """What the plan decides (kind, programs, tile size, smallest chunk); ``per_sm``
+        follows from the GPU's SM count."""
+        return self.kind, self.programs, self.block_n, self.min_chunk
+
     def to_list(self) -> list:
         return [self.kind, self.programs, self.block_n, self.min_chunk, self.per_sm]
 
@@ -63,9 +69,9 @@ class Partition:
         return cls(str(raw[0]), *(int(v) for v in raw[1:]))
 
 
-def partition_of(plan: Any, num_sms: int) -> Partition:
+def partition_of(plan: Any, num_sms: int | None) -> Partition:
     """The partition of a balanced ``LaunchPlan`` (``plan.balanced`` must hold) on a GPU of
-    ``num_sms`` SMs."""
+    ``num_sms`` SMs (None: not known, ``per_sm`` 1; compare such partitions by ``cut``)."""
     if not plan.balanced:
         raise ValueError(f"partition_of needs a balanced plan, got {plan.describe()}")
     if plan.tile_ranges:
@@ -75,7 +81,9 @@ def partition_of(plan: Any, num_sms: int) -> Partition:
     else:
         kind = STRIDED
     programs = plan.persistent_programs
-    per_sm = max(1, programs * plan.num_head_blocks // num_sms) if kind == STRIDED else 1
+    per_sm = 1
+    if kind == STRIDED and num_sms:
+        per_sm = max(1, programs * plan.num_head_blocks // num_sms)
     return Partition(kind, programs, plan.block_n, plan.min_chunk_tiles, per_sm)
 
 

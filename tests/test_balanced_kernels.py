@@ -112,14 +112,20 @@ def test_the_runner_captures_each_capture_sizes_kernel_and_matches_the_reference
     assert not balanced[2].seesaw and balanced[2].block_h == 16
     rng = np.random.default_rng(3)
     for lens in ([300, 10, 20], [320, 0, 1, 64], [310, 5], [300, 290, 280, 270]):
-        batch = toy_batch(lens, rng=rng, max_pages=24)
-        before = runner.stats().replays
-        got = runner.step(batch)
-        want = toy_reference(model, batch, sm_scale=SM_SCALE)
-        assert rel_l2(got, want) < (1e-2 if device == "cuda" else 1e-5), lens
-        (key,) = [k for k, n in runner.stats().replays.items() if n != before.get(k, 0)]
+        key = _step_checked(runner, model, lens, rng, device)
         assert key.balanced == (lens != [300, 290, 280, 270]), (lens, key)
     runner.close()
+
+
+def _step_checked(runner, model, lens, rng, device):
+    """One step of ``lens`` against the toy reference; the key it replayed."""
+    batch = toy_batch(lens, rng=rng, max_pages=24)
+    before = runner.stats().replays
+    got = runner.step(batch)
+    want = toy_reference(model, batch, sm_scale=SM_SCALE)
+    assert rel_l2(got, want) < (1e-2 if device == "cuda" else 1e-5), lens
+    (key,) = [k for k, n in runner.stats().replays.items() if n != before.get(k, 0)]
+    return key
 
 
 def test_a_kernel_the_backend_lacks_is_refused_before_anything_is_captured():
@@ -205,12 +211,7 @@ def test_the_runner_replays_the_alternate_kernel_the_cost_model_predicts_faster(
     # Tiles of 64 tokens: 5 + 1 + 1 = 7 (seesaw); 5 + 5 + 1 + 1 = 12 (alternate); 5 + 1 (seesaw)
     for lens, alternate in (([300, 10, 20], False), ([320, 300, 1, 64], True),
                             ([310, 5], False), ([301, 257, 3, 2], True)):
-        batch = toy_batch(lens, rng=rng, max_pages=24)
-        before = runner.stats().replays
-        got = runner.step(batch)
-        want = toy_reference(model_, batch, sm_scale=SM_SCALE)
-        assert rel_l2(got, want) < (1e-2 if device == "cuda" else 1e-5), lens
-        (key,) = [k for k, n in runner.stats().replays.items() if n != before.get(k, 0)]
+        key = _step_checked(runner, model_, lens, rng, device)
         assert key.balanced and key.alternate == alternate, (lens, key)
         seen.add(key.alternate)
     assert seen == {False, True}

@@ -38,6 +38,7 @@ def fit_cost_model(samples: Sequence, partition: Callable[[str, int], Partition]
 
 
 def _ratios(samples: Sequence, pick: Callable) -> list[float]:
+    """Each sample's time with the kernel ``pick(sample)`` over its fastest kernel's."""
     out = []
     for s in samples:
         t = s.kernel_us()
@@ -45,13 +46,14 @@ def _ratios(samples: Sequence, pick: Callable) -> list[float]:
     return out
 
 
-def choose_kernel_pairs(samples: Sequence, model: BalancedCostModel
+def choose_kernel_pairs(samples: Sequence, model: BalancedCostModel | None = None
                         ) -> tuple[dict[int, str], dict[int, str], list]:
     """Per capture size: (kernel, alternate kernel or "" for none, the samples with the
     time of the kernel the selector would replay). Alone, the kernel with the smallest
-    summed ratio to the fastest per mix (ties: timing order); the pair whose model-chosen
-    times have the smallest (worst, mean) ratio where that beats the kernel alone by
-    ``MIN_GAIN`` in one and loses in neither."""
+    summed ratio to the fastest per mix (ties: timing order, the backend's default first);
+    kernels not timed on every mix of a batch size are not candidates there. With a
+    ``model``, the pair whose model-chosen times have the smallest (worst, mean) ratio,
+    where that beats the kernel alone by ``MIN_GAIN`` in one and loses in neither."""
     kernels: dict[int, str] = {}
     alternates: dict[int, str] = {}
     out: list = []
@@ -61,31 +63,37 @@ def choose_kernel_pairs(samples: Sequence, model: BalancedCostModel
         names = [k for k in timed[0] if all(k in t for t in timed)]
         if not names:
             raise ValueError(f"no balanced kernel was timed on every mix at batch {batch}")
-
-        def score(ratios: list[float]) -> tuple[float, float]:
-            return round(max(ratios), 4), round(sum(ratios) / len(ratios), 4)
-
-        single = {k: score(_ratios(mine, lambda s, k=k: k)) for k in names}
-        # Alone: the smallest mean ratio (the summed one, as choose_balanced_kernels), ties
-        # to timing order.
-        rank = {k: (single[k][1], names.index(k)) for k in names}
-        order = rank.__getitem__
-
-        alone = min(names, key=order)
-        main, best_alt, best = alone, "", single[alone]
-        # A pair lists its better kernel alone first: that one is the bucket's kernel.
-        for a, b in combinations(sorted(names, key=order), 2):
-            if not (model.covers(a, batch) and model.covers(b, batch)):
-                continue
-            pair = score(_ratios(
-                mine, lambda s, a=a, b=b, n=batch: faster_kernel(model, n, s.lens, a, b)))
-            gains = (single[alone][0] - pair[0], single[alone][1] - pair[1])
-            if max(gains) >= MIN_GAIN and min(gains) >= 0 and pair < best:
-                main, best_alt, best = a, b, pair
-        kernels[batch], alternates[batch] = main, best_alt
-        out += [s.with_kernel(faster_kernel(model, batch, s.lens, main, best_alt) if best_alt
-                              else main) for s in mine]
+        summed = {k: round(sum(_ratios(mine, lambda s, k=k: k)), 9) for k in names}
+        order = sorted(names, key=lambda k: (summed[k], names.index(k)))
+        main, alt = order[0], ""
+        if model is not None:
+            main, alt = _best_pair(mine, batch, order, model)
+        kernels[batch], alternates[batch] = main, alt
+        out += [s.with_kernel(faster_kernel(model, batch, s.lens, main, alt) if alt else main)
+                for s in mine]
     return kernels, alternates, out
+
+
+def _best_pair(samples: Sequence, batch: int, order: list[str], model: BalancedCostModel
+               ) -> tuple[str, str]:
+    """(kernel, alternate or "") at one capture size, ``order`` the kernels alone, best
+    first; a pair's kernel is the one of the two that ranks better alone."""
+
+    def score(ratios: list[float]) -> tuple[float, float]:
+        return round(max(ratios), 4), round(sum(ratios) / len(ratios), 4)
+
+    alone = order[0]
+    best, chosen = score(_ratios(samples, lambda s: alone)), (alone, "")
+    worst_alone, mean_alone = best
+    for a, b in combinations(order, 2):
+        if not (model.covers(a, batch) and model.covers(b, batch)):
+            continue
+        pair = score(_ratios(samples, lambda s, a=a, b=b: faster_kernel(model, batch, s.lens,
+                                                                        a, b)))
+        gains = (worst_alone - pair[0], mean_alone - pair[1])
+        if max(gains) >= MIN_GAIN and min(gains) >= 0 and pair < best:
+            best, chosen = pair, (a, b)
+    return chosen
 
 
 def faster_kernel(model: BalancedCostModel, batch: int, lens, main: str, alt: str) -> str:

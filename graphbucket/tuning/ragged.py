@@ -231,20 +231,9 @@ def choose_balanced_kernels(samples: Sequence[RaggedSample]
     """Per capture size, the balanced kernel with the smallest summed time over the fastest
     kernel per mix (ties: the order they were timed in, the backend's default first), and
     the samples with that kernel's balanced time. Kernels not timed on every mix of a
-    batch size are not candidates there."""
-    chosen, out = {}, []
-    for batch in sorted({s.batch for s in samples}):
-        mine = [s for s in samples if s.batch == batch]
-        timed = [s.kernel_us() for s in mine]
-        names = [k for k in timed[0] if all(k in t for t in timed)]
-        if not names:
-            raise ValueError(f"no balanced kernel was timed on every mix at batch {batch}")
-
-        def score(name: str, timed=timed) -> float:
-            return round(sum(t[name] / min(t.values()) for t in timed), 9)
-
-        chosen[batch] = min(names, key=lambda k: (score(k), names.index(k)))
-        out += [s.with_kernel(chosen[batch]) for s in mine]
+    batch size are not candidates there (``kernel_pairs.choose_kernel_pairs`` without a
+    cost model)."""
+    chosen, _, out = choose_kernel_pairs(samples)
     return chosen, out
 
 
