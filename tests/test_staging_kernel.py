@@ -11,6 +11,7 @@ from graphbucket.kernels.staging import WORDS_PER_PROGRAM, launch_copy_slot
 from tests._toy import toy_spec
 
 
+@pytest.mark.interpreter  # CPU tensors: the GPU case is the pinned-slot test below
 @pytest.mark.parametrize("words", [1, WORDS_PER_PROGRAM, 2 * WORDS_PER_PROGRAM + 37])
 def test_the_copy_kernel_copies_every_word_and_hands_the_ticket_back(words, seeded):
     gen = torch.Generator().manual_seed(seeded)
