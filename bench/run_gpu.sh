@@ -5,7 +5,7 @@
 # TPOT per policy, and the demo's GPU path. Run it on a CUDA machine.
 # steps: any of tests gputests balancedtests sweep fisweep capture tune tunefp8 tunemtp tunesparse
 #        tpot tpotfp8 tpotmtp ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp hostphases
-#        balancedseesaw tpotbatches tpothf
+#        balancedseesaw tpotbatches tpothf stepkernels
 #        (tpotdp: TPOT of the 128-head deepseek-v3-dp preset, the compute-bound decode)
 #        (balancedtests: the balanced kernels per capture size, the ragged switch and the
 #        oracle's host logic, on the GPU)
@@ -22,6 +22,9 @@
 #        (tpotmtp: TPOT of verify steps at q_len 1, 2, 4 on fewer contexts)
 #        (l2: decode time with the KV in HBM against L2-resident, 16 and 128 heads)
 #        (hostphases: where a BlockTable host step's time goes, batch 1 and 64 x 128K)
+#        (stepkernels: fixed-max, the ladder and a fixed-max control at 32-128 x 32K-128K,
+#        16 heads: interleaved step rounds, each kernel's time inside the step, the plans
+#        alone, the clocks)
 #        (tpotbatches: TPOT at batch 1, 8, 32, 64 and 128 with fixed-1, fixed-max,
 #        balanced-only and the ladder, 16 heads then 128 (2 layers), each into its
 #        own folder)
@@ -49,7 +52,7 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 STEPS="tests gputests balancedtests sweep fisweep capture tune tunefp8 tunemtp tunesparse retime tpot tpotfp8 tpotmtp
        ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp hostphases balancedseesaw tpotbatches
-       tpothf"
+       tpothf stepkernels"
 usage() { sed -n '2,/^set /{/^set /d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"; }
 for arg in "$@"; do
   case $arg in
@@ -78,10 +81,13 @@ tune_one() {
   # The grid's GPU time: tune_ladder.py --dry-run and ladder_oracle.py --dry-run (16 heads:
   # about 190 s each; the sparse layer's grid more).
   [ -n "$sparse" ] && oracle=h200-ladder-oracle-sparse limit=450
+  # Dense ladders re-rank their near-ties of long, wide cells in a decode step.
+  local ties=--step-ties; [ -n "$sparse" ] && ties=""
   name=$(python3 -c "from graphbucket.tuning.shipped import ladder_file_name as n
 print(n('h200', $heads, '$fmt', q_len=$q, sparse=bool('$sparse')))")
   timeout $limit python3 scripts/tune_ladder.py --heads "$heads" --kv-cache "$fmt" --q-len "$q" \
-    $sparse ${TUNE_FROM:+--from-times "$TUNE_FROM" --retime-ragged} --max-buckets 16 \
+    $sparse ${TUNE_FROM:+--from-times "$TUNE_FROM" --retime-ragged} $ties \
+    --max-buckets 16 \
     --max-model-len 131072 --out "$R/$name" \
     --report "$R/tune-${name%.json}.json" --plot "$R/tune-${name%.json}.png" --force \
     > "$R/tune-${name%.json}.log" 2>&1; tail -2 "$R/tune-${name%.json}.log"
@@ -153,6 +159,8 @@ for step in $steps; do
               --batches 1 8 --contexts 1024 4096 16384 65536 100000 --policies fixed-1 \
               fixed-max ladder --out "$R" > "$R/tpot-hf.log" 2>&1; tail -4 "$R/tpot-hf.log"
             python3 scripts/tpot_report.py --json "$R/h200-tpot-transformers.json" --force ;;
+    stepkernels) timeout 500 python3 bench/experiments/step_kernels.py --out "$R" \
+                   > "$R/step-kernels.log" 2>&1; tail -14 "$R/step-kernels.log" ;;
     hostphases) timeout 200 python3 bench/experiments/host_phases.py --out "$R" \
                   > "$R/host-phases.log" 2>&1; tail -30 "$R/host-phases.log" ;;
     l2) timeout 200 python3 bench/l2_resident.py --out "$R" > "$R/l2.log" 2>&1

@@ -184,6 +184,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--topk", type=positive_int, default=None,
                     help="positions the sparse decoder attends per token (--sparse only; "
                          "default 2048)")
+    ap.add_argument("--step-ties", action="store_true",
+                    help="re-rank near-ties of long, wide cells by timing their plans in a "
+                         "whole decode step (graphbucket.tuning.step_ties; CUDA, a 2-layer "
+                         "decoder); with --from-times the report's step timings are replayed "
+                         "without it")
+    ap.add_argument("--step-ties-from", type=positive_int, nargs=2, default=None,
+                    metavar=("BATCH", "CONTEXT"),
+                    help="cells re-ranked from this capture size and bucket top (default "
+                         "32 16385)")
     ap.add_argument("--quiet", action="store_true", help="no progress line per measurement")
     ap.add_argument("--force", action="store_true",
                     help="replace output files (--out, --report and its .md, --plot) that "
@@ -214,6 +223,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.q_len > min(args.contexts or [args.max_model_len]) and args.contexts:
         ap.error(f"--contexts {args.contexts} has lengths below --q-len {args.q_len}; a "
                  "verify step's length counts its q_len tokens")
+    if args.step_ties and args.sparse:
+        ap.error("--step-ties times dense decode steps; the sparse decoder has none")
     if args.topk is not None and not args.sparse:
         ap.error(f"--topk {args.topk} applies to the sparse decoder; pass --sparse too")
     if args.sparse and args.kv_cache not in (None, "bf16", "fp8-v32"):
@@ -477,6 +488,47 @@ def ragged_switch(args: argparse.Namespace, ladder, meta: dict, saved: list[Ragg
 MIN_COST_MIXES = 16
 
 
+def step_ties(args: argparse.Namespace, ladder, times: dict, splits_for, meta: dict):
+    """The near-ties of long, wide cells re-ranked in a decode step (``--step-ties``, or
+    the saved report's step timings with ``--from-times``): (ladder, records)."""
+    from graphbucket.tuning import step_ties as ties
+
+    saved = meta.pop("step_ties_saved", [])
+    if not args.step_ties and not saved:
+        return ladder, []
+    batch, context = args.step_ties_from or (ties.FROM_BATCH, ties.FROM_CONTEXT)
+    cells = ties.tie_cells(ladder, times, splits_for, batches=meta["batches"],
+                           from_batch=batch, from_context=context)
+    print(f"step ties: {len(cells)} cells with near-ties from batch {batch}, bucket tops "
+          f"from {context}", flush=True)
+    if not cells:
+        return ladder, []
+    timer = None
+    import torch
+
+    if args.step_ties and torch.cuda.is_available():
+        from graphbucket.tuning.measure_step import StepTimer
+
+        torch.cuda.empty_cache()
+        timer = StepTimer(meta["num_heads"], max_context=max(c.context for c in cells),
+                          max_batch=max(c.batch for c in cells),
+                          max_model_len=args.max_model_len, kv_cache=meta["kv_cache"],
+                          q_len=meta["q_len"])
+    elif args.step_ties and not saved:
+        print("step ties: no CUDA GPU and no saved step timings; the ladder keeps its hints",
+              file=sys.stderr)
+    start = time.perf_counter()
+    try:
+        step_ms = timer if timer is not None else ties.saved_step_ms(saved)
+        ladder, records = ties.retime(ladder, cells, step_ms, batches=meta["batches"],
+                                      progress=None if args.quiet else print)
+    finally:
+        if timer is not None:
+            timer.close()
+    meta["step_ties_s"] = round(time.perf_counter() - start, 1)
+    return ladder, records
+
+
 def balanced_cost_model(samples: list[RaggedSample], meta: dict):
     """The cost model of every balanced kernel timed on every mix, fitted on all of them,
     with each kernel's partition at every measured capture size (None with one kernel)."""
@@ -515,6 +567,7 @@ def load_times(args: argparse.Namespace) -> tuple[dict, dict]:
         sys.exit(f"{args.from_times} has no 'times'/'meta'; pass a report this script wrote")
     meta, times = dict(data["meta"]), times_from_rows(data["times"])
     meta["ragged_samples"] = data.get("ragged", {}).get("samples", [])
+    meta["step_ties_saved"] = data.get("step_ties", [])
     if timed_plans(data["times"]):
         meta["timed"] = "plans"
     if args.q_len != meta.setdefault("q_len", 1):
@@ -635,12 +688,14 @@ def main(argv: list[str] | None = None) -> None:
               f"{alone.summary['tuned_mean_over_oracle']} max x "
               f"{alone.summary['tuned_max_over_oracle']}")
     meta.update(max_model_len=args.max_model_len, max_buckets=args.max_buckets)
-    tuned, ragged = ragged_switch(args, result.ladder, meta, saved)
+    ladder, step_records = step_ties(args, result.ladder, times, splits_for, meta)
+    tuned, ragged = ragged_switch(args, ladder, meta, saved)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         tuned.save(args.out)
         print(f"wrote {args.out}")
     report = {"meta": meta, **result.to_dict(), **({"ragged": ragged} if ragged else {}),
+              **({"step_ties": step_records} if step_records else {}),
               "per_batch": {str(b): {"ladder": r.ladder.to_dict(), "summary": r.summary}
                             for b, r in per_batch.items()},
               "times": times_to_rows(times)}
