@@ -258,11 +258,12 @@ def time_tpot(step: Callable[[], object], *, reps: int = 5, min_ms: float = 30.0
     return statistics.median(samples)
 
 
-def time_tpot_paired(steps: dict[str, Callable[[], object]], *, reps: int = 7,
-                     min_ms: float = 30.0, max_steps: int = 200) -> dict[str, float]:
+def time_tpot_rounds(steps: dict[str, Callable[[], object]], *, reps: int = 7,
+                     min_ms: float = 30.0, max_steps: int = 200) -> dict[str, list[float]]:
     """``time_tpot`` for several runners of one shape, their runs interleaved (the order
     rotating every round), so that clock drift over the cell is shared by every policy and
-    a ratio between two of them compares plans, not moments. Median ms per step each."""
+    a ratio between two of them compares plans, not moments. ms per step of each runner,
+    one sample per round (sample i of every runner comes from round i)."""
     names = list(steps)
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
@@ -285,7 +286,7 @@ def time_tpot_paired(steps: dict[str, Callable[[], object]], *, reps: int = 7,
         shift = rep % len(names)
         for name in names[shift:] + names[:shift]:
             samples[name].append(timed(name, counts[name]))
-    return {name: statistics.median(v) for name, v in samples.items()}
+    return samples
 
 
 def tpot_row(policy: str, context: int, batch: int, *, step_ms: float, floor_ms: float,
@@ -317,12 +318,15 @@ def output_name(preset: str, formats: list[str], q_lens: list[int]) -> str:
 
 def measure_rows(bench: TpotBench, policies, context: int, batch: int,
                  copy_gbps: float, q_len: int = 1) -> list[dict]:
-    """Every policy's row at one shape, timed interleaved (``time_tpot_paired``)."""
+    """Every policy's row at one shape, timed interleaved (``time_tpot_rounds``)."""
     decode = bench.batch(context, batch, q_len)
     steps = {policy: (lambda r=bench.runners[policy]: r.step(decode)) for policy in policies}
-    times = time_tpot_paired(steps)
-    return [measure_row(bench, policy, context, batch, copy_gbps, q_len,
-                        step_ms=times[policy]) for policy in policies]
+    rounds = time_tpot_rounds(steps)
+    rows = [measure_row(bench, policy, context, batch, copy_gbps, q_len,
+                        step_ms=statistics.median(rounds[policy])) for policy in policies]
+    for row in rows:  # each round's sample, so that a ratio can be taken round by round
+        row["step_ms_rounds"] = [round(ms, 4) for ms in rounds[row["policy"]]]
+    return rows
 
 
 def measure_row(bench: TpotBench, policy: str, context: int, batch: int,
@@ -377,8 +381,8 @@ def meta_for(bench: TpotBench, args, copy_gbps: float) -> dict:
             "captures": captures,
             "q_lens": list(next(iter(bench.runners.values())).q_lens),
             "timing": "CUDA events over back-to-back runner.step calls, median of 7 runs, "
-                      "the policies' runs interleaved per shape; "
-                      "tpot_ms = step_ms / q_len"}
+                      "the policies' runs interleaved per shape (step_ms_rounds: each "
+                      "round's sample); tpot_ms = step_ms / q_len"}
     if bench.user is not None:  # the model says what it is
         return {**meta, **bench.user.describe(), "model_factory": args.model}
     return {**meta, "model": cfg.name, "dtype": "bfloat16",

@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import textwrap
 from pathlib import Path
@@ -201,6 +202,22 @@ def ladder_over_best(by_ctx: dict[int, dict[str, dict]]) -> dict[int, float]:
             for c, v in sorted(by_ctx.items()) if "ladder" in v}
 
 
+def ladder_over_best_paired(cells: dict[str, dict]) -> tuple[float, float, float] | None:
+    """The ladder's time over the fastest other policy's (by median), taken round by round
+    (rows with ``step_ms_rounds``: each round timed every policy once, so a round's ratio
+    cancels the clock's drift): (median, lower quartile, upper quartile) of those ratios;
+    above 1 the ladder is slower. None without rounds."""
+    lad = cells.get("ladder", {}).get("step_ms_rounds")
+    others = [r for p, r in cells.items() if p != "ladder" and r.get("step_ms_rounds")]
+    if not lad or not others:
+        return None
+    best = min(others, key=lambda r: r["tpot_ms"])["step_ms_rounds"]
+    ratios = sorted(a / b for a, b in zip(lad, best, strict=False))
+    q = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else \
+        [ratios[0]] * 3
+    return q[1], q[0], q[2]
+
+
 def worst_short(by_ctx: dict[int, dict[str, dict]], limit: int = SHORT
                 ) -> tuple[int, float] | None:
     """(context, ladder TPOT / fixed-1 TPOT) at its largest over contexts <= ``limit``."""
@@ -232,8 +249,10 @@ def floor_text(meta: dict) -> str:
 
 def markdown_batch(batch: int, by_ctx: dict[int, dict[str, dict]], ladder) -> list[str]:
     policies = [p for p in POLICIES if any(p in v for v in by_ctx.values())]
+    paired = any(ladder_over_best_paired(v) for v in by_ctx.values())
     head = ["context", "bucket (hint, splits)", *(f"{p} ms" for p in policies), "floor ms",
-            "ladder vs fixed-1", "TPOT reduction", "ladder / default-ladder"]
+            "ladder vs fixed-1", "TPOT reduction", "ladder / default-ladder",
+            *(["ladder / best, per round (quartiles)"] if paired else [])]
     lines = [f"### batch {batch}", "", "| " + " | ".join(head) + " |",
              "|" + "|".join(["---:", "---"] + ["---:"] * (len(head) - 2)) + "|"]
     for context in sorted(by_ctx):
@@ -250,11 +269,14 @@ def markdown_batch(batch: int, by_ctx: dict[int, dict[str, dict]], ladder) -> li
                           + (" (same plan)" if same else ""))
         splits = ladder_row.get("splits") if ladder_row else None
         floor = _floor(cells)
+        rounds = ladder_over_best_paired(cells) if paired else None
+        extra = [] if not paired else [
+            "-" if rounds is None else f"{rounds[0]:.3f} ({rounds[1]:.3f}-{rounds[2]:.3f})"]
         lines.append("| " + " | ".join([fmt_context(context), bucket_label(ladder, context,
                                                                           splits, batch),
                                         *(_ms(cells.get(p)) for p in policies),
                                         "-" if floor is None else f"{floor:.3f}", speed, red,
-                                        vs_default]) + " |")
+                                        vs_default, *extra]) + " |")
     return lines + [""]
 
 
