@@ -42,9 +42,11 @@ def test_tuner_mixes_are_ragged_above_the_balanced_bound_and_out_of_the_oracles_
     top = 131072
     mixes = tuner_mixes(batch, top, above=BALANCED_ABOVE)
     assert mixes and len({tuple(sorted(lens)) for _, lens in mixes}) == len(mixes)
+    assert mixes[-1] == ("uniform", [max(mixes[0][1])] * batch)
     for name, lens in mixes:
         assert len(lens) == batch, name
-        assert max(lens) > BALANCED_ABOVE and imbalance(lens) > 1.0, name
+        assert max(lens) > BALANCED_ABOVE, name
+        assert imbalance(lens) > 1.0 or name == "uniform", name
         # bench/ladder_oracle.py's mixes end at max_model_len or at 8192 tokens.
         assert max(lens) not in (top, 8192), name
     assert tuner_mixes(1, top, above=BALANCED_ABOVE) == []
@@ -311,3 +313,32 @@ def test_a_range_without_mixes_takes_the_nearest_ranges_choice_not_all_of_them()
     assert at[14000] == at[30000]  # the nearest range above
     with pytest.raises(ValueError, match="at least one length range"):
         choose_switches(low, [])
+
+
+def test_a_range_where_balanced_wins_uniform_batches_too_sends_every_batch_there():
+    # Above 64K balanced wins every mix at batch 32, the uniform one included; at batch 8
+    # split-KV keeps the uniform batch. One row was never timed: it stays split-KV.
+    samples = []
+    for batch, uniform_balanced in ((8, 130.0), (32, 90.0)):
+        for name, lens in tuner_mixes(batch, 131072, above=65536):
+            balanced = uniform_balanced if name == "uniform" else 70.0
+            samples.append(RaggedSample(batch, name, tuple(lens), 100.0, balanced))
+    ladder = BucketLadder.from_dict({"max_model_len": 131072, "buckets": [
+        {"max_len": 65536, "hint": 4096}, {"max_len": 131072, "hint": 65536}]})
+    (switch,) = choose_switches(samples, [(65536, 131072)])[0]
+    assert switch.threshold > 1.0 and switch.by_batch == ((32, 1.0),)
+    selector = GraphSelector(ladder.with_ragged_switches([switch]), [1, 8, 32])
+    assert selector.choose([100_000] * 32).balanced
+    assert not selector.choose([100_000] * 8).balanced
+    assert selector.choose([100_000] + [512] * 7).balanced
+    assert not selector.choose([100_000]).balanced
+    assert all(selector.choose(list(s.lens)).balanced == (s.balanced_us < s.split_us)
+               for s in samples)
+    # Balanced wins the uniform batch at batch 8 too: every batch from the smallest size
+    # timed, still none at one row (the threshold 1 starts at 8, not below it).
+    faster = [RaggedSample(s.batch, s.mix, s.lens, s.split_us, 70.0) for s in samples]
+    (switch,) = choose_switches(faster, [(65536, 131072)])[0]
+    assert switch.threshold == 0.0 and switch.by_batch == ((8, 1.0),)
+    selector = GraphSelector(ladder.with_ragged_switches([switch]), [1, 8, 32])
+    assert selector.choose([100_000] * 8).balanced and selector.choose([100_000] * 32).balanced
+    assert not selector.choose([100_000]).balanced

@@ -35,8 +35,10 @@ def tuner_mixes(batch: int, top: int, *, above: int) -> list[tuple[str, list[int
     """Ragged length mixes the tuner times at ``batch`` rows for the lengths ``(above,
     top]``, their longest request inside that range: at 3/4 of ``top``, or halfway between
     ``above`` and ``top`` where 3/4 falls below the range (a range cut at a bucket edge).
-    One long request among short ones, a quarter long, half long, and a spread from 1
-    token. None at one row, or when ``top`` is not above ``above``."""
+    One long request among short ones, a quarter long, half long, a spread from 1
+    token, and every request long (uniform: where balanced beats split-KV even there, the
+    switch may send every batch of the range to it). None at one row, or when ``top`` is
+    not above ``above``."""
     if batch < 2 or top <= above:
         return []
     long = max(top * 3 // 4, (above + top + 1) // 2)
@@ -44,7 +46,8 @@ def tuner_mixes(batch: int, top: int, *, above: int) -> list[tuple[str, list[int
     mixes = [("one-long", [long] + [512] * (batch - 1)),
              ("quarter-long", [long] * few + [2048] * (batch - few)),
              ("half-long", [long] * (batch // 2) + [4096] * (batch - batch // 2)),
-             ("spread", [1 + (long - 1) * i // (batch - 1) for i in range(batch)])]
+             ("spread", [1 + (long - 1) * i // (batch - 1) for i in range(batch)]),
+             ("uniform", [long] * batch)]
     seen, out = set(), []
     for name, lens in mixes:  # at two rows one-long and half-long coincide
         key = tuple(sorted(lens))
@@ -121,6 +124,9 @@ def _choose_range(samples: Sequence[RaggedSample], model: Any = None
     else:
         kernels, alternates, timed = choose_kernel_pairs(samples, model)
     t, by = choose_by_batch(timed)[:2]
+    if t == 1.0:  # balanced for every batch, uniform ones too: from the smallest size timed
+        by = {min(s.batch for s in timed): 1.0, **by}  # (one row was not), not below it
+        t = 0.0
     ratios = [r for b in sorted({s.batch for s in timed})
               for r in ratios_at([s for s in timed if s.batch == b], _threshold_at(t, by, b))]
     return RaggedSwitch(0, 0, t, tuple(sorted(by.items())), kernel_changes(kernels),
