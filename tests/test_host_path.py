@@ -26,6 +26,7 @@ def test_host_path_times_every_phase_of_valid_steps():
     # The trajectory's requests grew inside their rows' pages and the top bucket.
     assert all(table.page_counts[:8] * 64 >= 122000)
     assert selector.choose([128000] * 8).bucket == len(selector.ladder) - 1
-    text = exp.markdown({"date": "d", "cpu": "c", "python": "3", "torch": "t", "numpy": "n",
-                         "core": 0, "steps": 30, "command": "x"}, {"default": [row]})
+    meta = {"date": "d", "cpu": "c", "cores": 2, "python": "3", "torch": "t", "numpy": "n",
+            "core": 0, "steps": 30, "command": "x"}
+    text = exp.markdown(meta, {"default": [row]})
     assert "| 8 | 122000-128000 |" in text

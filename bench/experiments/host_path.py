@@ -104,10 +104,22 @@ def cell(parts, bs: int, lo: int, hi: int, steps: int) -> dict:
             "us_p90_total": round(float(np.percentile(samples["total"], 90)), 2)}
 
 
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def markdown(meta: dict, runs: dict[str, list[dict]]) -> str:
     lines = ["# The host work of a decode step, without a GPU (the code's own cost)", "",
-             f"{meta['date']}, {meta['cpu']}, Python {meta['python']}, torch {meta['torch']}, "
-             f"numpy {meta['numpy']}; pinned to core {meta['core']}. Command: "
+             f"{meta['date']}, {meta['cpu']} ({meta['cores']} cores), Python "
+             f"{meta['python']}, torch {meta['torch']}, numpy {meta['numpy']}; pinned to core "
+             f"{meta['core']}. Command: "
              f"`{meta['command']}`. BlockTable steps of the capture bench's spec, staged into "
              "CPU buffers (no device copy, no replay); median microseconds over "
              f"{meta['steps']} steps.", ""]
@@ -141,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     import datetime
 
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "cpu": cpu_name(), "cores": os.cpu_count(),
             "python": platform.python_version(), "torch": torch.__version__,
             "numpy": np.__version__, "core": args.core, "steps": args.steps,
             "command": "python3 " + " ".join(sys.argv)}
