@@ -8,7 +8,7 @@ captured with and the static buffers every graph shares.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,6 +26,12 @@ class DecodeContext:
     buffers; ``workspace`` is the backend's persistent workspace. ``q_len``: query tokens
     per request (1: plain decode; more: a verify step, planned with q_len x heads rows).
     Graph-safe: views never depend on live lengths.
+
+    One step's layers share its partition: after ``begin_step()`` (the runner calls it
+    before each forward it runs or captures), the first layer of a plan the backend
+    partitions on the device (``partitions_once``: a balanced plan) writes the partition
+    and the later layers over caches of the same dtype skip the planner. Without
+    ``begin_step`` every layer plans (an engine driving the context itself).
     """
 
     batch_size: int
@@ -38,6 +44,22 @@ class DecodeContext:
     inputs: Mapping[str, torch.Tensor]
     workspace: Any
     q_len: int = 1
+    # [None]: no step begun (every layer plans); [False]: begun, nothing planned yet;
+    # [dtype]: the partition was planned this step over a cache of that dtype.
+    _partitioned: list = field(default_factory=lambda: [None], repr=False, compare=False)
+
+    def begin_step(self) -> None:
+        """A new step starts: its first layer partitions it again."""
+        self._partitioned[0] = False
+
+    def _partition_ready(self, kv_cache: torch.Tensor) -> bool:
+        state = self._partitioned[0]
+        if state is None or not self.backend.partitions_once(self.plan):
+            return False
+        if state == kv_cache.dtype:
+            return True
+        self._partitioned[0] = kv_cache.dtype
+        return False
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
                lse: torch.Tensor | None = None,
@@ -51,6 +73,8 @@ class DecodeContext:
         extra = inputs if kv_scale is None else {**inputs, "kv_scale": kv_scale}
         q_len = self.q_len
         if q_len == 1:
+            if self._partition_ready(kv_cache):
+                extra = {**extra, "partition_ready": True}
             return self.backend.run(q, kv_cache, self.block_table, self.seq_lens, out,
                                     self.workspace, plan=self.plan, sm_scale=self.sm_scale,
                                     lse=lse, **extra)

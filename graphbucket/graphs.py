@@ -293,6 +293,7 @@ def _body(forward: Forward, ctx: DecodeContext, out: torch.Tensor, slot_copy: Bo
         if slot_copy is not None:
             slot_copy()
         apply_table_changes()
+        ctx.begin_step()
         result = forward(ctx)
         if result.shape != out.shape or result.dtype != out.dtype:
             raise ValueError(f"forward returned {result.dtype} {tuple(result.shape)}; expected "

@@ -275,8 +275,9 @@ class GraphBucketRunner:
         plan = self.backend.plan(bs, self.spec.num_heads * q_len, max(1, host.max_len))
         out = buffers.output[:bs * q_len]
         buffers.apply_table_changes()  # as every graph body does first
-        result = self.forward(buffers.context(bs, plan, self.backend, self.sm_scale,
-                                              q_len=q_len))
+        ctx = buffers.context(bs, plan, self.backend, self.sm_scale, q_len=q_len)
+        ctx.begin_step()
+        result = self.forward(ctx)
         if result.data_ptr() != out.data_ptr():
             out.copy_(result)
         return out

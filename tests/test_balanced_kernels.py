@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from graphbucket import GraphBucketRunner, get_backend
 from graphbucket.bucket import DEFAULT_BALANCED_KERNEL
@@ -215,4 +216,45 @@ def test_the_runner_replays_the_alternate_kernel_the_cost_model_predicts_faster(
         assert key.balanced and key.alternate == alternate, (lens, key)
         seen.add(key.alternate)
     assert seen == {False, True}
+    runner.close()
+
+
+def test_one_step_partitions_once_for_every_layer(device, monkeypatch):
+    # The toy's two layers over two caches share one partition of the step: after
+    # begin_step the planner runs for the first layer only, and the result is the one of
+    # planning every layer, bit for bit, and the reference's.
+    import graphbucket.kernels.launch_balanced as launcher
+    from graphbucket.batch import BatchValidator
+
+    model, runner = _runner(RAGGED, device=device, sizes=(4,))
+    plan = runner.backend.plan_balanced(4, runner.spec.num_heads)
+    assert runner.backend.partitions_once(plan)
+    assert not runner.backend.partitions_once(runner.backend.plan(4, runner.spec.num_heads, 300))
+    calls = []
+    real = launcher.launch_item_planner
+    monkeypatch.setattr(launcher, "launch_item_planner",
+                        lambda *a, **k: (calls.append(k["plan"]), real(*a, **k))[1])
+    rng = np.random.default_rng(5)
+    outputs = []
+    for lens in ([300, 10, 0, 64], [17, 290, 5, 1]):
+        batch = toy_batch(lens, rng=rng, max_pages=24)
+        host = BatchValidator(runner.spec, block_table=runner.block_table)(batch)
+        runner.buffers.stage(host, 4, in_graph=False)
+        runner.buffers.apply_table_changes()
+        want = toy_reference(model, batch, sm_scale=SM_SCALE)
+        for begin in (True, False):
+            ctx = runner.buffers.context(4, plan, runner.backend, SM_SCALE)
+            if begin:
+                ctx.begin_step()
+            calls.clear()
+            got = model(ctx)[:len(lens)].clone()
+            assert len(calls) == (1 if begin else 2), (lens, begin)
+            assert rel_l2(got, want) < (1e-2 if device == "cuda" else 1e-5), lens
+            outputs.append(got)
+        assert torch.equal(outputs[-2], outputs[-1]), lens
+        # A second step on one context plans again after begin_step.
+        ctx.begin_step()
+        calls.clear()
+        model(ctx)
+        assert len(calls) == 1
     runner.close()

@@ -344,6 +344,9 @@ class AiterBackend:
         return PersistentWorkspaceSpec(max_batch, self.max_pages, self.page_size,
                                        self.kernel_page_size, work_buffer_shapes(info))
 
+    def partitions_once(self, plan) -> bool:
+        return False  # every launch builds AITER's metadata from the lengths itself
+
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
             seq_lens: torch.Tensor, out: torch.Tensor, workspace: dict[str, torch.Tensor], *,
             plan: LaunchPlan, sm_scale: float, lse: torch.Tensor | None = None,

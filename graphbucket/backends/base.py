@@ -98,6 +98,13 @@ class DecodeBackend(Protocol):
         """The persistent workspace that serves every plan in ``plans``."""
         ...
 
+    def partitions_once(self, plan: Plan) -> bool:
+        """Whether ``run`` with ``plan`` first partitions the step on the device into the
+        workspace from the lengths alone (a balanced plan's planner), so that the later
+        layers of one step may pass ``partition_ready=True`` and skip it
+        (``DecodeContext.begin_step``); False where ``run`` takes no such argument."""
+        ...
+
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
             seq_lens: torch.Tensor, out: torch.Tensor, workspace: Any, *, plan: Plan,
             sm_scale: float, lse: torch.Tensor | None = None, q_len: int = 1,

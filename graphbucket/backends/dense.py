@@ -79,6 +79,9 @@ class DenseBackend:
     def workspace_spec(self, plans: Iterable[LaunchPlan]) -> NoWorkspace:
         return NoWorkspace()
 
+    def partitions_once(self, plan) -> bool:
+        return False  # the reference plans nothing on the device
+
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
             seq_lens: torch.Tensor, out: torch.Tensor, workspace: None = None, *,
             plan: LaunchPlan, sm_scale: float, lse: torch.Tensor | None = None,

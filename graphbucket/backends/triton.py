@@ -183,16 +183,23 @@ class TritonBackend:
                                   max(p.num_kv_splits for p in plans), self.kv_lora_rank,
                                   max(p.max_work_items for p in plans))
 
+    def partitions_once(self, plan: LaunchPlan) -> bool:
+        return plan.balanced
+
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
             seq_lens: torch.Tensor, out: torch.Tensor, workspace: SplitWorkspace | None, *,
             plan: LaunchPlan, sm_scale: float, lse: torch.Tensor | None = None,
-            kv_scale: torch.Tensor | None = None, q_len: int = 1) -> torch.Tensor:
-        """See ``graphbucket.kernels.mla_decode``. Graph-safe: launches only."""
+            kv_scale: torch.Tensor | None = None, q_len: int = 1,
+            partition_ready: bool = False) -> torch.Tensor:
+        """See ``graphbucket.kernels.mla_decode``. Graph-safe: launches only.
+        ``partition_ready``: a balanced plan's partition of these lengths is in the
+        workspace already (an earlier layer of the step planned it): the planner is skipped."""
         if plan.balanced:
             if q_len != 1:
                 raise ValueError(f"q_len={q_len} with a balanced plan: balanced split-KV "
                                  "decodes one token per request; plan split-KV")
             return mla_decode_balanced(q, kv_cache, block_table, seq_lens, out, workspace,
-                                       plan=plan, sm_scale=sm_scale, lse=lse, kv_scale=kv_scale)
+                                       plan=plan, sm_scale=sm_scale, lse=lse, kv_scale=kv_scale,
+                                       partition=not partition_ready)
         return mla_decode(q, kv_cache, block_table, seq_lens, out, workspace, plan=plan,
                           sm_scale=sm_scale, lse=lse, kv_scale=kv_scale, q_len=q_len)

@@ -38,12 +38,14 @@ def mla_decode_balanced(q: torch.Tensor, kv_cache: torch.Tensor, block_table: to
                         seq_lens: torch.Tensor, out: torch.Tensor, workspace: SplitWorkspace,
                         *, plan: LaunchPlan, sm_scale: float, lse: torch.Tensor | None = None,
                         kv_scale: torch.Tensor | None = None,
-                        check: bool = True) -> torch.Tensor:
+                        check: bool = True, partition: bool = True) -> torch.Tensor:
     """``mla_decode`` for a balanced plan (``plan_balanced_mla_decode``): same arguments,
     same result; the workspace needs item buffers for ``plan.max_work_items`` items.
     Three launches on fixed grids: item planner, persistent stage 1 (the Gluon seesaw's,
     one program per item, or one per SM over tile ranges for ``plan.tile_ranges``, where
-    the plan asks for it and ``runs_seesaw`` holds), merge."""
+    the plan asks for it and ``runs_seesaw`` holds), merge. ``partition=False`` skips the
+    planner: the workspace holds this plan's partition of these ``seq_lens`` already (an
+    earlier layer of the same step wrote it; stage 1 and the merge only read it)."""
     if not plan.balanced:
         raise ValueError(f"{plan.describe()} is a split-KV plan: launch it with mla_decode")
     if check:
@@ -52,15 +54,18 @@ def mla_decode_balanced(q: torch.Tensor, kv_cache: torch.Tensor, block_table: to
     block_n = kv_tile_tokens(plan, kv_cache)
     seesaw = runs_seesaw(plan, q, kv_cache, kv_scale=kv_scale)
     if seesaw and plan.tile_ranges:
-        launch_range_planner(seq_lens, workspace, plan=plan)
+        if partition:
+            launch_range_planner(seq_lens, workspace, plan=plan)
         launch_seesaw_range_stage1(q, kv_cache, block_table, seq_lens, workspace, plan=plan,
                                    sm_scale=sm_scale)
     elif seesaw:
-        launch_item_planner(seq_lens, workspace, plan=plan, block_n=block_n)
+        if partition:
+            launch_item_planner(seq_lens, workspace, plan=plan, block_n=block_n)
         launch_seesaw_balanced_stage1(q, kv_cache, block_table, seq_lens, workspace,
                                       plan=plan, sm_scale=sm_scale)
     else:  # the plan's chunks (of a range plan too) by the Triton stage 1
-        launch_item_planner(seq_lens, workspace, plan=plan, block_n=block_n)
+        if partition:
+            launch_item_planner(seq_lens, workspace, plan=plan, block_n=block_n)
         launch_balanced_stage1(q, kv_cache, block_table, seq_lens, out, workspace, plan=plan,
                                sm_scale=sm_scale, lse=lse, block_n=block_n, kv_scale=kv_scale)
     launch_balanced_merge(out, workspace, plan=plan, lse=lse, merge_single=seesaw)

@@ -140,6 +140,9 @@ class SparseBackend:
                                    self.max_len, self.topk,
                                    max(p.attention_splits for p in plans), self.kv_lora_rank)
 
+    def partitions_once(self, plan) -> bool:
+        return False  # each layer indexes its own positions
+
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
             seq_lens: torch.Tensor, out: torch.Tensor, workspace: SparseWorkspace, *,
             plan: SparsePlan, sm_scale: float, lse: torch.Tensor | None = None,
