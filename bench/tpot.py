@@ -264,29 +264,9 @@ def time_tpot_rounds(steps: dict[str, Callable[[], object]], *, reps: int = 7,
     rotating every round), so that clock drift over the cell is shared by every policy and
     a ratio between two of them compares plans, not moments. ms per step of each runner,
     one sample per round (sample i of every runner comes from round i)."""
-    names = list(steps)
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    from graphbucket.tuning.measure_step import interleaved_rounds
 
-    def timed(name: str, n: int) -> float:
-        start.record()
-        for _ in range(n):
-            steps[name]()
-        stop.record()
-        stop.synchronize()
-        return start.elapsed_time(stop) / n
-
-    counts = {}
-    for name in names:
-        for _ in range(3):
-            steps[name]()
-        sync()
-        counts[name] = max(3, min(max_steps, int(min_ms / max(timed(name, 1), 1e-3))))
-    samples: dict[str, list[float]] = {name: [] for name in names}
-    for rep in range(reps):
-        shift = rep % len(names)
-        for name in names[shift:] + names[:shift]:
-            samples[name].append(timed(name, counts[name]))
-    return samples
+    return interleaved_rounds(steps, rounds=reps, sample_ms=min_ms, max_steps=max_steps)
 
 
 def tpot_row(policy: str, context: int, batch: int, *, step_ms: float, floor_ms: float,

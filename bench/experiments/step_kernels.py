@@ -51,34 +51,6 @@ def start_clock_log(path: Path) -> subprocess.Popen | None:
         return None
 
 
-def timed_rounds(steps: dict, rounds: int, min_ms: float = 30.0) -> dict[str, list[float]]:
-    """ms per step of each runner, one sample per round, the order rotating."""
-    import torch
-
-    names = list(steps)
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-    def timed(name: str, n: int) -> float:
-        start.record()
-        for _ in range(n):
-            steps[name]()
-        stop.record()
-        stop.synchronize()
-        return start.elapsed_time(stop) / n
-
-    counts = {}
-    for name in names:
-        for _ in range(3):
-            steps[name]()
-        counts[name] = max(3, min(200, int(min_ms / max(timed(name, 1), 1e-3))))
-    samples: dict[str, list[float]] = {name: [] for name in names}
-    for rnd in range(rounds):
-        shift = rnd % len(names)
-        for name in names[shift:] + names[:shift]:
-            samples[name].append(round(timed(name, counts[name]), 4))
-    return samples
-
-
 def kernel_profile(step, n: int) -> dict:
     """Device time per step of each kernel (by name), the busy and idle time of the span."""
     import torch
@@ -116,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     from graphbucket.backends import get_backend
     from graphbucket.models import PRESETS
     from graphbucket.tuning.measure import PlanTimer
+    from graphbucket.tuning.measure_step import interleaved_rounds
 
     if not torch.cuda.is_available():
         sys.exit("step_kernels.py times CUDA decode steps; run it on the GPU")
@@ -143,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
         plans = {p: runners[p].plan_for(keys[p]) for p in POLICIES}
         plan_objects.append(plans)
         steps = {p: (lambda r=runners[p]: r.step(decode)) for p in POLICIES}
-        samples = timed_rounds(steps, args.rounds)
+        samples = interleaved_rounds(steps, rounds=args.rounds)
         ratio = {p: [round(x / y, 4) for x, y in zip(samples[p], samples["fixed-max"],
                                                      strict=True)]
                  for p in POLICIES[1:]}

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -87,12 +88,16 @@ class StepTimer:
         torch.cuda.empty_cache()
 
 
-def paired_ms(steps: dict[int, Callable[[], object]], *, rounds: int = ROUNDS) -> dict[int, float]:
-    """Median ms per call of each step over ``rounds`` interleaved samples (CUDA events)."""
+def interleaved_rounds(steps: Mapping[Any, Callable[[], object]], *, rounds: int = ROUNDS,
+                       sample_ms: float = SAMPLE_MS, max_steps: int = MAX_STEPS
+                       ) -> dict[Any, list[float]]:
+    """ms per call of each step, one sample per round (CUDA events over n back-to-back
+    calls, n sized to ``sample_ms``), the order rotating every round, so that clock drift is
+    shared by every step and sample i of each comes from round i."""
     names = list(steps)
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
-    def timed(name: int, n: int) -> float:
+    def timed(name: Any, n: int) -> float:
         start.record()
         for _ in range(n):
             steps[name]()
@@ -104,10 +109,18 @@ def paired_ms(steps: dict[int, Callable[[], object]], *, rounds: int = ROUNDS) -
     for name in names:
         for _ in range(3):
             steps[name]()
-        counts[name] = max(3, min(MAX_STEPS, int(SAMPLE_MS / max(timed(name, 1), 1e-3))))
-    samples: dict[int, list[float]] = {name: [] for name in names}
+        torch.cuda.synchronize()
+        counts[name] = max(3, min(max_steps, int(sample_ms / max(timed(name, 1), 1e-3))))
+    samples: dict[Any, list[float]] = {name: [] for name in names}
     for rnd in range(rounds):
         shift = rnd % len(names)
         for name in names[shift:] + names[:shift]:
             samples[name].append(timed(name, counts[name]))
-    return {name: statistics.median(v) for name, v in samples.items()}
+    return samples
+
+
+def paired_ms(steps: Mapping[int, Callable[[], object]], *, rounds: int = ROUNDS
+              ) -> dict[int, float]:
+    """Median ms per call of each step over ``interleaved_rounds``."""
+    return {name: statistics.median(v)
+            for name, v in interleaved_rounds(steps, rounds=rounds).items()}
