@@ -144,17 +144,25 @@ def _qk_boxes(q_s, kv_s, bars, slot, phase, s, FIRST: gl.constexpr, COUNT: gl.co
 
 
 @gluon.jit
-def _scores(q_s, kv_s, bars, phase, start, end, step, qk_scale_log2, PARITY: gl.constexpr,
+def _scores(q_s, kv_s, bars, phase, start, end, step, PARITY: gl.constexpr,
             layout: gl.constexpr):
-    """S of this warpgroup's tile (slot PARITY) in log2 units, tokens past ``end`` at -inf.
-    Boxes in arrival order: its own value half, the other half, the rope box."""
+    """S of this warpgroup's tile (slot PARITY), unscaled, tokens past ``end`` at -inf.
+    Boxes in the order the loader issues them: tile A's left half, then its right half and
+    rope box; tile B's left half and rope box, then its right half (freed last, by WG1's
+    own second PV), so WG1's first boxes are the ones that landed earliest."""
     s = warpgroup_mma_init(gl.zeros([ROWS, TILE], gl.float32, layout))
-    s = _qk_boxes(q_s, kv_s, bars, PARITY, phase, s, PARITY * HALF_CHUNKS, HALF_CHUNKS)
-    s = _qk_boxes(q_s, kv_s, bars, PARITY, phase, s, (1 - PARITY) * HALF_CHUNKS, HALF_CHUNKS)
-    s = _qk_boxes(q_s, kv_s, bars, PARITY, phase, s, 2 * HALF_CHUNKS, 1)
+    s = _qk_boxes(q_s, kv_s, bars, PARITY, phase, s, 0, HALF_CHUNKS)
+    if PARITY == 0:
+        s = _qk_boxes(q_s, kv_s, bars, PARITY, phase, s, HALF_CHUNKS, HALF_CHUNKS + 1)
+    else:
+        s = _qk_boxes(q_s, kv_s, bars, PARITY, phase, s, 2 * HALF_CHUNKS, 1)
+        s = _qk_boxes(q_s, kv_s, bars, PARITY, phase, s, HALF_CHUNKS, HALF_CHUNKS)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-    tok = start + (2 * step + PARITY) * TILE + gl.arange(0, TILE, gl.SliceLayout(0, layout))
-    return gl.where(tok[None, :] < end, s * qk_scale_log2, float("-inf"))
+    first = start + (2 * step + PARITY) * TILE
+    if first + TILE > end:  # only a split's last tiles hold tokens past its end
+        tok = first + gl.arange(0, TILE, gl.SliceLayout(0, layout))
+        s = gl.where(tok[None, :] < end, s, float("-inf"))
+    return s
 
 
 @gluon.jit
@@ -203,7 +211,7 @@ def warpgroup_compute(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_
     mbarrier.wait(bars.index(B_Q), q_phase)
     for step in range(num_steps):
         phase = (g0 + step) & 1
-        s = _scores(q_s, kv_s, bars, phase, start, end, step, qk_scale_log2, PARITY, mma)
+        s = _scores(q_s, kv_s, bars, phase, start, end, step, PARITY, mma)
         if RANGE:
             if step == num_steps - 1:
                 mbarrier.arrive(bars.index(B_QFREE))
@@ -214,13 +222,16 @@ def warpgroup_compute(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_
         # Each tile's P goes to its rope box, free once its QK is done.
         p_box = kv_s.index(PARITY * CHUNKS + 2 * HALF_CHUNKS)
         if PARITY == 0:
-            m_a = gl.maximum(m_i, gl.max(s, axis=1))  # tile A always holds a live token
+            # Row maxima in log2 units (scaling a row's max = the max of the scaled row),
+            # so the scale folds into the exponent's multiply-add.
+            m_a = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale_log2)  # A holds a live token
             alpha_a = gl.exp2(m_i - m_a)
             stats_s.index(st + S_MA).store(m_a)
             stats_s.index(st + S_ALPHA_A).store(alpha_a)
             mbarrier.arrive(bars.index(B_MA))
-            p = gl.exp2(s - m_a[:, None]).to(gl.bfloat16)
-            sum_a = gl.sum(p.to(gl.float32), axis=1)
+            p32 = gl.exp2(s * qk_scale_log2 - m_a[:, None])
+            sum_a = gl.sum(p32, axis=1)
+            p = p32.to(gl.bfloat16)
             # P_A unscaled to WG1 at once (it rescales by alpha_B itself), so tile A is
             # released after both warpgroups' first PV.
             p_box.store(p)
@@ -244,10 +255,12 @@ def warpgroup_compute(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_
             mbarrier.wait(bars.index(B_MA), phase)
             m_a = stats_s.index(st + S_MA).load(rows)
             alpha_a = stats_s.index(st + S_ALPHA_A).load(rows)
-            m_b = gl.maximum(m_a, gl.max(s, axis=1))  # tile B may be past the end: m_a
+            # Tile B may lie past the end (all -inf): then m_b = m_a.
+            m_b = gl.maximum(m_a, gl.max(s, axis=1) * qk_scale_log2)
             alpha_b = gl.exp2(m_a - m_b)
-            p = gl.exp2(s - m_b[:, None]).to(gl.bfloat16)
-            sum_b = gl.sum(p.to(gl.float32), axis=1)
+            p32 = gl.exp2(s * qk_scale_log2 - m_b[:, None])
+            sum_b = gl.sum(p32, axis=1)
+            p = p32.to(gl.bfloat16)
             p_box.store(p)
             stats_s.index(st + S_ALPHA_B).store(alpha_b)
             stats_s.index(st + S_MB).store(m_b)
