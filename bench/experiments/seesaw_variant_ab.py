@@ -13,7 +13,6 @@ kernel is faster.
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.util
 import json
 import os
@@ -22,6 +21,8 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from bench.gpu_timing import add_out_argument, out_dir, run_line, run_meta  # noqa: E402
 
 # (heads, batch, context)
 SHAPES = [(128, 1, 131072), (128, 8, 65536), (128, 8, 131072), (128, 64, 4096),
@@ -32,7 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--other", type=Path, required=True,
                    help="another version of graphbucket/kernels/seesaw.py")
-    p.add_argument("--out", type=Path, help="write seesaw-variant-ab.{json,md} here")
+    add_out_argument(p, "seesaw-variant-ab.{json,md}")
     p.add_argument("--reps", type=int, default=9, help="interleaved rounds per shape")
     return p.parse_args(argv)
 
@@ -103,8 +104,7 @@ def measure(other_path: Path, reps: int) -> list[dict]:
 
 def markdown(meta: dict, rows: list[dict]) -> str:
     lines = [f"# The seesaw stage 1 against another version ({meta['gpu']})", "",
-             f"{meta['date']}, torch {meta['torch']}, triton {meta['triton']}. Command: "
-             f"`{meta['command']}` (other: {meta['other']}). Interleaved CUDA-graph replays, "
+             f"{run_line(meta)} (other: {meta['other']}). Interleaved CUDA-graph replays, "
              "cold L2, median microseconds per call; the error of each against the Triton "
              "64-row stage 1 on the same plan (relative L2).", "",
              "| heads | batch | context | plan | checkout us | other us | other / checkout "
@@ -121,22 +121,18 @@ def markdown(meta: dict, rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     import torch
-    import triton
 
     if not torch.cuda.is_available():
         sys.exit("seesaw_variant_ab.py times the Gluon seesaw and needs a Hopper GPU")
     rows = measure(args.other, args.reps)
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": triton.__version__, "other": str(args.other),
-            "command": "python3 " + " ".join(sys.argv)}
+    meta = {**run_meta(), "other": str(args.other)}
     text = markdown(meta, rows)
     print(text)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "seesaw-variant-ab.json").write_text(
+    out = out_dir(args.out)
+    if out:
+        Path(out, "seesaw-variant-ab.json").write_text(
             json.dumps({"meta": meta, "rows": rows}, indent=1))
-        (args.out / "seesaw-variant-ab.md").write_text(text)
+        Path(out, "seesaw-variant-ab.md").write_text(text)
 
 
 if __name__ == "__main__":
