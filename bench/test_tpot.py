@@ -37,6 +37,7 @@ from bench.tpot import (
     time_tpot,
 )
 from bench.tpot_model import build_model, check_model, load_factory
+from graphbucket.integrations import MIN_TRANSFORMERS
 from graphbucket.models import PRESETS, tiny, tiny_v32
 from graphbucket.policies import POLICIES
 
@@ -246,7 +247,7 @@ def test_a_users_transformers_model_replays_every_policy_like_eager():
     # The TPOT suite's entry for a model it did not build (bench/tpot_model.py), with
     # transformers' DeepSeek-V3 (tiny, float32) behind it: each policy's graphs must give
     # the eager step's logits, and a step's bytes count each token's experts.
-    pytest.importorskip("transformers")
+    pytest.importorskip("transformers", minversion=MIN_TRANSFORMERS)
     if ON_GPU:
         pytest.skip("the CPU check of the entry; on CUDA set GRAPHBUCKET_TPOT_MODEL")
     model = build_model("bench.hf_tpot:deepseek_v3_small", num_pages=16, page_size=16,

@@ -87,3 +87,19 @@ def test_no_import_cycles_between_graphbucket_modules():
 
     for module in deps:
         assert cycle_from(module, [module]) is None, cycle_from(module, [module])
+
+
+@pytest.mark.host
+def test_the_transformers_adapter_refuses_a_release_below_the_hf_extra():
+    # An older transformers leaves the cache passed as ``cache=`` empty: the adapter must
+    # refuse it at import, naming the requirement, and agree with setup.cfg's extra.
+    from graphbucket.integrations import MIN_TRANSFORMERS, check_transformers_version
+
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    assert f"transformers>={MIN_TRANSFORMERS}," in cfg["options.extras_require"]["hf"]
+    for ok in (MIN_TRANSFORMERS + ".0", "5.24.0.dev0", "5.30.1", "6.0.0+local"):
+        check_transformers_version(ok)
+    for old in ("5.17.0", "5.23.9", "4.57.1"):
+        with pytest.raises(ImportError, match=f"transformers>={MIN_TRANSFORMERS}, found {old}"):
+            check_transformers_version(old)

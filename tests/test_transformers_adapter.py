@@ -29,7 +29,9 @@ import numpy as np
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+from graphbucket.integrations import MIN_TRANSFORMERS
+
+transformers = pytest.importorskip("transformers", minversion=MIN_TRANSFORMERS)
 
 from transformers import (  # noqa: E402  (after the importorskip)
     DeepseekV3Config,

@@ -41,12 +41,15 @@ import numpy as np
 import torch
 from torch import nn
 
+from graphbucket.integrations import MIN_TRANSFORMERS, check_transformers_version
+
 try:
+    import transformers
     from transformers import DynamicCache
     from transformers.integrations.moe import batched_mm_experts_forward
 except ImportError as e:  # the optional extra
     raise ImportError("graphbucket.integrations.transformers needs transformers: pip install "
-                      "'graphbucket[hf]' (or transformers>=5.24)") from e
+                      f"'graphbucket[hf]' (or transformers>={MIN_TRANSFORMERS})") from e
 
 from graphbucket.backends.triton import TritonBackend
 from graphbucket.batch import DecodeBatch
@@ -65,6 +68,8 @@ from graphbucket.models.paging import slot_mapping_for
 from graphbucket.sparse.backend import SparseBackend
 from graphbucket.sparse.plan import INDEX_HEADS
 from graphbucket.spec import BufferSpec, InputSpec
+
+check_transformers_version(transformers.__version__)
 
 TOKEN_INPUT = "input_ids"
 SPARSE_WIDTHS = (512, 64)  # kv_lora_rank, qk_rope_head_dim the sparse kernels take
