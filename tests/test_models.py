@@ -390,3 +390,19 @@ def test_a_cache_or_scale_of_the_wrong_format_raises_before_any_launch(bad):
         model(ctx)
     for cache, old in zip(model.kv_caches, before, strict=True):
         assert torch.equal(cache.view(torch.uint8), old)  # no layer stored its new row
+
+
+@pytest.mark.parametrize("fmt, scale", [("bf16", None), ("fp8-tensor", 8.0 / 448)])
+def test_prefill_random_fills_exactly_the_used_pages_in_chunks(monkeypatch, fmt, scale):
+    from graphbucket.models import paging
+
+    monkeypatch.setattr(paging, "_PREFILL_CHUNK_PAGES", 3)  # several chunks, a partial last
+    model = tiny_model(torch.bfloat16, kv_cache_format=fmt, kv_scale=scale)
+    table = random_block_table(3, 4, PAGES, np.random.default_rng(5))
+    lens = [4 * PAGE, 2 * PAGE + 1, 0]  # 4, 3 and 0 pages used
+    prefill_random(model, table, lens, seed=5)
+    used = {int(p) for p in table[0]} | {int(p) for p in table[1, :3]}
+    for cache in model.kv_caches:
+        filled = {p for p in range(PAGES) if cache[p].view(torch.uint8).any()}
+        assert filled == used
+        assert len({cache[p].view(torch.uint8).sum().item() for p in used}) == len(used)

@@ -40,6 +40,9 @@ def slot_mapping_for(block_table: np.ndarray, positions, page_size: int) -> np.n
     return np.where(pos >= 0, pages * page_size + safe % page_size, -1)
 
 
+_PREFILL_CHUNK_PAGES = 1024
+
+
 def prefill_random(model: MLADecoder, block_table: np.ndarray, seq_lens, *,
                    seed: int = 0) -> None:
     """Fill every page the first ``seq_lens`` tokens of each request use, in every layer,
@@ -53,15 +56,19 @@ def prefill_random(model: MLADecoder, block_table: np.ndarray, seq_lens, *,
     gen = torch.Generator(device=model.device).manual_seed(seed)
     fmt = fp8.get_cache_format(model.kv_cache_format)
     for cache in model.kv_caches:
-        rows = torch.randn(idx.numel(), page, model.config.kv_dim, generator=gen,
-                           device=model.device)
-        # fp8 caches: stored as their store op would (index_copy_ has no fp8 kernel on the
-        # CPU: copy the bytes)
-        if fmt.quantized:
-            rows = torch.cat([fmt.store(rows[i:i + 256], model.kv_scale)
-                              for i in range(0, len(rows), 256)]).view(torch.uint8)
-            cache = cache.view(torch.uint8)
-        cache.index_copy_(0, idx, rows.to(cache.dtype))
+        # Chunks of pages: a long batch's rows at once would need twice the cache in float32.
+        for start in range(0, idx.numel(), _PREFILL_CHUNK_PAGES):
+            chunk = idx[start:start + _PREFILL_CHUNK_PAGES]
+            rows = torch.randn(chunk.numel(), page, model.config.kv_dim, generator=gen,
+                               device=model.device)
+            target = cache
+            # fp8 caches: stored as their store op would (index_copy_ has no fp8 kernel on
+            # the CPU: copy the bytes)
+            if fmt.quantized:
+                rows = torch.cat([fmt.store(rows[i:i + 256], model.kv_scale)
+                                  for i in range(0, len(rows), 256)]).view(torch.uint8)
+                target = cache.view(torch.uint8)
+            target.index_copy_(0, chunk, rows.to(target.dtype))
 
 
 def decode_batch(model: MLADecoder, seq_lens, block_table: np.ndarray | BlockTable,
