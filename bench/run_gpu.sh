@@ -83,8 +83,9 @@ tune_one() {
   [ -n "$sparse" ] && oracle=h200-ladder-oracle-sparse limit=450
   # Dense ladders re-rank their near-ties of long, wide cells in a decode step.
   local ties=--step-ties; [ -n "$sparse" ] && ties=""
-  name=$(python3 -c "from graphbucket.tuning.shipped import ladder_file_name as n
-print(n('h200', $heads, '$fmt', q_len=$q, sparse=bool('$sparse')))")
+  # Named after the GPU it runs on ('h200', 'h100'), so that the runner there finds it.
+  name=$(python3 -c "import torch; from graphbucket.tuning.shipped import device_slugs, ladder_file_name as n
+print(n(device_slugs(torch.cuda.get_device_name())[-1], $heads, '$fmt', q_len=$q, sparse=bool('$sparse')))")
   timeout $limit python3 scripts/tune_ladder.py --heads "$heads" --kv-cache "$fmt" --q-len "$q" \
     $sparse ${TUNE_FROM:+--from-times "$TUNE_FROM" --retime-ragged} $ties \
     --max-buckets 16 \
