@@ -101,6 +101,22 @@ def test_balanced_off_when_it_never_wins_and_ties_go_to_fewer_balanced_graphs():
         choose_imbalance([])
 
 
+@pytest.mark.parametrize("balanced_us, uniform_balanced", [(98.0, False), (96.0, True)])
+def test_a_uniform_batch_switches_only_on_a_win_beyond_the_margin(balanced_us,
+                                                                   uniform_balanced):
+    # A one-long mix balanced wins clearly; the uniform batch by 2 % (inside the 3 % margin)
+    # or by 4 % (outside it).
+    ragged = sample(8, [100_000] + [1000] * 7, 100.0, 50.0)
+    uniform = sample(8, [100_000] * 8, 100.0, balanced_us)
+    threshold, summary = choose_imbalance([ragged, uniform])
+    assert threshold > 0.0 and threshold <= ragged.imbalance
+    assert (threshold <= 1.0) == uniform_balanced, threshold
+    # The summary reports the measured ratios, not the margin's.
+    assert summary["worst_over_best"] == (1.0 if uniform_balanced
+                                          else pytest.approx(100.0 / balanced_us, abs=1e-4))
+    assert choose_imbalance([ragged, uniform], uniform_margin=1.0)[0] <= 1.0
+
+
 def test_samples_round_trip_through_json():
     s = sample(4, [9000, 10, 10, 10], 12.5, 7.25)
     assert RaggedSample.from_dict(json.loads(json.dumps(s.to_dict()))) == s

@@ -24,6 +24,11 @@ from typing import Any
 from graphbucket.bucket import DEFAULT_BALANCED_KERNEL, kernel_changes
 from graphbucket.tuning.kernel_pairs import choose_kernel_pairs
 
+# Within the kernel timing's spread the decode step ranks a uniform batch's split-KV plan
+# ahead of the balanced one (bench/NOTES.md, "uniform batches in the step"): a uniform batch
+# needs a balanced win larger than this to switch.
+UNIFORM_MARGIN = 1.03
+
 
 def imbalance(lens: Sequence[int]) -> float:
     """Longest x live requests / total tokens (the selector's measure; 1 when uniform)."""
@@ -262,15 +267,21 @@ def ratios_at(samples: Sequence[RaggedSample], threshold: float) -> list[float]:
     return out
 
 
-def choose_imbalance(samples: Sequence[RaggedSample]) -> tuple[float, dict[str, Any]]:
+def choose_imbalance(samples: Sequence[RaggedSample], *,
+                     uniform_margin: float = UNIFORM_MARGIN) -> tuple[float, dict[str, Any]]:
     """The threshold with the smallest worst ratio over ``samples``, then the smallest mean;
     ties go to the higher threshold (0, off, highest of all: fewer balanced graphs replayed
-    where they gain nothing). Returns (threshold, summary)."""
+    where they gain nothing). A uniform batch's balanced time is scored ``uniform_margin``
+    slower: it is sent to the balanced graph only where it wins by more than that. Returns
+    (threshold, summary; the summary's ratios are the measured ones)."""
     if not samples:
         raise ValueError("choose_imbalance needs at least one timed ragged mix")
 
+    scored = [replace(s, balanced_us=s.balanced_us * uniform_margin) if s.imbalance <= 1.0
+              else s for s in samples]
+
     def score(t: float) -> tuple[float, float, float]:
-        r = ratios_at(samples, t)
+        r = ratios_at(scored, t)
         return round(max(r), 4), round(sum(r) / len(r), 4), -(t or float("inf"))
 
     best = min(threshold_candidates(samples), key=score)
