@@ -24,11 +24,13 @@ from typing import Any
 
 import numpy as np
 
+from graphbucket.plan import RANGE_REQUEST_CHARGE_TILES
+
 TILE = 64  # tokens per tile of the seesaw's partition; other tile sizes are scaled to it
 
 # How a balanced kernel's programs take the step's work (``partition_of``).
-ITEMS, FITTED, RANGES, STRIDED = "items", "fitted", "ranges", "strided"
-_KINDS = (ITEMS, FITTED, RANGES, STRIDED)
+ITEMS, FITTED, RANGES, CHARGED, STRIDED = "items", "fitted", "ranges", "charged", "strided"
+_KINDS = (ITEMS, FITTED, RANGES, CHARGED, STRIDED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +77,7 @@ def partition_of(plan: Any, num_sms: int | None) -> Partition:
     if not plan.balanced:
         raise ValueError(f"partition_of needs a balanced plan, got {plan.describe()}")
     if plan.tile_ranges:
-        kind = RANGES
+        kind = CHARGED if plan.charged_ranges else RANGES
     elif plan.seesaw:
         kind = FITTED if plan.fit_items else ITEMS
     else:
@@ -162,14 +164,51 @@ def _ranges(tiles: np.ndarray, part: Partition, overhead: float) -> tuple[float,
     return float(((hi - lo) + overhead * segments).max()), int(segments.sum())
 
 
+def charged_bounds(tiles: np.ndarray, programs: int, min_chunk: int, charge: int
+                   ) -> np.ndarray:
+    """The device's charged cut (``kernels.balanced.plan_charged_ranges_kernel``): int64
+    [programs + 1] tile bounds of the programs' ranges, each live request counting
+    ``charge`` units before its tiles."""
+    tiles = np.asarray(tiles, dtype=np.int64)
+    units = np.where(tiles > 0, tiles + charge, 0)
+    total_units, total_tiles = int(units.sum()), int(tiles.sum())
+    per = max(min_chunk, -(-total_units // programs))
+    x = np.minimum(np.arange(programs + 1, dtype=np.int64) * per, total_units)
+    unit_ends, tile_ends = np.cumsum(units), np.cumsum(tiles)
+    owner = np.searchsorted(unit_ends, x, side="right")  # first request ending past x
+    inside = owner < tiles.size
+    safe = np.minimum(owner, max(tiles.size - 1, 0))
+    first_unit = np.where(owner > 0, unit_ends[np.maximum(owner - 1, 0)], 0)
+    first_tile = np.where(owner > 0, tile_ends[np.maximum(owner - 1, 0)], 0)
+    into = np.clip(x - first_unit - charge, 0, np.where(inside, tiles[safe], 0))
+    return np.where(inside & (x < total_units), first_tile + into, total_tiles)
+
+
+def _charged(tiles: np.ndarray, part: Partition, overhead: float) -> tuple[float, int]:
+    """One program per range of a charged cut, each (request, range) segment charged
+    ``overhead``: (the busiest range, the segments)."""
+    live = tiles[tiles > 0].astype(np.int64)
+    if not live.size:
+        return 0.0, 0
+    bounds = charged_bounds(live, part.programs, part.min_chunk, RANGE_REQUEST_CHARGE_TILES)
+    lo, hi = bounds[:-1], bounds[1:]
+    ends = np.cumsum(live)
+    starts = ends - live
+    first = np.searchsorted(ends, lo, side="right")
+    last = np.searchsorted(starts, hi, side="left") - 1
+    segments = np.where(hi > lo, last - first + 1, 0)
+    return float(((hi - lo) + overhead * segments).max()), int(segments.sum())
+
+
 def makespan(lens: Sequence[int] | np.ndarray, part: Partition, overhead: float
              ) -> tuple[float, int]:
     """(the busiest program's load in 64-token tiles, work items or segments) of a step
     with host lengths ``lens`` under ``part``, each item charged ``overhead`` tiles."""
     tiles = np.ceil(np.asarray(lens, dtype=np.float64) / part.block_n)
     scale = part.block_n / TILE
-    if part.kind == RANGES:
-        load, segments = _ranges(tiles, part, overhead / scale)
+    if part.kind in (RANGES, CHARGED):
+        cut = _ranges if part.kind == RANGES else _charged
+        load, segments = cut(tiles, part, overhead / scale)
         return load * scale, segments
     items = _items(tiles, _chunk(tiles, part))
     if part.kind == STRIDED:

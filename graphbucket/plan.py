@@ -82,6 +82,10 @@ WHOLE_ROW_MERGE_MAX_PROGRAMS = 256
 # A fused merge is done by one program per (request, head block), reading every partial
 # alone: cheap for a few splits, a serial tail for many.
 FUSED_MERGE_MAX_SPLITS = 4
+# Tiles a live request adds to the work of a charged tile-range cut (``charged_ranges``):
+# what starting a segment costs a program beside its tiles (the Q load, the pipeline's fill,
+# the partial written and merged), in 64-token tiles.
+RANGE_REQUEST_CHARGE_TILES = 5
 
 
 def cdiv(a: int, b: int) -> int:
@@ -145,6 +149,10 @@ class LaunchPlan:
     # tiles across request boundaries (one partial per request it meets) instead of one
     # program per chunk of a request.
     tile_ranges: bool = False
+    # Tile-range plans: the ranges are cut by work, each live request charged
+    # RANGE_REQUEST_CHARGE_TILES tiles more than its own (its Q load, partial and merge), so a
+    # program that meets many short requests takes fewer tiles.
+    charged_ranges: bool = False
     # Balanced item plans: the device grows the chunk until the step has no more items than
     # programs (where its live requests allow), so no program runs a second item.
     fit_items: bool = False
@@ -211,6 +219,7 @@ class LaunchPlan:
             return (f"balanced programs={self.persistent_programs} grid={self.grid} "
                     f"block_h={self.block_h} block_n={self.block_n}{self._layout}"
                     f"{' seesaw' if self.seesaw else ''}{' ranges' if self.tile_ranges else ''}"
+                    f"{' charged' if self.charged_ranges else ''}"
                     f"{' fitted' if self.fit_items else ''}"
                     f" min_chunk={self.min_chunk_tiles} "
                     f"+merge(bs={self.merge_block_s}){fp8}")
@@ -360,6 +369,7 @@ def plan_balanced_mla_decode(
     stream: StreamConfig | None = None,
     tile_ranges: bool = False,
     fit_items: bool = False,
+    charged_ranges: bool = False,
 ) -> LaunchPlan:
     """Plan balanced split-KV decode for ``batch_size`` requests of any lengths.
 
@@ -378,7 +388,9 @@ def plan_balanced_mla_decode(
     kernel runs the plan's chunks. ``fit_items`` (item plans): the chunk is the smallest of
     at least that size that cuts the step into at most ``programs`` items, where the live
     requests number no more than the programs and that chunk is at most 1.5x the plain
-    one; each program then runs one item.
+    one; each program then runs one item. ``charged_ranges`` (tile-range plans): the ranges
+    are equal in work, not tiles: each live request counts RANGE_REQUEST_CHARGE_TILES tiles
+    more than it holds.
     """
     _check_positive(batch_size=batch_size, num_heads=num_heads, num_sms=num_sms)
     block_h = stream.block_h if stream is not None and stream.block_h else \
@@ -388,6 +400,8 @@ def plan_balanced_mla_decode(
     if tile_ranges and not (stream.seesaw and block_h == 64):
         raise ValueError(f"tile_ranges needs the seesaw's 64-row programs (block_h 64, "
                          f"seesaw stream); got block_h {block_h}, seesaw {stream.seesaw}")
+    if charged_ranges and not tile_ranges:
+        raise ValueError("charged_ranges cuts tile ranges by work; it needs tile_ranges")
     if fit_items and tile_ranges:
         raise ValueError("fit_items sizes the chunks of item plans; a tile_ranges plan has "
                          "one range per program already")
@@ -405,7 +419,7 @@ def plan_balanced_mla_decode(
                  num_kv_splits=1, merge_block_s=merge_block_s(items_per_request),
                  persistent_programs=programs, min_chunk_tiles=min_chunk_tiles,
                  seesaw=stream.seesaw, tile_ranges=tile_ranges,
-                 fit_items=fit_items)
+                 charged_ranges=charged_ranges, fit_items=fit_items)
     if whole_row_merge(batch_size, num_heads, programs):
         plan = replace(plan, merge_block_dv=min(WHOLE_ROW_MERGE_DV, kv_lora_rank),
                        merge_num_warps=8)

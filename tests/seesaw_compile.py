@@ -26,18 +26,19 @@ from graphbucket.kernels import seesaw, seesaw_balanced
 
 POINTERS = {"BLOCK_TABLE": "*i32", "SEQ_LENS": "*i32", "OUT": "*bf16", "LSE": "*fp32",
             "PART_O": "*fp32", "PART_LSE": "*fp32", "ITEM_INDPTR": "*i32",
-            "CHUNK_TILES": "*i32", "TILE_INDPTR": "*i32", "RANGE_TILES": "*i32"}
+            "CHUNK_TILES": "*i32", "TILE_INDPTR": "*i32", "RANGE_TILES": "*i32",
+            "RANGE_BOUNDS": "*i32", "FIRST_PROGRAM": "*i32"}
 
 
-def compile_stage1(balanced: bool = False, ranges: bool = False):
+def compile_stage1(balanced: bool = False, ranges: bool = False, charged: bool = False):
     """The split-KV seesaw, or the one over balanced work items (``balanced``) or over tile
-    ranges (``ranges``)."""
+    ranges (``ranges``; a charged cut's with ``charged``)."""
     q = torch.zeros(2, 128, 576, dtype=torch.bfloat16)
     cache = torch.zeros(8, 64, 576, dtype=torch.bfloat16)
     descriptors = dict(zip(("q_desc", "kv_desc"), seesaw.descriptors(q, cache), strict=True))
     if ranges:
         kernel = seesaw_balanced.seesaw_range_stage1_kernel
-        constants = {"PAGE_SIZE": 64, "BLOCK_B": 128}
+        constants = {"PAGE_SIZE": 64, "BLOCK_B": 128, "CHARGED": charged}
     elif balanced:
         kernel = seesaw_balanced.seesaw_balanced_stage1_kernel
         constants = {"PAGE_SIZE": 64, "BLOCK_B": 128}
@@ -69,14 +70,16 @@ def main() -> None:
     compiled = compile_stage1()
     balanced = compile_stage1(balanced=True)
     ranges = compile_stage1(ranges=True)
+    charged = compile_stage1(ranges=True, charged=True)
     if args.dump:
         args.dump.mkdir(parents=True, exist_ok=True)
         for kind in ("ttgir", "ptx"):
             (args.dump / f"seesaw.{kind}").write_text(compiled.asm[kind])
             (args.dump / f"seesaw-balanced.{kind}").write_text(balanced.asm[kind])
             (args.dump / f"seesaw-ranges.{kind}").write_text(ranges.asm[kind])
+            (args.dump / f"seesaw-charged.{kind}").write_text(charged.asm[kind])
     print(json.dumps({**summary(compiled), "balanced": summary(balanced),
-                      "ranges": summary(ranges)}))
+                      "ranges": summary(ranges), "charged": summary(charged)}))
 
 
 def summary(compiled) -> dict:

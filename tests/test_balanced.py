@@ -19,7 +19,13 @@ from graphbucket.backends.triton import TritonBackend
 from graphbucket.kernels import SplitWorkspace, mla_decode, mla_decode_balanced
 from graphbucket.kernels.launch import tile_tokens
 from graphbucket.kernels.launch_balanced import launch_item_planner, launch_range_planner
-from graphbucket.plan import LaunchPlan, cdiv, plan_balanced_mla_decode, plan_mla_decode
+from graphbucket.plan import (
+    RANGE_REQUEST_CHARGE_TILES,
+    LaunchPlan,
+    cdiv,
+    plan_balanced_mla_decode,
+    plan_mla_decode,
+)
 from graphbucket.plan_streams import (
     LONG_PAGE_AHEAD,
     LONG_STREAM,
@@ -301,6 +307,85 @@ def test_range_planner_matches_python(lens, programs, min_tiles):
     tile_indptr, item_indptr, per = python_ranges(lens, programs, min_tiles)
     assert ws.tile_indptr.tolist() == tile_indptr and ws.item_indptr.tolist() == item_indptr
     assert int(ws.chunk_tiles.item()) == per
+
+
+def python_charged(lens: list[int], programs: int, min_tiles: int, charge: int
+                   ) -> tuple[list[int], list[int], list[int], list[int]]:
+    """The charged cut from its definition, unit by unit: (tile_indptr, item_indptr,
+    range_bounds, first_program) as ``plan_charged_ranges_kernel`` writes them."""
+    tiles = [cdiv(n, 64) for n in lens]
+    tile_indptr = [0]
+    units = []
+    for t in tiles:
+        if t:
+            units += [tile_indptr[-1]] * charge + list(range(tile_indptr[-1],
+                                                             tile_indptr[-1] + t))
+        tile_indptr.append(tile_indptr[-1] + t)
+    per = max(min_tiles, cdiv(len(units), programs))
+    bounds = [units[p * per] if p * per < len(units) else tile_indptr[-1]
+              for p in range(programs + 1)]
+    met = [[p for p in range(programs)  # the programs whose tiles meet request b's
+            if max(bounds[p], tile_indptr[b]) < min(bounds[p + 1], tile_indptr[b + 1])]
+           for b in range(len(lens))]
+    item_indptr = [0]
+    for m in met:
+        item_indptr.append(item_indptr[-1] + len(m))
+    return tile_indptr, item_indptr, bounds, [m[0] if m else 0 for m in met]
+
+
+@pytest.mark.parametrize("lens, programs, min_tiles", [
+    ([1], 132, 2),
+    ([0, 0, 0], 4, 1),
+    ([131072] + [1024] * 63, 132, 2),
+    ([5000, 1, 0, 64, 65, 128], 7, 1),
+    ([64 * 9, 64 * 9 + 1, 64 * 9 - 1], 3, 2),
+    ([1 + 8191 * i // 63 for i in range(64)], 132, 2),
+    ([64] * 40, 5, 1),
+])
+def test_charged_range_planner_matches_python(lens, programs, min_tiles):
+    plan = plan_balanced_mla_decode(len(lens), HEADS, programs=programs, stream=SEESAW_STREAM,
+                                    min_chunk_tiles=min_tiles, tile_ranges=True,
+                                    charged_ranges=True, **DIMS)
+    ws = workspace_for(plan)
+    ws.range_bounds.fill_(-1)
+    launch_range_planner(torch.tensor(lens, dtype=torch.int32, device=DEVICE), ws, plan=plan)
+    tile_indptr, item_indptr, bounds, first = python_charged(lens, programs, min_tiles,
+                                                             RANGE_REQUEST_CHARGE_TILES)
+    assert ws.tile_indptr.tolist() == tile_indptr and ws.item_indptr.tolist() == item_indptr
+    assert ws.range_bounds[:programs + 1].tolist() == bounds
+    live = [b for b, n in enumerate(lens) if n]
+    assert [ws.first_program.tolist()[b] for b in live] == [first[b] for b in live]
+
+
+@pytest.mark.host
+def test_charged_ranges_cover_every_token_once_and_each_partial_slot_once():
+    """The seesaw's walk over a charged cut, as the kernel does it (its bounds, each
+    segment's slot item_indptr[b] + p - first_program[b]): every token once, every slot
+    once, and no more segments than G + live - 1."""
+    rng = random.Random(13)
+    for _ in range(300):
+        lens = [rng.choice([0, 1, 63, 64, 65, rng.randint(1, 9000)])
+                for _ in range(rng.randint(1, 40))]
+        programs, min_tiles = rng.randint(1, 140), rng.randint(1, 4)
+        charge = rng.randint(0, 7)
+        tile_indptr, item_indptr, bounds, first = python_charged(lens, programs, min_tiles,
+                                                                 charge)
+        assert bounds[0] == 0 and bounds[-1] == tile_indptr[-1]
+        assert bounds == sorted(bounds)
+        covered, slots = [], []
+        for p in range(programs):
+            t, last = bounds[p], bounds[p + 1]
+            while t < last:
+                b = sum(end <= t for end in tile_indptr[1:])
+                seg_last = min(last, tile_indptr[b + 1])
+                covered += [(b, x) for x in range(t - tile_indptr[b], seg_last - tile_indptr[b])]
+                slots.append(item_indptr[b] + p - first[b])
+                t = seg_last
+        assert sorted(covered) == [(b, x) for b, n in enumerate(lens) for x in range(cdiv(n, 64))]
+        assert sorted(slots) == list(range(item_indptr[-1]))
+        assert item_indptr[-1] <= programs + sum(n > 0 for n in lens) - (1 if any(lens) else 0)
+    with pytest.raises(ValueError, match="charged_ranges cuts tile ranges by work"):
+        plan_balanced_mla_decode(8, 16, stream=SEESAW_STREAM, charged_ranges=True)
 
 
 @pytest.mark.host

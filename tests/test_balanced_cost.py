@@ -13,6 +13,7 @@ import pytest
 
 from graphbucket.backends.triton import TritonBackend
 from graphbucket.balanced_cost import (
+    CHARGED,
     FITTED,
     ITEMS,
     RANGES,
@@ -20,6 +21,7 @@ from graphbucket.balanced_cost import (
     BalancedCostModel,
     KernelCost,
     Partition,
+    charged_bounds,
     fit_kernel_cost,
     makespan,
     partition_of,
@@ -103,6 +105,40 @@ def test_tile_ranges_count_each_request_a_range_meets():
         assert makespan(lens, part, 1.5) == (pytest.approx(max(loads, default=0.0)), segments)
 
 
+def python_charged_bounds(tiles: list[int], programs: int, min_chunk: int, charge: int
+                          ) -> list[int]:
+    """The charged cut unit by unit: each live request's charge, then its tiles; program p
+    starts at unit p * per, on the tile that unit is (a charge unit: its request's first)."""
+    units = []  # the tile each unit stands for (a charge: its request's first tile)
+    first = 0
+    for t in tiles:
+        if t:
+            units += [first] * charge + list(range(first, first + t))
+        first += t
+    per = max(min_chunk, cdiv(len(units), programs))
+    return [units[p * per] if p * per < len(units) else sum(tiles)
+            for p in range(programs + 1)]
+
+
+def test_charged_bounds_match_the_unit_by_unit_cut():
+    rng = random.Random(5)
+    for _ in range(200):
+        tiles = [rng.choice([0, 1, 2, rng.randint(1, 300)]) for _ in range(rng.randint(1, 30))]
+        programs, min_chunk, charge = rng.randint(1, 140), rng.randint(1, 4), rng.randint(0, 7)
+        got = charged_bounds(np.array(tiles), programs, min_chunk, charge).tolist()
+        assert got == python_charged_bounds(tiles, programs, min_chunk, charge), \
+            (tiles, programs, min_chunk, charge)
+
+
+def test_a_charged_cut_shortens_the_busiest_range_of_a_spread():
+    # 64 requests spread over 1..8K: the equal cut's programs meeting many short requests
+    # carry their per-segment cost on top of a full range; the charged cut gives them less.
+    lens = [1 + (8192 - 1) * i // 63 for i in range(64)]
+    equal, charged = Partition(RANGES, 132, 64, 2), Partition(CHARGED, 132, 64, 2)
+    assert makespan(lens, charged, 5.0)[0] < makespan(lens, equal, 5.0)[0]
+    assert makespan([], charged, 5.0) == (0.0, 0)
+
+
 def test_partitions_are_read_off_the_backends_plans():
     backend = TritonBackend(num_sms=NUM_SMS)
     kinds = {k: partition_of(backend.plan_balanced(64, 16, k), NUM_SMS)
@@ -110,7 +146,8 @@ def test_partitions_are_read_off_the_backends_plans():
     assert kinds == {"default": Partition(STRIDED, 528, 32, 4, 4),
                      "seesaw": Partition(ITEMS, 132, 64, 2),
                      "seesaw-ranges": Partition(RANGES, 132, 64, 2),
-                     "seesaw-fitted": Partition(FITTED, 132, 64, 2)}
+                     "seesaw-fitted": Partition(FITTED, 132, 64, 2),
+                     "seesaw-charged": Partition(CHARGED, 132, 64, 2)}
     assert partition_of(backend.plan_balanced(8, 128, "seesaw-fitted"), NUM_SMS) == \
         Partition(FITTED, 66, 64, 2)
     with pytest.raises(ValueError, match="needs a balanced plan"):

@@ -4,6 +4,7 @@ ladder names one per capture size, the runner captures it, the tuner chooses it.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -71,10 +72,10 @@ def test_a_bad_kernel_map_in_json_names_the_key():
 def test_backends_offer_their_balanced_kernels_and_refuse_others():
     triton = get_backend("triton", num_sms=132)
     assert triton.balanced_kernels(16) == (DEFAULT_BALANCED_KERNEL, "seesaw", "seesaw-ranges",
-                                           "seesaw-fitted")
+                                           "seesaw-fitted", "seesaw-charged")
     # From 64 heads the default is the seesaw over work items.
     assert triton.balanced_kernels(128) == (DEFAULT_BALANCED_KERNEL, "seesaw-ranges",
-                                            "seesaw-fitted")
+                                            "seesaw-fitted", "seesaw-charged")
     seesaw, default = triton.plan_balanced(32, 16, "seesaw"), triton.plan_balanced(32, 16)
     assert seesaw.balanced and seesaw.seesaw and seesaw.block_h == SEESAW_STREAM.block_h
     assert default.block_h == 16 and not default.seesaw and seesaw != default
@@ -85,8 +86,12 @@ def test_backends_offer_their_balanced_kernels_and_refuse_others():
         fitted = triton.plan_balanced(32, heads, "seesaw-fitted")
         assert fitted.seesaw and fitted.fit_items and not fitted.tile_ranges
         assert fitted.persistent_programs == programs and " fitted " in fitted.describe()
+        charged = triton.plan_balanced(32, heads, "seesaw-charged")
+        assert charged == replace(ranges, charged_ranges=True) and " charged" in \
+            charged.describe()
     with pytest.raises(ValueError, match="no balanced kernel 'seesaw'.*offers "
-                                         "\\['default', 'seesaw-ranges', 'seesaw-fitted'\\]"):
+                                         "\\['default', 'seesaw-ranges', 'seesaw-fitted', "
+                                         "'seesaw-charged'\\]"):
         triton.plan_balanced(32, 128, "seesaw")
     with pytest.raises(ValueError, match="no balanced kernel 'fast'"):
         get_backend("dense").plan_balanced(4, 16, "fast")

@@ -64,12 +64,12 @@ def test_the_oracle_set_holds_every_plan_a_hint_captures_and_balanced():
     for hint in (1, 100, 4096, 5000, 65536, 131072):
         assert b.plan(64, 16, hint) in plans.values()
     # Balanced with each kernel the backend offers: at 16 heads the default, the seesaw over
-    # work items, over tile ranges and over fitted items; at 128 heads (the default is the
-    # seesaw) three.
+    # work items, over tile ranges (equal, and cut by work) and over fitted items; at 128
+    # heads (the default is the seesaw) four.
     assert {p for p in plans.values() if p.balanced} == {
         b.plan_balanced(64, 16, k) for k in b.balanced_kernels(16)} and len(
-        b.balanced_kernels(16)) == 4
-    assert sum(p.balanced for p in exhaustive_plans(b, 64, 128, 131072).values()) == 3
+        b.balanced_kernels(16)) == 5
+    assert sum(p.balanced for p in exhaustive_plans(b, 64, 128, 131072).values()) == 4
     assert not any(p.balanced for p in exhaustive_plans(b, 64, 16, 131072, q_len=2).values())
     assert all(p.num_heads == 32 for p in exhaustive_plans(b, 8, 16, 131072, q_len=2).values())
 

@@ -100,8 +100,8 @@ def test_seesaw_compiles_for_sm90_within_shared_memory():
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    # Split-KV, over balanced work items, over tile ranges.
-    for kernel in (report, report["balanced"], report["ranges"]):
+    # Split-KV, over balanced work items, over tile ranges (equal, and a charged cut's).
+    for kernel in (report, report["balanced"], report["ranges"], report["charged"]):
         assert kernel["shared_bytes"] <= 227 * 1024, report
         assert kernel["requested_registers"] == [240, 24], report
         assert kernel["wgmma"] > 0 and kernel["tma_copies"] > 0, report
@@ -112,13 +112,17 @@ def test_seesaw_compiles_for_sm90_within_shared_memory():
                                   [1, 31, 0, 4095, 128, 129], [20000, 3, 9000, 64] * 4,
                                   [100000] + [1024] * 31])
 @pytest.mark.parametrize("heads", [16, 64, 128])
-# ranges: None, one program per item; 0, tile ranges on one program per SM; 3, on 3.
-@pytest.mark.parametrize("ranges", [None, 0, 3])
+# ranges: None, one program per item; 0, tile ranges on one program per SM; 3, on 3;
+# "charged-0" / "charged-3": the same cut by work (a charge per request).
+@pytest.mark.parametrize("ranges", [None, 0, 3, "charged-0", "charged-3"])
 def test_gpu_balanced_seesaw_matches_float64(lens, heads, ranges, seeded):
     gen = torch.Generator().manual_seed(seeded)
     case = nan_tailed_case(lens, heads, gen)
+    charged = isinstance(ranges, str)
+    programs = int(ranges.split("-")[1]) if charged else ranges
     plan = plan_balanced_mla_decode(len(lens), heads, stream=SEESAW_STREAM,
-                                    tile_ranges=ranges is not None, programs=ranges or None)
+                                    tile_ranges=ranges is not None, programs=programs or None,
+                                    charged_ranges=charged)
     assert plan.seesaw and runs_seesaw(plan, case.q, case.kv_cache), plan.describe()
     sm_scale = default_sm_scale()
     ws = SplitWorkspace.allocate(len(lens), heads, 1, KV_LORA_RANK, "cuda",
@@ -132,14 +136,15 @@ def test_gpu_balanced_seesaw_matches_float64(lens, heads, ranges, seeded):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ranges", [False, True])
-def test_gpu_balanced_seesaw_graph_repartitions_new_lengths(ranges, seeded):
+@pytest.mark.parametrize("ranges, charged", [(False, False), (True, False), (True, True)])
+def test_gpu_balanced_seesaw_graph_repartitions_new_lengths(ranges, charged, seeded):
     """Captured once, replayed with other lengths: the device partition follows them, and
     the result matches the Triton balanced kernel on the same lengths."""
     gen = torch.Generator().manual_seed(seeded)
     lens_a, lens_b = [9000, 64, 0, 1] * 2, [64, 30000, 300, 0] * 2
     case = nan_tailed_case([max(a, b) for a, b in zip(lens_a, lens_b, strict=True)], 128, gen)
-    plan = plan_balanced_mla_decode(len(lens_a), 128, stream=SEESAW_STREAM, tile_ranges=ranges)
+    plan = plan_balanced_mla_decode(len(lens_a), 128, stream=SEESAW_STREAM, tile_ranges=ranges,
+                                    charged_ranges=charged)
     ws = SplitWorkspace.allocate(len(lens_a), 128, 1, KV_LORA_RANK, "cuda",
                                  max_items=plan.max_work_items)
     out = torch.empty(len(lens_a), 128, KV_LORA_RANK, dtype=torch.bfloat16, device="cuda")

@@ -7,7 +7,8 @@ replays over a cold L2) on the oracle's and the tuner's ragged mixes and a few u
 batches, with four plans per mix: the split-KV plan the shipped ladder replays there (its
 balanced switch aside), the same hint on 64-row seesaw programs (``stream=SEESAW_STREAM``;
 at 128 heads that is the ladder's plan), ``plan_balanced_mla_decode`` with the Triton
-stage 1 and with the seesaw over balanced work items.
+stage 1 and with the seesaw over balanced work items, over equal tile ranges and over
+tile ranges cut by work (``charged_ranges``).
 
     python3 bench/experiments/balanced_seesaw.py --out DIR              # 128 heads
     python3 bench/experiments/balanced_seesaw.py --heads 16 --out DIR   # 16 heads
@@ -70,10 +71,13 @@ def main(argv: list[str] | None = None) -> None:
               for b in BATCHES}
     ranges = {b: plan_balanced_mla_decode(b, heads, num_sms=sms, stream=SEESAW_STREAM,
                                           tile_ranges=True) for b in BATCHES}
+    charged = {b: plan_balanced_mla_decode(b, heads, num_sms=sms, stream=SEESAW_STREAM,
+                                           tile_ranges=True, charged_ranges=True)
+               for b in BATCHES}
     timer = PlanTimer(-(-max(sum(lens) for *_, lens in todo) // top), top, heads,
                       max_splits=256, max_items=max(p.max_work_items for p in
                                                     [*balanced.values(), *seesaw.values(),
-                                                     *ranges.values()]))
+                                                     *ranges.values(), *charged.values()]))
     rows = []
     for i, (batch, name, lens) in enumerate(todo):
         hint = ladder.hints_for(batch)[ladder.bucket_for(max(lens))]
@@ -82,7 +86,8 @@ def main(argv: list[str] | None = None) -> None:
         us = timer.time_lens(lens, {"split": split, "split_seesaw": split_seesaw,
                                     "balanced": balanced[batch],
                                     "balanced_seesaw": seesaw[batch],
-                                    "balanced_ranges": ranges[batch]})
+                                    "balanced_ranges": ranges[batch],
+                                    "balanced_charged": charged[batch]})
         rows.append({"batch": batch, "mix": name, "imbalance": round(imbalance(lens), 3),
                      "split_plan": split.describe(), "split_seesaw_plan":
                      split_seesaw.describe(), **{f"{k}_us": round(v, 2) for k, v in us.items()}})
@@ -90,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"[{i + 1}/{len(todo)}] b={batch} {name} (imbalance {r['imbalance']}): split "
               f"{r['split_us']} us, split seesaw {r['split_seesaw_us']}, balanced "
               f"{r['balanced_us']}, balanced seesaw {r['balanced_seesaw_us']}, over tile "
-              f"ranges {r['balanced_ranges_us']}", flush=True)
+              f"ranges {r['balanced_ranges_us']}, charged {r['balanced_charged_us']}", flush=True)
     meta["command"] = "python3 " + " ".join(sys.argv)
     result = {"meta": meta, "rows": rows}
     if args.out:
@@ -102,15 +107,18 @@ def main(argv: list[str] | None = None) -> None:
                  f"{meta['triton']}. Command: `{meta['command']}`. Microseconds per call "
                  "(cold L2, graph replays). Ranges / items: the seesaw over tile ranges (one "
                  "persistent program per SM) over the seesaw with one program per work item; "
+                 "charged / ranges: the same ranges cut by work over the equal cut; "
                  "the last column is the best Triton plan over the best seesaw plan.", "",
                  "| batch | mix | imbalance | ladder's split-KV | split-KV (seesaw) | "
                  "balanced (Triton) | balanced (seesaw) | seesaw over tile ranges | "
-                 "ranges / items | Triton / seesaw |",
-                 "|---|---|---|---|---|---|---|---|---|---|"]
+                 "charged ranges | ranges / items | charged / ranges | Triton / seesaw |",
+                 "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         lines += [f"| {r['batch']} | {r['mix']} | {r['imbalance']:.2f} | {r['split_us']:.1f} | "
                   f"{r['split_seesaw_us']:.1f} | {r['balanced_us']:.1f} | "
                   f"{r['balanced_seesaw_us']:.1f} | {r['balanced_ranges_us']:.1f} | "
+                  f"{r['balanced_charged_us']:.1f} | "
                   f"{r['balanced_ranges_us'] / r['balanced_seesaw_us']:.2f} | "
+                  f"{r['balanced_charged_us'] / r['balanced_ranges_us']:.2f} | "
                   f"{best_ratio(r):.2f} |" for r in rows]
         (args.out / f"{name}.md").write_text("\n".join(lines) + "\n")
         print(f"wrote {args.out / name}.json and .md")
@@ -119,7 +127,8 @@ def main(argv: list[str] | None = None) -> None:
 def best_ratio(row: dict) -> float:
     """The best Triton plan's time over the best seesaw plan's."""
     return (min(row["split_us"], row["balanced_us"])
-            / min(row["split_seesaw_us"], row["balanced_seesaw_us"], row["balanced_ranges_us"]))
+            / min(row["split_seesaw_us"], row["balanced_seesaw_us"], row["balanced_ranges_us"],
+                  row["balanced_charged_us"]))
 
 
 if __name__ == "__main__":

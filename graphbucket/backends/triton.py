@@ -38,6 +38,9 @@ SEESAW_BALANCED_KERNEL = "seesaw"
 RANGES_BALANCED_KERNEL = "seesaw-ranges"
 # The seesaw over work items whose chunk the device fits to the programs (``fit_items``).
 FITTED_BALANCED_KERNEL = "seesaw-fitted"
+# The seesaw over tile ranges cut by work, each request charged a few tiles
+# (``charged_ranges``).
+CHARGED_BALANCED_KERNEL = "seesaw-charged"
 
 
 def device_num_sms(device: torch.device | str | None = None, default: int = H200_NUM_SMS) -> int:
@@ -131,26 +134,32 @@ class TritonBackend:
         runs the same plan, correct and slower). ``kernel="seesaw-ranges"``: the seesaw on
         one persistent program per SM over equal ranges of the step's tiles.
         ``kernel="seesaw-fitted"``: the seesaw over work items whose chunk the device
-        grows until each program runs at most one (``fit_items``)."""
+        grows until each program runs at most one (``fit_items``).
+        ``kernel="seesaw-charged"``: the tile ranges cut equal in work, each request
+        charged ``plan.RANGE_REQUEST_CHARGE_TILES`` tiles (``charged_ranges``)."""
         if kernel == DEFAULT_BALANCED_KERNEL:
             return self._plan(batch_size, num_heads, 0)
         check_balanced_kernel(self.name, kernel, self.balanced_kernels(num_heads))
-        return self._plan_seesaw(batch_size, num_heads, kernel == RANGES_BALANCED_KERNEL,
-                                 kernel == FITTED_BALANCED_KERNEL)
+        return self._plan_seesaw(batch_size, num_heads,
+                                 kernel in (RANGES_BALANCED_KERNEL, CHARGED_BALANCED_KERNEL),
+                                 kernel == FITTED_BALANCED_KERNEL,
+                                 kernel == CHARGED_BALANCED_KERNEL)
 
     def balanced_kernels(self, num_heads: int) -> tuple[str, ...]:
         if head_block_size(num_heads) == SEESAW_STREAM.block_h:  # the default is the seesaw
-            return (DEFAULT_BALANCED_KERNEL, RANGES_BALANCED_KERNEL, FITTED_BALANCED_KERNEL)
+            return (DEFAULT_BALANCED_KERNEL, RANGES_BALANCED_KERNEL, FITTED_BALANCED_KERNEL,
+                    CHARGED_BALANCED_KERNEL)
         return (DEFAULT_BALANCED_KERNEL, SEESAW_BALANCED_KERNEL, RANGES_BALANCED_KERNEL,
-                FITTED_BALANCED_KERNEL)
+                FITTED_BALANCED_KERNEL, CHARGED_BALANCED_KERNEL)
 
     def _plan_seesaw_uncached(self, batch_size: int, num_heads: int,
-                              tile_ranges: bool = False, fit_items: bool = False
-                              ) -> LaunchPlan:
+                              tile_ranges: bool = False, fit_items: bool = False,
+                              charged_ranges: bool = False) -> LaunchPlan:
         return plan_balanced_mla_decode(batch_size, num_heads, num_sms=self.num_sms,
                                         kv_lora_rank=self.kv_lora_rank,
                                         qk_rope_dim=self.qk_rope_dim, stream=SEESAW_STREAM,
-                                        tile_ranges=tile_ranges, fit_items=fit_items)
+                                        tile_ranges=tile_ranges, fit_items=fit_items,
+                                        charged_ranges=charged_ranges)
 
     def default_ladder(self, max_model_len: int, spec: BufferSpec | None = None
                        ) -> BucketLadder:

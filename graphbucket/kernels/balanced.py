@@ -29,8 +29,9 @@ among short ones sets the step time; here every work item has about the same siz
 
 Plans with ``tile_ranges`` cut the batch differently for the Gluon seesaw
 (``plan_tile_ranges_kernel``): each persistent program takes an equal range of the
-step's tiles across request boundaries, and a work item is a (request, program) segment.
-The merge is the same.
+step's tiles across request boundaries, and a work item is a (request, program) segment;
+``plan_charged_ranges_kernel`` cuts the same ranges by work, each request charged a few
+tiles more than it holds. The merge is the same.
 """
 
 from __future__ import annotations
@@ -150,6 +151,89 @@ def plan_tile_ranges_kernel(SEQ_LENS, TILE_INDPTR, ITEM_INDPTR, RANGE_TILES, bat
         tl.store(ITEM_INDPTR + 1 + offs, item_carry + tl.cumsum(segments, 0), mask=mask)
         tile_carry += tl.sum(tiles, 0)
         item_carry += tl.sum(segments, 0)
+
+
+@triton.jit
+def plan_charged_ranges_kernel(SEQ_LENS, TILE_INDPTR, ITEM_INDPTR, RANGE_BOUNDS, FIRST_PROGRAM,
+                               batch, num_programs, BLOCK_N: tl.constexpr,
+                               MIN_RANGE_TILES: tl.constexpr, CHARGE: tl.constexpr,
+                               BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Tile ranges cut by work: request b (``tiles_b`` > 0) counts ``units_b = CHARGE +
+    tiles_b`` (its charge first, then its tiles), the batch U units in request order, and
+    program p takes units [p * per, (p + 1) * per) with per = max(MIN_RANGE_TILES,
+    cdiv(U, G)). In tiles, program p runs [bounds[p], bounds[p + 1]) where a unit x maps to
+    the tile it reaches: the owner request's first tile plus (x - its first unit - CHARGE),
+    clamped to the request. A boundary inside a charge falls on the request's first tile
+    (the program before it may be empty); a request's segments are the programs from the one
+    holding its first tile's unit to the one holding its last::
+
+        tile_indptr   = [0, tiles_0, tiles_0 + tiles_1, ...]
+        first_program_b = (unit_start_b + CHARGE) // per
+        segments_b      = (unit_end_b - 1) // per - first_program_b + 1   (0 if empty)
+        item_indptr   = [0, segments_0, segments_0 + segments_1, ...]
+        range_bounds  = [bounds[0] = 0, ..., bounds[G] = total tiles]
+
+    Each program boundary inside a request's tiles adds one segment: at most G + (live
+    requests) - 1, as for equal ranges."""
+    total_tiles = 0
+    live = 0
+    for b0 in range(0, batch, BLOCK_B):
+        offs = b0 + tl.arange(0, BLOCK_B)
+        tiles = tl.cdiv(tl.load(SEQ_LENS + offs, mask=offs < batch, other=0), BLOCK_N)
+        total_tiles += tl.sum(tiles, 0)
+        live += tl.sum((tiles > 0).to(tl.int32), 0)
+    total_units = total_tiles + CHARGE * live
+    per = tl.maximum(tl.cdiv(total_units, num_programs), MIN_RANGE_TILES)
+    # Requests: their tiles, items and first programs.
+    tl.store(TILE_INDPTR, 0)
+    tl.store(ITEM_INDPTR, 0)
+    tile_carry = 0
+    unit_carry = 0
+    item_carry = 0
+    for b0 in range(0, batch, BLOCK_B):
+        offs = b0 + tl.arange(0, BLOCK_B)
+        mask = offs < batch
+        tiles = tl.cdiv(tl.load(SEQ_LENS + offs, mask=mask, other=0), BLOCK_N)
+        units = tl.where(tiles > 0, tiles + CHARGE, 0)
+        unit_ends = unit_carry + tl.cumsum(units, 0)
+        first = (unit_ends - units + CHARGE) // per
+        segments = tl.where(tiles > 0, (unit_ends - 1) // per - first + 1, 0)
+        tl.store(TILE_INDPTR + 1 + offs, tile_carry + tl.cumsum(tiles, 0), mask=mask)
+        tl.store(ITEM_INDPTR + 1 + offs, item_carry + tl.cumsum(segments, 0), mask=mask)
+        tl.store(FIRST_PROGRAM + offs, tl.where(tiles > 0, first, 0), mask=mask)
+        tile_carry += tl.sum(tiles, 0)
+        unit_carry += tl.sum(units, 0)
+        item_carry += tl.sum(segments, 0)
+    # Programs: each boundary unit's owner (the first request whose units end past it), by
+    # the largest unit and tile ends before it and the smallest tile end after it.
+    for p0 in range(0, num_programs + 1, BLOCK_P):
+        progs = p0 + tl.arange(0, BLOCK_P)
+        x = tl.minimum(progs * per, total_units)
+        owner_unit = tl.zeros([BLOCK_P], dtype=tl.int32)
+        owner_first_tile = tl.zeros([BLOCK_P], dtype=tl.int32)
+        owner_end_tile = tl.full([BLOCK_P], 2147483647, dtype=tl.int32)
+        tile_carry = 0
+        unit_carry = 0
+        for b0 in range(0, batch, BLOCK_B):
+            offs = b0 + tl.arange(0, BLOCK_B)
+            tiles = tl.cdiv(tl.load(SEQ_LENS + offs, mask=offs < batch, other=0), BLOCK_N)
+            units = tl.where(tiles > 0, tiles + CHARGE, 0)
+            unit_ends = unit_carry + tl.cumsum(units, 0)
+            tile_ends = tile_carry + tl.cumsum(tiles, 0)
+            before = unit_ends[None, :] <= x[:, None]
+            after = (offs[None, :] < batch) & ~before
+            owner_unit = tl.maximum(owner_unit,
+                                    tl.max(tl.where(before, unit_ends[None, :], 0), 1))
+            owner_first_tile = tl.maximum(owner_first_tile,
+                                          tl.max(tl.where(before, tile_ends[None, :], 0), 1))
+            owner_end_tile = tl.minimum(owner_end_tile, tl.min(
+                tl.where(after, tile_ends[None, :], 2147483647), 1))
+            tile_carry += tl.sum(tiles, 0)
+            unit_carry += tl.sum(units, 0)
+        into = tl.minimum(tl.maximum(x - owner_unit - CHARGE, 0),
+                          owner_end_tile - owner_first_tile)
+        bounds = tl.where(x >= total_units, total_tiles, owner_first_tile + into)
+        tl.store(RANGE_BOUNDS + progs, bounds, mask=progs <= num_programs)
 
 
 @triton.jit

@@ -38,7 +38,8 @@ class SplitWorkspace:
     float32 partials, item_indptr [max_batch + 1] and chunk_tiles [1] int32 (the
     device-side partition of the step), and tile_indptr [max_batch + 1] int32 (the
     requests' first tiles, for plans over tile ranges; ``chunk_tiles`` then holds the
-    tiles per range).
+    tiles per range); range_bounds [max_items + 1] and first_program [max_batch] int32
+    (charged tile ranges: each program's first tile, each request's first program).
     """
 
     partial_o: torch.Tensor
@@ -48,6 +49,8 @@ class SplitWorkspace:
     item_indptr: torch.Tensor | None = None
     chunk_tiles: torch.Tensor | None = None
     tile_indptr: torch.Tensor | None = None
+    range_bounds: torch.Tensor | None = None
+    first_program: torch.Tensor | None = None
     merge_counters: torch.Tensor | None = None
 
     @classmethod
@@ -65,7 +68,12 @@ class SplitWorkspace:
                                                 device=device),
                      "chunk_tiles": torch.zeros(1, dtype=torch.int32, device=device),
                      "tile_indptr": torch.zeros(max_batch + 1, dtype=torch.int32,
-                                                device=device)}
+                                                device=device),
+                     # A plan's programs are fewer than its items (G <= G + live - 1).
+                     "range_bounds": torch.zeros(max_items + 1, dtype=torch.int32,
+                                                 device=device),
+                     "first_program": torch.zeros(max_batch, dtype=torch.int32,
+                                                  device=device)}
         counters = torch.zeros(max_batch, num_heads, dtype=torch.int32, device=device)
         return cls(torch.empty(*shape, kv_lora_rank, **f32), torch.empty(*shape, **f32),
                    merge_counters=counters, **items)
@@ -78,7 +86,10 @@ class SplitWorkspace:
         if plan.balanced:
             return self.item_o is not None and plan.max_work_items <= self.item_o.shape[0] \
                 and plan.batch_size < self.item_indptr.shape[0] \
-                and (not plan.tile_ranges or self.tile_indptr is not None)
+                and (not plan.tile_ranges or self.tile_indptr is not None) \
+                and (not plan.charged_ranges or (
+                    self.range_bounds is not None
+                    and plan.persistent_programs < self.range_bounds.shape[0]))
         if plan.merges_in_stage1 and (self.merge_counters is None
                                  or self.merge_counters.shape[0] < plan.batch_size
                                  or self.merge_counters.shape[1] < plan.num_head_blocks):

@@ -12,6 +12,7 @@ import torch
 from graphbucket.kernels.balanced import (
     balanced_merge_kernel,
     balanced_stage1_kernel,
+    plan_charged_ranges_kernel,
     plan_tile_ranges_kernel,
     plan_work_items_kernel,
 )
@@ -23,7 +24,7 @@ from graphbucket.kernels.launch import (
     kv_tile_tokens,
     runs_seesaw,
 )
-from graphbucket.plan import LaunchPlan, pow2_ceil
+from graphbucket.plan import RANGE_REQUEST_CHARGE_TILES, LaunchPlan, pow2_ceil
 
 # Requests scanned per step by the planner and by each item's owner search: batches up
 # to this size take one step.
@@ -134,7 +135,17 @@ def launch_seesaw_balanced_stage1(q: torch.Tensor, kv_cache: torch.Tensor,
 def launch_range_planner(seq_lens: torch.Tensor, workspace: SplitWorkspace, *,
                          plan: LaunchPlan) -> None:
     """Writes ``tile_indptr`` and ``item_indptr`` (``[:batch + 1]``) and the tiles per range
-    (``chunk_tiles``) from the live lengths: the seesaw's 64-token tiles."""
+    (``chunk_tiles``) from the live lengths: the seesaw's 64-token tiles; for a charged cut
+    the programs' bounds and the requests' first programs instead of the tiles per range."""
+    if plan.charged_ranges:
+        plan_charged_ranges_kernel[(1,)](
+            seq_lens, workspace.tile_indptr, workspace.item_indptr, workspace.range_bounds,
+            workspace.first_program, plan.batch_size, plan.persistent_programs,
+            BLOCK_N=64, MIN_RANGE_TILES=plan.min_chunk_tiles,
+            CHARGE=RANGE_REQUEST_CHARGE_TILES, BLOCK_B=min(64, scan_block(plan.batch_size)),
+            BLOCK_P=min(256, pow2_ceil(plan.persistent_programs + 1)),
+        )
+        return
     plan_tile_ranges_kernel[(1,)](
         seq_lens, workspace.tile_indptr, workspace.item_indptr, workspace.chunk_tiles,
         plan.batch_size, plan.persistent_programs,
@@ -155,11 +166,15 @@ def launch_seesaw_range_stage1(q: torch.Tensor, kv_cache: torch.Tensor,
     batch, heads, _ = q.shape
     q_desc, kv_desc = descriptors(q, kv_cache)
     part_o, part_lse = workspace.item_o, workspace.item_lse
+    charged = plan.charged_ranges
     seesaw_range_stage1_kernel[(-(-heads // ROWS.value), plan.persistent_programs)](
         q_desc, kv_desc, block_table, seq_lens, workspace.tile_indptr, workspace.item_indptr,
-        workspace.chunk_tiles, part_o, part_lse, batch, heads, sm_scale * LOG2E,
+        workspace.chunk_tiles, workspace.range_bounds if charged else workspace.chunk_tiles,
+        workspace.first_program if charged else workspace.chunk_tiles,
+        part_o, part_lse, batch, heads, sm_scale * LOG2E,
         block_table.stride(0), part_o.stride(0), part_o.stride(1), part_lse.stride(0),
-        PAGE_SIZE=kv_cache.shape[1], BLOCK_B=max(128, scan_block(batch)), num_warps=4)
+        PAGE_SIZE=kv_cache.shape[1], BLOCK_B=max(128, scan_block(batch)), CHARGED=charged,
+        num_warps=4)
 
 
 def launch_balanced_merge(out: torch.Tensor, workspace: SplitWorkspace, *, plan: LaunchPlan,

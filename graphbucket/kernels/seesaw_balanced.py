@@ -10,7 +10,8 @@ Two partitions, both computed on the device per step and merged by the balanced 
   (``plan_tile_ranges_kernel``); a work item is a (request, program) segment. Its loader
   brings the next segment's Q and tiles while the warpgroups finish the last one's, so a
   program streams pages without a gap between requests, and no program starts or ends
-  mid-step.
+  mid-step; with ``CHARGED`` the ranges are a charged cut's (equal in tiles plus a charge
+  per request, ``plan_charged_ranges_kernel``).
 """
 
 from __future__ import annotations
@@ -119,9 +120,10 @@ DESC_WORDS = gl.constexpr(8)
 
 
 @gluon.jit
-def _range_loader(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDPTR, ITEM_INDPTR, q_s, kv_s,
-                  bars, desc_s, first, last, segments, per, program, batch, num_heads, h0,
-                  stride_bt_b, PAGE_SIZE: gl.constexpr, BLOCK_B: gl.constexpr):
+def _range_loader(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDPTR, ITEM_INDPTR,
+                  FIRST_PROGRAM, q_s, kv_s, bars, desc_s, first, last, segments, per, program,
+                  batch, num_heads, h0, stride_bt_b, PAGE_SIZE: gl.constexpr,
+                  BLOCK_B: gl.constexpr, CHARGED: gl.constexpr):
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     words = gl.arange(0, DESC_WORDS, layout)
     t = first
@@ -130,7 +132,10 @@ def _range_loader(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDPTR, ITEM_INDP
         bid, request_first, segment_last, start, end, num_steps = _segment(
             TILE_INDPTR, SEQ_LENS, t, last, batch, BLOCK_B)
         # Partials of a request are its segments in program order (the planner's count).
-        item = gl.load(ITEM_INDPTR + bid) + program - request_first // per
+        if CHARGED:
+            item = gl.load(ITEM_INDPTR + bid) + program - gl.load(FIRST_PROGRAM + bid)
+        else:
+            item = gl.load(ITEM_INDPTR + bid) + program - request_first // per
         # Slot seg % 2 was last read at segment seg - 2, whose steps the loads below wait on.
         desc = gl.where(words == D_START, start, gl.where(words == D_END, end, gl.where(
             words == D_STEPS, num_steps, gl.where(words == D_ITEM, item, g0))))
@@ -183,20 +188,28 @@ def _range_odd(q_s, kv_s, stats_s, bars, desc_s, PART_O, PART_LSE, segments, num
 
 @gluon.jit
 def seesaw_range_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDPTR,
-                               ITEM_INDPTR, RANGE_TILES, PART_O, PART_LSE, batch, num_heads,
-                               qk_scale_log2, stride_bt_b, stride_po_i, stride_po_h,
-                               stride_pl_i, PAGE_SIZE: gl.constexpr, BLOCK_B: gl.constexpr):
+                               ITEM_INDPTR, RANGE_TILES, RANGE_BOUNDS, FIRST_PROGRAM, PART_O,
+                               PART_LSE, batch, num_heads, qk_scale_log2, stride_bt_b,
+                               stride_po_i, stride_po_h, stride_pl_i,
+                               PAGE_SIZE: gl.constexpr, BLOCK_B: gl.constexpr,
+                               CHARGED: gl.constexpr = False):
     """The seesaw on persistent programs over equal ranges of the step's tiles
     (``kernels.balanced.plan_tile_ranges_kernel``): grid (head blocks, programs); program p
     takes the batch's 64-token tiles [p * per, (p + 1) * per) in request order, across
     request boundaries, one partial per (request, program) segment. The loader brings the
     next segment's tiles while the warpgroups finish the last one's, so the stream of pages
-    does not stop between requests; the balanced merge combines the partials."""
+    does not stop between requests; the balanced merge combines the partials. ``CHARGED``:
+    the ranges of a charged cut (``plan_charged_ranges_kernel``), program p's tiles
+    [RANGE_BOUNDS[p], RANGE_BOUNDS[p + 1]) and a request's first program in FIRST_PROGRAM."""
     head_block = gl.program_id(0)
     program = gl.program_id(1)
-    per = gl.load(RANGE_TILES)
-    first = program * per
-    last = gl.minimum(first + per, gl.load(TILE_INDPTR + batch))
+    per = gl.load(RANGE_TILES)  # unused by a charged cut: FIRST_PROGRAM numbers segments
+    if CHARGED:
+        first = gl.load(RANGE_BOUNDS + program)
+        last = gl.load(RANGE_BOUNDS + program + 1)
+    else:
+        first = program * per
+        last = gl.minimum(first + per, gl.load(TILE_INDPTR + batch))
     if first < last:
         segments = _requests_meeting(TILE_INDPTR, first, last, batch, BLOCK_B)
         q_s, kv_s, stats_s, bars = shared_state(q_desc, kv_desc)
@@ -210,6 +223,7 @@ def seesaw_range_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDP
             (_range_odd, (q_s, kv_s, stats_s, bars, desc_s, PART_O, PART_LSE, segments,
                           num_heads, qk_scale_log2, stride_po_i, stride_po_h, stride_pl_i)),
             (_range_loader, (q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDPTR, ITEM_INDPTR,
-                             q_s, kv_s, bars, desc_s, first, last, segments, per, program,
-                             batch, num_heads, h0, stride_bt_b, PAGE_SIZE, BLOCK_B)),
+                             FIRST_PROGRAM, q_s, kv_s, bars, desc_s, first, last, segments,
+                             per, program, batch, num_heads, h0, stride_bt_b, PAGE_SIZE,
+                             BLOCK_B, CHARGED)),
         ], [4, 4], [240, 24])
