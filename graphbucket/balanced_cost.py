@@ -166,9 +166,9 @@ def _ranges(tiles: np.ndarray, part: Partition, overhead: float) -> tuple[float,
 
 def charged_bounds(tiles: np.ndarray, programs: int, min_chunk: int, charge: int
                    ) -> np.ndarray:
-    """The device's charged cut (``kernels.balanced.plan_charged_ranges_kernel``): int64
-    [programs + 1] tile bounds of the programs' ranges, each live request counting
-    ``charge`` units before its tiles."""
+    """The device's charged cut (``kernels.balanced.plan_tile_ranges_kernel`` with a
+    ``CHARGE``): int64 [programs + 1] tile bounds of the programs' ranges, each live request
+    counting ``charge`` units before its tiles."""
     tiles = np.asarray(tiles, dtype=np.int64)
     units = np.where(tiles > 0, tiles + charge, 0)
     total_units, total_tiles = int(units.sum()), int(tiles.sum())

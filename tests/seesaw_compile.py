@@ -1,5 +1,5 @@
 """Compile the Gluon seesaw stage 1 (split-KV, over balanced work items, and over tile
-ranges) for sm_90
+ranges, equal and charged) and the tile-range planner for sm_90
 without a GPU and print what each asks for, as one JSON line (run by tests/test_seesaw.py
 in a process without Triton's interpreter):
 
@@ -60,6 +60,22 @@ def compile_stage1(balanced: bool = False, ranges: bool = False, charged: bool =
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
 
+def compile_range_planner(charge: int):
+    """The tile-range planner (a Triton kernel) that feeds the range kernel: equal ranges
+    (``charge`` 0) or a charged cut."""
+    from triton.compiler import ASTSource
+
+    from graphbucket.kernels.balanced import plan_tile_ranges_kernel as kernel
+
+    constants = {"BLOCK_N": 64, "MIN_RANGE_TILES": 2, "BLOCK_B": 128, "CHARGE": charge,
+                 "BLOCK_P": 256}
+    signature = {p.name: "constexpr" if p.name in constants else
+                 "i32" if p.name in ("batch", "num_programs") else "*i32"
+                 for p in kernel.params}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description="Compile the Gluon seesaw stage 1 for sm_90 (no GPU needed) and print its "
@@ -78,8 +94,10 @@ def main() -> None:
             (args.dump / f"seesaw-balanced.{kind}").write_text(balanced.asm[kind])
             (args.dump / f"seesaw-ranges.{kind}").write_text(ranges.asm[kind])
             (args.dump / f"seesaw-charged.{kind}").write_text(charged.asm[kind])
+    planners = {str(c): compile_range_planner(c).metadata.shared for c in (0, 5)}
     print(json.dumps({**summary(compiled), "balanced": summary(balanced),
-                      "ranges": summary(ranges), "charged": summary(charged)}))
+                      "ranges": summary(ranges), "charged": summary(charged),
+                      "range_planner_shared_bytes": planners}))
 
 
 def summary(compiled) -> dict:

@@ -292,13 +292,20 @@ def test_tile_ranges_cover_every_token_once_and_each_partial_slot_once():
             assert all(bounds[i] == bounds[i + 1] for i in range(1, len(bounds) - 1, 2))
 
 
-@pytest.mark.parametrize("lens, programs, min_tiles", [
+# (lens, programs, min_tiles) of the range planners' tests: one token, padding only, one
+# long among short, a partial tile each side of a page, a spread from 1 token, equal short.
+RANGE_CASES = [
     ([1], 132, 2),
     ([0, 0, 0], 4, 1),
     ([131072] + [1024] * 63, 132, 2),
     ([5000, 1, 0, 64, 65, 128], 7, 1),
     ([64 * 9, 64 * 9 + 1, 64 * 9 - 1], 3, 2),
-])
+    ([1 + 8191 * i // 63 for i in range(64)], 132, 2),
+    ([64] * 40, 5, 1),
+]
+
+
+@pytest.mark.parametrize("lens, programs, min_tiles", RANGE_CASES)
 def test_range_planner_matches_python(lens, programs, min_tiles):
     plan = plan_balanced_mla_decode(len(lens), HEADS, programs=programs, stream=SEESAW_STREAM,
                                     min_chunk_tiles=min_tiles, tile_ranges=True, **DIMS)
@@ -312,7 +319,7 @@ def test_range_planner_matches_python(lens, programs, min_tiles):
 def python_charged(lens: list[int], programs: int, min_tiles: int, charge: int
                    ) -> tuple[list[int], list[int], list[int], list[int]]:
     """The charged cut from its definition, unit by unit: (tile_indptr, item_indptr,
-    range_bounds, first_program) as ``plan_charged_ranges_kernel`` writes them."""
+    range_bounds, first_program) as ``plan_tile_ranges_kernel`` writes them with a ``CHARGE``."""
     tiles = [cdiv(n, 64) for n in lens]
     tile_indptr = [0]
     units = []
@@ -333,15 +340,7 @@ def python_charged(lens: list[int], programs: int, min_tiles: int, charge: int
     return tile_indptr, item_indptr, bounds, [m[0] if m else 0 for m in met]
 
 
-@pytest.mark.parametrize("lens, programs, min_tiles", [
-    ([1], 132, 2),
-    ([0, 0, 0], 4, 1),
-    ([131072] + [1024] * 63, 132, 2),
-    ([5000, 1, 0, 64, 65, 128], 7, 1),
-    ([64 * 9, 64 * 9 + 1, 64 * 9 - 1], 3, 2),
-    ([1 + 8191 * i // 63 for i in range(64)], 132, 2),
-    ([64] * 40, 5, 1),
-])
+@pytest.mark.parametrize("lens, programs, min_tiles", RANGE_CASES)
 def test_charged_range_planner_matches_python(lens, programs, min_tiles):
     plan = plan_balanced_mla_decode(len(lens), HEADS, programs=programs, stream=SEESAW_STREAM,
                                     min_chunk_tiles=min_tiles, tile_ranges=True,

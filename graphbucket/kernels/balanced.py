@@ -30,7 +30,7 @@ among short ones sets the step time; here every work item has about the same siz
 Plans with ``tile_ranges`` cut the batch differently for the Gluon seesaw
 (``plan_tile_ranges_kernel``): each persistent program takes an equal range of the
 step's tiles across request boundaries, and a work item is a (request, program) segment;
-``plan_charged_ranges_kernel`` cuts the same ranges by work, each request charged a few
+with a ``CHARGE`` it cuts the same ranges by work, each request charged a few
 tiles more than it holds. The merge is the same.
 """
 
@@ -119,62 +119,29 @@ def plan_work_items_kernel(SEQ_LENS, ITEM_INDPTR, CHUNK_TILES, batch, num_progra
 
 
 @triton.jit
-def plan_tile_ranges_kernel(SEQ_LENS, TILE_INDPTR, ITEM_INDPTR, RANGE_TILES, batch,
-                            num_programs, BLOCK_N: tl.constexpr, MIN_RANGE_TILES: tl.constexpr,
-                            BLOCK_B: tl.constexpr):
+def plan_tile_ranges_kernel(SEQ_LENS, TILE_INDPTR, ITEM_INDPTR, RANGE_TILES, RANGE_BOUNDS,
+                            FIRST_PROGRAM, batch, num_programs, BLOCK_N: tl.constexpr,
+                            MIN_RANGE_TILES: tl.constexpr, BLOCK_B: tl.constexpr,
+                            CHARGE: tl.constexpr = 0, BLOCK_P: tl.constexpr = 1):
     """The partition of the Gluon seesaw over tile ranges: the batch's tiles in request
-    order, program p taking [p * per, (p + 1) * per) with per = max(MIN_RANGE_TILES,
-    cdiv(total, G)). A request's segments are the programs its tiles meet, in order, so its
-    partials are slots indptr[b] .. indptr[b + 1] as the balanced merge reads them::
+    order, each live request b counting ``units_b = CHARGE + tiles_b`` (its charge first,
+    then its tiles), program p taking units [p * per, (p + 1) * per) with per =
+    max(MIN_RANGE_TILES, cdiv(total units, G)). A request's segments are the programs from
+    the one holding its first tile's unit to the one holding its last, so its partials are
+    slots indptr[b] .. indptr[b + 1] as the balanced merge reads them::
 
-        tile_indptr = [0, tiles_0, tiles_0 + tiles_1, ...]
-        segments_b  = (tile_indptr[b + 1] - 1) // per - tile_indptr[b] // per + 1   (0 if empty)
-        item_indptr = [0, segments_0, segments_0 + segments_1, ...]
-
-    At most G + (live requests) - 1 segments: each program boundary inside a request adds
-    one."""
-    total_tiles = _total_tiles(SEQ_LENS, batch, BLOCK_N, BLOCK_B)
-    per = tl.maximum(tl.cdiv(total_tiles, num_programs), MIN_RANGE_TILES)
-    tl.store(RANGE_TILES, per)
-    tl.store(TILE_INDPTR, 0)
-    tl.store(ITEM_INDPTR, 0)
-    tile_carry = 0
-    item_carry = 0
-    for b0 in range(0, batch, BLOCK_B):
-        offs = b0 + tl.arange(0, BLOCK_B)
-        mask = offs < batch
-        tiles = tl.cdiv(tl.load(SEQ_LENS + offs, mask=mask, other=0), BLOCK_N)
-        ends = tile_carry + tl.cumsum(tiles, 0)
-        starts = ends - tiles
-        segments = tl.where(tiles > 0, (ends - 1) // per - starts // per + 1, 0)
-        tl.store(TILE_INDPTR + 1 + offs, ends, mask=mask)
-        tl.store(ITEM_INDPTR + 1 + offs, item_carry + tl.cumsum(segments, 0), mask=mask)
-        tile_carry += tl.sum(tiles, 0)
-        item_carry += tl.sum(segments, 0)
-
-
-@triton.jit
-def plan_charged_ranges_kernel(SEQ_LENS, TILE_INDPTR, ITEM_INDPTR, RANGE_BOUNDS, FIRST_PROGRAM,
-                               batch, num_programs, BLOCK_N: tl.constexpr,
-                               MIN_RANGE_TILES: tl.constexpr, CHARGE: tl.constexpr,
-                               BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr):
-    """Tile ranges cut by work: request b (``tiles_b`` > 0) counts ``units_b = CHARGE +
-    tiles_b`` (its charge first, then its tiles), the batch U units in request order, and
-    program p takes units [p * per, (p + 1) * per) with per = max(MIN_RANGE_TILES,
-    cdiv(U, G)). In tiles, program p runs [bounds[p], bounds[p + 1]) where a unit x maps to
-    the tile it reaches: the owner request's first tile plus (x - its first unit - CHARGE),
-    clamped to the request. A boundary inside a charge falls on the request's first tile
-    (the program before it may be empty); a request's segments are the programs from the one
-    holding its first tile's unit to the one holding its last::
-
-        tile_indptr   = [0, tiles_0, tiles_0 + tiles_1, ...]
+        tile_indptr     = [0, tiles_0, tiles_0 + tiles_1, ...]
         first_program_b = (unit_start_b + CHARGE) // per
         segments_b      = (unit_end_b - 1) // per - first_program_b + 1   (0 if empty)
-        item_indptr   = [0, segments_0, segments_0 + segments_1, ...]
-        range_bounds  = [bounds[0] = 0, ..., bounds[G] = total tiles]
+        item_indptr     = [0, segments_0, segments_0 + segments_1, ...]
 
-    Each program boundary inside a request's tiles adds one segment: at most G + (live
-    requests) - 1, as for equal ranges."""
+    ``CHARGE`` 0 (equal tile ranges): program p runs tiles [p * per, (p + 1) * per), and
+    ``per`` goes to RANGE_TILES. ``CHARGE`` > 0 (a cut by work, ``charged_ranges``): a unit
+    x maps to the tile it reaches (the owner request's first tile plus x - its first unit -
+    CHARGE, clamped to the request; a boundary inside a charge falls on the request's first
+    tile, and the program before it may be empty); program p runs tiles [RANGE_BOUNDS[p],
+    RANGE_BOUNDS[p + 1]) and FIRST_PROGRAM[b] numbers b's segments. Each program boundary
+    inside a request's tiles adds one segment: at most G + (live requests) - 1."""
     total_tiles = 0
     live = 0
     for b0 in range(0, batch, BLOCK_B):
@@ -184,7 +151,7 @@ def plan_charged_ranges_kernel(SEQ_LENS, TILE_INDPTR, ITEM_INDPTR, RANGE_BOUNDS,
         live += tl.sum((tiles > 0).to(tl.int32), 0)
     total_units = total_tiles + CHARGE * live
     per = tl.maximum(tl.cdiv(total_units, num_programs), MIN_RANGE_TILES)
-    # Requests: their tiles, items and first programs.
+    tl.store(RANGE_TILES, per)
     tl.store(TILE_INDPTR, 0)
     tl.store(ITEM_INDPTR, 0)
     tile_carry = 0
@@ -200,12 +167,24 @@ def plan_charged_ranges_kernel(SEQ_LENS, TILE_INDPTR, ITEM_INDPTR, RANGE_BOUNDS,
         segments = tl.where(tiles > 0, (unit_ends - 1) // per - first + 1, 0)
         tl.store(TILE_INDPTR + 1 + offs, tile_carry + tl.cumsum(tiles, 0), mask=mask)
         tl.store(ITEM_INDPTR + 1 + offs, item_carry + tl.cumsum(segments, 0), mask=mask)
-        tl.store(FIRST_PROGRAM + offs, tl.where(tiles > 0, first, 0), mask=mask)
+        if CHARGE > 0:
+            tl.store(FIRST_PROGRAM + offs, tl.where(tiles > 0, first, 0), mask=mask)
         tile_carry += tl.sum(tiles, 0)
         unit_carry += tl.sum(units, 0)
         item_carry += tl.sum(segments, 0)
-    # Programs: each boundary unit's owner (the first request whose units end past it), by
-    # the largest unit and tile ends before it and the smallest tile end after it.
+    if CHARGE > 0:
+        # Programs x requests at once: a narrower scan keeps the tile in registers.
+        _charged_bounds(SEQ_LENS, RANGE_BOUNDS, batch, num_programs, per, total_tiles,
+                        total_units, BLOCK_N, CHARGE, 32, BLOCK_P)
+
+
+@triton.jit
+def _charged_bounds(SEQ_LENS, RANGE_BOUNDS, batch, num_programs, per, total_tiles,
+                    total_units, BLOCK_N: tl.constexpr, CHARGE: tl.constexpr,
+                    BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr):
+    """RANGE_BOUNDS[p] for p in 0..G: the tile unit p * per reaches, found by its owner (the
+    first request whose units end past it) through the largest unit and tile ends before it
+    and the smallest tile end after it."""
     for p0 in range(0, num_programs + 1, BLOCK_P):
         progs = p0 + tl.arange(0, BLOCK_P)
         x = tl.minimum(progs * per, total_units)

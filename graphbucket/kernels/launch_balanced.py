@@ -12,7 +12,6 @@ import torch
 from graphbucket.kernels.balanced import (
     balanced_merge_kernel,
     balanced_stage1_kernel,
-    plan_charged_ranges_kernel,
     plan_tile_ranges_kernel,
     plan_work_items_kernel,
 )
@@ -137,20 +136,16 @@ def launch_range_planner(seq_lens: torch.Tensor, workspace: SplitWorkspace, *,
     """Writes ``tile_indptr`` and ``item_indptr`` (``[:batch + 1]``) and the tiles per range
     (``chunk_tiles``) from the live lengths: the seesaw's 64-token tiles; for a charged cut
     the programs' bounds and the requests' first programs instead of the tiles per range."""
-    if plan.charged_ranges:
-        plan_charged_ranges_kernel[(1,)](
-            seq_lens, workspace.tile_indptr, workspace.item_indptr, workspace.range_bounds,
-            workspace.first_program, plan.batch_size, plan.persistent_programs,
-            BLOCK_N=64, MIN_RANGE_TILES=plan.min_chunk_tiles,
-            CHARGE=RANGE_REQUEST_CHARGE_TILES, BLOCK_B=min(64, scan_block(plan.batch_size)),
-            BLOCK_P=min(256, pow2_ceil(plan.persistent_programs + 1)),
-        )
-        return
+    charged = plan.charged_ranges
     plan_tile_ranges_kernel[(1,)](
         seq_lens, workspace.tile_indptr, workspace.item_indptr, workspace.chunk_tiles,
+        workspace.range_bounds if charged else workspace.chunk_tiles,
+        workspace.first_program if charged else workspace.chunk_tiles,
         plan.batch_size, plan.persistent_programs,
         BLOCK_N=64, MIN_RANGE_TILES=plan.min_chunk_tiles,
         BLOCK_B=scan_block(plan.batch_size),
+        CHARGE=RANGE_REQUEST_CHARGE_TILES if charged else 0,
+        BLOCK_P=min(256, pow2_ceil(plan.persistent_programs + 1)),
     )
 
 

@@ -11,7 +11,7 @@ Two partitions, both computed on the device per step and merged by the balanced 
   brings the next segment's Q and tiles while the warpgroups finish the last one's, so a
   program streams pages without a gap between requests, and no program starts or ends
   mid-step; with ``CHARGED`` the ranges are a charged cut's (equal in tiles plus a charge
-  per request, ``plan_charged_ranges_kernel``).
+  per request, ``plan_tile_ranges_kernel`` with a ``CHARGE``).
 """
 
 from __future__ import annotations
@@ -199,7 +199,7 @@ def seesaw_range_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDP
     request boundaries, one partial per (request, program) segment. The loader brings the
     next segment's tiles while the warpgroups finish the last one's, so the stream of pages
     does not stop between requests; the balanced merge combines the partials. ``CHARGED``:
-    the ranges of a charged cut (``plan_charged_ranges_kernel``), program p's tiles
+    the ranges of a charged cut (``plan_tile_ranges_kernel``, ``CHARGE`` > 0), program p's tiles
     [RANGE_BOUNDS[p], RANGE_BOUNDS[p + 1]) and a request's first program in FIRST_PROGRAM."""
     head_block = gl.program_id(0)
     program = gl.program_id(1)
