@@ -57,7 +57,7 @@ def mla_decode_balanced(q: torch.Tensor, kv_cache: torch.Tensor, block_table: to
         if partition:
             launch_range_planner(seq_lens, workspace, plan=plan)
         launch_seesaw_range_stage1(q, kv_cache, block_table, seq_lens, workspace, plan=plan,
-                                   sm_scale=sm_scale)
+                                   sm_scale=sm_scale, out=out, lse=lse)
     elif seesaw:
         if partition:
             launch_item_planner(seq_lens, workspace, plan=plan, block_n=block_n)
@@ -68,7 +68,10 @@ def mla_decode_balanced(q: torch.Tensor, kv_cache: torch.Tensor, block_table: to
             launch_item_planner(seq_lens, workspace, plan=plan, block_n=block_n)
         launch_balanced_stage1(q, kv_cache, block_table, seq_lens, out, workspace, plan=plan,
                                sm_scale=sm_scale, lse=lse, block_n=block_n, kv_scale=kv_scale)
-    launch_balanced_merge(out, workspace, plan=plan, lse=lse, merge_single=seesaw)
+    # The seesaw writes every item as a partial, but for the requests a charged cut leaves
+    # whole (their output is written already).
+    launch_balanced_merge(out, workspace, plan=plan, lse=lse,
+                          merge_single=seesaw and not (plan.tile_ranges and plan.charged_ranges))
     return out
 
 
@@ -152,9 +155,11 @@ def launch_range_planner(seq_lens: torch.Tensor, workspace: SplitWorkspace, *,
 def launch_seesaw_range_stage1(q: torch.Tensor, kv_cache: torch.Tensor,
                                block_table: torch.Tensor, seq_lens: torch.Tensor,
                                workspace: SplitWorkspace, *, plan: LaunchPlan,
-                               sm_scale: float) -> None:
+                               sm_scale: float, out: torch.Tensor,
+                               lse: torch.Tensor | None = None) -> None:
     """Stage 1 by the Gluon seesaw on persistent programs over tile ranges (unchecked;
-    where ``runs_seesaw`` holds): one partial per (request, program) segment."""
+    where ``runs_seesaw`` holds): one partial per (request, program) segment; under a
+    charged cut, a request left whole gets its output in ``out`` (and ``lse``) instead."""
     from graphbucket.kernels.seesaw import ROWS, descriptors
     from graphbucket.kernels.seesaw_balanced import seesaw_range_stage1_kernel
 
@@ -166,10 +171,11 @@ def launch_seesaw_range_stage1(q: torch.Tensor, kv_cache: torch.Tensor,
         q_desc, kv_desc, block_table, seq_lens, workspace.tile_indptr, workspace.item_indptr,
         workspace.chunk_tiles, workspace.range_bounds if charged else workspace.chunk_tiles,
         workspace.first_program if charged else workspace.chunk_tiles,
-        part_o, part_lse, batch, heads, sm_scale * LOG2E,
+        part_o, part_lse, out, part_lse if lse is None else lse, batch, heads, sm_scale * LOG2E,
         block_table.stride(0), part_o.stride(0), part_o.stride(1), part_lse.stride(0),
+        out.stride(0), out.stride(1), 0 if lse is None else lse.stride(0),
         PAGE_SIZE=kv_cache.shape[1], BLOCK_B=max(128, scan_block(batch)), CHARGED=charged,
-        num_warps=4)
+        WRITE_LSE=lse is not None, num_warps=4)
 
 
 def launch_balanced_merge(out: torch.Tensor, workspace: SplitWorkspace, *, plan: LaunchPlan,

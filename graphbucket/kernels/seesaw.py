@@ -194,10 +194,13 @@ def _pv(p, kv_s, slot, o0, o1, o2, o3, FIRST_CHUNK: gl.constexpr):
 def warpgroup_compute(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
              o_ptr, lse_ptr, stride_o_h, stride_lse_h, num_rows, WRITE_LSE: gl.constexpr,
              ONE_SPLIT: gl.constexpr, PARITY: gl.constexpr, g0=0, q_phase=0,
-             RANGE: gl.constexpr = False):
+             RANGE: gl.constexpr = False, final=0, out_ptr=None, out_lse_ptr=None,
+             stride_out_h=0, FINAL: gl.constexpr = False, WRITE_OUT_LSE: gl.constexpr = False):
     """One split, item or segment: tokens [start, end) against the Q in shared memory
     (its ``q_phase``-th load), after ``g0`` earlier steps of this program. ``RANGE``: the
-    last QK releases Q for the next segment's request."""
+    last QK releases Q for the next segment's request. ``FINAL``: where ``final`` holds (a
+    request that is this one segment), the output goes to ``out_ptr`` (and, with
+    ``WRITE_OUT_LSE``, the natural-log LSE to ``out_lse_ptr``) instead of a partial."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, 64, 16])
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -281,8 +284,29 @@ def warpgroup_compute(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_
             mbarrier.arrive(bars.index(B_FREE_OWN + 1))
         l_i = l_i * alpha_a * alpha_b + sum_a * alpha_b + sum_b
         m_i = m_b
-    # This warpgroup's 256 columns of O / l, and (warpgroup 0) the LSE in log2 units.
+    # This warpgroup's 256 columns of O / l, and (warpgroup 0) the LSE.
     inv_l = 1.0 / l_i
+    if FINAL:
+        if final:
+            _store_rows(out_ptr, stride_out_h, 1, o0, o1, o2, o3, inv_l, m_i, l_i, num_rows,
+                        PARITY, WRITE_OUT_LSE, True, mma, out_lse_ptr)
+        else:
+            _store_rows(o_ptr, stride_o_h, stride_lse_h, o0, o1, o2, o3, inv_l, m_i, l_i,
+                        num_rows, PARITY, True, False, mma, lse_ptr)
+    else:
+        # A split's partial LSE always (the merge weighs by it); the final one when asked.
+        _store_rows(o_ptr, stride_o_h, stride_lse_h, o0, o1, o2, o3, inv_l, m_i, l_i,
+                    num_rows, PARITY, WRITE_LSE or not ONE_SPLIT, ONE_SPLIT, mma, lse_ptr)
+
+
+@gluon.jit
+def _store_rows(o_ptr, stride_o_h, stride_lse_h, o0, o1, o2, o3, inv_l, m_i, l_i, num_rows,
+                PARITY: gl.constexpr, STORE_LSE: gl.constexpr, NATURAL_LSE: gl.constexpr,
+                mma: gl.constexpr, lse_ptr=None):
+    """A warpgroup's 256 columns of O / l at ``o_ptr`` (in its element type), and, from
+    warpgroup 0 with ``STORE_LSE``, the LSE at ``lse_ptr``: log2 units between the stages
+    (the merge's), the natural log as a final LSE (``NATURAL_LSE``)."""
+    rows: gl.constexpr = gl.SliceLayout(1, mma)
     offs_h = gl.arange(0, ROWS, rows)
     offs_c = gl.arange(0, BOX, gl.SliceLayout(0, mma))
     base = o_ptr + offs_h[:, None] * stride_o_h + PARITY * HALF_CHUNKS * BOX + offs_c[None, :]
@@ -293,11 +317,9 @@ def warpgroup_compute(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_
     gl.store(base + BOX, (o1 * inv_l[:, None]).to(o_ptr.dtype.element_ty), mask=real)
     gl.store(base + 2 * BOX, (o2 * inv_l[:, None]).to(o_ptr.dtype.element_ty), mask=real)
     gl.store(base + 3 * BOX, (o3 * inv_l[:, None]).to(o_ptr.dtype.element_ty), mask=real)
-    # A split's partial LSE always (the merge weighs by it); the final one when asked.
-    if PARITY == 0 and (WRITE_LSE or not ONE_SPLIT):
-        # log2 units between the stages (the merge's); natural log as the final LSE.
+    if PARITY == 0 and STORE_LSE and lse_ptr is not None:
         lse = m_i + gl.log2(l_i)
-        if ONE_SPLIT:
+        if NATURAL_LSE:
             lse = lse * 0.6931471805599453
         gl.store(lse_ptr + offs_h * stride_lse_h, lse, mask=offs_h < num_rows)
 
