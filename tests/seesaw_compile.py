@@ -76,6 +76,23 @@ def compile_range_planner(charge: int):
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
 
+def compile_balanced_merge():
+    """The balanced merge as the charged seesaw launches it: a programmatic dependent that
+    waits on the device for stage 1's partials."""
+    from triton.compiler import ASTSource
+
+    from graphbucket.kernels.balanced import balanced_merge_kernel as kernel
+
+    constants = {"BLOCK_S": 32, "BLOCK_DV": 512, "WRITE_LSE": True, "MERGE_SINGLE": False,
+                 "USE_GDC": True}
+    pointers = {"PART_O": "*fp32", "PART_LSE": "*fp32", "ITEM_INDPTR": "*i32",
+                "OUT": "*bf16", "LSE": "*fp32"}
+    signature = {p.name: "constexpr" if p.name in constants else pointers.get(p.name, "i32")
+                 for p in kernel.params}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description="Compile the Gluon seesaw stage 1 for sm_90 (no GPU needed) and print its "
@@ -95,9 +112,11 @@ def main() -> None:
             (args.dump / f"seesaw-ranges.{kind}").write_text(ranges.asm[kind])
             (args.dump / f"seesaw-charged.{kind}").write_text(charged.asm[kind])
     planners = {str(c): compile_range_planner(c).metadata.shared for c in (0, 5)}
+    merge = compile_balanced_merge().asm["ptx"]
     print(json.dumps({**summary(compiled), "balanced": summary(balanced),
                       "ranges": summary(ranges), "charged": summary(charged),
-                      "range_planner_shared_bytes": planners}))
+                      "range_planner_shared_bytes": planners,
+                      "dependent_merge_waits": merge.count("griddepcontrol.wait")}))
 
 
 def summary(compiled) -> dict:
@@ -109,6 +128,7 @@ def summary(compiled) -> dict:
         else None,
         "wgmma": ptx.count("wgmma.mma_async"),
         "tma_copies": ptx.count("cp.async.bulk.tensor"),
+        "dependent_launch": "griddepcontrol.launch_dependents" in ptx,
     }
 
 

@@ -108,6 +108,9 @@ def test_seesaw_compiles_for_sm90_within_shared_memory():
     # The Triton planner of both range cuts compiles for the GPU too (the interpreter runs
     # it in the CPU tests).
     assert set(report["range_planner_shared_bytes"]) == {"0", "5"}, report
+    # The charged seesaw lets the merge launch early; the merge waits for its partials.
+    assert report["charged"]["dependent_launch"] and not report["ranges"]["dependent_launch"]
+    assert report["dependent_merge_waits"] >= 1, report
 
 
 @pytest.mark.gpu

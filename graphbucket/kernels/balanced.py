@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from graphbucket.kernels.attend import attend_tokens
 from graphbucket.kernels.merge import merge_partials, store_merged
@@ -305,17 +306,21 @@ def balanced_merge_kernel(
     BLOCK_DV: tl.constexpr,
     WRITE_LSE: tl.constexpr,
     MERGE_SINGLE: tl.constexpr = False,
+    USE_GDC: tl.constexpr = False,
 ):
     bid = tl.program_id(0)
     head = tl.program_id(1)
     dv_block = tl.program_id(2)
     offs_dv = dv_block * BLOCK_DV + tl.arange(0, BLOCK_DV)
 
+    # The item index comes from the planner, which ran before stage 1.
     first = tl.load(ITEM_INDPTR + bid)
     request_items = tl.load(ITEM_INDPTR + bid + 1) - first
     # One item: stage 1 wrote the output (unless it writes partials only: MERGE_SINGLE).
     # No items (padding): the merge of nothing gives zeros and LSE -inf.
     if request_items != 1 or MERGE_SINGLE:
+        if USE_GDC:
+            gdc_wait()  # stage 1's partials are complete and visible past this point
         acc, l_i, m_i = merge_partials(
             PART_O + first.to(tl.int64) * stride_po_i + head * stride_po_h,
             PART_LSE + first.to(tl.int64) * stride_pl_i + head,

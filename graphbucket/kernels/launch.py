@@ -268,7 +268,8 @@ def runs_seesaw(plan: LaunchPlan, q: torch.Tensor, kv_cache: torch.Tensor, *, q_
 
 
 @functools.cache
-def _pdl_capable(device: torch.device) -> bool:
+def pdl_capable(device: torch.device) -> bool:
+    """Whether ``device`` launches kernels as programmatic dependents (sm_90 and later)."""
     if device.type != "cuda":
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
@@ -278,7 +279,7 @@ def use_pdl(plan: LaunchPlan, device: torch.device) -> bool:
     """Programmatic dependent launch of the merge, when the plan asks for it and the GPU
     has it (sm_90 and later): the merge grid launches while stage 1 runs and waits on the
     device for its partials."""
-    return plan.merge_kernel and plan.dependent_merge and _pdl_capable(device)
+    return plan.merge_kernel and plan.dependent_merge and pdl_capable(device)
 
 
 def fp8_dequant(plan: LaunchPlan, device: torch.device) -> str:

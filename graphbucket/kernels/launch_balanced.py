@@ -21,6 +21,7 @@ from graphbucket.kernels.launch import (
     cache_stream_args,
     check_mla_decode_args,
     kv_tile_tokens,
+    pdl_capable,
     runs_seesaw,
 )
 from graphbucket.plan import RANGE_REQUEST_CHARGE_TILES, LaunchPlan, pow2_ceil
@@ -70,8 +71,9 @@ def mla_decode_balanced(q: torch.Tensor, kv_cache: torch.Tensor, block_table: to
                                sm_scale=sm_scale, lse=lse, block_n=block_n, kv_scale=kv_scale)
     # The seesaw writes every item as a partial, but for the requests a charged cut leaves
     # whole (their output is written already).
-    launch_balanced_merge(out, workspace, plan=plan, lse=lse,
-                          merge_single=seesaw and not (plan.tile_ranges and plan.charged_ranges))
+    charged = seesaw and plan.tile_ranges and plan.charged_ranges
+    launch_balanced_merge(out, workspace, plan=plan, lse=lse, merge_single=seesaw and not charged,
+                          dependent=charged and pdl_capable(out.device))
     return out
 
 
@@ -179,9 +181,12 @@ def launch_seesaw_range_stage1(q: torch.Tensor, kv_cache: torch.Tensor,
 
 
 def launch_balanced_merge(out: torch.Tensor, workspace: SplitWorkspace, *, plan: LaunchPlan,
-                          lse: torch.Tensor | None, merge_single: bool = False) -> None:
+                          lse: torch.Tensor | None, merge_single: bool = False,
+                          dependent: bool = False) -> None:
     """Merge alone (unchecked): requests of two or more items (every request with items
-    after a stage 1 that writes only partials: ``merge_single``), and zeros for padding."""
+    after a stage 1 that writes only partials: ``merge_single``), and zeros for padding.
+    ``dependent``: a programmatic dependent launch (sm_90+), after a stage 1 that lets it
+    start early (the charged seesaw's)."""
     part_o, part_lse = workspace.item_o, workspace.item_lse
     balanced_merge_kernel[plan.merge_grid](
         part_o, part_lse, workspace.item_indptr, out, out if lse is None else lse,
@@ -191,4 +196,5 @@ def launch_balanced_merge(out: torch.Tensor, workspace: SplitWorkspace, *, plan:
         0 if lse is None else lse.stride(0),
         BLOCK_S=plan.merge_block_s, BLOCK_DV=plan.merge_block_dv,
         WRITE_LSE=lse is not None, MERGE_SINGLE=merge_single, num_warps=plan.merge_num_warps,
+        **({"USE_GDC": True, "launch_pdl": True} if dependent else {}),
     )

@@ -19,6 +19,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from graphbucket.kernels.seesaw import (
     B_DESC,
@@ -229,6 +230,10 @@ def seesaw_range_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDP
     with ``WRITE_LSE`` its LSE in LSE) here, which the merge then leaves alone."""
     head_block = gl.program_id(0)
     program = gl.program_id(1)
+    if CHARGED:
+        # The merge (a programmatic dependent launch) may start its programs now: they wait
+        # on the device for this grid's partials instead of behind a kernel boundary.
+        gdc_launch_dependents()
     per = gl.load(RANGE_TILES)  # unused by a charged cut: FIRST_PROGRAM numbers segments
     if CHARGED:
         first = gl.load(RANGE_BOUNDS + program)
