@@ -313,14 +313,16 @@ def balanced_merge_kernel(
     dv_block = tl.program_id(2)
     offs_dv = dv_block * BLOCK_DV + tl.arange(0, BLOCK_DV)
 
-    # The item index comes from the planner, which ran before stage 1.
+    if USE_GDC:
+        # Stage 1's partials are complete and visible past this point. Every program waits,
+        # those with nothing to merge too: the grid then ends after stage 1, whose outputs
+        # the kernels after the merge read.
+        gdc_wait()
     first = tl.load(ITEM_INDPTR + bid)
     request_items = tl.load(ITEM_INDPTR + bid + 1) - first
     # One item: stage 1 wrote the output (unless it writes partials only: MERGE_SINGLE).
     # No items (padding): the merge of nothing gives zeros and LSE -inf.
     if request_items != 1 or MERGE_SINGLE:
-        if USE_GDC:
-            gdc_wait()  # stage 1's partials are complete and visible past this point
         acc, l_i, m_i = merge_partials(
             PART_O + first.to(tl.int64) * stride_po_i + head * stride_po_h,
             PART_LSE + first.to(tl.int64) * stride_pl_i + head,
