@@ -24,7 +24,8 @@
 #        (hostphases: where a BlockTable host step's time goes, batch 1 and 64 x 128K)
 #        (stepkernels: fixed-max, the ladder and a fixed-max control at 32-128 x 32K-128K,
 #        16 heads: interleaved step rounds, each kernel's time inside the step, the plans
-#        alone, the clocks)
+#        alone, the clocks; STEPKERNELS_ARGS="--preset deepseek-v3-dp --cells 8:131072
+#        32:131072" for 128 heads)
 #        (tpotbatches: TPOT at batch 1, 8, 32, 64 and 128 with fixed-1, fixed-max,
 #        balanced-only and the ladder, 16 heads then 128 (2 layers), each into its
 #        own folder)
@@ -161,7 +162,8 @@ for step in $steps; do
               fixed-max ladder --out "$R" > "$R/tpot-hf.log" 2>&1; tail -4 "$R/tpot-hf.log"
             python3 scripts/tpot_report.py --json "$R/h200-tpot-transformers.json" --force ;;
     stepkernels) timeout 500 python3 bench/experiments/step_kernels.py --out "$R" \
-                   > "$R/step-kernels.log" 2>&1; tail -14 "$R/step-kernels.log" ;;
+                   ${STEPKERNELS_ARGS:-} > "$R/step-kernels.log" 2>&1
+                 tail -14 "$R/step-kernels.log" ;;
     hostphases) timeout 200 python3 bench/experiments/host_phases.py --out "$R" \
                   > "$R/host-phases.log" 2>&1; tail -30 "$R/host-phases.log" ;;
     l2) timeout 200 python3 bench/l2_resident.py --out "$R" > "$R/l2.log" 2>&1

@@ -14,6 +14,8 @@ fixed-max while the tuner's kernel timing ranks the ladder's plan level with fix
 - the clocks: ``nvidia-smi`` sampled every 200 ms for the whole run.
 
     python3 bench/experiments/step_kernels.py --out DIR       # H200, about 4 minutes
+    python3 bench/experiments/step_kernels.py --preset deepseek-v3-dp \
+        --cells 8:131072 32:131072 --out DIR                   # 128 heads, two cells
 """
 
 from __future__ import annotations
@@ -30,16 +32,35 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 CELLS = ((64, 131072), (128, 32768), (64, 32768), (128, 131072), (32, 131072))
+DEFAULT_PRESET = "deepseek-v3-tp8"
 POLICIES = ("fixed-max", "ladder", "fixed-max-control")
 CLOCK_FIELDS = "timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, help="write h200-step-kernels.{json,md} here")
+    p.add_argument("--out", type=Path, help="write h200-step-kernels[-PRESET].{json,md} here "
+                                            "(the suffix for another preset than the default)")
     p.add_argument("--rounds", type=int, default=15, help="interleaved rounds per cell")
     p.add_argument("--profiled-steps", type=int, default=6)
+    p.add_argument("--preset", default=DEFAULT_PRESET,
+                   help=f"the 2-layer decoder's preset (default {DEFAULT_PRESET}; "
+                        "deepseek-v3-dp: all 128 heads)")
+    p.add_argument("--cells", nargs="+", type=cell, default=list(CELLS), metavar="B:CONTEXT",
+                   help="batch:context cells (default: "
+                        + " ".join(f"{b}:{c}" for b, c in CELLS) + ")")
     return p.parse_args(argv)
+
+
+def cell(text: str) -> tuple[int, int]:
+    """'32:131072' -> (32, 131072)."""
+    try:
+        batch, context = (int(v) for v in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a cell is BATCH:CONTEXT, got {text!r}") from None
+    if batch < 1 or context < 1:
+        raise argparse.ArgumentTypeError(f"a cell needs a positive batch and context: {text!r}")
+    return batch, context
 
 
 def start_clock_log(path: Path) -> subprocess.Popen | None:
@@ -96,8 +117,11 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     clocks = start_clock_log(out / "clocks.csv")
     meta = run_meta()
-    batches = sorted({b for b, _ in CELLS})
-    config = PRESETS["deepseek-v3-tp8"](num_layers=2)
+    cells = [tuple(c) for c in args.cells]
+    batches = sorted({b for b, _ in cells})
+    if args.preset not in PRESETS:
+        sys.exit(f"--preset {args.preset!r}: one of {sorted(PRESETS)}")
+    config = PRESETS[args.preset](num_layers=2)
 
     def backend():
         return get_backend("triton", device="cuda", kv_lora_rank=config.kv_lora_rank,
@@ -108,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
         bench.model, ["fixed-max"], max_model_len=bench.max_model_len, batches=batches,
         backend=backend)["fixed-max"]
     rows, plan_objects = [], []
-    for b, ctx in CELLS:
+    for b, ctx in cells:
         decode = bench.batch(ctx, b)
         runners = {p: bench.runners[p] for p in POLICIES}
         keys = {p: r.selector.choose([ctx] * b)
@@ -139,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.cuda.empty_cache()
 
     # The same plans alone, as the tuner times them (paired rounds, cold L2).
-    timer = PlanTimer(max(c for _, c in CELLS), max(batches), config.num_heads, max_splits=16)
+    timer = PlanTimer(max(c for _, c in cells), max(batches), config.num_heads, max_splits=16)
     for row, plans in zip(rows, plan_objects, strict=True):
         pair = {p: plans[p] for p in ("fixed-max", "ladder")}
         row["kernel_us"] = [timer.time(row["context"], row["batch"], pair) for _ in range(4)]
@@ -148,18 +172,20 @@ def main(argv: list[str] | None = None) -> None:
     torch.cuda.empty_cache()
     if clocks is not None:
         clocks.terminate()
-    meta.update({"cells": CELLS, "rounds": args.rounds, "kv_pages": model_pages})
-    (out / "h200-step-kernels.json").write_text(json.dumps({"meta": meta, "rows": rows},
-                                                           indent=1))
+    meta.update({"cells": cells, "rounds": args.rounds, "kv_pages": model_pages,
+                 "preset": args.preset, "num_heads": config.num_heads})
+    name = "h200-step-kernels" + ("" if args.preset == DEFAULT_PRESET else f"-{args.preset}")
+    (out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     text = markdown(meta, rows)
-    (out / "h200-step-kernels.md").write_text(text)
+    (out / f"{name}.md").write_text(text)
     print(text)
 
 
 def markdown(meta: dict, rows: list[dict]) -> str:
     lines = [f"# The ladder's step against fixed-max's, kernel by kernel ({meta['gpu']})", "",
              f"{meta['date']}, torch {meta['torch']}, triton {meta['triton']}. Command: "
-             f"`{meta['command']}`. 2-layer DeepSeek-V3 TP8 decoder (16 heads); step: median "
+             f"`{meta['command']}`. 2-layer {meta.get('preset', DEFAULT_PRESET)} decoder "
+             f"({meta.get('num_heads', 16)} heads); step: median "
              f"of {meta['rounds']} interleaved rounds, ms; ratio: median of each round's "
              "ratio to fixed-max (the control is a second fixed-max runner); busy: device "
              "time of every kernel in one step (torch.profiler), us; kernel: the two plans "
