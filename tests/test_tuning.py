@@ -725,3 +725,26 @@ def test_a_timed_plan_the_timers_workspace_does_not_cover_is_refused_before_a_la
     enough = SplitWorkspace.allocate(32, 16, 1, 512, "cpu", max_items=plan.max_work_items)
     assert callable(rotated_calls(None, None, None, None, None, enough, plan, 0.1))
     assert torch.is_tensor(enough.item_o)
+
+
+def test_plans_that_disagree_are_not_timed():
+    import torch
+
+    from graphbucket.tuning.measure import AGREEMENT_RTOL, check_outputs_agree
+
+    gen = torch.Generator().manual_seed(4)
+    exact = torch.randn(8, 16, 512, generator=gen, dtype=torch.float64)
+    # Two correct bf16 kernels: the same values, each rounded its own way (1e-2 apart).
+    near = (exact * (1 + 5e-3 * torch.randn(exact.shape, generator=gen,
+                                           dtype=torch.float64))).to(torch.bfloat16)
+    check_outputs_agree({"split": exact.to(torch.bfloat16), "balanced": near})
+    wrong = exact.clone()
+    wrong[3] = exact[4]  # one request attended another's rows
+    with pytest.raises(RuntimeError, match="plan 'charged' gives an output .* from plan 'split'"):
+        check_outputs_agree({"split": exact.to(torch.bfloat16), "ok": near,
+                             "charged": wrong.to(torch.bfloat16)})
+    unwritten = exact.clone()
+    unwritten[0, 0, 0] = float("nan")
+    with pytest.raises(RuntimeError, match="nan"):
+        check_outputs_agree({"split": exact, "balanced": unwritten})
+    assert AGREEMENT_RTOL < 0.1

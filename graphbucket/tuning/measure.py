@@ -36,6 +36,24 @@ PAGE_SIZE, QK_DIM, KV_LORA_RANK = 64, 576, 512
 
 # fp8-tensor caches hold N(0, 1) rows with this per-tensor scale (amax 8, as bench/tpot.py).
 FP8_TENSOR_SCALE = 8.0 / fp8.FP8_MAX
+# Plans timed together run the same attention: their bf16 outputs agree to about 1e-2
+# (each within that of float64); a kernel that is wrong is off by order one.
+AGREEMENT_RTOL = 3e-2
+
+
+def check_outputs_agree(outputs: Mapping[str, torch.Tensor]) -> None:
+    """RuntimeError unless every plan's output is within ``AGREEMENT_RTOL`` (relative L2) of
+    the first plan's: a plan that computes something else is never timed, so a kernel
+    that is wrong on this GPU cannot win a tuning or an oracle."""
+    labels = list(outputs)
+    ref = outputs[labels[0]].double()
+    norm = max(float(ref.norm()), 1e-30)
+    for label in labels[1:]:
+        err = float((outputs[label].double() - ref).norm()) / norm
+        if not err < AGREEMENT_RTOL:  # NaN fails too
+            raise RuntimeError(f"plan {label!r} gives an output {err:.3g} (relative L2) away "
+                               f"from plan {labels[0]!r}'s on the same inputs; a plan that "
+                               "disagrees is not timed (run its kernel's GPU tests)")
 
 
 def kv_bytes(context: int, batch: int, num_heads: int = 16, kv_cache: str = "bf16") -> int:
@@ -286,10 +304,24 @@ class PlanTimer:
 
     def _time(self, inputs, plans: Mapping[str, LaunchPlan]) -> dict[str, float]:
         tables, q, out, seq_lens = inputs
+        self._check(tables, q, out, seq_lens, plans)
         return time_replays_paired(
             {label: rotated_calls(self.problem, tables, q, out, seq_lens, self.ws, plan,
                                   self.scale, self.q_len) for label, plan in plans.items()},
             calls_per_graph=tables.shape[0], reps=TUNE_REPS, min_ms=SAMPLE_MS)
+
+
+    def _check(self, tables, q, out, seq_lens, plans: Mapping[str, LaunchPlan]) -> None:
+        """Each plan once on the first rotation, the outputs compared (``check_outputs_agree``)."""
+        outputs = {}
+        for label, plan in plans.items():
+            decode = mla_decode_balanced if plan.balanced else mla_decode
+            extra = {} if plan.balanced else {"q_len": self.q_len}
+            got = torch.full_like(out[0], float("nan"))
+            decode(q[0], self.problem.cache, tables[0], seq_lens, got, self.ws, plan=plan,
+                   sm_scale=self.scale, kv_scale=self.problem.kv_scale, **extra)
+            outputs[label] = got
+        check_outputs_agree(outputs)
 
 
 def time_ragged(timer: PlanTimer, mixes: Iterable[tuple[int, str, list[int]]],
