@@ -176,20 +176,16 @@ def _range_compute(q_s, kv_s, stats_s, bars, desc_s, PART_O, PART_LSE, OUT, LSE,
         o_ptr = PART_O + item * stride_po_i + h0 * stride_po_h
         lse_ptr = PART_LSE + item * stride_pl_i + h0
         num_rows = gl.minimum(num_heads - h0, ROWS)
-        if CHARGED:  # a request left whole: its output and LSE, not a partial
-            bid = _word(desc, words, D_BID)
-            warpgroup_compute(q_s, kv_s, stats_s, bars, _word(desc, words, D_START),
-                              _word(desc, words, D_END), _word(desc, words, D_STEPS),
-                              qk_scale_log2, o_ptr, lse_ptr, stride_po_h, 1, num_rows, False,
-                              False, PARITY, _word(desc, words, D_G0), seg & 1, True,
-                              _word(desc, words, D_FINAL),
-                              OUT + bid * stride_o_b + h0 * stride_o_h,
-                              LSE + bid * stride_lse_b + h0, stride_o_h, True, WRITE_LSE)
-        else:
-            warpgroup_compute(q_s, kv_s, stats_s, bars, _word(desc, words, D_START),
-                              _word(desc, words, D_END), _word(desc, words, D_STEPS),
-                              qk_scale_log2, o_ptr, lse_ptr, stride_po_h, 1, num_rows, False,
-                              False, PARITY, _word(desc, words, D_G0), seg & 1, True)
+        # A charged cut's request left whole (D_FINAL): its output and LSE, not a partial.
+        # Without CHARGED the loader writes neither word and FINAL drops their use.
+        bid = _word(desc, words, D_BID)
+        warpgroup_compute(q_s, kv_s, stats_s, bars, _word(desc, words, D_START),
+                          _word(desc, words, D_END), _word(desc, words, D_STEPS),
+                          qk_scale_log2, o_ptr, lse_ptr, stride_po_h, 1, num_rows, False,
+                          False, PARITY, _word(desc, words, D_G0), seg & 1, True,
+                          _word(desc, words, D_FINAL),
+                          OUT + bid * stride_o_b + h0 * stride_o_h,
+                          LSE + bid * stride_lse_b + h0, stride_o_h, CHARGED, WRITE_LSE)
 
 
 @gluon.jit
