@@ -107,14 +107,17 @@ def _runner(ladder, *, device, sizes=(1, 4)):
     return model, runner
 
 
-def test_the_runner_captures_each_capture_sizes_kernel_and_matches_the_reference(device):
+@pytest.mark.parametrize("kernel", ["seesaw", "seesaw-charged"])
+def test_the_runner_captures_each_capture_sizes_kernel_and_matches_the_reference(device,
+                                                                                  kernel):
     # Batch 4 replays balanced graphs on the seesaw's 64-row programs (off Hopper the
     # Triton kernel runs that plan, 48 of 64 rows masked); batch 2 keeps the default.
-    model, runner = _runner(RAGGED.with_balanced_kernels({4: "seesaw"}), device=device,
+    model, runner = _runner(RAGGED.with_balanced_kernels({4: kernel}), device=device,
                             sizes=(2, 4))
     runner.capture()
     balanced = {r.batch_size: r.plan for r in runner.records if r.plan.balanced}
     assert balanced[4].seesaw and balanced[4].block_h == 64
+    assert balanced[4].charged_ranges == (kernel == "seesaw-charged")
     assert not balanced[2].seesaw and balanced[2].block_h == 16
     rng = np.random.default_rng(3)
     for lens in ([300, 10, 20], [320, 0, 1, 64], [310, 5], [300, 290, 280, 270]):
