@@ -146,29 +146,11 @@ def _strided(items: np.ndarray, part: Partition, overhead: float) -> float:
     return float(max(per_program.max(), per_sm.max()))
 
 
-def _ranges(tiles: np.ndarray, part: Partition, overhead: float) -> tuple[float, int]:
-    """One program per equal range of tiles across request boundaries, each (request,
-    range) segment charged ``overhead``: (the busiest range, the segments)."""
-    live = tiles[tiles > 0]
-    total = int(live.sum())
-    if not total:
-        return 0.0, 0
-    per = max(part.min_chunk, -(-total // part.programs))
-    ends = np.cumsum(live)
-    starts = ends - live
-    lo = np.arange(0, total, per)
-    hi = np.minimum(lo + per, total)
-    first = np.searchsorted(ends, lo, side="right")
-    last = np.searchsorted(starts, hi, side="left") - 1
-    segments = last - first + 1
-    return float(((hi - lo) + overhead * segments).max()), int(segments.sum())
-
-
 def charged_bounds(tiles: np.ndarray, programs: int, min_chunk: int, charge: int
                    ) -> np.ndarray:
-    """The device's charged cut (``kernels.balanced.plan_tile_ranges_kernel`` with a
-    ``CHARGE``): int64 [programs + 1] tile bounds of the programs' ranges, each live request
-    counting ``charge`` units before its tiles."""
+    """The device's cut (``kernels.balanced.plan_tile_ranges_kernel``): int64
+    [programs + 1] tile bounds of the programs' ranges, each live request counting
+    ``charge`` units before its tiles (0: equal tile ranges)."""
     tiles = np.asarray(tiles, dtype=np.int64)
     units = np.where(tiles > 0, tiles + charge, 0)
     total_units, total_tiles = int(units.sum()), int(tiles.sum())
@@ -184,13 +166,15 @@ def charged_bounds(tiles: np.ndarray, programs: int, min_chunk: int, charge: int
     return np.where(inside & (x < total_units), first_tile + into, total_tiles)
 
 
-def _charged(tiles: np.ndarray, part: Partition, overhead: float) -> tuple[float, int]:
-    """One program per range of a charged cut, each (request, range) segment charged
-    ``overhead``: (the busiest range, the segments)."""
+def _ranges(tiles: np.ndarray, part: Partition, overhead: float, charge: int
+            ) -> tuple[float, int]:
+    """One program per range of tiles across request boundaries (equal ranges at ``charge``
+    0, else a charged cut's), each (request, range) segment charged ``overhead``: (the
+    busiest range, the segments)."""
     live = tiles[tiles > 0].astype(np.int64)
     if not live.size:
         return 0.0, 0
-    bounds = charged_bounds(live, part.programs, part.min_chunk, RANGE_REQUEST_CHARGE_TILES)
+    bounds = charged_bounds(live, part.programs, part.min_chunk, charge)
     lo, hi = bounds[:-1], bounds[1:]
     ends = np.cumsum(live)
     starts = ends - live
@@ -207,8 +191,8 @@ def makespan(lens: Sequence[int] | np.ndarray, part: Partition, overhead: float
     tiles = np.ceil(np.asarray(lens, dtype=np.float64) / part.block_n)
     scale = part.block_n / TILE
     if part.kind in (RANGES, CHARGED):
-        cut = _ranges if part.kind == RANGES else _charged
-        load, segments = cut(tiles, part, overhead / scale)
+        charge = RANGE_REQUEST_CHARGE_TILES if part.kind == CHARGED else 0
+        load, segments = _ranges(tiles, part, overhead / scale, charge)
         return load * scale, segments
     items = _items(tiles, _chunk(tiles, part))
     if part.kind == STRIDED:
