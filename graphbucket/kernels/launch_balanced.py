@@ -71,7 +71,7 @@ def mla_decode_balanced(q: torch.Tensor, kv_cache: torch.Tensor, block_table: to
                                sm_scale=sm_scale, lse=lse, block_n=block_n, kv_scale=kv_scale)
     # The seesaw writes every item as a partial, but for the requests a charged cut leaves
     # whole (their output is written already).
-    charged = seesaw and plan.tile_ranges and plan.charged_ranges
+    charged = seesaw and plan.charged_ranges  # (a charged cut is a tile-range plan)
     launch_balanced_merge(out, workspace, plan=plan, lse=lse, merge_single=seesaw and not charged,
                           dependent=charged and pdl_capable(out.device))
     return out
