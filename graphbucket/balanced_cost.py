@@ -38,7 +38,8 @@ class Partition:
     """How one balanced plan cuts a step: ``kind`` (one program per work item, ``items``;
     the same with chunks fitted to at most ``programs`` items, ``fitted``; one persistent
     program per equal range of tiles, ``ranges``; persistent programs striding over the
-    items, ``strided``, ``per_sm`` of them per SM), ``programs`` per head block, tile size
+    items, ``strided``, ``per_sm`` of them per SM; the ranges cut by work, ``charged``, each
+    live request counting ``charge`` tiles more), ``programs`` per head block, tile size
     ``block_n`` and the smallest chunk ``min_chunk`` in tiles."""
 
     kind: str
@@ -46,6 +47,7 @@ class Partition:
     block_n: int
     min_chunk: int
     per_sm: int = 1
+    charge: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
@@ -53,22 +55,28 @@ class Partition:
         if min(self.programs, self.block_n, self.min_chunk, self.per_sm) < 1:
             raise ValueError(f"Partition needs positive programs, block_n, min_chunk and "
                              f"per_sm, got {self}")
+        if self.charge < 0 or (self.charge and self.kind != CHARGED):
+            raise ValueError(f"Partition.charge is a charged cut's, at least 0; got {self}")
 
     @property
-    def cut(self) -> tuple[str, int, int, int]:
-        """What the plan decides (kind, programs, tile size, smallest chunk); ``per_sm``
-        follows from the GPU's SM count."""
-        return self.kind, self.programs, self.block_n, self.min_chunk
+    def cut(self) -> tuple[str, int, int, int, int]:
+        """What the plan decides (kind, programs, tile size, smallest chunk, charge);
+        ``per_sm`` follows from the GPU's SM count."""
+        return self.kind, self.programs, self.block_n, self.min_chunk, self.charge
 
     def to_list(self) -> list:
-        return [self.kind, self.programs, self.block_n, self.min_chunk, self.per_sm]
+        return [self.kind, self.programs, self.block_n, self.min_chunk, self.per_sm] + \
+            ([self.charge] if self.kind == CHARGED else [])
 
     @classmethod
     def from_list(cls, raw: Sequence) -> Partition:
-        if not isinstance(raw, Sequence) or len(raw) != 5:
-            raise ValueError(f"a partition is [kind, programs, block_n, min_chunk, per_sm], "
-                             f"got {raw!r}")
-        return cls(str(raw[0]), *(int(v) for v in raw[1:]))
+        if not isinstance(raw, Sequence) or len(raw) not in (5, 6):
+            raise ValueError(f"a partition is [kind, programs, block_n, min_chunk, per_sm"
+                             f"(, charge)], got {raw!r}")
+        kind, values = str(raw[0]), [int(v) for v in raw[1:]]
+        if len(values) == 4 and kind == CHARGED:  # saved before the charge was the plan's
+            values.append(RANGE_REQUEST_CHARGE_TILES)
+        return cls(kind, *values)
 
 
 def partition_of(plan: Any, num_sms: int | None) -> Partition:
@@ -86,7 +94,8 @@ def partition_of(plan: Any, num_sms: int | None) -> Partition:
     per_sm = 1
     if kind == STRIDED and num_sms:
         per_sm = max(1, programs * plan.num_head_blocks // num_sms)
-    return Partition(kind, programs, plan.block_n, plan.min_chunk_tiles, per_sm)
+    charge = plan.range_charge_tiles if kind == CHARGED else 0
+    return Partition(kind, programs, plan.block_n, plan.min_chunk_tiles, per_sm, charge)
 
 
 def _item_count(tiles: np.ndarray, chunk: int) -> int:
@@ -191,8 +200,7 @@ def makespan(lens: Sequence[int] | np.ndarray, part: Partition, overhead: float
     tiles = np.ceil(np.asarray(lens, dtype=np.float64) / part.block_n)
     scale = part.block_n / TILE
     if part.kind in (RANGES, CHARGED):
-        charge = RANGE_REQUEST_CHARGE_TILES if part.kind == CHARGED else 0
-        load, segments = _ranges(tiles, part, overhead / scale, charge)
+        load, segments = _ranges(tiles, part, overhead / scale, part.charge)
         return load * scale, segments
     items = _items(tiles, _chunk(tiles, part))
     if part.kind == STRIDED:

@@ -86,6 +86,8 @@ FUSED_MERGE_MAX_SPLITS = 4
 # what starting a segment costs a program beside its tiles (the Q load, the pipeline's fill,
 # the partial written and merged), in 64-token tiles.
 RANGE_REQUEST_CHARGE_TILES = 5
+# The charge is a compile-time constant of the range planner: one variant per value.
+MAX_RANGE_CHARGE_TILES = 64
 
 
 def cdiv(a: int, b: int) -> int:
@@ -150,9 +152,11 @@ class LaunchPlan:
     # program per chunk of a request.
     tile_ranges: bool = False
     # Tile-range plans: the ranges are cut by work, each live request charged
-    # RANGE_REQUEST_CHARGE_TILES tiles more than its own (its Q load, partial and merge), so a
-    # program that meets many short requests takes fewer tiles.
+    # ``range_charge_tiles`` tiles more than its own (its Q load, partial and merge), so a
+    # program that meets many short requests takes fewer tiles; a request the cut leaves
+    # whole gets its output from stage 1.
     charged_ranges: bool = False
+    range_charge_tiles: int = 0
     # Balanced item plans: the device grows the chunk until the step has no more items than
     # programs (where its live requests allow), so no program runs a second item.
     fit_items: bool = False
@@ -219,7 +223,7 @@ class LaunchPlan:
             return (f"balanced programs={self.persistent_programs} grid={self.grid} "
                     f"block_h={self.block_h} block_n={self.block_n}{self._layout}"
                     f"{' seesaw' if self.seesaw else ''}{' ranges' if self.tile_ranges else ''}"
-                    f"{' charged' if self.charged_ranges else ''}"
+                    f"{f' charged={self.range_charge_tiles}' if self.charged_ranges else ''}"
                     f"{' fitted' if self.fit_items else ''}"
                     f" min_chunk={self.min_chunk_tiles} "
                     f"+merge(bs={self.merge_block_s}){fp8}")
@@ -370,6 +374,7 @@ def plan_balanced_mla_decode(
     tile_ranges: bool = False,
     fit_items: bool = False,
     charged_ranges: bool = False,
+    range_charge_tiles: int | None = None,
 ) -> LaunchPlan:
     """Plan balanced split-KV decode for ``batch_size`` requests of any lengths.
 
@@ -389,8 +394,8 @@ def plan_balanced_mla_decode(
     at least that size that cuts the step into at most ``programs`` items, where the live
     requests number no more than the programs and that chunk is at most 1.5x the plain
     one; each program then runs one item. ``charged_ranges`` (tile-range plans): the ranges
-    are equal in work, not tiles: each live request counts RANGE_REQUEST_CHARGE_TILES tiles
-    more than it holds.
+    are equal in work, not tiles: each live request counts ``range_charge_tiles`` (default
+    RANGE_REQUEST_CHARGE_TILES) tiles more than it holds.
     """
     _check_positive(batch_size=batch_size, num_heads=num_heads, num_sms=num_sms)
     block_h = stream.block_h if stream is not None and stream.block_h else \
@@ -402,6 +407,13 @@ def plan_balanced_mla_decode(
                          f"seesaw stream); got block_h {block_h}, seesaw {stream.seesaw}")
     if charged_ranges and not tile_ranges:
         raise ValueError("charged_ranges cuts tile ranges by work; it needs tile_ranges")
+    if range_charge_tiles is not None and not charged_ranges:
+        raise ValueError("range_charge_tiles is the charge of a charged_ranges cut; "
+                         "pass charged_ranges=True with it")
+    charge = RANGE_REQUEST_CHARGE_TILES if range_charge_tiles is None else range_charge_tiles
+    if charged_ranges and not (isinstance(charge, int) and 0 <= charge <= MAX_RANGE_CHARGE_TILES):
+        raise ValueError(f"range_charge_tiles must be an int in [0, {MAX_RANGE_CHARGE_TILES}], "
+                         f"got {range_charge_tiles!r}")
     if fit_items and tile_ranges:
         raise ValueError("fit_items sizes the chunks of item plans; a tile_ranges plan has "
                          "one range per program already")
@@ -419,7 +431,8 @@ def plan_balanced_mla_decode(
                  num_kv_splits=1, merge_block_s=merge_block_s(items_per_request),
                  persistent_programs=programs, min_chunk_tiles=min_chunk_tiles,
                  seesaw=stream.seesaw, tile_ranges=tile_ranges,
-                 charged_ranges=charged_ranges, fit_items=fit_items)
+                 charged_ranges=charged_ranges,
+                 range_charge_tiles=charge if charged_ranges else 0, fit_items=fit_items)
     if whole_row_merge(batch_size, num_heads, programs):
         plan = replace(plan, merge_block_dv=min(WHOLE_ROW_MERGE_DV, kv_lora_rank),
                        merge_num_warps=8)

@@ -60,15 +60,15 @@ def compile_stage1(balanced: bool = False, ranges: bool = False, charged: bool =
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
 
-def compile_range_planner(charge: int):
+def compile_range_planner(charge: int, bounds: bool):
     """The tile-range planner (a Triton kernel) that feeds the range kernel: equal ranges
-    (``charge`` 0) or a charged cut."""
+    (``bounds`` False) or a cut by work at ``charge`` tiles per request."""
     from triton.compiler import ASTSource
 
     from graphbucket.kernels.balanced import plan_tile_ranges_kernel as kernel
 
     constants = {"BLOCK_N": 64, "MIN_RANGE_TILES": 2, "BLOCK_B": 128, "CHARGE": charge,
-                 "BLOCK_P": 256}
+                 "BLOCK_P": 256, "BOUNDS": bounds}
     signature = {p.name: "constexpr" if p.name in constants else
                  "i32" if p.name in ("batch", "num_programs") else "*i32"
                  for p in kernel.params}
@@ -111,7 +111,8 @@ def main() -> None:
             (args.dump / f"seesaw-balanced.{kind}").write_text(balanced.asm[kind])
             (args.dump / f"seesaw-ranges.{kind}").write_text(ranges.asm[kind])
             (args.dump / f"seesaw-charged.{kind}").write_text(charged.asm[kind])
-    planners = {str(c): compile_range_planner(c).metadata.shared for c in (0, 5)}
+    planners = {f"{c}{'-bounds' if b else ''}": compile_range_planner(c, b).metadata.shared
+                for c, b in ((0, False), (0, True), (5, True))}
     merge = compile_balanced_merge().asm["ptx"]
     print(json.dumps({**summary(compiled), "balanced": summary(balanced),
                       "ranges": summary(ranges), "charged": summary(charged),

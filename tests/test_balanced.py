@@ -20,6 +20,7 @@ from graphbucket.kernels import SplitWorkspace, mla_decode, mla_decode_balanced
 from graphbucket.kernels.launch import tile_tokens
 from graphbucket.kernels.launch_balanced import launch_item_planner, launch_range_planner
 from graphbucket.plan import (
+    MAX_RANGE_CHARGE_TILES,
     RANGE_REQUEST_CHARGE_TILES,
     LaunchPlan,
     cdiv,
@@ -341,15 +342,16 @@ def python_charged(lens: list[int], programs: int, min_tiles: int, charge: int
 
 
 @pytest.mark.parametrize("lens, programs, min_tiles", RANGE_CASES)
-def test_charged_range_planner_matches_python(lens, programs, min_tiles):
+@pytest.mark.parametrize("charge", [0, 2, RANGE_REQUEST_CHARGE_TILES])
+def test_charged_range_planner_matches_python(lens, programs, min_tiles, charge):
     plan = plan_balanced_mla_decode(len(lens), HEADS, programs=programs, stream=SEESAW_STREAM,
                                     min_chunk_tiles=min_tiles, tile_ranges=True,
-                                    charged_ranges=True, **DIMS)
+                                    charged_ranges=True, range_charge_tiles=charge, **DIMS)
+    assert plan.range_charge_tiles == charge and f"charged={charge}" in plan.describe()
     ws = workspace_for(plan)
     ws.range_bounds.fill_(-1)
     launch_range_planner(torch.tensor(lens, dtype=torch.int32, device=DEVICE), ws, plan=plan)
-    tile_indptr, item_indptr, bounds, first = python_charged(lens, programs, min_tiles,
-                                                             RANGE_REQUEST_CHARGE_TILES)
+    tile_indptr, item_indptr, bounds, first = python_charged(lens, programs, min_tiles, charge)
     assert ws.tile_indptr.tolist() == tile_indptr and ws.item_indptr.tolist() == item_indptr
     assert ws.range_bounds[:programs + 1].tolist() == bounds
     live = [b for b, n in enumerate(lens) if n]
@@ -385,6 +387,20 @@ def test_charged_ranges_cover_every_token_once_and_each_partial_slot_once():
         assert item_indptr[-1] <= programs + sum(n > 0 for n in lens) - (1 if any(lens) else 0)
     with pytest.raises(ValueError, match="charged_ranges cuts tile ranges by work"):
         plan_balanced_mla_decode(8, 16, stream=SEESAW_STREAM, charged_ranges=True)
+
+
+@pytest.mark.host
+def test_a_charged_cut_takes_its_charge_from_the_plan_and_checks_it():
+    ranges = {"stream": SEESAW_STREAM, "tile_ranges": True}
+    assert plan_balanced_mla_decode(8, 16, charged_ranges=True, **ranges).range_charge_tiles \
+        == RANGE_REQUEST_CHARGE_TILES
+    assert plan_balanced_mla_decode(8, 16, **ranges).range_charge_tiles == 0
+    for bad in (-1, MAX_RANGE_CHARGE_TILES + 1, 2.5):
+        with pytest.raises(ValueError, match="range_charge_tiles must be an int"):
+            plan_balanced_mla_decode(8, 16, charged_ranges=True, range_charge_tiles=bad,
+                                     **ranges)
+    with pytest.raises(ValueError, match="pass charged_ranges=True with it"):
+        plan_balanced_mla_decode(8, 16, range_charge_tiles=2, **ranges)
 
 
 @pytest.mark.host

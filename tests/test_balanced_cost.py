@@ -6,6 +6,7 @@ from __future__ import annotations
 import heapq
 import json
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +29,7 @@ from graphbucket.balanced_cost import (
 )
 from graphbucket.graphs import GraphTable, balanced_kernel_of, check_cost_partitions
 from graphbucket.ladder import Bucket, BucketLadder
-from graphbucket.plan import cdiv
+from graphbucket.plan import RANGE_REQUEST_CHARGE_TILES, cdiv
 from graphbucket.select import GraphSelector
 from graphbucket.tuning.kernel_pairs import MIN_GAIN, choose_kernel_pairs, fit_cost_model
 from graphbucket.tuning.ragged import RaggedSample, choose_switches
@@ -134,9 +135,26 @@ def test_a_charged_cut_shortens_the_busiest_range_of_a_spread():
     # 64 requests spread over 1..8K: the equal cut's programs meeting many short requests
     # carry their per-segment cost on top of a full range; the charged cut gives them less.
     lens = [1 + (8192 - 1) * i // 63 for i in range(64)]
-    equal, charged = Partition(RANGES, 132, 64, 2), Partition(CHARGED, 132, 64, 2)
+    equal = Partition(RANGES, 132, 64, 2)
+    charged = Partition(CHARGED, 132, 64, 2, charge=RANGE_REQUEST_CHARGE_TILES)
     assert makespan(lens, charged, 5.0)[0] < makespan(lens, equal, 5.0)[0]
     assert makespan([], charged, 5.0) == (0.0, 0)
+    # Charge 0 cuts as the equal ranges do.
+    assert makespan(lens, Partition(CHARGED, 132, 64, 2), 5.0) == makespan(lens, equal, 5.0)
+
+
+def test_a_charged_partition_keeps_its_charge_and_reads_older_lists():
+    part = Partition(CHARGED, 66, 64, 2, charge=3)
+    assert Partition.from_list(part.to_list()) == part and len(part.to_list()) == 6
+    assert len(Partition(RANGES, 66, 64, 2).to_list()) == 5
+    # Lists saved before a plan carried its charge: the default charge.
+    assert Partition.from_list([CHARGED, 66, 64, 2, 1]).charge == RANGE_REQUEST_CHARGE_TILES
+    plan = TritonBackend(num_sms=NUM_SMS).plan_balanced(8, 128, "seesaw-charged")
+    assert partition_of(replace(plan, range_charge_tiles=2), NUM_SMS).charge == 2
+    with pytest.raises(ValueError, match="charge is a charged cut's"):
+        Partition(RANGES, 66, 64, 2, charge=2)
+    with pytest.raises(ValueError, match="charge is a charged cut's"):
+        Partition(CHARGED, 66, 64, 2, charge=-1)
 
 
 def test_partitions_are_read_off_the_backends_plans():
@@ -147,7 +165,8 @@ def test_partitions_are_read_off_the_backends_plans():
                      "seesaw": Partition(ITEMS, 132, 64, 2),
                      "seesaw-ranges": Partition(RANGES, 132, 64, 2),
                      "seesaw-fitted": Partition(FITTED, 132, 64, 2),
-                     "seesaw-charged": Partition(CHARGED, 132, 64, 2)}
+                     "seesaw-charged": Partition(CHARGED, 132, 64, 2,
+                                                 charge=RANGE_REQUEST_CHARGE_TILES)}
     assert partition_of(backend.plan_balanced(8, 128, "seesaw-fitted"), NUM_SMS) == \
         Partition(FITTED, 66, 64, 2)
     with pytest.raises(ValueError, match="needs a balanced plan"):

@@ -14,6 +14,7 @@ import torch
 from graphbucket import GraphBucketRunner, get_backend
 from graphbucket.bucket import DEFAULT_BALANCED_KERNEL
 from graphbucket.ladder import Bucket, BucketLadder, default_ladder
+from graphbucket.plan import RANGE_REQUEST_CHARGE_TILES
 from graphbucket.plan_streams import SEESAW_STREAM
 from graphbucket.tuning.ragged import RaggedSample, choose_balanced_kernels
 from graphbucket.tuning.shipped import clip_ladder
@@ -87,8 +88,9 @@ def test_backends_offer_their_balanced_kernels_and_refuse_others():
         assert fitted.seesaw and fitted.fit_items and not fitted.tile_ranges
         assert fitted.persistent_programs == programs and " fitted " in fitted.describe()
         charged = triton.plan_balanced(32, heads, "seesaw-charged")
-        assert charged == replace(ranges, charged_ranges=True) and " charged" in \
-            charged.describe()
+        assert charged == replace(ranges, charged_ranges=True,
+                                  range_charge_tiles=RANGE_REQUEST_CHARGE_TILES)
+        assert f" charged={RANGE_REQUEST_CHARGE_TILES}" in charged.describe()
     with pytest.raises(ValueError, match="no balanced kernel 'seesaw'.*offers "
                                          "\\['default', 'seesaw-ranges', 'seesaw-fitted', "
                                          "'seesaw-charged'\\]"):

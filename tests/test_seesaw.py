@@ -107,7 +107,7 @@ def test_seesaw_compiles_for_sm90_within_shared_memory():
         assert kernel["wgmma"] > 0 and kernel["tma_copies"] > 0, report
     # The Triton planner of both range cuts compiles for the GPU too (the interpreter runs
     # it in the CPU tests).
-    assert set(report["range_planner_shared_bytes"]) == {"0", "5"}, report
+    assert set(report["range_planner_shared_bytes"]) == {"0", "0-bounds", "5-bounds"}, report
     # The charged seesaw lets the merge launch early; the merge waits for its partials.
     assert report["charged"]["dependent_launch"] and not report["ranges"]["dependent_launch"]
     assert report["dependent_merge_waits"] >= 1, report
@@ -119,16 +119,19 @@ def test_seesaw_compiles_for_sm90_within_shared_memory():
                                   [100000] + [1024] * 31])
 @pytest.mark.parametrize("heads", [16, 64, 128])
 # ranges: None, one program per item; 0, tile ranges on one program per SM; 3, on 3;
-# "charged-0" / "charged-3": the same cut by work (a charge per request).
-@pytest.mark.parametrize("ranges", [None, 0, 3, "charged-0", "charged-3"])
+# "charged-0" / "charged-3": the same cut by work (a charge per request); "-cN": charge N.
+@pytest.mark.parametrize("ranges", [None, 0, 3, "charged-0", "charged-3", "charged-0-c0",
+                                    "charged-3-c1"])
 def test_gpu_balanced_seesaw_matches_float64(lens, heads, ranges, seeded):
     gen = torch.Generator().manual_seed(seeded)
     case = nan_tailed_case(lens, heads, gen)
     charged = isinstance(ranges, str)
-    programs = int(ranges.split("-")[1]) if charged else ranges
+    parts = ranges.split("-") if charged else []
+    programs = int(parts[1]) if charged else ranges
+    charge = {"range_charge_tiles": int(parts[2][1:])} if len(parts) > 2 else {}
     plan = plan_balanced_mla_decode(len(lens), heads, stream=SEESAW_STREAM,
                                     tile_ranges=ranges is not None, programs=programs or None,
-                                    charged_ranges=charged)
+                                    charged_ranges=charged, **charge)
     assert plan.seesaw and runs_seesaw(plan, case.q, case.kv_cache), plan.describe()
     sm_scale = default_sm_scale()
     ws = SplitWorkspace.allocate(len(lens), heads, 1, KV_LORA_RANK, "cuda",

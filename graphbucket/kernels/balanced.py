@@ -123,7 +123,8 @@ def plan_work_items_kernel(SEQ_LENS, ITEM_INDPTR, CHUNK_TILES, batch, num_progra
 def plan_tile_ranges_kernel(SEQ_LENS, TILE_INDPTR, ITEM_INDPTR, RANGE_TILES, RANGE_BOUNDS,
                             FIRST_PROGRAM, batch, num_programs, BLOCK_N: tl.constexpr,
                             MIN_RANGE_TILES: tl.constexpr, BLOCK_B: tl.constexpr,
-                            CHARGE: tl.constexpr = 0, BLOCK_P: tl.constexpr = 1):
+                            CHARGE: tl.constexpr = 0, BLOCK_P: tl.constexpr = 1,
+                            BOUNDS: tl.constexpr = False):
     """The partition of the Gluon seesaw over tile ranges: the batch's tiles in request
     order, each live request b counting ``units_b = CHARGE + tiles_b`` (its charge first,
     then its tiles), program p taking units [p * per, (p + 1) * per) with per =
@@ -137,7 +138,7 @@ def plan_tile_ranges_kernel(SEQ_LENS, TILE_INDPTR, ITEM_INDPTR, RANGE_TILES, RAN
         item_indptr     = [0, segments_0, segments_0 + segments_1, ...]
 
     ``CHARGE`` 0 (equal tile ranges): program p runs tiles [p * per, (p + 1) * per), and
-    ``per`` goes to RANGE_TILES. ``CHARGE`` > 0 (a cut by work, ``charged_ranges``): a unit
+    ``per`` goes to RANGE_TILES. ``BOUNDS`` (a cut by work, ``charged_ranges``, any CHARGE): a unit
     x maps to the tile it reaches (the owner request's first tile plus x - its first unit -
     CHARGE, clamped to the request; a boundary inside a charge falls on the request's first
     tile, and the program before it may be empty); program p runs tiles [RANGE_BOUNDS[p],
@@ -168,12 +169,12 @@ def plan_tile_ranges_kernel(SEQ_LENS, TILE_INDPTR, ITEM_INDPTR, RANGE_TILES, RAN
         segments = tl.where(tiles > 0, (unit_ends - 1) // per - first + 1, 0)
         tl.store(TILE_INDPTR + 1 + offs, tile_carry + tl.cumsum(tiles, 0), mask=mask)
         tl.store(ITEM_INDPTR + 1 + offs, item_carry + tl.cumsum(segments, 0), mask=mask)
-        if CHARGE > 0:
+        if BOUNDS:
             tl.store(FIRST_PROGRAM + offs, tl.where(tiles > 0, first, 0), mask=mask)
         tile_carry += tl.sum(tiles, 0)
         unit_carry += tl.sum(units, 0)
         item_carry += tl.sum(segments, 0)
-    if CHARGE > 0:
+    if BOUNDS:
         # Programs x requests at once: a narrower scan keeps the tile in registers.
         _charged_bounds(SEQ_LENS, RANGE_BOUNDS, batch, num_programs, per, total_tiles,
                         total_units, BLOCK_N, CHARGE, 32, BLOCK_P)

@@ -24,7 +24,7 @@ from graphbucket.kernels.launch import (
     pdl_capable,
     runs_seesaw,
 )
-from graphbucket.plan import RANGE_REQUEST_CHARGE_TILES, LaunchPlan, pow2_ceil
+from graphbucket.plan import LaunchPlan, pow2_ceil
 
 # Requests scanned per step by the planner and by each item's owner search: batches up
 # to this size take one step.
@@ -149,8 +149,8 @@ def launch_range_planner(seq_lens: torch.Tensor, workspace: SplitWorkspace, *,
         plan.batch_size, plan.persistent_programs,
         BLOCK_N=64, MIN_RANGE_TILES=plan.min_chunk_tiles,
         BLOCK_B=scan_block(plan.batch_size),
-        CHARGE=RANGE_REQUEST_CHARGE_TILES if charged else 0,
-        BLOCK_P=min(256, pow2_ceil(plan.persistent_programs + 1)),
+        CHARGE=plan.range_charge_tiles if charged else 0,
+        BLOCK_P=min(256, pow2_ceil(plan.persistent_programs + 1)), BOUNDS=charged,
     )
 
 
