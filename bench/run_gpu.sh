@@ -5,7 +5,7 @@
 # TPOT per policy, and the demo's GPU path. Run it on a CUDA machine.
 # steps: any of tests gputests balancedtests sweep fisweep capture tune tunefp8 tunemtp tunesparse
 #        tpot tpotfp8 tpotmtp ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp hostphases
-#        balancedseesaw tpotbatches tpothf stepkernels
+#        balancedseesaw tpotbatches tpothf stepkernels onerescale
 #        (tpotdp: TPOT of the 128-head deepseek-v3-dp preset, the compute-bound decode)
 #        (balancedtests: the balanced kernels per capture size, the ragged switch and the
 #        oracle's host logic, on the GPU)
@@ -35,6 +35,8 @@
 #        (balancedseesaw: the seesaw's GPU tests, then the seesaw (split-KV and balanced)
 #        against the Triton stage 1 on ragged mixes and uniform batches, 128 heads, then 16
 #        heads on 64-row programs; SEESAW_HEADS="16" picks)
+#        (onerescale: the seesaw's one-rescale step against float64, then the split-KV
+#        seesaw with it on against off, bench/experiments/seesaw_variant_ab.py)
 #        (fp8: FP8_AB="float-32x4 ..." adds stage-1 variants, bench/fp8_sweep.py --ab)
 #        (fisweep: the sweep with FlashInfer rows, wheels installed from .whl/ if present)
 #        (sparseab: the indexer and sparse-attention A/Bs, each checked against float64)
@@ -53,7 +55,7 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 STEPS="tests gputests balancedtests sweep fisweep capture tune tunefp8 tunemtp tunesparse retime tpot tpotfp8 tpotmtp
        ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp hostphases balancedseesaw tpotbatches
-       tpothf stepkernels"
+       tpothf stepkernels onerescale"
 usage() { sed -n '2,/^set /{/^set /d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"; }
 for arg in "$@"; do
   case $arg in
@@ -150,6 +152,19 @@ for step in $steps; do
                         --out "$R" > "$R/balanced-seesaw-h$h.log" 2>&1
                       tail -36 "$R/balanced-seesaw-h$h.log"; pack
                     done ;;
+    onerescale) # The seesaw's one-rescale step: its float64 tests, then the split-KV kernel
+                # with it on against off, in one process (the A/B's other version is this
+                # checkout's kernel with the step's default flipped).
+                timeout 200 python3 -m pytest -q tests/test_seesaw.py -m gpu -k one_rescale \
+                  -p no:cacheprovider > "$R/one-rescale-tests.log" 2>&1
+                tail -3 "$R/one-rescale-tests.log"
+                sed 's/WRITE_LSE: gl.constexpr, ONE_RESCALE: gl.constexpr = False):/WRITE_LSE: gl.constexpr, ONE_RESCALE: gl.constexpr = True):/' \
+                  graphbucket/kernels/seesaw.py > "$R/seesaw_one_rescale.py"
+                grep -q "ONE_RESCALE: gl.constexpr = True" "$R/seesaw_one_rescale.py" || {
+                  echo "onerescale: the kernel's ONE_RESCALE default was not found" >&2; continue; }
+                timeout 240 python3 bench/experiments/seesaw_variant_ab.py \
+                  --other "$R/seesaw_one_rescale.py" --out "$R" > "$R/one-rescale-ab.log" 2>&1
+                tail -14 "$R/one-rescale-ab.log" ;;
     tpothf) if [ -d .whl/hf ]; then
               python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
                 --upgrade --target /tmp/hf .whl/hf/*.whl > /dev/null 2>&1

@@ -30,9 +30,11 @@ POINTERS = {"BLOCK_TABLE": "*i32", "SEQ_LENS": "*i32", "OUT": "*bf16", "LSE": "*
             "RANGE_BOUNDS": "*i32", "FIRST_PROGRAM": "*i32"}
 
 
-def compile_stage1(balanced: bool = False, ranges: bool = False, charged: bool = False):
-    """The split-KV seesaw, or the one over balanced work items (``balanced``) or over tile
-    ranges (``ranges``; a charged cut's with ``charged``)."""
+def compile_stage1(balanced: bool = False, ranges: bool = False, charged: bool = False,
+                   one_rescale: bool = False):
+    """The split-KV seesaw (its step in the one-rescale order with ``one_rescale``), or the
+    one over balanced work items (``balanced``) or over tile ranges (``ranges``; a charged
+    cut's with ``charged``)."""
     q = torch.zeros(2, 128, 576, dtype=torch.bfloat16)
     cache = torch.zeros(8, 64, 576, dtype=torch.bfloat16)
     descriptors = dict(zip(("q_desc", "kv_desc"), seesaw.descriptors(q, cache), strict=True))
@@ -44,7 +46,8 @@ def compile_stage1(balanced: bool = False, ranges: bool = False, charged: bool =
         constants = {"PAGE_SIZE": 64, "BLOCK_B": 128}
     else:
         kernel = seesaw.seesaw_stage1_kernel
-        constants = {"PAGE_SIZE": 64, "ONE_SPLIT": False, "WRITE_LSE": True}
+        constants = {"PAGE_SIZE": 64, "ONE_SPLIT": False, "WRITE_LSE": True,
+                     "ONE_RESCALE": one_rescale}
     pointers = POINTERS
     signature = {}
     for p in kernel.params:
@@ -104,6 +107,7 @@ def main() -> None:
     balanced = compile_stage1(balanced=True)
     ranges = compile_stage1(ranges=True)
     charged = compile_stage1(ranges=True, charged=True)
+    one_rescale = compile_stage1(one_rescale=True)
     if args.dump:
         args.dump.mkdir(parents=True, exist_ok=True)
         for kind in ("ttgir", "ptx"):
@@ -111,11 +115,13 @@ def main() -> None:
             (args.dump / f"seesaw-balanced.{kind}").write_text(balanced.asm[kind])
             (args.dump / f"seesaw-ranges.{kind}").write_text(ranges.asm[kind])
             (args.dump / f"seesaw-charged.{kind}").write_text(charged.asm[kind])
+            (args.dump / f"seesaw-one-rescale.{kind}").write_text(one_rescale.asm[kind])
     planners = {f"{c}{'-bounds' if b else ''}": compile_range_planner(c, b).metadata.shared
                 for c, b in ((0, False), (0, True), (5, True))}
     merge = compile_balanced_merge().asm["ptx"]
     print(json.dumps({**summary(compiled), "balanced": summary(balanced),
                       "ranges": summary(ranges), "charged": summary(charged),
+                      "one_rescale": summary(one_rescale),
                       "range_planner_shared_bytes": planners,
                       "dependent_merge_waits": merge.count("griddepcontrol.wait")}))
 
@@ -128,6 +134,7 @@ def summary(compiled) -> dict:
         "requested_registers": [int(r) for r in registers.group(1).split(",")] if registers
         else None,
         "wgmma": ptx.count("wgmma.mma_async"),
+        "wgmma_waits": ptx.count("wgmma.wait_group"),
         "tma_copies": ptx.count("cp.async.bulk.tensor"),
         "dependent_launch": "griddepcontrol.launch_dependents" in ptx,
     }

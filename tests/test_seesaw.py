@@ -18,7 +18,7 @@ from graphbucket.kernels import (
     mla_decode,
     mla_decode_balanced,
 )
-from graphbucket.kernels.launch import runs_seesaw
+from graphbucket.kernels.launch import launch_merge, launch_seesaw_stage1, runs_seesaw
 from graphbucket.plan import plan_balanced_mla_decode, plan_mla_decode
 from graphbucket.plan_streams import SEESAW_STREAM
 from graphbucket.reference import mla_decode_reference
@@ -56,6 +56,34 @@ def test_gpu_seesaw_matches_float64(lens, heads, splits, seeded):
     lse = torch.full((len(lens), heads), float("nan"), device="cuda")
     mla_decode(q, case.kv_cache, case.block_table, case.seq_lens, out, ws, plan=plan,
                sm_scale=sm_scale, lse=lse)
+    assert_matches_float64(case, lens, out, lse, sm_scale, plan)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens", [[1], [63, 64, 65], [127, 128, 129, 0], [4113], [70000, 17],
+                                  [2048] * 8])
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("splits", [1, 3, 0])
+def test_gpu_seesaw_one_rescale_step_matches_float64(lens, heads, splits, seeded):
+    """The step order under trial (``seesaw._one_rescale_step``: both tiles' P against the
+    step's final max, one O rescale, the two PVs back to back), stage 1 then the merge as
+    ``mla_decode`` launches them."""
+    gen = torch.Generator().manual_seed(seeded)
+    case = nan_tailed_case(lens, heads, gen)
+    plan = plan_mla_decode(len(lens), heads, max(lens), stream=SEESAW_STREAM)
+    plan = plan.with_splits(splits) if splits else plan
+    q = case.q.contiguous()
+    assert plan.seesaw and runs_seesaw(plan, q, case.kv_cache), plan.describe()
+    sm_scale = default_sm_scale()
+    ws = SplitWorkspace.allocate(len(lens), heads, plan.num_kv_splits, KV_LORA_RANK, "cuda")
+    out = torch.full((len(lens), heads, KV_LORA_RANK), float("nan"), dtype=torch.bfloat16,
+                     device="cuda")
+    lse = torch.full((len(lens), heads), float("nan"), device="cuda")
+    launch_seesaw_stage1(q, case.kv_cache, case.block_table, case.seq_lens, out,
+                         ws if plan.use_stage2 else None, plan=plan, sm_scale=sm_scale, lse=lse,
+                         one_rescale=True)
+    if plan.merge_kernel:
+        launch_merge(case.seq_lens, out, ws, plan=plan, lse=lse, block_n=64)
     assert_matches_float64(case, lens, out, lse, sm_scale, plan)
 
 
@@ -100,8 +128,10 @@ def test_seesaw_compiles_for_sm90_within_shared_memory():
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    # Split-KV, over balanced work items, over tile ranges (equal, and a charged cut's).
-    for kernel in (report, report["balanced"], report["ranges"], report["charged"]):
+    # Split-KV (and its one-rescale step), over balanced work items, over tile ranges
+    # (equal, and a charged cut's).
+    for kernel in (report, report["one_rescale"], report["balanced"], report["ranges"],
+                   report["charged"]):
         assert kernel["shared_bytes"] <= 227 * 1024, report
         assert kernel["requested_registers"] == [240, 24], report
         assert kernel["wgmma"] > 0 and kernel["tma_copies"] > 0, report
@@ -111,6 +141,10 @@ def test_seesaw_compiles_for_sm90_within_shared_memory():
     # The charged seesaw lets the merge launch early; the merge waits for its partials.
     assert report["charged"]["dependent_launch"] and not report["ranges"]["dependent_launch"]
     assert report["dependent_merge_waits"] >= 1, report
+    # The one-rescale step issues as many wgmma, with two fewer drains and one O rescale
+    # per warpgroup and step instead of two.
+    assert report["one_rescale"]["wgmma"] == report["wgmma"], report
+    assert report["one_rescale"]["wgmma_waits"] == report["wgmma_waits"] - 2, report
 
 
 @pytest.mark.gpu

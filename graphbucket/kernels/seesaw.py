@@ -75,7 +75,8 @@ B_PA = gl.constexpr(25)
 B_QFREE = gl.constexpr(26)       # both warpgroups' last QK of a range's segment is done:
                                  # the loader may bring the next request's Q (count 2)
 B_DESC = gl.constexpr(27)        # + slot: the loader wrote a range segment's descriptor
-NUM_BARRIERS = gl.constexpr(29)
+B_MB = gl.constexpr(29)          # the one-rescale step: WG1's m_B, which WG0's P_A needs
+NUM_BARRIERS = gl.constexpr(30)
 BOX_BYTES = gl.constexpr(64 * 64 * 2)
 # Row-statistics slots (float32 [64] each), two sets: step s uses set s % 2, so a
 # warpgroup one step ahead never overwrites what the other has still to read.
@@ -191,16 +192,86 @@ def _pv(p, kv_s, slot, o0, o1, o2, o3, FIRST_CHUNK: gl.constexpr):
 
 
 @gluon.jit
+def _pv_pair(p_a, p_b, kv_s, o0, o1, o2, o3, FIRST_CHUNK: gl.constexpr):
+    """O += P_A V_A + P_B V_B over both tiles' value boxes from FIRST_CHUNK: eight wgmma
+    issued back to back and one wait, so the tensor pipe is not drained between the tiles."""
+    o0 = warpgroup_mma(p_a, kv_s.index(FIRST_CHUNK + 0), o0, is_async=True)
+    o1 = warpgroup_mma(p_a, kv_s.index(FIRST_CHUNK + 1), o1, is_async=True)
+    o2 = warpgroup_mma(p_a, kv_s.index(FIRST_CHUNK + 2), o2, is_async=True)
+    o3 = warpgroup_mma(p_a, kv_s.index(FIRST_CHUNK + 3), o3, is_async=True)
+    o0 = warpgroup_mma(p_b, kv_s.index(CHUNKS + FIRST_CHUNK + 0), o0, is_async=True)
+    o1 = warpgroup_mma(p_b, kv_s.index(CHUNKS + FIRST_CHUNK + 1), o1, is_async=True)
+    o2 = warpgroup_mma(p_b, kv_s.index(CHUNKS + FIRST_CHUNK + 2), o2, is_async=True)
+    o3 = warpgroup_mma(p_b, kv_s.index(CHUNKS + FIRST_CHUNK + 3), o3, is_async=True)
+    o0, o1, o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3))
+    return o0, o1, o2, o3
+
+
+@gluon.jit
+def _one_rescale_step(s, kv_s, stats_s, bars, phase, st, m_i, l_i, o0, o1, o2, o3,
+                      qk_scale_log2, PARITY: gl.constexpr, mma: gl.constexpr):
+    """A step with both tiles' P against the step's final max m_B: WG0 waits for WG1's m_B
+    before exponentiating S_A, so each warpgroup rescales O once, by 2^(m - m_B), and
+    issues its two PVs back to back. Hand-offs: m_A (WG0 -> WG1), m_B (WG1 -> WG0), P_A and
+    its row sum, P_B and its row sum, through mbarriers as in the two-rescale step."""
+    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    rows: gl.constexpr = gl.SliceLayout(1, mma)
+    p_box = kv_s.index(PARITY * CHUNKS + 2 * HALF_CHUNKS)
+    if PARITY == 0:
+        m_a = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale_log2)  # A holds a live token
+        stats_s.index(st + S_MA).store(m_a)
+        mbarrier.arrive(bars.index(B_MA))
+        mbarrier.wait(bars.index(B_MB), phase)
+        m_b = stats_s.index(st + S_MB).load(rows)
+    else:
+        mbarrier.wait(bars.index(B_MA), phase)
+        m_a = stats_s.index(st + S_MA).load(rows)
+        # Tile B may lie past the end (all -inf): then m_b = m_a.
+        m_b = gl.maximum(m_a, gl.max(s, axis=1) * qk_scale_log2)
+        stats_s.index(st + S_MB).store(m_b)
+        mbarrier.arrive(bars.index(B_MB))
+    p32 = gl.exp2(s * qk_scale_log2 - m_b[:, None])
+    own_sum = gl.sum(p32, axis=1)
+    p = p32.to(gl.bfloat16)
+    p_box.store(p)
+    stats_s.index(st + S_SUM_A + PARITY * (S_SUM_B - S_SUM_A)).store(own_sum)
+    fence_async_shared()
+    mbarrier.arrive(bars.index(B_PA + PARITY * (B_PB - B_PA)))
+    alpha = gl.exp2(m_i - m_b)
+    o0, o1, o2, o3 = o0 * alpha[:, None], o1 * alpha[:, None], o2 * alpha[:, None], \
+        o3 * alpha[:, None]
+    if PARITY == 0:
+        mbarrier.wait(bars.index(B_PB), phase)
+        other_sum = stats_s.index(st + S_SUM_B).load(rows)
+        o0, o1, o2, o3 = _pv_pair(gl.convert_layout(p, a_op),
+                                  kv_s.index(CHUNKS + 2 * HALF_CHUNKS), kv_s,
+                                  o0, o1, o2, o3, 0)
+        mbarrier.arrive(bars.index(B_FREE_OWN + 0))
+        mbarrier.arrive(bars.index(B_FREE_CROSS + 1))
+    else:
+        mbarrier.wait(bars.index(B_PA), phase)
+        other_sum = stats_s.index(st + S_SUM_A).load(rows)
+        o0, o1, o2, o3 = _pv_pair(kv_s.index(2 * HALF_CHUNKS), gl.convert_layout(p, a_op),
+                                  kv_s, o0, o1, o2, o3, HALF_CHUNKS)
+        mbarrier.arrive(bars.index(B_FREE_CROSS + 0))
+        mbarrier.arrive(bars.index(B_FREE_OWN + 1))
+    l_i = l_i * alpha + own_sum + other_sum
+    return m_b, l_i, o0, o1, o2, o3
+
+
+@gluon.jit
 def warpgroup_compute(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
              o_ptr, lse_ptr, stride_o_h, stride_lse_h, num_rows, WRITE_LSE: gl.constexpr,
              ONE_SPLIT: gl.constexpr, PARITY: gl.constexpr, g0=0, q_phase=0,
              RANGE: gl.constexpr = False, final=0, out_ptr=None, out_lse_ptr=None,
-             stride_out_h=0, FINAL: gl.constexpr = False, WRITE_OUT_LSE: gl.constexpr = False):
+             stride_out_h=0, FINAL: gl.constexpr = False, WRITE_OUT_LSE: gl.constexpr = False,
+             ONE_RESCALE: gl.constexpr = False):
     """One split, item or segment: tokens [start, end) against the Q in shared memory
     (its ``q_phase``-th load), after ``g0`` earlier steps of this program. ``RANGE``: the
     last QK releases Q for the next segment's request. ``FINAL``: where ``final`` holds (a
     request that is this one segment), the output goes to ``out_ptr`` (and, with
-    ``WRITE_OUT_LSE``, the natural-log LSE to ``out_lse_ptr``) instead of a partial."""
+    ``WRITE_OUT_LSE``, the natural-log LSE to ``out_lse_ptr``) instead of a partial.
+    ``ONE_RESCALE``: each step in ``_one_rescale_step``'s order."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, 64, 16])
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -224,7 +295,11 @@ def warpgroup_compute(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_
         st = phase * NUM_STATS  # this step's set of row statistics
         # Each tile's P goes to its rope box, free once its QK is done.
         p_box = kv_s.index(PARITY * CHUNKS + 2 * HALF_CHUNKS)
-        if PARITY == 0:
+        if ONE_RESCALE:
+            m_i, l_i, o0, o1, o2, o3 = _one_rescale_step(
+                s, kv_s, stats_s, bars, phase, st, m_i, l_i, o0, o1, o2, o3, qk_scale_log2,
+                PARITY, mma)
+        elif PARITY == 0:
             # Row maxima in log2 units (scaling a row's max = the max of the scaled row),
             # so the scale folds into the exponent's multiply-add.
             m_a = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale_log2)  # A holds a live token
@@ -282,8 +357,9 @@ def warpgroup_compute(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_
             o0, o1, o2, o3 = _pv(gl.convert_layout(p, a_op), kv_s, 1, o0, o1, o2, o3,
                                  HALF_CHUNKS)
             mbarrier.arrive(bars.index(B_FREE_OWN + 1))
-        l_i = l_i * alpha_a * alpha_b + sum_a * alpha_b + sum_b
-        m_i = m_b
+        if not ONE_RESCALE:
+            l_i = l_i * alpha_a * alpha_b + sum_a * alpha_b + sum_b
+            m_i = m_b
     # This warpgroup's 256 columns of O / l, and (warpgroup 0) the LSE.
     inv_l = 1.0 / l_i
     if FINAL:
@@ -329,17 +405,19 @@ def _store_rows(o_ptr, stride_o_h, stride_lse_h, o0, o1, o2, o3, inv_l, m_i, l_i
 @gluon.jit
 def warpgroup_even(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
                     o_ptr, lse_ptr, stride_o_h, stride_lse_h, num_rows, WRITE_LSE: gl.constexpr,
-                    ONE_SPLIT: gl.constexpr):
+                    ONE_SPLIT: gl.constexpr, ONE_RESCALE: gl.constexpr):
     warpgroup_compute(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_log2, o_ptr,
-             lse_ptr, stride_o_h, stride_lse_h, num_rows, WRITE_LSE, ONE_SPLIT, 0)
+             lse_ptr, stride_o_h, stride_lse_h, num_rows, WRITE_LSE, ONE_SPLIT, 0,
+             ONE_RESCALE=ONE_RESCALE)
 
 
 @gluon.jit
 def warpgroup_odd(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
                    o_ptr, lse_ptr, stride_o_h, stride_lse_h, num_rows, WRITE_LSE: gl.constexpr,
-                   ONE_SPLIT: gl.constexpr):
+                   ONE_SPLIT: gl.constexpr, ONE_RESCALE: gl.constexpr):
     warpgroup_compute(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_log2, o_ptr,
-             lse_ptr, stride_o_h, stride_lse_h, num_rows, WRITE_LSE, ONE_SPLIT, 1)
+             lse_ptr, stride_o_h, stride_lse_h, num_rows, WRITE_LSE, ONE_SPLIT, 1,
+             ONE_RESCALE=ONE_RESCALE)
 
 
 @gluon.jit
@@ -366,7 +444,7 @@ def seesaw_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, OUT, LSE, PART_
                          stride_bt_b, stride_o_b, stride_o_h, stride_lse_b,
                          stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h,
                          PAGE_SIZE: gl.constexpr, ONE_SPLIT: gl.constexpr,
-                         WRITE_LSE: gl.constexpr):
+                         WRITE_LSE: gl.constexpr, ONE_RESCALE: gl.constexpr = False):
     # Grid (head blocks, batch, splits): the programs of one request's head blocks launch
     # together and read the same pages about together, the second from L2.
     head_block = gl.program_id(0)
@@ -395,10 +473,10 @@ def seesaw_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, OUT, LSE, PART_
         gl.warp_specialize([
             (warpgroup_even, (q_s, kv_s, stats_s, bars, start, end, num_steps,
                                qk_scale_log2, o_ptr, lse_ptr, stride_rows, stride_lse_rows,
-                               num_rows, WRITE_LSE, ONE_SPLIT)),
+                               num_rows, WRITE_LSE, ONE_SPLIT, ONE_RESCALE)),
             (warpgroup_odd, (q_s, kv_s, stats_s, bars, start, end, num_steps,
                               qk_scale_log2, o_ptr, lse_ptr, stride_rows, stride_lse_rows,
-                              num_rows, WRITE_LSE, ONE_SPLIT)),
+                              num_rows, WRITE_LSE, ONE_SPLIT, ONE_RESCALE)),
             (tile_loader, (q_desc, kv_desc, BLOCK_TABLE + bid * stride_bt_b, q_s, kv_s, bars,
                        bid * num_heads + h0, start, end, num_steps, PAGE_SIZE)),
         ], [4, 4], [240, 24])

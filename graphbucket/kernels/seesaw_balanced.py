@@ -72,10 +72,10 @@ def seesaw_balanced_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, ITEM_I
         gl.warp_specialize([
             (warpgroup_even, (q_s, kv_s, stats_s, bars, start, end, num_steps,
                                qk_scale_log2, o_ptr, lse_ptr, stride_po_h, 1, num_rows, False,
-                               False)),
+                               False, False)),
             (warpgroup_odd, (q_s, kv_s, stats_s, bars, start, end, num_steps,
                               qk_scale_log2, o_ptr, lse_ptr, stride_po_h, 1, num_rows, False,
-                              False)),
+                              False, False)),
             (tile_loader, (q_desc, kv_desc, BLOCK_TABLE + bid * stride_bt_b, q_s, kv_s, bars,
                        bid * num_heads + h0, start, end, num_steps, PAGE_SIZE)),
         ], [4, 4], [240, 24])
