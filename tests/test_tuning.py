@@ -727,6 +727,38 @@ def test_a_timed_plan_the_timers_workspace_does_not_cover_is_refused_before_a_la
     assert torch.is_tensor(enough.item_o)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["default", "seesaw", "seesaw-charged"])
+def test_rotated_balanced_calls_partition_once_and_match_calls_that_each_partition(kernel):
+    """The timer's graph body partitions a balanced step in its first call only (as a
+    step's layers do); every rotation's output equals a call that partitions itself."""
+    import torch
+
+    from graphbucket.backends.triton import TritonBackend
+    from graphbucket.kernels import SplitWorkspace, default_sm_scale, mla_decode_balanced
+    from graphbucket.tuning.measure import Problem, rotated_calls
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    lens = [9000, 1, 0, 700, 64, 20000, 65, 3000]
+    backend = TritonBackend(num_sms=torch.cuda.get_device_properties(0).multi_processor_count)
+    kernels = backend.balanced_kernels(128)
+    if kernel not in kernels:
+        pytest.skip(f"{kernel} is not offered here")
+    plan = backend.plan_balanced(len(lens), 128, kernel)
+    problem = Problem(sum(lens) * 4, 128, max_requests=len(lens))
+    tables, q, out, seq_lens = problem.ragged_inputs(lens)
+    ws = SplitWorkspace.allocate(len(lens), 128, 1, 512, "cuda", max_items=plan.max_work_items)
+    scale = default_sm_scale()
+    rotated_calls(problem, tables, q, out, seq_lens, ws, plan, scale)()
+    for r in range(tables.shape[0]):
+        want = torch.empty_like(out[r])
+        mla_decode_balanced(q[r], problem.cache, tables[r], seq_lens, want, ws, plan=plan,
+                            sm_scale=scale)
+        assert torch.equal(out[r], want), (r, plan.describe())
+    assert tables.shape[0] > 1  # more than one rotation: the reuse was exercised
+
+
 def test_plans_that_disagree_are_not_timed():
     import torch
 

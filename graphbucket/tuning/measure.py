@@ -236,9 +236,11 @@ class Problem:
 
 def rotated_calls(problem: Problem, tables, q, out, seq_lens, ws: SplitWorkspace | None,
                   plan: LaunchPlan, scale: float, q_len: int = 1) -> Callable[[], None]:
-    """One decode call per rotation, each over its own pages: what one graph replay runs."""
-    decode = mla_decode_balanced if plan.balanced else mla_decode
-    extra = {} if plan.balanced else {"q_len": q_len}
+    """One decode call per rotation, each over its own pages: what one graph replay runs.
+    A balanced plan partitions the step once, in the first call, as the layers of a decode
+    step do (the rotations share the lengths, so the partition is the same for each)."""
+    balanced = plan.balanced
+    decode = mla_decode_balanced if balanced else mla_decode
     # The calls skip the launch checks (their cost would be timed); a workspace too small
     # for the plan would be written past its end.
     if plan.use_stage2 and (ws is None or not ws.fits(plan)):
@@ -247,6 +249,7 @@ def rotated_calls(problem: Problem, tables, q, out, seq_lens, ws: SplitWorkspace
 
     def call():
         for r in range(tables.shape[0]):
+            extra = {"partition": r == 0} if balanced else {"q_len": q_len}
             decode(q[r], problem.cache, tables[r], seq_lens, out[r], ws, plan=plan,
                    sm_scale=scale, kv_scale=problem.kv_scale, check=False, **extra)
     return call
