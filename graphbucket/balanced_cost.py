@@ -179,7 +179,8 @@ def _ranges(tiles: np.ndarray, part: Partition, overhead: float, charge: int
             ) -> tuple[float, int]:
     """One program per range of tiles across request boundaries (equal ranges at ``charge``
     0, else a charged cut's), each (request, range) segment charged ``overhead``: (the
-    busiest range, the segments)."""
+    busiest range, the partials written: every segment, but under a charged cut those of
+    the requests it splits only, as a request left whole writes its output instead)."""
     live = tiles[tiles > 0].astype(np.int64)
     if not live.size:
         return 0.0, 0
@@ -190,13 +191,18 @@ def _ranges(tiles: np.ndarray, part: Partition, overhead: float, charge: int
     first = np.searchsorted(ends, lo, side="right")
     last = np.searchsorted(starts, hi, side="left") - 1
     segments = np.where(hi > lo, last - first + 1, 0)
-    return float(((hi - lo) + overhead * segments).max()), int(segments.sum())
+    partials = int(segments.sum())
+    if part.kind == CHARGED:  # a request no program bound falls inside is whole
+        inner = np.searchsorted(bounds, ends, "left") - np.searchsorted(bounds, starts, "right")
+        partials -= int(np.count_nonzero(inner == 0))
+    return float(((hi - lo) + overhead * segments).max()), partials
 
 
 def makespan(lens: Sequence[int] | np.ndarray, part: Partition, overhead: float
              ) -> tuple[float, int]:
-    """(the busiest program's load in 64-token tiles, work items or segments) of a step
-    with host lengths ``lens`` under ``part``, each item charged ``overhead`` tiles."""
+    """(the busiest program's load in 64-token tiles, the partials the merge reads: work
+    items, or range segments) of a step with host lengths ``lens`` under ``part``, each
+    item or segment charged ``overhead`` tiles."""
     tiles = np.ceil(np.asarray(lens, dtype=np.float64) / part.block_n)
     scale = part.block_n / TILE
     if part.kind in (RANGES, CHARGED):

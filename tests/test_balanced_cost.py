@@ -4,6 +4,7 @@ costs, the tuner keeps a second kernel only where it pays, the selector replays 
 from __future__ import annotations
 
 import heapq
+import itertools
 import json
 import random
 from dataclasses import replace
@@ -131,6 +132,29 @@ def test_charged_bounds_match_the_unit_by_unit_cut():
             (tiles, programs, min_chunk, charge)
 
 
+def test_a_charged_cut_counts_the_partials_of_the_requests_it_splits_only():
+    # The partials the merge reads: under a charged cut a request that one program holds
+    # whole writes its output instead; under equal ranges every segment is a partial.
+    rng = random.Random(17)
+    for _ in range(200):
+        lens = [rng.choice([0, 1, 64, 65, rng.randint(1, 20000)])
+                for _ in range(rng.randint(1, 40))]
+        programs, charge = rng.randint(1, 140), rng.randint(0, 7)
+        tiles = [cdiv(n, 64) for n in lens]
+        live = [t for t in tiles if t]
+        bounds = python_charged_bounds(live, programs, 2, charge)
+        ends = list(itertools.accumulate(live))
+        meets = [sum(max(bounds[p], e - t) < min(bounds[p + 1], e) for p in range(programs))
+                 for t, e in zip(live, ends, strict=True)]
+        charged = Partition(CHARGED, programs, 64, 2, charge=charge)
+        assert makespan(lens, charged, 1.0)[1] == sum(m for m in meets if m > 1), lens
+        equal = Partition(RANGES, programs, 64, 2)
+        equal_meets = python_charged_bounds(live, programs, 2, 0)
+        assert makespan(lens, equal, 1.0)[1] == sum(
+            sum(max(equal_meets[p], e - t) < min(equal_meets[p + 1], e)
+                for p in range(programs)) for t, e in zip(live, ends, strict=True)), lens
+
+
 def test_a_charged_cut_shortens_the_busiest_range_of_a_spread():
     # 64 requests spread over 1..8K: the equal cut's programs meeting many short requests
     # carry their per-segment cost on top of a full range; the charged cut gives them less.
@@ -139,8 +163,9 @@ def test_a_charged_cut_shortens_the_busiest_range_of_a_spread():
     charged = Partition(CHARGED, 132, 64, 2, charge=RANGE_REQUEST_CHARGE_TILES)
     assert makespan(lens, charged, 5.0)[0] < makespan(lens, equal, 5.0)[0]
     assert makespan([], charged, 5.0) == (0.0, 0)
-    # Charge 0 cuts as the equal ranges do.
-    assert makespan(lens, Partition(CHARGED, 132, 64, 2), 5.0) == makespan(lens, equal, 5.0)
+    # Charge 0 cuts as the equal ranges do (its whole requests write no partial).
+    assert makespan(lens, Partition(CHARGED, 132, 64, 2), 5.0)[0] == \
+        makespan(lens, equal, 5.0)[0]
 
 
 def test_a_charged_partition_keeps_its_charge_and_reads_older_lists():
