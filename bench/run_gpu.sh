@@ -5,7 +5,7 @@
 # TPOT per policy, and the demo's GPU path. Run it on a CUDA machine.
 # steps: any of tests gputests balancedtests sweep fisweep capture tune tunefp8 tunemtp tunesparse
 #        tpot tpotfp8 tpotmtp ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp hostphases
-#        balancedseesaw tpotbatches tpothf stepkernels onerescale
+#        balancedseesaw tpotbatches tpothf stepkernels onerescale seesawverify
 #        (tpotdp: TPOT of the 128-head deepseek-v3-dp preset, the compute-bound decode)
 #        (balancedtests: the balanced kernels per capture size, the ragged switch and the
 #        oracle's host logic, on the GPU)
@@ -37,6 +37,8 @@
 #        heads on 64-row programs; SEESAW_HEADS="16" picks)
 #        (onerescale: the seesaw's one-rescale step against float64, then the split-KV
 #        seesaw with it on against off, bench/experiments/seesaw_variant_ab.py)
+#        (seesawverify: verify steps on the seesaw against float64, then timed against the
+#        Triton verify step and the q_len 1 step, bench/experiments/seesaw_verify.py)
 #        (fp8: FP8_AB="float-32x4 ..." adds stage-1 variants, bench/fp8_sweep.py --ab)
 #        (fisweep: the sweep with FlashInfer rows, wheels installed from .whl/ if present)
 #        (sparseab: the indexer and sparse-attention A/Bs, each checked against float64)
@@ -55,7 +57,7 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 STEPS="tests gputests balancedtests sweep fisweep capture tune tunefp8 tunemtp tunesparse retime tpot tpotfp8 tpotmtp
        ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp hostphases balancedseesaw tpotbatches
-       tpothf stepkernels onerescale"
+       tpothf stepkernels onerescale seesawverify"
 usage() { sed -n '2,/^set /{/^set /d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"; }
 for arg in "$@"; do
   case $arg in
@@ -165,6 +167,13 @@ for step in $steps; do
                 timeout 240 python3 bench/experiments/seesaw_variant_ab.py \
                   --other "$R/seesaw_one_rescale.py" --out "$R" > "$R/one-rescale-ab.log" 2>&1
                 tail -14 "$R/one-rescale-ab.log" ;;
+    seesawverify) # Verify steps on the seesaw (under trial): float64 tests, then the timing
+                  # against the Triton verify step and the q_len 1 step.
+                  timeout 240 python3 -m pytest -q tests/test_seesaw.py -m gpu -k verify_step \
+                    -p no:cacheprovider > "$R/seesaw-verify-tests.log" 2>&1
+                  tail -3 "$R/seesaw-verify-tests.log"
+                  timeout 240 python3 bench/experiments/seesaw_verify.py --out "$R" \
+                    > "$R/seesaw-verify.log" 2>&1; tail -14 "$R/seesaw-verify.log" ;;
     tpothf) if [ -d .whl/hf ]; then
               python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
                 --upgrade --target /tmp/hf .whl/hf/*.whl > /dev/null 2>&1

@@ -31,7 +31,7 @@ POINTERS = {"BLOCK_TABLE": "*i32", "SEQ_LENS": "*i32", "OUT": "*bf16", "LSE": "*
 
 
 def compile_stage1(balanced: bool = False, ranges: bool = False, charged: bool = False,
-                   one_rescale: bool = False):
+                   one_rescale: bool = False, q_len: int = 1):
     """The split-KV seesaw (its step in the one-rescale order with ``one_rescale``), or the
     one over balanced work items (``balanced``) or over tile ranges (``ranges``; a charged
     cut's with ``charged``)."""
@@ -47,7 +47,7 @@ def compile_stage1(balanced: bool = False, ranges: bool = False, charged: bool =
     else:
         kernel = seesaw.seesaw_stage1_kernel
         constants = {"PAGE_SIZE": 64, "ONE_SPLIT": False, "WRITE_LSE": True,
-                     "ONE_RESCALE": one_rescale}
+                     "ONE_RESCALE": one_rescale, "Q_LEN": q_len}
     pointers = POINTERS
     signature = {}
     for p in kernel.params:
@@ -108,6 +108,8 @@ def main() -> None:
     ranges = compile_stage1(ranges=True)
     charged = compile_stage1(ranges=True, charged=True)
     one_rescale = compile_stage1(one_rescale=True)
+    verify = compile_stage1(q_len=4)
+    verify_one_rescale = compile_stage1(one_rescale=True, q_len=4)
     if args.dump:
         args.dump.mkdir(parents=True, exist_ok=True)
         for kind in ("ttgir", "ptx"):
@@ -116,12 +118,14 @@ def main() -> None:
             (args.dump / f"seesaw-ranges.{kind}").write_text(ranges.asm[kind])
             (args.dump / f"seesaw-charged.{kind}").write_text(charged.asm[kind])
             (args.dump / f"seesaw-one-rescale.{kind}").write_text(one_rescale.asm[kind])
+            (args.dump / f"seesaw-q4.{kind}").write_text(verify.asm[kind])
     planners = {f"{c}{'-bounds' if b else ''}": compile_range_planner(c, b).metadata.shared
                 for c, b in ((0, False), (0, True), (5, True))}
     merge = compile_balanced_merge().asm["ptx"]
     print(json.dumps({**summary(compiled), "balanced": summary(balanced),
                       "ranges": summary(ranges), "charged": summary(charged),
-                      "one_rescale": summary(one_rescale),
+                      "one_rescale": summary(one_rescale), "q_len_4": summary(verify),
+                      "q_len_4_one_rescale": summary(verify_one_rescale),
                       "range_planner_shared_bytes": planners,
                       "dependent_merge_waits": merge.count("griddepcontrol.wait")}))
 

@@ -87,6 +87,45 @@ def test_gpu_seesaw_one_rescale_step_matches_float64(lens, heads, splits, seeded
     assert_matches_float64(case, lens, out, lse, sm_scale, plan)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens", [[4], [64, 65, 66, 67], [129, 130, 0], [4113], [70000, 17]])
+@pytest.mark.parametrize("heads, q_len", [(16, 2), (16, 4), (128, 2)])
+@pytest.mark.parametrize("splits", [1, 3, "tile"])  # "tile": one 64-token tile per split
+@pytest.mark.parametrize("one_rescale", [False, True])
+def test_gpu_seesaw_verify_step_matches_per_token_float64(lens, heads, q_len, splits,
+                                                           one_rescale, seeded):
+    """A verify step on the seesaw (under trial, launched directly): q_len tokens x heads
+    rows, token j seeing the positions before seq_len - q_len + j + 1. One-tile splits
+    leave a request's last split with rows that see no token (zeros, LSE -inf into the
+    merge)."""
+    from tests.test_multi_token import reference
+
+    gen = torch.Generator().manual_seed(seeded)
+    rows = q_len * heads
+    case = nan_tailed_case(lens, rows, gen)
+    plan = plan_mla_decode(len(lens), rows, max(lens), stream=SEESAW_STREAM)
+    plan = plan.with_splits(-(-max(lens) // 64) if splits == "tile" else splits)
+    q = case.q.contiguous()
+    assert plan.seesaw and plan.block_h == 64, plan.describe()
+    sm_scale = default_sm_scale()
+    ws = SplitWorkspace.allocate(len(lens), rows, plan.num_kv_splits, KV_LORA_RANK, "cuda")
+    out = torch.full((len(lens), rows, KV_LORA_RANK), float("nan"), dtype=torch.bfloat16,
+                     device="cuda")
+    lse = torch.full((len(lens), rows), float("nan"), device="cuda")
+    launch_seesaw_stage1(q, case.kv_cache, case.block_table, case.seq_lens, out,
+                         ws if plan.use_stage2 else None, plan=plan, sm_scale=sm_scale, lse=lse,
+                         one_rescale=one_rescale, q_len=q_len)
+    if plan.merge_kernel:
+        launch_merge(case.seq_lens, out, ws, plan=plan, lse=lse, block_n=64)
+    want, want_lse = reference(case, q_len)
+    for b, n in enumerate(lens):
+        if n == 0:
+            assert (out[b] == 0).all() and (lse[b] == float("-inf")).all()
+            continue
+        assert rel_l2(out[b].double(), want[b].to(out.device)) < 1e-2, (b, n, plan.describe())
+        assert torch.allclose(lse[b].double(), want_lse[b].to(lse.device), atol=2e-2), (b, n)
+
+
 def assert_matches_float64(case, lens, out, lse, sm_scale, plan):
     """Each request's output and LSE against the float64 reference; padding rows zero."""
     want, want_lse = mla_decode_reference(case.q, case.kv_cache, case.block_table,
@@ -128,9 +167,10 @@ def test_seesaw_compiles_for_sm90_within_shared_memory():
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    # Split-KV (and its one-rescale step), over balanced work items, over tile ranges
-    # (equal, and a charged cut's).
-    for kernel in (report, report["one_rescale"], report["balanced"], report["ranges"],
+    # Split-KV (and its one-rescale step, and both for a verify step of 4 tokens), over
+    # balanced work items, over tile ranges (equal, and a charged cut's).
+    for kernel in (report, report["one_rescale"], report["q_len_4"],
+                   report["q_len_4_one_rescale"], report["balanced"], report["ranges"],
                    report["charged"]):
         assert kernel["shared_bytes"] <= 227 * 1024, report
         assert kernel["requested_registers"] == [240, 24], report

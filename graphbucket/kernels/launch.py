@@ -370,11 +370,14 @@ def launch_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
 def launch_seesaw_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                          seq_lens: torch.Tensor, out: torch.Tensor,
                          workspace: SplitWorkspace | None, *, plan: LaunchPlan, sm_scale: float,
-                         lse: torch.Tensor | None, one_rescale: bool = False) -> None:
+                         lse: torch.Tensor | None, one_rescale: bool = False,
+                         q_len: int = 1) -> None:
     """Stage 1 by the Gluon seesaw kernel (unchecked; where ``runs_seesaw`` holds). One
     split: writes ``out`` (and ``lse``); else the partials the merge kernel reads.
     ``one_rescale``: the step order under trial (``seesaw._one_rescale_step``); left out of
-    the launch otherwise, so the kernel's own default decides."""
+    the launch otherwise, so the kernel's own default decides. ``q_len`` above 1 (under
+    trial: ``runs_seesaw`` does not route verify steps here yet): q's rows are q_len tokens
+    x heads, each token with its causal limit."""
     # Imported here: Gluon's sm_90 modules load only where the seesaw runs.
     from graphbucket.kernels.seesaw import ROWS, TILE, descriptors, seesaw_stage1_kernel
 
@@ -387,7 +390,9 @@ def launch_seesaw_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         block_table.stride(0), out.stride(0), out.stride(1),
         0 if lse is None else lse.stride(0), *po_strides, *pl_strides,
         PAGE_SIZE=TILE.value, ONE_SPLIT=not plan.use_stage2, WRITE_LSE=lse is not None,
-        **({"ONE_RESCALE": True} if one_rescale else {}), num_warps=4)
+        **({"ONE_RESCALE": True} if one_rescale else {}),
+        **({"Q_LEN": q_len, "rows_per_token": heads // q_len} if q_len > 1 else {}),
+        num_warps=4)
 
 
 def launch_merge(seq_lens: torch.Tensor, out: torch.Tensor, workspace: SplitWorkspace, *,

@@ -146,8 +146,10 @@ def _qk_boxes(q_s, kv_s, bars, slot, phase, s, FIRST: gl.constexpr, COUNT: gl.co
 
 @gluon.jit
 def _scores(q_s, kv_s, bars, phase, start, end, step, PARITY: gl.constexpr,
-            layout: gl.constexpr):
-    """S of this warpgroup's tile (slot PARITY), unscaled, tokens past ``end`` at -inf.
+            layout: gl.constexpr, row_limit=None, low_limit=0, MULTI_TOKEN: gl.constexpr = False):
+    """S of this warpgroup's tile (slot PARITY), unscaled, tokens past ``end`` at -inf;
+    ``MULTI_TOKEN``: past each row's ``row_limit`` too (a verify step's causal limit; the
+    smallest of them ``low_limit``).
     Boxes in the order the loader issues them: tile A's left half, then its right half and
     rope box; tile B's left half and rope box, then its right half (freed last, by WG1's
     own second PV), so WG1's first boxes are the ones that landed earliest."""
@@ -160,10 +162,22 @@ def _scores(q_s, kv_s, bars, phase, start, end, step, PARITY: gl.constexpr,
         s = _qk_boxes(q_s, kv_s, bars, PARITY, phase, s, HALF_CHUNKS, HALF_CHUNKS)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
     first = start + (2 * step + PARITY) * TILE
-    if first + TILE > end:  # only a split's last tiles hold tokens past its end
+    if MULTI_TOKEN:
+        if first + TILE > gl.minimum(end, low_limit):
+            tok = first + gl.arange(0, TILE, gl.SliceLayout(0, layout))
+            s = gl.where((tok[None, :] < end) & (tok[None, :] < row_limit[:, None]), s,
+                         float("-inf"))
+    elif first + TILE > end:  # only a split's last tiles hold tokens past its end
         tok = first + gl.arange(0, TILE, gl.SliceLayout(0, layout))
         s = gl.where(tok[None, :] < end, s, float("-inf"))
     return s
+
+
+@gluon.jit
+def _finite(m):
+    """0 where a row's max is -inf (a verify step's row that saw no token yet), so the
+    exponentials give 0 there rather than NaN."""
+    return gl.where(m == float("-inf"), 0.0, m)
 
 
 @gluon.jit
@@ -209,7 +223,8 @@ def _pv_pair(p_a, p_b, kv_s, o0, o1, o2, o3, FIRST_CHUNK: gl.constexpr):
 
 @gluon.jit
 def _one_rescale_step(s, kv_s, stats_s, bars, phase, st, m_i, l_i, o0, o1, o2, o3,
-                      qk_scale_log2, PARITY: gl.constexpr, mma: gl.constexpr):
+                      qk_scale_log2, PARITY: gl.constexpr, mma: gl.constexpr,
+                      MULTI_TOKEN: gl.constexpr = False):
     """A step with both tiles' P against the step's final max m_B: WG0 waits for WG1's m_B
     before exponentiating S_A, so each warpgroup rescales O once, by 2^(m - m_B), and
     issues its two PVs back to back. Hand-offs: m_A (WG0 -> WG1), m_B (WG1 -> WG0), P_A and
@@ -218,7 +233,8 @@ def _one_rescale_step(s, kv_s, stats_s, bars, phase, st, m_i, l_i, o0, o1, o2, o
     rows: gl.constexpr = gl.SliceLayout(1, mma)
     p_box = kv_s.index(PARITY * CHUNKS + 2 * HALF_CHUNKS)
     if PARITY == 0:
-        m_a = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale_log2)  # A holds a live token
+        # A holds a live token (for every row but a verify step's early ones).
+        m_a = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale_log2)
         stats_s.index(st + S_MA).store(m_a)
         mbarrier.arrive(bars.index(B_MA))
         mbarrier.wait(bars.index(B_MB), phase)
@@ -230,14 +246,15 @@ def _one_rescale_step(s, kv_s, stats_s, bars, phase, st, m_i, l_i, o0, o1, o2, o
         m_b = gl.maximum(m_a, gl.max(s, axis=1) * qk_scale_log2)
         stats_s.index(st + S_MB).store(m_b)
         mbarrier.arrive(bars.index(B_MB))
-    p32 = gl.exp2(s * qk_scale_log2 - m_b[:, None])
+    m_e = _finite(m_b) if MULTI_TOKEN else m_b
+    p32 = gl.exp2(s * qk_scale_log2 - m_e[:, None])
     own_sum = gl.sum(p32, axis=1)
     p = p32.to(gl.bfloat16)
     p_box.store(p)
     stats_s.index(st + S_SUM_A + PARITY * (S_SUM_B - S_SUM_A)).store(own_sum)
     fence_async_shared()
     mbarrier.arrive(bars.index(B_PA + PARITY * (B_PB - B_PA)))
-    alpha = gl.exp2(m_i - m_b)
+    alpha = gl.exp2(m_i - m_e)
     o0, o1, o2, o3 = o0 * alpha[:, None], o1 * alpha[:, None], o2 * alpha[:, None], \
         o3 * alpha[:, None]
     if PARITY == 0:
@@ -265,13 +282,17 @@ def warpgroup_compute(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_
              ONE_SPLIT: gl.constexpr, PARITY: gl.constexpr, g0=0, q_phase=0,
              RANGE: gl.constexpr = False, final=0, out_ptr=None, out_lse_ptr=None,
              stride_out_h=0, FINAL: gl.constexpr = False, WRITE_OUT_LSE: gl.constexpr = False,
-             ONE_RESCALE: gl.constexpr = False):
+             ONE_RESCALE: gl.constexpr = False, MULTI_TOKEN: gl.constexpr = False,
+             first_limit=0, row0=0, rows_per_token=1):
     """One split, item or segment: tokens [start, end) against the Q in shared memory
     (its ``q_phase``-th load), after ``g0`` earlier steps of this program. ``RANGE``: the
     last QK releases Q for the next segment's request. ``FINAL``: where ``final`` holds (a
     request that is this one segment), the output goes to ``out_ptr`` (and, with
     ``WRITE_OUT_LSE``, the natural-log LSE to ``out_lse_ptr``) instead of a partial.
-    ``ONE_RESCALE``: each step in ``_one_rescale_step``'s order."""
+    ``ONE_RESCALE``: each step in ``_one_rescale_step``'s order. ``MULTI_TOKEN``: the
+    rows are a verify step's query tokens x heads from row ``row0`` of the request, token
+    j's rows (``rows_per_token`` each) seeing the positions before ``first_limit`` + j; a
+    row that sees none here gets zeros and LSE -inf."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, 64, 16])
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -282,10 +303,13 @@ def warpgroup_compute(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_
     o1 = gl.zeros([ROWS, BOX], gl.float32, mma)
     o2 = gl.zeros([ROWS, BOX], gl.float32, mma)
     o3 = gl.zeros([ROWS, BOX], gl.float32, mma)
+    row_limit = first_limit + (row0 + gl.arange(0, ROWS, rows)) // rows_per_token
+    low_limit = first_limit + row0 // rows_per_token
     mbarrier.wait(bars.index(B_Q), q_phase)
     for step in range(num_steps):
         phase = (g0 + step) & 1
-        s = _scores(q_s, kv_s, bars, phase, start, end, step, PARITY, mma)
+        s = _scores(q_s, kv_s, bars, phase, start, end, step, PARITY, mma, row_limit,
+                    low_limit, MULTI_TOKEN)
         if RANGE:
             if step == num_steps - 1:
                 mbarrier.arrive(bars.index(B_QFREE))
@@ -298,16 +322,18 @@ def warpgroup_compute(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_
         if ONE_RESCALE:
             m_i, l_i, o0, o1, o2, o3 = _one_rescale_step(
                 s, kv_s, stats_s, bars, phase, st, m_i, l_i, o0, o1, o2, o3, qk_scale_log2,
-                PARITY, mma)
+                PARITY, mma, MULTI_TOKEN)
         elif PARITY == 0:
             # Row maxima in log2 units (scaling a row's max = the max of the scaled row),
             # so the scale folds into the exponent's multiply-add.
-            m_a = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale_log2)  # A holds a live token
-            alpha_a = gl.exp2(m_i - m_a)
+            # A holds a live token (for every row but a verify step's early ones).
+            m_a = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale_log2)
+            m_ae = _finite(m_a) if MULTI_TOKEN else m_a
+            alpha_a = gl.exp2(m_i - m_ae)
             stats_s.index(st + S_MA).store(m_a)
             stats_s.index(st + S_ALPHA_A).store(alpha_a)
             mbarrier.arrive(bars.index(B_MA))
-            p32 = gl.exp2(s * qk_scale_log2 - m_a[:, None])
+            p32 = gl.exp2(s * qk_scale_log2 - m_ae[:, None])
             sum_a = gl.sum(p32, axis=1)
             p = p32.to(gl.bfloat16)
             # P_A unscaled to WG1 at once (it rescales by alpha_B itself), so tile A is
@@ -335,8 +361,9 @@ def warpgroup_compute(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_
             alpha_a = stats_s.index(st + S_ALPHA_A).load(rows)
             # Tile B may lie past the end (all -inf): then m_b = m_a.
             m_b = gl.maximum(m_a, gl.max(s, axis=1) * qk_scale_log2)
-            alpha_b = gl.exp2(m_a - m_b)
-            p32 = gl.exp2(s * qk_scale_log2 - m_b[:, None])
+            m_be = _finite(m_b) if MULTI_TOKEN else m_b
+            alpha_b = gl.exp2(m_a - m_be)
+            p32 = gl.exp2(s * qk_scale_log2 - m_be[:, None])
             sum_b = gl.sum(p32, axis=1)
             p = p32.to(gl.bfloat16)
             p_box.store(p)
@@ -360,8 +387,9 @@ def warpgroup_compute(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_
         if not ONE_RESCALE:
             l_i = l_i * alpha_a * alpha_b + sum_a * alpha_b + sum_b
             m_i = m_b
-    # This warpgroup's 256 columns of O / l, and (warpgroup 0) the LSE.
-    inv_l = 1.0 / l_i
+    # This warpgroup's 256 columns of O / l, and (warpgroup 0) the LSE (a row that saw no
+    # token: O 0, l 0, m -inf, so zeros and LSE -inf).
+    inv_l = 1.0 / (gl.where(l_i > 0.0, l_i, 1.0) if MULTI_TOKEN else l_i)
     if FINAL:
         if final:
             _store_rows(out_ptr, stride_out_h, 1, o0, o1, o2, o3, inv_l, m_i, l_i, num_rows,
@@ -405,19 +433,25 @@ def _store_rows(o_ptr, stride_o_h, stride_lse_h, o0, o1, o2, o3, inv_l, m_i, l_i
 @gluon.jit
 def warpgroup_even(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
                     o_ptr, lse_ptr, stride_o_h, stride_lse_h, num_rows, WRITE_LSE: gl.constexpr,
-                    ONE_SPLIT: gl.constexpr, ONE_RESCALE: gl.constexpr):
+                    ONE_SPLIT: gl.constexpr, ONE_RESCALE: gl.constexpr,
+                    MULTI_TOKEN: gl.constexpr = False, first_limit=0, row0=0,
+                    rows_per_token=1):
     warpgroup_compute(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_log2, o_ptr,
              lse_ptr, stride_o_h, stride_lse_h, num_rows, WRITE_LSE, ONE_SPLIT, 0,
-             ONE_RESCALE=ONE_RESCALE)
+             ONE_RESCALE=ONE_RESCALE, MULTI_TOKEN=MULTI_TOKEN, first_limit=first_limit,
+             row0=row0, rows_per_token=rows_per_token)
 
 
 @gluon.jit
 def warpgroup_odd(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
                    o_ptr, lse_ptr, stride_o_h, stride_lse_h, num_rows, WRITE_LSE: gl.constexpr,
-                   ONE_SPLIT: gl.constexpr, ONE_RESCALE: gl.constexpr):
+                   ONE_SPLIT: gl.constexpr, ONE_RESCALE: gl.constexpr,
+                   MULTI_TOKEN: gl.constexpr = False, first_limit=0, row0=0,
+                   rows_per_token=1):
     warpgroup_compute(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_log2, o_ptr,
              lse_ptr, stride_o_h, stride_lse_h, num_rows, WRITE_LSE, ONE_SPLIT, 1,
-             ONE_RESCALE=ONE_RESCALE)
+             ONE_RESCALE=ONE_RESCALE, MULTI_TOKEN=MULTI_TOKEN, first_limit=first_limit,
+             row0=row0, rows_per_token=rows_per_token)
 
 
 @gluon.jit
@@ -444,7 +478,8 @@ def seesaw_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, OUT, LSE, PART_
                          stride_bt_b, stride_o_b, stride_o_h, stride_lse_b,
                          stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h,
                          PAGE_SIZE: gl.constexpr, ONE_SPLIT: gl.constexpr,
-                         WRITE_LSE: gl.constexpr, ONE_RESCALE: gl.constexpr = False):
+                         WRITE_LSE: gl.constexpr, ONE_RESCALE: gl.constexpr = False,
+                         Q_LEN: gl.constexpr = 1, rows_per_token=1):
     # Grid (head blocks, batch, splits): the programs of one request's head blocks launch
     # together and read the same pages about together, the second from L2.
     head_block = gl.program_id(0)
@@ -473,10 +508,12 @@ def seesaw_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, OUT, LSE, PART_
         gl.warp_specialize([
             (warpgroup_even, (q_s, kv_s, stats_s, bars, start, end, num_steps,
                                qk_scale_log2, o_ptr, lse_ptr, stride_rows, stride_lse_rows,
-                               num_rows, WRITE_LSE, ONE_SPLIT, ONE_RESCALE)),
+                               num_rows, WRITE_LSE, ONE_SPLIT, ONE_RESCALE, Q_LEN > 1,
+                               seq_len - Q_LEN + 1, h0, rows_per_token)),
             (warpgroup_odd, (q_s, kv_s, stats_s, bars, start, end, num_steps,
                               qk_scale_log2, o_ptr, lse_ptr, stride_rows, stride_lse_rows,
-                              num_rows, WRITE_LSE, ONE_SPLIT, ONE_RESCALE)),
+                              num_rows, WRITE_LSE, ONE_SPLIT, ONE_RESCALE, Q_LEN > 1,
+                              seq_len - Q_LEN + 1, h0, rows_per_token)),
             (tile_loader, (q_desc, kv_desc, BLOCK_TABLE + bid * stride_bt_b, q_s, kv_s, bars,
                        bid * num_heads + h0, start, end, num_steps, PAGE_SIZE)),
         ], [4, 4], [240, 24])
