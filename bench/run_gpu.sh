@@ -160,7 +160,7 @@ for step in $steps; do
                 timeout 200 python3 -m pytest -q tests/test_seesaw.py -m gpu -k one_rescale \
                   -p no:cacheprovider > "$R/one-rescale-tests.log" 2>&1
                 tail -3 "$R/one-rescale-tests.log"
-                sed 's/WRITE_LSE: gl.constexpr, ONE_RESCALE: gl.constexpr = False):/WRITE_LSE: gl.constexpr, ONE_RESCALE: gl.constexpr = True):/' \
+                sed 's/WRITE_LSE: gl.constexpr, ONE_RESCALE: gl.constexpr = False,/WRITE_LSE: gl.constexpr, ONE_RESCALE: gl.constexpr = True,/' \
                   graphbucket/kernels/seesaw.py > "$R/seesaw_one_rescale.py"
                 grep -q "ONE_RESCALE: gl.constexpr = True" "$R/seesaw_one_rescale.py" || {
                   echo "onerescale: the kernel's ONE_RESCALE default was not found" >&2; continue; }

@@ -82,7 +82,7 @@ def test_gpu_seesaw_matches_float64(lens, heads, splits, seeded):
 @pytest.mark.parametrize("heads", [16, 128])
 @pytest.mark.parametrize("splits", [1, 3, 0])
 def test_gpu_seesaw_one_rescale_step_matches_float64(lens, heads, splits, seeded):
-    """The step order under trial (``seesaw._one_rescale_step``: both tiles' P against the
+    """The step order under trial (``seesaw_step._one_rescale_step``: both tiles' P against the
     step's final max, one O rescale, the two PVs back to back), stage 1 then the merge as
     ``mla_decode`` launches them."""
     gen = torch.Generator().manual_seed(seeded)

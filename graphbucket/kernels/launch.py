@@ -374,7 +374,7 @@ def launch_seesaw_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
                          q_len: int = 1) -> None:
     """Stage 1 by the Gluon seesaw kernel (unchecked; where ``runs_seesaw`` holds). One
     split: writes ``out`` (and ``lse``); else the partials the merge kernel reads.
-    ``one_rescale``: the step order under trial (``seesaw._one_rescale_step``); left out of
+    ``one_rescale``: the step order under trial (``seesaw_step._one_rescale_step``); left out of
     the launch otherwise, so the kernel's own default decides. ``q_len`` above 1 (under
     trial: ``runs_seesaw`` does not route verify steps here yet): q's rows are q_len tokens
     x heads, each token with its causal limit."""

@@ -21,17 +21,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from graphbucket.kernels.seesaw import (
-    B_DESC,
-    B_QFREE,
-    ROWS,
-    TILE,
-    shared_state,
-    tile_loader,
-    warpgroup_compute,
-    warpgroup_even,
-    warpgroup_odd,
-)
+from graphbucket.kernels.seesaw import tile_loader
+from graphbucket.kernels.seesaw_layout import B_DESC, B_QFREE, ROWS, TILE, shared_state
+from graphbucket.kernels.seesaw_step import warpgroup_compute, warpgroup_even, warpgroup_odd
 
 
 @gluon.jit

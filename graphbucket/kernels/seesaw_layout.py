@@ -1,0 +1,61 @@
+"""The Gluon seesaw's shared-memory layout (``kernels/seesaw.py``): tile and box sizes,
+the barrier slots and the row-statistics slots its warpgroups and loader hand off through,
+and the allocation of one program's shared state."""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+
+ROWS = gl.constexpr(64)         # query rows (heads) per program
+TILE = gl.constexpr(64)         # tokens per tile (one page)
+BOX = gl.constexpr(64)          # columns per TMA box and shared-memory chunk (128 bytes)
+CHUNKS = gl.constexpr(9)        # 576 / BOX: latent (8) + rope (1)
+HALF_CHUNKS = gl.constexpr(4)   # value chunks per warpgroup: 256 / BOX
+TILE_BYTES = gl.constexpr(9 * 64 * 64 * 2)
+
+# Barrier slots. Every 64-column box of a tile has its own ready barrier, so the QK of a
+# box starts as soon as it lands; a slot is released in two halves, each by the warpgroup
+# that reads it last, so the loader refills part of it while the step is still running.
+B_Q = gl.constexpr(0)
+B_READY = gl.constexpr(1)        # + slot * CHUNKS + box
+B_FREE_OWN = gl.constexpr(19)    # + slot: its warpgroup's value half
+B_FREE_CROSS = gl.constexpr(21)  # + slot: the other half and the rope box (then P), read
+                                 # last by the other warpgroup
+B_MA = gl.constexpr(23)
+B_PB = gl.constexpr(24)
+B_PA = gl.constexpr(25)
+B_QFREE = gl.constexpr(26)       # both warpgroups' last QK of a range's segment is done:
+                                 # the loader may bring the next request's Q (count 2)
+B_DESC = gl.constexpr(27)        # + slot: the loader wrote a range segment's descriptor
+B_MB = gl.constexpr(29)          # the one-rescale step: WG1's m_B, which WG0's P_A needs
+NUM_BARRIERS = gl.constexpr(30)
+BOX_BYTES = gl.constexpr(64 * 64 * 2)
+# Row-statistics slots (float32 [64] each), two sets: step s uses set s % 2, so a
+# warpgroup one step ahead never overwrites what the other has still to read.
+S_MA = gl.constexpr(0)
+S_ALPHA_A = gl.constexpr(1)
+S_ALPHA_B = gl.constexpr(2)
+S_MB = gl.constexpr(3)
+S_SUM_B = gl.constexpr(4)
+S_SUM_A = gl.constexpr(5)
+NUM_STATS = gl.constexpr(6)
+
+
+@gluon.jit
+def shared_state(q_desc, kv_desc):
+    """Q, the two KV tiles, the row statistics and the barriers (initialised) of a program."""
+    q_s = gl.allocate_shared_memory(gl.bfloat16, [CHUNKS, ROWS, BOX], q_desc.layout)
+    kv_s = gl.allocate_shared_memory(gl.bfloat16, [2 * CHUNKS, TILE, BOX], kv_desc.layout)
+    stats_s = gl.allocate_shared_memory(
+        gl.float32, [2 * NUM_STATS, ROWS],
+        gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
+    bars = gl.allocate_shared_memory(gl.int64, [NUM_BARRIERS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(B_QFREE):
+        mbarrier.init(bars.index(i), count=1)
+    mbarrier.init(bars.index(B_QFREE), count=2)
+    for i in gl.static_range(B_DESC, NUM_BARRIERS):
+        mbarrier.init(bars.index(i), count=1)
+    fence_async_shared()
+    return q_s, kv_s, stats_s, bars

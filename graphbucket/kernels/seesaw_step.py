@@ -1,0 +1,362 @@
+"""The Gluon seesaw's compute warpgroups (``kernels/seesaw.py``): a step's QK over the
+boxes as they land, the softmax hand-offs between the two warpgroups, the PVs and the
+epilogue, in the default order or the one-rescale order under trial, for one query token or
+a verify step's q_len tokens per request."""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
+
+from graphbucket.kernels.seesaw_layout import (
+    B_FREE_CROSS,
+    B_FREE_OWN,
+    B_MA,
+    B_MB,
+    B_PA,
+    B_PB,
+    B_Q,
+    B_QFREE,
+    B_READY,
+    BOX,
+    CHUNKS,
+    HALF_CHUNKS,
+    NUM_STATS,
+    ROWS,
+    S_ALPHA_A,
+    S_ALPHA_B,
+    S_MA,
+    S_MB,
+    S_SUM_A,
+    S_SUM_B,
+    TILE,
+)
+
+
+@gluon.jit
+def _qk_boxes(q_s, kv_s, bars, slot, phase, s, FIRST: gl.constexpr, COUNT: gl.constexpr):
+    # A loop, not an unrolled sequence: unrolled, the shared-memory descriptors were hoisted
+    # out of the step loop and spilled.
+    for i in range(COUNT):
+        box = FIRST + i
+        mbarrier.wait(bars.index(B_READY + slot * CHUNKS + box), phase)
+        s = warpgroup_mma(q_s.index(box), kv_s.index(slot * CHUNKS + box).permute((1, 0)), s,
+                          is_async=True)
+    return s
+
+
+@gluon.jit
+def _scores(q_s, kv_s, bars, phase, start, end, step, PARITY: gl.constexpr,
+            layout: gl.constexpr, row_limit=None, low_limit=0, MULTI_TOKEN: gl.constexpr = False):
+    """S of this warpgroup's tile (slot PARITY), unscaled, tokens past ``end`` at -inf;
+    ``MULTI_TOKEN``: past each row's ``row_limit`` too (a verify step's causal limit; the
+    smallest of them ``low_limit``).
+    Boxes in the order the loader issues them: tile A's left half, then its right half and
+    rope box; tile B's left half and rope box, then its right half (freed last, by WG1's
+    own second PV), so WG1's first boxes are the ones that landed earliest."""
+    s = warpgroup_mma_init(gl.zeros([ROWS, TILE], gl.float32, layout))
+    s = _qk_boxes(q_s, kv_s, bars, PARITY, phase, s, 0, HALF_CHUNKS)
+    if PARITY == 0:
+        s = _qk_boxes(q_s, kv_s, bars, PARITY, phase, s, HALF_CHUNKS, HALF_CHUNKS + 1)
+    else:
+        s = _qk_boxes(q_s, kv_s, bars, PARITY, phase, s, 2 * HALF_CHUNKS, 1)
+        s = _qk_boxes(q_s, kv_s, bars, PARITY, phase, s, HALF_CHUNKS, HALF_CHUNKS)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+    first = start + (2 * step + PARITY) * TILE
+    if MULTI_TOKEN:
+        if first + TILE > gl.minimum(end, low_limit):
+            tok = first + gl.arange(0, TILE, gl.SliceLayout(0, layout))
+            s = gl.where((tok[None, :] < end) & (tok[None, :] < row_limit[:, None]), s,
+                         float("-inf"))
+    elif first + TILE > end:  # only a split's last tiles hold tokens past its end
+        tok = first + gl.arange(0, TILE, gl.SliceLayout(0, layout))
+        s = gl.where(tok[None, :] < end, s, float("-inf"))
+    return s
+
+
+@gluon.jit
+def _finite(m):
+    """0 where a row's max is -inf (a verify step's row that saw no token yet), so the
+    exponentials give 0 there rather than NaN."""
+    return gl.where(m == float("-inf"), 0.0, m)
+
+
+@gluon.jit
+def _zero_tail(kv_s, slot, valid):
+    """Zero the value rows at and past ``valid`` of the tile in ``slot``: P is 0 there, but
+    0 x NaN is NaN, and a cache's unwritten rows may hold anything. Whole 128-byte rows, so
+    the swizzle (within a row) does not matter."""
+    rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+    keep = gl.arange(0, TILE, gl.SliceLayout(1, rows_layout))[:, None] < valid
+    for c in gl.static_range(2 * HALF_CHUNKS):
+        box = kv_s.index(slot * CHUNKS + c)
+        box.store(gl.where(keep, box.load(rows_layout), 0.0).to(gl.bfloat16))
+    fence_async_shared()  # the stores before the wgmma reads (and the loader's next TMA)
+
+
+@gluon.jit
+def _pv(p, kv_s, slot, o0, o1, o2, o3, FIRST_CHUNK: gl.constexpr):
+    """O (four 64-column accumulators) += P V over the tile in ``slot``; p: registers in the
+    A-operand layout, or a shared-memory P."""
+    o0 = warpgroup_mma(p, kv_s.index(slot * CHUNKS + FIRST_CHUNK + 0), o0, is_async=True)
+    o1 = warpgroup_mma(p, kv_s.index(slot * CHUNKS + FIRST_CHUNK + 1), o1, is_async=True)
+    o2 = warpgroup_mma(p, kv_s.index(slot * CHUNKS + FIRST_CHUNK + 2), o2, is_async=True)
+    o3 = warpgroup_mma(p, kv_s.index(slot * CHUNKS + FIRST_CHUNK + 3), o3, is_async=True)
+    o0, o1, o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3))
+    return o0, o1, o2, o3
+
+
+@gluon.jit
+def _pv_pair(p_a, p_b, kv_s, o0, o1, o2, o3, FIRST_CHUNK: gl.constexpr):
+    """O += P_A V_A + P_B V_B over both tiles' value boxes from FIRST_CHUNK: eight wgmma
+    issued back to back and one wait, so the tensor pipe is not drained between the tiles."""
+    o0 = warpgroup_mma(p_a, kv_s.index(FIRST_CHUNK + 0), o0, is_async=True)
+    o1 = warpgroup_mma(p_a, kv_s.index(FIRST_CHUNK + 1), o1, is_async=True)
+    o2 = warpgroup_mma(p_a, kv_s.index(FIRST_CHUNK + 2), o2, is_async=True)
+    o3 = warpgroup_mma(p_a, kv_s.index(FIRST_CHUNK + 3), o3, is_async=True)
+    o0 = warpgroup_mma(p_b, kv_s.index(CHUNKS + FIRST_CHUNK + 0), o0, is_async=True)
+    o1 = warpgroup_mma(p_b, kv_s.index(CHUNKS + FIRST_CHUNK + 1), o1, is_async=True)
+    o2 = warpgroup_mma(p_b, kv_s.index(CHUNKS + FIRST_CHUNK + 2), o2, is_async=True)
+    o3 = warpgroup_mma(p_b, kv_s.index(CHUNKS + FIRST_CHUNK + 3), o3, is_async=True)
+    o0, o1, o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3))
+    return o0, o1, o2, o3
+
+
+@gluon.jit
+def _one_rescale_step(s, kv_s, stats_s, bars, phase, st, m_i, l_i, o0, o1, o2, o3,
+                      qk_scale_log2, PARITY: gl.constexpr, mma: gl.constexpr,
+                      MULTI_TOKEN: gl.constexpr = False):
+    """A step with both tiles' P against the step's final max m_B: WG0 waits for WG1's m_B
+    before exponentiating S_A, so each warpgroup rescales O once, by 2^(m - m_B), and
+    issues its two PVs back to back. Hand-offs: m_A (WG0 -> WG1), m_B (WG1 -> WG0), P_A and
+    its row sum, P_B and its row sum, through mbarriers as in the two-rescale step."""
+    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    rows: gl.constexpr = gl.SliceLayout(1, mma)
+    p_box = kv_s.index(PARITY * CHUNKS + 2 * HALF_CHUNKS)
+    if PARITY == 0:
+        # A holds a live token (for every row but a verify step's early ones).
+        m_a = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale_log2)
+        stats_s.index(st + S_MA).store(m_a)
+        mbarrier.arrive(bars.index(B_MA))
+        mbarrier.wait(bars.index(B_MB), phase)
+        m_b = stats_s.index(st + S_MB).load(rows)
+    else:
+        mbarrier.wait(bars.index(B_MA), phase)
+        m_a = stats_s.index(st + S_MA).load(rows)
+        # Tile B may lie past the end (all -inf): then m_b = m_a.
+        m_b = gl.maximum(m_a, gl.max(s, axis=1) * qk_scale_log2)
+        stats_s.index(st + S_MB).store(m_b)
+        mbarrier.arrive(bars.index(B_MB))
+    m_e = _finite(m_b) if MULTI_TOKEN else m_b
+    p32 = gl.exp2(s * qk_scale_log2 - m_e[:, None])
+    own_sum = gl.sum(p32, axis=1)
+    p = p32.to(gl.bfloat16)
+    p_box.store(p)
+    stats_s.index(st + S_SUM_A + PARITY * (S_SUM_B - S_SUM_A)).store(own_sum)
+    fence_async_shared()
+    mbarrier.arrive(bars.index(B_PA + PARITY * (B_PB - B_PA)))
+    alpha = gl.exp2(m_i - m_e)
+    o0, o1, o2, o3 = o0 * alpha[:, None], o1 * alpha[:, None], o2 * alpha[:, None], \
+        o3 * alpha[:, None]
+    if PARITY == 0:
+        mbarrier.wait(bars.index(B_PB), phase)
+        other_sum = stats_s.index(st + S_SUM_B).load(rows)
+        o0, o1, o2, o3 = _pv_pair(gl.convert_layout(p, a_op),
+                                  kv_s.index(CHUNKS + 2 * HALF_CHUNKS), kv_s,
+                                  o0, o1, o2, o3, 0)
+        mbarrier.arrive(bars.index(B_FREE_OWN + 0))
+        mbarrier.arrive(bars.index(B_FREE_CROSS + 1))
+    else:
+        mbarrier.wait(bars.index(B_PA), phase)
+        other_sum = stats_s.index(st + S_SUM_A).load(rows)
+        o0, o1, o2, o3 = _pv_pair(kv_s.index(2 * HALF_CHUNKS), gl.convert_layout(p, a_op),
+                                  kv_s, o0, o1, o2, o3, HALF_CHUNKS)
+        mbarrier.arrive(bars.index(B_FREE_CROSS + 0))
+        mbarrier.arrive(bars.index(B_FREE_OWN + 1))
+    l_i = l_i * alpha + own_sum + other_sum
+    return m_b, l_i, o0, o1, o2, o3
+
+
+@gluon.jit
+def warpgroup_compute(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
+             o_ptr, lse_ptr, stride_o_h, stride_lse_h, num_rows, WRITE_LSE: gl.constexpr,
+             ONE_SPLIT: gl.constexpr, PARITY: gl.constexpr, g0=0, q_phase=0,
+             RANGE: gl.constexpr = False, final=0, out_ptr=None, out_lse_ptr=None,
+             stride_out_h=0, FINAL: gl.constexpr = False, WRITE_OUT_LSE: gl.constexpr = False,
+             ONE_RESCALE: gl.constexpr = False, MULTI_TOKEN: gl.constexpr = False,
+             first_limit=0, row0=0, rows_per_token=1):
+    """One split, item or segment: tokens [start, end) against the Q in shared memory
+    (its ``q_phase``-th load), after ``g0`` earlier steps of this program. ``RANGE``: the
+    last QK releases Q for the next segment's request. ``FINAL``: where ``final`` holds (a
+    request that is this one segment), the output goes to ``out_ptr`` (and, with
+    ``WRITE_OUT_LSE``, the natural-log LSE to ``out_lse_ptr``) instead of a partial.
+    ``ONE_RESCALE``: each step in ``_one_rescale_step``'s order. ``MULTI_TOKEN``: the
+    rows are a verify step's query tokens x heads from row ``row0`` of the request, token
+    j's rows (``rows_per_token`` each) seeing the positions before ``first_limit`` + j; a
+    row that sees none here gets zeros and LSE -inf."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, 64, 16])
+    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    rows: gl.constexpr = gl.SliceLayout(1, mma)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, rows)
+    l_i = gl.zeros([ROWS], gl.float32, rows)
+    o0 = gl.zeros([ROWS, BOX], gl.float32, mma)
+    o1 = gl.zeros([ROWS, BOX], gl.float32, mma)
+    o2 = gl.zeros([ROWS, BOX], gl.float32, mma)
+    o3 = gl.zeros([ROWS, BOX], gl.float32, mma)
+    row_limit = first_limit + (row0 + gl.arange(0, ROWS, rows)) // rows_per_token
+    low_limit = first_limit + row0 // rows_per_token
+    mbarrier.wait(bars.index(B_Q), q_phase)
+    for step in range(num_steps):
+        phase = (g0 + step) & 1
+        s = _scores(q_s, kv_s, bars, phase, start, end, step, PARITY, mma, row_limit,
+                    low_limit, MULTI_TOKEN)
+        if RANGE:
+            if step == num_steps - 1:
+                mbarrier.arrive(bars.index(B_QFREE))
+        valid = end - (start + (2 * step + PARITY) * TILE)  # live rows of this tile
+        if valid < TILE:
+            _zero_tail(kv_s, PARITY, valid)
+        st = phase * NUM_STATS  # this step's set of row statistics
+        # Each tile's P goes to its rope box, free once its QK is done.
+        p_box = kv_s.index(PARITY * CHUNKS + 2 * HALF_CHUNKS)
+        if ONE_RESCALE:
+            m_i, l_i, o0, o1, o2, o3 = _one_rescale_step(
+                s, kv_s, stats_s, bars, phase, st, m_i, l_i, o0, o1, o2, o3, qk_scale_log2,
+                PARITY, mma, MULTI_TOKEN)
+        elif PARITY == 0:
+            # Row maxima in log2 units (scaling a row's max = the max of the scaled row),
+            # so the scale folds into the exponent's multiply-add.
+            # A holds a live token (for every row but a verify step's early ones).
+            m_a = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale_log2)
+            m_ae = _finite(m_a) if MULTI_TOKEN else m_a
+            alpha_a = gl.exp2(m_i - m_ae)
+            stats_s.index(st + S_MA).store(m_a)
+            stats_s.index(st + S_ALPHA_A).store(alpha_a)
+            mbarrier.arrive(bars.index(B_MA))
+            p32 = gl.exp2(s * qk_scale_log2 - m_ae[:, None])
+            sum_a = gl.sum(p32, axis=1)
+            p = p32.to(gl.bfloat16)
+            # P_A unscaled to WG1 at once (it rescales by alpha_B itself), so tile A is
+            # released after both warpgroups' first PV.
+            p_box.store(p)
+            stats_s.index(st + S_SUM_A).store(sum_a)
+            fence_async_shared()
+            mbarrier.arrive(bars.index(B_PA))
+            o0, o1, o2, o3 = o0 * alpha_a[:, None], o1 * alpha_a[:, None], \
+                o2 * alpha_a[:, None], o3 * alpha_a[:, None]
+            o0, o1, o2, o3 = _pv(gl.convert_layout(p, a_op), kv_s, 0, o0, o1, o2, o3, 0)
+            mbarrier.arrive(bars.index(B_FREE_OWN + 0))
+            mbarrier.wait(bars.index(B_PB), phase)
+            alpha_b = stats_s.index(st + S_ALPHA_B).load(rows)
+            m_b = stats_s.index(st + S_MB).load(rows)
+            sum_b = stats_s.index(st + S_SUM_B).load(rows)
+            o0, o1, o2, o3 = o0 * alpha_b[:, None], o1 * alpha_b[:, None], \
+                o2 * alpha_b[:, None], o3 * alpha_b[:, None]
+            o0, o1, o2, o3 = _pv(kv_s.index(CHUNKS + 2 * HALF_CHUNKS), kv_s, 1,
+                                 o0, o1, o2, o3, 0)
+            mbarrier.arrive(bars.index(B_FREE_CROSS + 1))
+        else:
+            mbarrier.wait(bars.index(B_MA), phase)
+            m_a = stats_s.index(st + S_MA).load(rows)
+            alpha_a = stats_s.index(st + S_ALPHA_A).load(rows)
+            # Tile B may lie past the end (all -inf): then m_b = m_a.
+            m_b = gl.maximum(m_a, gl.max(s, axis=1) * qk_scale_log2)
+            m_be = _finite(m_b) if MULTI_TOKEN else m_b
+            alpha_b = gl.exp2(m_a - m_be)
+            p32 = gl.exp2(s * qk_scale_log2 - m_be[:, None])
+            sum_b = gl.sum(p32, axis=1)
+            p = p32.to(gl.bfloat16)
+            p_box.store(p)
+            stats_s.index(st + S_ALPHA_B).store(alpha_b)
+            stats_s.index(st + S_MB).store(m_b)
+            stats_s.index(st + S_SUM_B).store(sum_b)
+            fence_async_shared()
+            mbarrier.arrive(bars.index(B_PB))
+            mbarrier.wait(bars.index(B_PA), phase)
+            sum_a = stats_s.index(st + S_SUM_A).load(rows)
+            o0, o1, o2, o3 = o0 * alpha_a[:, None], o1 * alpha_a[:, None], \
+                o2 * alpha_a[:, None], o3 * alpha_a[:, None]
+            o0, o1, o2, o3 = _pv(kv_s.index(2 * HALF_CHUNKS), kv_s, 0, o0, o1, o2, o3,
+                                 HALF_CHUNKS)
+            mbarrier.arrive(bars.index(B_FREE_CROSS + 0))
+            o0, o1, o2, o3 = o0 * alpha_b[:, None], o1 * alpha_b[:, None], \
+                o2 * alpha_b[:, None], o3 * alpha_b[:, None]
+            o0, o1, o2, o3 = _pv(gl.convert_layout(p, a_op), kv_s, 1, o0, o1, o2, o3,
+                                 HALF_CHUNKS)
+            mbarrier.arrive(bars.index(B_FREE_OWN + 1))
+        if not ONE_RESCALE:
+            l_i = l_i * alpha_a * alpha_b + sum_a * alpha_b + sum_b
+            m_i = m_b
+    # This warpgroup's 256 columns of O / l, and (warpgroup 0) the LSE (a row that saw no
+    # token: O 0, l 0, m -inf, so zeros and LSE -inf).
+    inv_l = 1.0 / (gl.where(l_i > 0.0, l_i, 1.0) if MULTI_TOKEN else l_i)
+    if FINAL:
+        if final:
+            _store_rows(out_ptr, stride_out_h, 1, o0, o1, o2, o3, inv_l, m_i, l_i, num_rows,
+                        PARITY, WRITE_OUT_LSE, True, mma, out_lse_ptr)
+        else:
+            _store_rows(o_ptr, stride_o_h, stride_lse_h, o0, o1, o2, o3, inv_l, m_i, l_i,
+                        num_rows, PARITY, True, False, mma, lse_ptr)
+    else:
+        # A split's partial LSE always (the merge weighs by it); the final one when asked.
+        _store_rows(o_ptr, stride_o_h, stride_lse_h, o0, o1, o2, o3, inv_l, m_i, l_i,
+                    num_rows, PARITY, WRITE_LSE or not ONE_SPLIT, ONE_SPLIT, mma, lse_ptr)
+
+
+@gluon.jit
+def _store_rows(o_ptr, stride_o_h, stride_lse_h, o0, o1, o2, o3, inv_l, m_i, l_i, num_rows,
+                PARITY: gl.constexpr, STORE_LSE: gl.constexpr, NATURAL_LSE: gl.constexpr,
+                mma: gl.constexpr, lse_ptr=None):
+    """A warpgroup's 256 columns of O / l at ``o_ptr`` (in its element type), and, from
+    warpgroup 0 with ``STORE_LSE``, the LSE at ``lse_ptr``: log2 units between the stages
+    (the merge's), the natural log as a final LSE (``NATURAL_LSE``)."""
+    rows: gl.constexpr = gl.SliceLayout(1, mma)
+    offs_h = gl.arange(0, ROWS, rows)
+    offs_c = gl.arange(0, BOX, gl.SliceLayout(0, mma))
+    base = o_ptr + offs_h[:, None] * stride_o_h + PARITY * HALF_CHUNKS * BOX + offs_c[None, :]
+    # Rows past num_rows (fewer than 64 heads) are other requests' q or TMA's zero fill:
+    # each row's scores and output depend on that row alone, so they are only not stored.
+    real = (offs_h < num_rows)[:, None]
+    gl.store(base, (o0 * inv_l[:, None]).to(o_ptr.dtype.element_ty), mask=real)
+    gl.store(base + BOX, (o1 * inv_l[:, None]).to(o_ptr.dtype.element_ty), mask=real)
+    gl.store(base + 2 * BOX, (o2 * inv_l[:, None]).to(o_ptr.dtype.element_ty), mask=real)
+    gl.store(base + 3 * BOX, (o3 * inv_l[:, None]).to(o_ptr.dtype.element_ty), mask=real)
+    if PARITY == 0 and STORE_LSE and lse_ptr is not None:
+        lse = m_i + gl.log2(l_i)
+        if NATURAL_LSE:
+            lse = lse * 0.6931471805599453
+        gl.store(lse_ptr + offs_h * stride_lse_h, lse, mask=offs_h < num_rows)
+
+
+# One entry per partition (PARITY fixed). Passing PARITY straight to warpgroup_compute in
+# warp_specialize compiles too, to differently scheduled code (not measured).
+@gluon.jit
+def warpgroup_even(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
+                    o_ptr, lse_ptr, stride_o_h, stride_lse_h, num_rows, WRITE_LSE: gl.constexpr,
+                    ONE_SPLIT: gl.constexpr, ONE_RESCALE: gl.constexpr,
+                    MULTI_TOKEN: gl.constexpr = False, first_limit=0, row0=0,
+                    rows_per_token=1):
+    warpgroup_compute(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_log2, o_ptr,
+             lse_ptr, stride_o_h, stride_lse_h, num_rows, WRITE_LSE, ONE_SPLIT, 0,
+             ONE_RESCALE=ONE_RESCALE, MULTI_TOKEN=MULTI_TOKEN, first_limit=first_limit,
+             row0=row0, rows_per_token=rows_per_token)
+
+
+@gluon.jit
+def warpgroup_odd(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
+                   o_ptr, lse_ptr, stride_o_h, stride_lse_h, num_rows, WRITE_LSE: gl.constexpr,
+                   ONE_SPLIT: gl.constexpr, ONE_RESCALE: gl.constexpr,
+                   MULTI_TOKEN: gl.constexpr = False, first_limit=0, row0=0,
+                   rows_per_token=1):
+    warpgroup_compute(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_log2, o_ptr,
+             lse_ptr, stride_o_h, stride_lse_h, num_rows, WRITE_LSE, ONE_SPLIT, 1,
+             ONE_RESCALE=ONE_RESCALE, MULTI_TOKEN=MULTI_TOKEN, first_limit=first_limit,
+             row0=row0, rows_per_token=rows_per_token)
