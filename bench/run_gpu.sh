@@ -157,7 +157,8 @@ for step in $steps; do
     onerescale) # The seesaw's one-rescale step: its float64 tests, then the split-KV kernel
                 # with it on against off, in one process (the A/B's other version is this
                 # checkout's kernel with the step's default flipped).
-                timeout 200 python3 -m pytest -q tests/test_seesaw.py -m gpu -k one_rescale \
+                workers=(); python3 -c "import xdist" 2>/dev/null && workers=(-n 8)
+                timeout 200 python3 -m pytest -q "${workers[@]}" tests/test_seesaw.py -m gpu -k one_rescale \
                   -p no:cacheprovider > "$R/one-rescale-tests.log" 2>&1
                 tail -3 "$R/one-rescale-tests.log"
                 sed 's/WRITE_LSE: gl.constexpr, ONE_RESCALE: gl.constexpr = False,/WRITE_LSE: gl.constexpr, ONE_RESCALE: gl.constexpr = True,/' \
@@ -169,7 +170,9 @@ for step in $steps; do
                 tail -14 "$R/one-rescale-ab.log" ;;
     seesawverify) # Verify steps on the seesaw (under trial): float64 tests, then the timing
                   # against the Triton verify step and the q_len 1 step.
-                  timeout 240 python3 -m pytest -q tests/test_seesaw.py -m gpu -k verify_step \
+                  workers=(); python3 -c "import xdist" 2>/dev/null && workers=(-n 8)
+                  timeout 240 python3 -m pytest -q "${workers[@]}" tests/test_seesaw.py -m gpu \
+                    -k verify_step \
                     -p no:cacheprovider > "$R/seesaw-verify-tests.log" 2>&1
                   tail -3 "$R/seesaw-verify-tests.log"
                   timeout 240 python3 bench/experiments/seesaw_verify.py --out "$R" \
