@@ -4,15 +4,16 @@ Two tables from one run, 16 heads, bf16, page 64, every call timed as CUDA-graph
 with a cold L2 (one graph holds R calls, each over its own random scatter of pages of one
 large cache, with R chosen so that a replay touches several L2s worth of distinct KV):
 
-- ``rows``: the planned kernel (``plan_mla_decode``; for ragged mixes also balanced
-  split-KV) and, when it is installed, FlashInfer's MLA decode (FA3) on the same inputs,
-  over uniform shapes (context x batch) and the ragged mixes of ``bench/ragged.py``. The
-  floor is the bytes actually read (each request's KV rows, q and out) over the copy
-  bandwidth measured in the same run; ``frac_of_copy`` = floor_us / us. ``selected``
-  marks the topology the shipped H200 16-head ladder replays for that batch (ragged
-  batches above 4K tokens switch to balanced, ``Bucket.balanced_imbalance``). Below 64
-  heads the Gluon seesaw's 64-row programs (split-KV and balanced, ``stream=SEESAW_STREAM``)
-  are timed too, never ``selected``; ``kernel`` names the stage 1 that ran.
+- ``rows``: the planned kernel (``plan_mla_decode``; for ragged mixes also every balanced
+  kernel the Triton backend offers, the tuner's candidates) and, when they are installed,
+  FlashInfer's MLA decode (FA3) and FlashMLA's on the same inputs, over uniform shapes
+  (context x batch at 16 heads, ``WIDE_HEADS_SHAPES`` at other head counts) and the ragged
+  mixes of ``bench/ragged.py`` at every head count. The floor is the bytes actually read
+  (each request's KV rows, q and out) over the copy bandwidth measured in the same run;
+  ``frac_of_copy`` = floor_us / us. ``selected`` marks the plan the ladder shipped for
+  this GPU (else the H200's) replays for that batch. Below 64 heads the Gluon seesaw's
+  64-row split-KV programs (``stream=SEESAW_STREAM``) are timed too; ``kernel`` names the
+  stage 1 that ran.
 - ``split_rows``: the planned kernel at every split count of ``--splits`` (what the
   ladder tuner chooses from).
 
@@ -54,8 +55,6 @@ from graphbucket.kernels import (  # noqa: E402
 )
 from graphbucket.kernels.launch import launch_merge, runs_seesaw  # noqa: E402
 from graphbucket.plan import (  # noqa: E402
-    head_block_size,
-    plan_balanced_mla_decode,
     plan_mla_decode,
 )
 from graphbucket.plan_streams import SEESAW_STREAM  # noqa: E402
@@ -75,22 +74,41 @@ def kv_bytes(context: int, batch: int) -> int:
 
 def shapes(contexts: list[int], batches: list[int],
            heads: list[int]) -> list[tuple[int, str, list[int]]]:
-    """(heads, mix, lengths): 16 heads over contexts x batches and the ragged mixes; other
-    head counts over WIDE_HEADS_SHAPES."""
+    """(heads, mix, lengths): 16 heads over contexts x batches, other head counts over
+    WIDE_HEADS_SHAPES; the ragged mixes at every head count."""
     out = []
     for h in heads:
         if h == HEADS:
             out += [(h, "uniform", [c] * b) for c in contexts for b in batches]
-            out += [(h, name, lens) for name, lens in mixes() if name != "uniform"]
         else:
             out += [(h, "uniform", [c] * b) for b, c in WIDE_HEADS_SHAPES]
+        out += [(h, name, lens) for name, lens in mixes() if name != "uniform"]
     return out
 
 
-def ladder_picks_balanced(lens: list[int]) -> bool:
-    """Whether the shipped H200 16-head ladder replays a balanced graph for ``lens``."""
-    ladder = find_tuned_ladder("NVIDIA H200", HEADS, 131072)
-    return GraphSelector(ladder, [len(lens)]).choose(lens).balanced
+def balanced_variants(batch: int, heads: int) -> list:
+    """Every balanced kernel the Triton backend offers at ``heads`` (the tuner's and the
+    oracle's candidates), planned for ``batch`` requests on this GPU."""
+    from graphbucket.backends.triton import TritonBackend
+
+    backend = TritonBackend(num_sms=torch.cuda.get_device_properties(0).multi_processor_count)
+    return [(backend.plan_balanced(batch, heads, k), mla_decode_balanced)
+            for k in backend.balanced_kernels(heads)]
+
+
+def ladder_topology(lens: list[int], heads: int) -> str:
+    """The plan the ladder shipped for this GPU (else the H200's) replays for ``lens``,
+    described; "" where no ladder ships for ``heads``."""
+    from bench.ladder_oracle import ladder_plan
+    from graphbucket.backends.triton import TritonBackend
+
+    props = torch.cuda.get_device_properties(0)
+    ladder = (find_tuned_ladder(props.name, heads, 131072)
+              or find_tuned_ladder("NVIDIA H200", heads, 131072))
+    if ladder is None:
+        return ""
+    backend = TritonBackend(num_sms=props.multi_processor_count)
+    return ladder_plan(GraphSelector(ladder, [len(lens)]), backend, heads, lens).describe()
 
 
 def compare(args) -> list[dict]:
@@ -109,25 +127,21 @@ def compare(args) -> list[dict]:
         batch, context = len(lens), max(lens)
         variants = [(plan_mla_decode(batch, heads, context), mla_decode)]
         if mix != "uniform":
-            variants.append((plan_balanced_mla_decode(batch, heads), mla_decode_balanced))
+            variants += balanced_variants(batch, heads)
         if heads < 64:  # the Gluon seesaw's 64-row programs holding fewer heads (not default)
             variants.append((plan_mla_decode(batch, heads, context, stream=SEESAW_STREAM),
                              mla_decode))
-            if mix != "uniform":
-                variants.append((plan_balanced_mla_decode(batch, heads, stream=SEESAW_STREAM),
-                                 mla_decode_balanced))
         ws = SplitWorkspace.allocate(batch, heads, max(p.num_kv_splits for p, _ in variants),
                                      RANK, "cuda",
                                      max_items=max(p.max_work_items for p, _ in variants))
         shape = {"heads": heads, "batch": batch, "context": context, "mix": mix}
-        picks_balanced = heads == HEADS and ladder_picks_balanced(lens)
+        picked = ladder_topology(lens, heads)
         floors = {"gbps": args.copy_gbps, "lens": lens, "heads": heads, "tflops": args.tflops}
         for plan, launch in variants:
             us = time_calls(launch, plan, cache, tables, q, out, seq_lens, ws, scale)
             kernel = "gluon-seesaw" if runs_seesaw(plan, q[0], cache) else "triton"
             rows.append({"impl": "graphbucket", **shape, "topology": plan.describe(),
-                         "kernel": kernel, "selected": plan.balanced == picks_balanced
-                         and plan.block_h == head_block_size(heads),
+                         "kernel": kernel, "selected": plan.describe() == picked,
                          **against_floor(us=us, **floors)})
         if why_not is None:
             ref = torch.empty_like(out)
@@ -252,7 +266,7 @@ def comparison_table(rows: list[dict]) -> list[str]:
         fi = next((r for r in same if r["impl"] == "flashinfer"), None)
         fm = next((r for r in same if r["impl"] == "flashmla"), None)
         for r in (r for r in same if r["impl"] == "graphbucket"):
-            pick = " (ladder)" if r.get("selected") and mix != "uniform" else ""
+            pick = " (ladder)" if r.get("selected") else ""
             lines.append(f"| {mix} | {batch} | {context} | {r['us']:.1f} | "
                          f"{100 * r['frac_of_copy']:.0f} % | {short(r['topology'])}{pick} | "
                          f"{_ref_cells(fi, r, 'frac_of_copy')} | "
@@ -268,18 +282,22 @@ def wide_heads_table(rows: list[dict]) -> list[str]:
     lines = ["", "Compute-bound decode (every head on one GPU): of compute = FLOPs "
              f"({FLOPS_PER_TOKEN_HEAD} per token and head) over the bf16 matmul rate measured "
              "in the same run, divided by the time.", "",
-             "| heads | batch | context | graphbucket us | of copy | of compute | topology | "
-             "FlashInfer us | of compute | FlashInfer / graphbucket | FlashMLA us | "
+             "| heads | mix | batch | context | graphbucket us | of copy | of compute | "
+             "topology | FlashInfer us | of compute | FlashInfer / graphbucket | FlashMLA us | "
              "of compute | FlashMLA / graphbucket |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for h, b, c in sorted({(r["heads"], r["batch"], r["context"]) for r in wide}):
-        same = [r for r in wide if (r["heads"], r["batch"], r["context"]) == (h, b, c)]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for h, m, b, c in sorted({(r["heads"], r["mix"], r["batch"], r["context"]) for r in wide}):
+        same = [r for r in wide if (r["heads"], r["mix"], r["batch"], r["context"])
+                == (h, m, b, c)]
         fi = next((r for r in same if r["impl"] == "flashinfer"), None)
         fm = next((r for r in same if r["impl"] == "flashmla"), None)
         for r in (r for r in same if r["impl"] == "graphbucket"):
-            lines.append(f"| {h} | {b} | {c} | {r['us']:.1f} | {100 * r['frac_of_copy']:.0f} % "
+            pick = " (ladder)" if r.get("selected") else ""
+            lines.append(f"| {h} | {m} | {b} | {c} | {r['us']:.1f} | "
+                         f"{100 * r['frac_of_copy']:.0f} % "
                          f"| {100 * r.get('frac_of_compute', 0):.0f} % | "
-                         f"{short(r['topology'])} | {_ref_cells(fi, r, 'frac_of_compute')} | "
+                         f"{short(r['topology'])}{pick} | "
+                         f"{_ref_cells(fi, r, 'frac_of_compute')} | "
                          f"{_ref_cells(fm, r, 'frac_of_compute')} |")
     return lines
 
