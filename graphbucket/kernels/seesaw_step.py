@@ -133,10 +133,12 @@ def _pv_pair(p_a, p_b, kv_s, o0, o1, o2, o3, FIRST_CHUNK: gl.constexpr):
 def _one_rescale_step(s, kv_s, stats_s, bars, phase, st, m_i, l_i, o0, o1, o2, o3,
                       qk_scale_log2, PARITY: gl.constexpr, mma: gl.constexpr,
                       MULTI_TOKEN: gl.constexpr = False):
-    """A step with both tiles' P against the step's final max m_B: WG0 waits for WG1's m_B
-    before exponentiating S_A, so each warpgroup rescales O once, by 2^(m - m_B), and
-    issues its two PVs back to back. Hand-offs: m_A (WG0 -> WG1), m_B (WG1 -> WG0), P_A and
-    its row sum, P_B and its row sum, through mbarriers as in the two-rescale step."""
+    """A step with both tiles' P against the step's final max m_B, so that each warpgroup
+    rescales O once, by 2^(m - m_B), and issues its two PVs back to back. WG0
+    exponentiates S_A against m_A at once (while WG1's QK may still run), then scales P_A
+    by WG1's 2^(m_A - m_B): 64 columns in registers instead of a second pass over O's 256.
+    Hand-offs: m_A (WG0 -> WG1), m_B (WG1 -> WG0), P_A and its row sum, P_B and its row
+    sum, through mbarriers as in the two-rescale step."""
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     rows: gl.constexpr = gl.SliceLayout(1, mma)
     p_box = kv_s.index(PARITY * CHUNKS + 2 * HALF_CHUNKS)
@@ -145,8 +147,12 @@ def _one_rescale_step(s, kv_s, stats_s, bars, phase, st, m_i, l_i, o0, o1, o2, o
         m_a = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale_log2)
         stats_s.index(st + S_MA).store(m_a)
         mbarrier.arrive(bars.index(B_MA))
+        m_ae = _finite(m_a) if MULTI_TOKEN else m_a
+        p32 = gl.exp2(s * qk_scale_log2 - m_ae[:, None])
         mbarrier.wait(bars.index(B_MB), phase)
         m_b = stats_s.index(st + S_MB).load(rows)
+        m_e = _finite(m_b) if MULTI_TOKEN else m_b
+        p32 = p32 * gl.exp2(m_a - m_e)[:, None]
     else:
         mbarrier.wait(bars.index(B_MA), phase)
         m_a = stats_s.index(st + S_MA).load(rows)
@@ -154,8 +160,8 @@ def _one_rescale_step(s, kv_s, stats_s, bars, phase, st, m_i, l_i, o0, o1, o2, o
         m_b = gl.maximum(m_a, gl.max(s, axis=1) * qk_scale_log2)
         stats_s.index(st + S_MB).store(m_b)
         mbarrier.arrive(bars.index(B_MB))
-    m_e = _finite(m_b) if MULTI_TOKEN else m_b
-    p32 = gl.exp2(s * qk_scale_log2 - m_e[:, None])
+        m_e = _finite(m_b) if MULTI_TOKEN else m_b
+        p32 = gl.exp2(s * qk_scale_log2 - m_e[:, None])
     own_sum = gl.sum(p32, axis=1)
     p = p32.to(gl.bfloat16)
     p_box.store(p)
