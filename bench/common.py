@@ -60,10 +60,14 @@ def inputs(lens: list[int], cache: torch.Tensor, heads: int = HEADS):
 
 
 def time_calls(launch, plan, cache, tables, q, out, seq_lens, ws, scale) -> float:
+    """us per call of ``launch`` over the rotations; a balanced plan partitions the step in
+    the first call only, as the layers of a decode step do (per layer, as FlashMLA's time
+    beside it leaves out its scheduler)."""
     def call():
         for r in range(tables.shape[0]):
+            extra = {"partition": r == 0} if plan.balanced else {}
             launch(q[r], cache, tables[r], seq_lens, out[r], ws, plan=plan, sm_scale=scale,
-                   check=False)
+                   check=False, **extra)
     return time_replays(call, calls_per_graph=tables.shape[0])
 
 

@@ -11,7 +11,10 @@ large cache, with R chosen so that a replay touches several L2s worth of distinc
   mixes of ``bench/ragged.py`` at every head count. The floor is the bytes actually read
   (each request's KV rows, q and out) over the copy bandwidth measured in the same run;
   ``frac_of_copy`` = floor_us / us. ``selected`` marks the plan the ladder shipped for
-  this GPU (else the H200's) replays for that batch. Below 64 heads the Gluon seesaw's
+  this GPU (else the H200's) replays for that batch, timed as well where it is none of
+  the others. A balanced plan partitions the step once per graph replay, in its first
+  call, as a decode step's layers do (FlashMLA's per-layer time leaves its scheduler out
+  the same way). Below 64 heads the Gluon seesaw's
   64-row split-KV programs (``stream=SEESAW_STREAM``) are timed too; ``kernel`` names the
   stage 1 that ran.
 - ``split_rows``: the planned kernel at every split count of ``--splits`` (what the
@@ -96,9 +99,9 @@ def balanced_variants(batch: int, heads: int) -> list:
             for k in backend.balanced_kernels(heads)]
 
 
-def ladder_topology(lens: list[int], heads: int) -> str:
-    """The plan the ladder shipped for this GPU (else the H200's) replays for ``lens``,
-    described; "" where no ladder ships for ``heads``."""
+def ladder_choice(lens: list[int], heads: int):
+    """The plan the ladder shipped for this GPU (else the H200's) replays for ``lens``;
+    None where no ladder ships for ``heads``."""
     from bench.ladder_oracle import ladder_plan
     from graphbucket.backends.triton import TritonBackend
 
@@ -106,9 +109,9 @@ def ladder_topology(lens: list[int], heads: int) -> str:
     ladder = (find_tuned_ladder(props.name, heads, 131072)
               or find_tuned_ladder("NVIDIA H200", heads, 131072))
     if ladder is None:
-        return ""
+        return None
     backend = TritonBackend(num_sms=props.multi_processor_count)
-    return ladder_plan(GraphSelector(ladder, [len(lens)]), backend, heads, lens).describe()
+    return ladder_plan(GraphSelector(ladder, [len(lens)]), backend, heads, lens)
 
 
 def compare(args) -> list[dict]:
@@ -131,17 +134,20 @@ def compare(args) -> list[dict]:
         if heads < 64:  # the Gluon seesaw's 64-row programs holding fewer heads (not default)
             variants.append((plan_mla_decode(batch, heads, context, stream=SEESAW_STREAM),
                              mla_decode))
+        picked = ladder_choice(lens, heads)
+        if picked is not None and picked.describe() not in {p.describe() for p, _ in variants}:
+            variants.append((picked, mla_decode_balanced if picked.balanced else mla_decode))
         ws = SplitWorkspace.allocate(batch, heads, max(p.num_kv_splits for p, _ in variants),
                                      RANK, "cuda",
                                      max_items=max(p.max_work_items for p, _ in variants))
         shape = {"heads": heads, "batch": batch, "context": context, "mix": mix}
-        picked = ladder_topology(lens, heads)
         floors = {"gbps": args.copy_gbps, "lens": lens, "heads": heads, "tflops": args.tflops}
         for plan, launch in variants:
             us = time_calls(launch, plan, cache, tables, q, out, seq_lens, ws, scale)
             kernel = "gluon-seesaw" if runs_seesaw(plan, q[0], cache) else "triton"
             rows.append({"impl": "graphbucket", **shape, "topology": plan.describe(),
-                         "kernel": kernel, "selected": plan.describe() == picked,
+                         "kernel": kernel, "selected": picked is not None
+                         and plan.describe() == picked.describe(),
                          **against_floor(us=us, **floors)})
         if why_not is None:
             ref = torch.empty_like(out)
