@@ -234,13 +234,20 @@ class Problem:
         return tables, q, out, seq_lens
 
 
+def launcher(plan: LaunchPlan, q_len: int = 1, *, partition: bool = True):
+    """``plan``'s launch function and the keywords it takes beside the common ones: a
+    balanced plan's ``partition`` (False: the workspace holds this step's partition), a
+    split plan's ``q_len``."""
+    if plan.balanced:
+        return mla_decode_balanced, {"partition": partition}
+    return mla_decode, {"q_len": q_len}
+
+
 def rotated_calls(problem: Problem, tables, q, out, seq_lens, ws: SplitWorkspace | None,
                   plan: LaunchPlan, scale: float, q_len: int = 1) -> Callable[[], None]:
     """One decode call per rotation, each over its own pages: what one graph replay runs.
     A balanced plan partitions the step once, in the first call, as the layers of a decode
     step do (the rotations share the lengths, so the partition is the same for each)."""
-    balanced = plan.balanced
-    decode = mla_decode_balanced if balanced else mla_decode
     # The calls skip the launch checks (their cost would be timed); a workspace too small
     # for the plan would be written past its end.
     if plan.use_stage2 and (ws is None or not ws.fits(plan)):
@@ -249,7 +256,7 @@ def rotated_calls(problem: Problem, tables, q, out, seq_lens, ws: SplitWorkspace
 
     def call():
         for r in range(tables.shape[0]):
-            extra = {"partition": r == 0} if balanced else {"q_len": q_len}
+            decode, extra = launcher(plan, q_len, partition=r == 0)
             decode(q[r], problem.cache, tables[r], seq_lens, out[r], ws, plan=plan,
                    sm_scale=scale, kv_scale=problem.kv_scale, check=False, **extra)
     return call
@@ -313,13 +320,11 @@ class PlanTimer:
                                   self.scale, self.q_len) for label, plan in plans.items()},
             calls_per_graph=tables.shape[0], reps=TUNE_REPS, min_ms=SAMPLE_MS)
 
-
     def _check(self, tables, q, out, seq_lens, plans: Mapping[str, LaunchPlan]) -> None:
         """Each plan once on the first rotation, the outputs compared (``check_outputs_agree``)."""
         outputs = {}
         for label, plan in plans.items():
-            decode = mla_decode_balanced if plan.balanced else mla_decode
-            extra = {} if plan.balanced else {"q_len": self.q_len}
+            decode, extra = launcher(plan, self.q_len)
             got = torch.full_like(out[0], float("nan"))
             decode(q[0], self.problem.cache, tables[0], seq_lens, got, self.ws, plan=plan,
                    sm_scale=self.scale, kv_scale=self.problem.kv_scale, **extra)
