@@ -54,11 +54,12 @@ def context(model, batch, *, hint: int, backend=None) -> DecodeContext:
         workspace=backend.workspace_spec([plan]).allocate(dev))
 
 
-def reference(model, batch, caches):
+def reference(model, batch, caches, **kw):
     lens = np.asarray(batch.seq_lens_cpu)
     return model.forward_reference(batch.inputs["hidden"], positions=np.maximum(lens - 1, 0),
                                    seq_lens=lens, block_table=batch.block_table_cpu,
-                                   slot_mapping=batch.inputs["slot_mapping"], caches=caches)
+                                   slot_mapping=batch.inputs["slot_mapping"], caches=caches,
+                                   **kw)
 
 
 def setup_batch(model, lens, *, seed=0, pages=8):
@@ -324,14 +325,18 @@ def test_v32_cache_decode_matches_the_reference_over_the_v32_cache(hint, seeded)
     ref_caches = model.reference_caches()  # unpacked, float64
     assert ref_caches[0].shape == (PAGES, PAGE, cfg.kv_dim)
     out = model(context(model, batch, hint=hint))
+    # Over the rows the store op wrote: the attention and the model's compute. A row stored
+    # from the fp16 model's values can sit one fp8 step from the reference's own where the
+    # rounding falls differently, so the whole float64 step (it stores its own rows) gets
+    # a looser bound, and the rows are checked on their own below.
+    stored = model.reference_caches()
+    assert rel_l2(out, reference(model, batch, stored, store_new_rows=False)) < 1e-2
     want = reference(model, batch, ref_caches)
-    # Mostly below 1e-2; for some seeds' weights the new rows' fp8 rounding (fp16 here,
-    # float64 in the reference) shows at 2-4e-2 (scripts/demo.py allows 6e-2 likewise).
-    assert rel_l2(out, want) < 6e-2
+    assert rel_l2(out, want) < 0.15
     # The store op packed each new row by the V3.2 rule, checked exactly on what it stored:
     # every nonzero group's largest code is 448 (its scale is amax / 448).
     # Against the reference's rows: layer 0 matches to the fp16 model's rounding; past it
-    # the rows carry the attention's fp8 error (the output's, up to 6e-2 above), which can
+    # the rows carry the attention's fp8 error (the output's, up to 0.15 above), which can
     # move a group's largest value, and so its scale, by as much.
     slots = batch.inputs["slot_mapping"]
     for i, (cache, ref_cache) in enumerate(zip(model.kv_caches, ref_caches, strict=True)):

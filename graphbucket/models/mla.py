@@ -223,15 +223,18 @@ class MLADecoder:
 
     def forward_reference(self, hidden, *, positions, seq_lens, block_table, slot_mapping,
                           caches: list[torch.Tensor] | None = None,
-                          dtype: torch.dtype = torch.float64, q_len: int = 1) -> torch.Tensor:
+                          dtype: torch.dtype = torch.float64, q_len: int = 1,
+                          store_new_rows: bool = True) -> torch.Tensor:
         """The same step in plain torch ``dtype`` (see ``models.step_reference``); writes its new
-        rows into ``caches`` (default: fresh copies of the model's caches)."""
+        rows into ``caches`` (default: fresh copies of the model's caches), unless
+        ``store_new_rows`` is False (``caches`` read back after this model's step)."""
         caches = self.reference_caches(dtype) if caches is None else caches
         return decode_reference(self.config, self.layers, self.final_norm, hidden,
                                 positions=positions, seq_lens=seq_lens,
                                 block_table=block_table, slot_mapping=slot_mapping,
                                 caches=caches, dtype=dtype, kv_scale=self.kv_scale,
-                                kv_cache_format=self.kv_cache_format, q_len=q_len)
+                                kv_cache_format=self.kv_cache_format, q_len=q_len,
+                                store_new_rows=store_new_rows)
 
     # ---- accounting (for roofline floors) ---------------------------------------------
 

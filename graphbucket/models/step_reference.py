@@ -61,13 +61,17 @@ def decode_reference(config: MLAConfig, layers: list[MLALayerWeights],
                      slot_mapping, caches: list[torch.Tensor],
                      dtype: torch.dtype = torch.float64,
                      kv_scale: torch.Tensor | None = None,
-                     kv_cache_format: str | None = None, q_len: int = 1) -> torch.Tensor:
+                     kv_cache_format: str | None = None, q_len: int = 1,
+                     store_new_rows: bool = True) -> torch.Tensor:
     """One decode step of the model with ``config``, ``layers`` and ``final_norm`` in
     ``dtype``; writes the new rows into ``caches`` (one per layer, [num_pages, page_size,
     R + P] in ``dtype``, e.g. ``MLADecoder.reference_caches()``). The new rows are stored as
     a cache of ``kv_cache_format`` holds them (``graphbucket.fp8.as_stored``: fp8 formats
     quantized, then dequantized); the format defaults to "fp8-tensor" with ``kv_scale``,
-    else "bf16" (rows as computed).
+    else "bf16" (rows as computed). ``store_new_rows`` False: ``caches`` already hold the
+    step's new rows (read back from a model's caches after its step), and the step attends
+    over them as they are: this checks everything but the store against rows that differ
+    from the reference's own only by where fp8 rounding fell.
 
     A verify step (``q_len`` > 1) decodes q_len tokens per request: hidden [B * q_len, D],
     positions and slot_mapping [B * q_len] (row b * q_len + j is request b's token j),
@@ -89,9 +93,10 @@ def decode_reference(config: MLAConfig, layers: list[MLALayerWeights],
         q_a, kv = (h @ w.w_qkv_a.T).split([cfg.q_lora_rank, cfg.kv_dim], dim=-1)
         row = torch.cat([rms_norm_ref(kv[:, :r], w.kv_a_norm, cfg.rms_eps),
                          rotary_ref(kv[:, r:], positions, cfg.rope_theta)], dim=-1)
-        if fp8.get_cache_format(fmt).quantized:
-            row = fp8.as_stored(row, fmt, kv_scale, dtype)
-        cache.view(-1, cfg.kv_dim)[slots[live]] = row[live]
+        if store_new_rows:
+            if fp8.get_cache_format(fmt).quantized:
+                row = fp8.as_stored(row, fmt, kv_scale, dtype)
+            cache.view(-1, cfg.kv_dim)[slots[live]] = row[live]
         q = (rms_norm_ref(q_a, w.q_a_norm, cfg.rms_eps) @ w.w_q_b.T).view(bs, heads, -1)
         q_nope, q_rope = q.split([cfg.qk_nope_dim, cfg.qk_rope_dim], dim=-1)
         q_mla = torch.cat([torch.einsum("bhn,hnr->bhr", q_nope, w.w_uk),
