@@ -5,7 +5,7 @@
 # TPOT per policy, and the demo's GPU path. Run it on a CUDA machine.
 # steps: any of tests gputests balancedtests sweep fisweep capture tune tunefp8 tunemtp tunesparse
 #        tpot tpotfp8 tpotmtp ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp hostphases
-#        balancedseesaw tpotbatches tpothf stepkernels onerescale seesawverify
+#        balancedseesaw tpotbatches tpothf stepkernels stepvariants seesawverify
 #        (tpotdp: TPOT of the 128-head deepseek-v3-dp preset, the compute-bound decode)
 #        (balancedtests: the balanced kernels per capture size, the ragged switch and the
 #        oracle's host logic, on the GPU)
@@ -35,8 +35,9 @@
 #        (balancedseesaw: the seesaw's GPU tests, then the seesaw (split-KV and balanced)
 #        against the Triton stage 1 on ragged mixes and uniform batches, 128 heads, then 16
 #        heads on 64-row programs; SEESAW_HEADS="16" picks)
-#        (onerescale: the seesaw's one-rescale step against float64, then the split-KV
-#        seesaw with it on against off, bench/experiments/seesaw_variant_ab.py)
+#        (stepvariants: the seesaw's step variants under trial (one-rescale order,
+#        256-column PVs) against float64, then the split-KV seesaw with each on against
+#        off, bench/experiments/seesaw_variant_ab.py, each into its own folder)
 #        (seesawverify: verify steps on the seesaw against float64, then timed against the
 #        Triton verify step and the q_len 1 step, bench/experiments/seesaw_verify.py)
 #        (fp8: FP8_AB="float-32x4 ..." adds stage-1 variants, bench/fp8_sweep.py --ab)
@@ -57,7 +58,7 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 STEPS="tests gputests balancedtests sweep fisweep capture tune tunefp8 tunemtp tunesparse retime tpot tpotfp8 tpotmtp
        ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp hostphases balancedseesaw tpotbatches
-       tpothf stepkernels onerescale seesawverify"
+       tpothf stepkernels stepvariants seesawverify"
 usage() { sed -n '2,/^set /{/^set /d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"; }
 for arg in "$@"; do
   case $arg in
@@ -154,20 +155,30 @@ for step in $steps; do
                         --out "$R" > "$R/balanced-seesaw-h$h.log" 2>&1
                       tail -36 "$R/balanced-seesaw-h$h.log"; pack
                     done ;;
-    onerescale) # The seesaw's one-rescale step: its float64 tests, then the split-KV kernel
-                # with it on against off, in one process (the A/B's other version is this
-                # checkout's kernel with the step's default flipped).
-                workers=(); python3 -c "import xdist" 2>/dev/null && workers=(-n 8)
-                timeout 200 python3 -m pytest -q "${workers[@]}" tests/test_seesaw.py -m gpu -k one_rescale \
-                  -p no:cacheprovider > "$R/one-rescale-tests.log" 2>&1
-                tail -3 "$R/one-rescale-tests.log"
-                sed 's/WRITE_LSE: gl.constexpr, ONE_RESCALE: gl.constexpr = False,/WRITE_LSE: gl.constexpr, ONE_RESCALE: gl.constexpr = True,/' \
-                  graphbucket/kernels/seesaw.py > "$R/seesaw_one_rescale.py"
-                grep -q "ONE_RESCALE: gl.constexpr = True" "$R/seesaw_one_rescale.py" || {
-                  echo "onerescale: the kernel's ONE_RESCALE default was not found" >&2; continue; }
-                timeout 240 python3 bench/experiments/seesaw_variant_ab.py \
-                  --other "$R/seesaw_one_rescale.py" --out "$R" > "$R/one-rescale-ab.log" 2>&1
-                tail -14 "$R/one-rescale-ab.log" ;;
+    stepvariants) # The seesaw's step variants under trial (one-rescale order, 256-column
+                  # PVs): their float64 tests, then the split-KV kernel with each on
+                  # against off, in one process (the A/B's other version is this
+                  # checkout's kernel with that variant's default flipped).
+                  workers=(); python3 -c "import xdist" 2>/dev/null && workers=(-n 8)
+                  timeout 240 python3 -m pytest -q "${workers[@]}" tests/test_seesaw.py -m gpu \
+                    -k step_variants -p no:cacheprovider > "$R/step-variants-tests.log" 2>&1
+                  tail -3 "$R/step-variants-tests.log"
+                  for variant in one-rescale wide-pv; do
+                    case $variant in
+                      one-rescale) from='ONE_RESCALE: gl.constexpr = False,'
+                                   to='ONE_RESCALE: gl.constexpr = True,' ;;
+                      wide-pv) from='                         PV_COLS: gl.constexpr = 64):'
+                               to='                         PV_COLS: gl.constexpr = 256):' ;;
+                    esac
+                    sed "s/$from/$to/" graphbucket/kernels/seesaw.py > "$R/seesaw_$variant.py"
+                    grep -qF "$to" "$R/seesaw_$variant.py" || {
+                      echo "stepvariants: $variant's default was not found" >&2; continue; }
+                    mkdir -p "$R/$variant"
+                    timeout 240 python3 bench/experiments/seesaw_variant_ab.py \
+                      --other "$R/seesaw_$variant.py" --out "$R/$variant" \
+                      > "$R/$variant-ab.log" 2>&1
+                    tail -14 "$R/$variant-ab.log"
+                  done ;;
     seesawverify) # Verify steps on the seesaw (under trial): float64 tests, then the timing
                   # against the Triton verify step and the q_len 1 step.
                   workers=(); python3 -c "import xdist" 2>/dev/null && workers=(-n 8)

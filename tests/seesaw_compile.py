@@ -31,10 +31,10 @@ POINTERS = {"BLOCK_TABLE": "*i32", "SEQ_LENS": "*i32", "OUT": "*bf16", "LSE": "*
 
 
 def compile_stage1(balanced: bool = False, ranges: bool = False, charged: bool = False,
-                   one_rescale: bool = False, q_len: int = 1):
-    """The split-KV seesaw (its step in the one-rescale order with ``one_rescale``), or the
-    one over balanced work items (``balanced``) or over tile ranges (``ranges``; a charged
-    cut's with ``charged``)."""
+                   one_rescale: bool = False, q_len: int = 1, wide_pv: bool = False):
+    """The split-KV seesaw (its step in the one-rescale order with ``one_rescale``, its PV
+    as one 256-column wgmma with ``wide_pv``), or the one over balanced work items
+    (``balanced``) or over tile ranges (``ranges``; a charged cut's with ``charged``)."""
     q = torch.zeros(2, 128, 576, dtype=torch.bfloat16)
     cache = torch.zeros(8, 64, 576, dtype=torch.bfloat16)
     descriptors = dict(zip(("q_desc", "kv_desc"), seesaw.descriptors(q, cache), strict=True))
@@ -47,7 +47,7 @@ def compile_stage1(balanced: bool = False, ranges: bool = False, charged: bool =
     else:
         kernel = seesaw.seesaw_stage1_kernel
         constants = {"PAGE_SIZE": 64, "ONE_SPLIT": False, "WRITE_LSE": True,
-                     "ONE_RESCALE": one_rescale, "Q_LEN": q_len}
+                     "ONE_RESCALE": one_rescale, "Q_LEN": q_len, "PV_COLS": 256 if wide_pv else 64}
     pointers = POINTERS
     signature = {}
     for p in kernel.params:
@@ -110,6 +110,8 @@ def main() -> None:
     one_rescale = compile_stage1(one_rescale=True)
     verify = compile_stage1(q_len=4)
     verify_one_rescale = compile_stage1(one_rescale=True, q_len=4)
+    wide_pv = compile_stage1(wide_pv=True)
+    wide_pv_one_rescale = compile_stage1(one_rescale=True, wide_pv=True)
     if args.dump:
         args.dump.mkdir(parents=True, exist_ok=True)
         for kind in ("ttgir", "ptx"):
@@ -119,6 +121,7 @@ def main() -> None:
             (args.dump / f"seesaw-charged.{kind}").write_text(charged.asm[kind])
             (args.dump / f"seesaw-one-rescale.{kind}").write_text(one_rescale.asm[kind])
             (args.dump / f"seesaw-q4.{kind}").write_text(verify.asm[kind])
+            (args.dump / f"seesaw-wide-pv.{kind}").write_text(wide_pv.asm[kind])
     planners = {f"{c}{'-bounds' if b else ''}": compile_range_planner(c, b).metadata.shared
                 for c, b in ((0, False), (0, True), (5, True))}
     merge = compile_balanced_merge().asm["ptx"]
@@ -126,6 +129,8 @@ def main() -> None:
                       "ranges": summary(ranges), "charged": summary(charged),
                       "one_rescale": summary(one_rescale), "q_len_4": summary(verify),
                       "q_len_4_one_rescale": summary(verify_one_rescale),
+                      "wide_pv": summary(wide_pv),
+                      "wide_pv_one_rescale": summary(wide_pv_one_rescale),
                       "range_planner_shared_bytes": planners,
                       "dependent_merge_waits": merge.count("griddepcontrol.wait")}))
 
@@ -138,6 +143,7 @@ def summary(compiled) -> dict:
         "requested_registers": [int(r) for r in registers.group(1).split(",")] if registers
         else None,
         "wgmma": ptx.count("wgmma.mma_async"),
+        "wgmma_n256": ptx.count("wgmma.mma_async.sync.aligned.m64n256k16"),
         "wgmma_waits": ptx.count("wgmma.wait_group"),
         "tma_copies": ptx.count("cp.async.bulk.tensor"),
         "dependent_launch": "griddepcontrol.launch_dependents" in ptx,

@@ -81,10 +81,14 @@ def test_gpu_seesaw_matches_float64(lens, heads, splits, seeded):
                                   [2048] * 8])
 @pytest.mark.parametrize("heads", [16, 128])
 @pytest.mark.parametrize("splits", [1, 3, 0])
-def test_gpu_seesaw_one_rescale_step_matches_float64(lens, heads, splits, seeded):
-    """The step order under trial (``seesaw_step._one_rescale_step``: both tiles' P against the
-    step's final max, one O rescale, the two PVs back to back), stage 1 then the merge as
-    ``mla_decode`` launches them."""
+# The step variants under trial: one-rescale order, 256-column PVs, both.
+@pytest.mark.parametrize("one_rescale, pv_cols", [(True, 64), (False, 256), (True, 256)])
+def test_gpu_seesaw_step_variants_match_float64(lens, heads, splits, one_rescale, pv_cols,
+                                                seeded):
+    """The step variants under trial (``seesaw_step._one_rescale_step``: both tiles' P
+    against the step's final max, one O rescale, the two PVs back to back; ``PV_COLS``
+    256: one m64n256k16 per 16 tokens over a warpgroup's four value boxes), stage 1 then
+    the merge as ``mla_decode`` launches them."""
     gen = torch.Generator().manual_seed(seeded)
     case = nan_tailed_case(lens, heads, gen)
     plan = plan_mla_decode(len(lens), heads, max(lens), stream=SEESAW_STREAM)
@@ -93,7 +97,8 @@ def test_gpu_seesaw_one_rescale_step_matches_float64(lens, heads, splits, seeded
     assert plan.seesaw and runs_seesaw(plan, q, case.kv_cache), plan.describe()
     sm_scale = default_sm_scale()
     ws, out, lse = nan_outputs(len(lens), heads, plan)
-    seesaw_then_merge(case, plan, ws, out, lse, sm_scale, one_rescale=True)
+    seesaw_then_merge(case, plan, ws, out, lse, sm_scale, one_rescale=one_rescale,
+                      pv_cols=pv_cols)
     assert_matches_float64(case, lens, out, lse, sm_scale, plan)
 
 
@@ -102,9 +107,9 @@ def test_gpu_seesaw_one_rescale_step_matches_float64(lens, heads, splits, seeded
 @pytest.mark.parametrize("heads, q_len", [(16, 2), (16, 4), (128, 2)])
 # "tile": one 64-token tile per split, up to 64 splits (short last splits).
 @pytest.mark.parametrize("splits", [1, 3, "tile"])
-@pytest.mark.parametrize("one_rescale", [False, True])
+@pytest.mark.parametrize("one_rescale, pv_cols", [(False, 64), (True, 64), (True, 256)])
 def test_gpu_seesaw_verify_step_matches_per_token_float64(lens, heads, q_len, splits,
-                                                           one_rescale, seeded):
+                                                           one_rescale, pv_cols, seeded):
     """A verify step on the seesaw (under trial, launched directly): q_len tokens x heads
     rows, token j seeing the positions before seq_len - q_len + j + 1. One-tile splits
     leave a request's last split with rows that see no token (zeros, LSE -inf into the
@@ -120,7 +125,7 @@ def test_gpu_seesaw_verify_step_matches_per_token_float64(lens, heads, q_len, sp
     sm_scale = default_sm_scale()
     ws, out, lse = nan_outputs(len(lens), rows, plan)
     seesaw_then_merge(case, plan, ws, out, lse, sm_scale, one_rescale=one_rescale,
-                      q_len=q_len)
+                      q_len=q_len, pv_cols=pv_cols)
     assert_matches(*reference(case, q_len), lens, out, lse, plan)
 
 
@@ -175,7 +180,7 @@ def test_seesaw_compiles_for_sm90_within_shared_memory():
     # balanced work items, over tile ranges (equal, and a charged cut's).
     for kernel in (report, report["one_rescale"], report["q_len_4"],
                    report["q_len_4_one_rescale"], report["balanced"], report["ranges"],
-                   report["charged"]):
+                   report["charged"], report["wide_pv"], report["wide_pv_one_rescale"]):
         assert kernel["shared_bytes"] <= 227 * 1024, report
         assert kernel["requested_registers"] == [240, 24], report
         assert kernel["wgmma"] > 0 and kernel["tma_copies"] > 0, report
@@ -189,6 +194,12 @@ def test_seesaw_compiles_for_sm90_within_shared_memory():
     # per warpgroup and step instead of two.
     assert report["one_rescale"]["wgmma"] == report["wgmma"], report
     assert report["one_rescale"]["wgmma_waits"] == report["wgmma_waits"] - 2, report
+    # 256-column PVs: a warpgroup's PV of a tile is four m64n256k16 (16 tokens each), where
+    # the 64-column PVs take sixteen m64n64k16.
+    for kernel in (report, report["one_rescale"]):
+        assert kernel["wgmma_n256"] == 0, report
+    for kernel in (report["wide_pv"], report["wide_pv_one_rescale"]):
+        assert kernel["wgmma_n256"] == 16 and kernel["wgmma"] < report["wgmma"], report
 
 
 @pytest.mark.gpu

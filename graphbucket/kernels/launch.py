@@ -371,13 +371,14 @@ def launch_seesaw_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
                          seq_lens: torch.Tensor, out: torch.Tensor,
                          workspace: SplitWorkspace | None, *, plan: LaunchPlan, sm_scale: float,
                          lse: torch.Tensor | None, one_rescale: bool = False,
-                         q_len: int = 1) -> None:
+                         q_len: int = 1, pv_cols: int | None = None) -> None:
     """Stage 1 by the Gluon seesaw kernel (unchecked; where ``runs_seesaw`` holds). One
     split: writes ``out`` (and ``lse``); else the partials the merge kernel reads.
-    ``one_rescale``: the step order under trial (``seesaw_step._one_rescale_step``); left out of
-    the launch otherwise, so the kernel's own default decides. ``q_len`` above 1 (under
-    trial: ``runs_seesaw`` does not route verify steps here yet): q's rows are q_len tokens
-    x heads, each token with its causal limit."""
+    ``one_rescale``: the step order under trial (``seesaw_step._one_rescale_step``);
+    ``pv_cols`` 64 or 256: the PV instructions' width (256 under trial,
+    ``seesaw_step``). Either left out of the launch where not given, so the kernel's own
+    default decides. ``q_len`` above 1 (under trial: ``runs_seesaw`` does not route verify
+    steps here yet): q's rows are q_len tokens x heads, each token with its causal limit."""
     # Imported here: Gluon's sm_90 modules load only where the seesaw runs.
     from graphbucket.kernels.seesaw import ROWS, TILE, descriptors, seesaw_stage1_kernel
 
@@ -391,6 +392,7 @@ def launch_seesaw_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         0 if lse is None else lse.stride(0), *po_strides, *pl_strides,
         PAGE_SIZE=TILE.value, ONE_SPLIT=not plan.use_stage2, WRITE_LSE=lse is not None,
         **({"ONE_RESCALE": True} if one_rescale else {}),
+        **({"PV_COLS": pv_cols} if pv_cols is not None else {}),
         **({"Q_LEN": q_len, "rows_per_token": heads // q_len} if q_len > 1 else {}),
         num_warps=4)
 

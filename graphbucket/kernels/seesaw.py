@@ -59,25 +59,33 @@ from graphbucket.kernels.seesaw_layout import (
     ROWS,
     TILE,
     TILE_BYTES,
+    VALUE_BOXES,
+    rope_box,
     shared_state,
+    value_box,
 )
 from graphbucket.kernels.seesaw_step import warpgroup_even, warpgroup_odd
 
 
 @gluon.jit
-def _load_boxes(kv_desc, row, kv_s, bars, slot, FIRST: gl.constexpr, COUNT: gl.constexpr):
+def _load_boxes(kv_desc, row, kv_s, rope_s, bars, slot, FIRST: gl.constexpr,
+                COUNT: gl.constexpr, PV_COLS: gl.constexpr):
     for i in gl.static_range(COUNT):
         box = slot * CHUNKS + FIRST + i
         mbarrier.expect(bars.index(B_READY + box), BOX_BYTES)
-        tma_async_load(kv_desc, [row, (FIRST + i) * BOX], bars.index(B_READY + box),
-                       kv_s.index(box))
+        if FIRST + i == VALUE_BOXES:
+            dest = rope_box(kv_s, rope_s, slot, PV_COLS)
+        else:
+            dest = value_box(kv_s, slot, FIRST + i, PV_COLS)
+        tma_async_load(kv_desc, [row, (FIRST + i) * BOX], bars.index(B_READY + box), dest)
 
 
 @gluon.jit
-def tile_loader(q_desc, kv_desc, bt_row, q_s, kv_s, bars, q_row, start, end, num_steps,
-            PAGE_SIZE: gl.constexpr, g0=0):
+def tile_loader(q_desc, kv_desc, bt_row, q_s, kv_s, rope_s, bars, q_row, start, end,
+                num_steps, PAGE_SIZE: gl.constexpr, g0=0, PV_COLS: gl.constexpr = 64):
     """Q, then the tiles of tokens [start, end) in steps of two. ``g0``: the steps this
-    program ran before (a range's earlier segments), which set the barrier phases."""
+    program ran before (a range's earlier segments), which set the barrier phases.
+    ``PV_COLS``: the tiles' shared-memory layout (``seesaw_layout``)."""
     mbarrier.expect(bars.index(B_Q), TILE_BYTES)
     for c in gl.static_range(CHUNKS):
         tma_async_load(q_desc, [q_row, c * BOX], bars.index(B_Q), q_s.index(c))
@@ -94,17 +102,19 @@ def tile_loader(q_desc, kv_desc, bt_row, q_s, kv_s, bars, q_row, start, end, num
         # B's left half and rope box (WG0's second PV), then B's right half (WG1's).
         if g > 0:
             mbarrier.wait(bars.index(B_FREE_OWN + 0), (g - 1) & 1)
-        _load_boxes(kv_desc, row_a, kv_s, bars, 0, 0, HALF_CHUNKS)
+        _load_boxes(kv_desc, row_a, kv_s, rope_s, bars, 0, 0, HALF_CHUNKS, PV_COLS)
         if g > 0:
             mbarrier.wait(bars.index(B_FREE_CROSS + 0), (g - 1) & 1)
-        _load_boxes(kv_desc, row_a, kv_s, bars, 0, HALF_CHUNKS, HALF_CHUNKS + 1)
+        _load_boxes(kv_desc, row_a, kv_s, rope_s, bars, 0, HALF_CHUNKS, HALF_CHUNKS + 1,
+                    PV_COLS)
         if g > 0:
             mbarrier.wait(bars.index(B_FREE_CROSS + 1), (g - 1) & 1)
-        _load_boxes(kv_desc, row_b, kv_s, bars, 1, 0, HALF_CHUNKS)
-        _load_boxes(kv_desc, row_b, kv_s, bars, 1, 2 * HALF_CHUNKS, 1)
+        _load_boxes(kv_desc, row_b, kv_s, rope_s, bars, 1, 0, HALF_CHUNKS, PV_COLS)
+        _load_boxes(kv_desc, row_b, kv_s, rope_s, bars, 1, 2 * HALF_CHUNKS, 1, PV_COLS)
         if g > 0:
             mbarrier.wait(bars.index(B_FREE_OWN + 1), (g - 1) & 1)
-        _load_boxes(kv_desc, row_b, kv_s, bars, 1, HALF_CHUNKS, HALF_CHUNKS)
+        _load_boxes(kv_desc, row_b, kv_s, rope_s, bars, 1, HALF_CHUNKS, HALF_CHUNKS,
+                    PV_COLS)
 
 
 @gluon.jit
@@ -114,7 +124,8 @@ def seesaw_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, OUT, LSE, PART_
                          stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h,
                          PAGE_SIZE: gl.constexpr, ONE_SPLIT: gl.constexpr,
                          WRITE_LSE: gl.constexpr, ONE_RESCALE: gl.constexpr = False,
-                         Q_LEN: gl.constexpr = 1, rows_per_token=1):
+                         Q_LEN: gl.constexpr = 1, rows_per_token=1,
+                         PV_COLS: gl.constexpr = 64):
     # Grid (head blocks, batch, splits): the programs of one request's head blocks launch
     # together and read the same pages about together, the second from L2.
     head_block = gl.program_id(0)
@@ -127,7 +138,7 @@ def seesaw_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, OUT, LSE, PART_
     end = gl.minimum(start + per * TILE, seq_len)
     if start < end:
         num_steps = gl.cdiv(gl.cdiv(end - start, TILE), 2)
-        q_s, kv_s, stats_s, bars = shared_state(q_desc, kv_desc)
+        q_s, kv_s, rope_s, stats_s, bars = shared_state(q_desc, kv_desc, PV_COLS)
         h0 = head_block * ROWS
         if ONE_SPLIT:
             o_ptr = OUT + bid * stride_o_b + h0 * stride_o_h
@@ -141,16 +152,17 @@ def seesaw_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, OUT, LSE, PART_
             stride_lse_rows = stride_pl_h
         num_rows = gl.minimum(num_heads - h0, ROWS)
         gl.warp_specialize([
-            (warpgroup_even, (q_s, kv_s, stats_s, bars, start, end, num_steps,
+            (warpgroup_even, (q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps,
                                qk_scale_log2, o_ptr, lse_ptr, stride_rows, stride_lse_rows,
                                num_rows, WRITE_LSE, ONE_SPLIT, ONE_RESCALE, Q_LEN > 1,
-                               seq_len - Q_LEN + 1, h0, rows_per_token)),
-            (warpgroup_odd, (q_s, kv_s, stats_s, bars, start, end, num_steps,
+                               seq_len - Q_LEN + 1, h0, rows_per_token, PV_COLS)),
+            (warpgroup_odd, (q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps,
                               qk_scale_log2, o_ptr, lse_ptr, stride_rows, stride_lse_rows,
                               num_rows, WRITE_LSE, ONE_SPLIT, ONE_RESCALE, Q_LEN > 1,
-                              seq_len - Q_LEN + 1, h0, rows_per_token)),
-            (tile_loader, (q_desc, kv_desc, BLOCK_TABLE + bid * stride_bt_b, q_s, kv_s, bars,
-                       bid * num_heads + h0, start, end, num_steps, PAGE_SIZE)),
+                              seq_len - Q_LEN + 1, h0, rows_per_token, PV_COLS)),
+            (tile_loader, (q_desc, kv_desc, BLOCK_TABLE + bid * stride_bt_b, q_s, kv_s,
+                           rope_s, bars, bid * num_heads + h0, start, end, num_steps,
+                           PAGE_SIZE, 0, PV_COLS)),
         ], [4, 4], [240, 24])
     elif ONE_SPLIT:  # an empty request (seq_len 0): zeros, LSE -inf
         pad: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])

@@ -56,20 +56,21 @@ def seesaw_balanced_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, ITEM_I
         start = (item - gl.load(ITEM_INDPTR + bid)) * chunk
         end = gl.minimum(start + chunk, gl.load(SEQ_LENS + bid))  # items are non-empty
         num_steps = gl.cdiv(gl.cdiv(end - start, TILE), 2)
-        q_s, kv_s, stats_s, bars = shared_state(q_desc, kv_desc)
+        q_s, kv_s, rope_s, stats_s, bars = shared_state(q_desc, kv_desc)
         h0 = head_block * ROWS
         o_ptr = PART_O + item * stride_po_i + h0 * stride_po_h
         lse_ptr = PART_LSE + item * stride_pl_i + h0
         num_rows = gl.minimum(num_heads - h0, ROWS)
         gl.warp_specialize([
-            (warpgroup_even, (q_s, kv_s, stats_s, bars, start, end, num_steps,
+            (warpgroup_even, (q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps,
                                qk_scale_log2, o_ptr, lse_ptr, stride_po_h, 1, num_rows, False,
                                False, False)),
-            (warpgroup_odd, (q_s, kv_s, stats_s, bars, start, end, num_steps,
+            (warpgroup_odd, (q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps,
                               qk_scale_log2, o_ptr, lse_ptr, stride_po_h, 1, num_rows, False,
                               False, False)),
-            (tile_loader, (q_desc, kv_desc, BLOCK_TABLE + bid * stride_bt_b, q_s, kv_s, bars,
-                       bid * num_heads + h0, start, end, num_steps, PAGE_SIZE)),
+            (tile_loader, (q_desc, kv_desc, BLOCK_TABLE + bid * stride_bt_b, q_s, kv_s,
+                           rope_s, bars, bid * num_heads + h0, start, end, num_steps,
+                           PAGE_SIZE)),
         ], [4, 4], [240, 24])
 
 
@@ -116,7 +117,8 @@ DESC_WORDS = gl.constexpr(8)
 
 @gluon.jit
 def _range_loader(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDPTR, ITEM_INDPTR,
-                  FIRST_PROGRAM, q_s, kv_s, bars, desc_s, first, last, segments, per, program,
+                  FIRST_PROGRAM, q_s, kv_s, rope_s, bars, desc_s, first, last, segments, per,
+                  program,
                   batch, num_heads, h0, stride_bt_b, PAGE_SIZE: gl.constexpr,
                   BLOCK_B: gl.constexpr, CHARGED: gl.constexpr):
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
@@ -142,8 +144,8 @@ def _range_loader(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDPTR, ITEM_INDP
         mbarrier.arrive(bars.index(B_DESC + seg % 2))
         if seg > 0:  # the next request's Q once both warpgroups' last QK has read this one
             mbarrier.wait(bars.index(B_QFREE), (seg - 1) & 1)
-        tile_loader(q_desc, kv_desc, BLOCK_TABLE + bid * stride_bt_b, q_s, kv_s, bars,
-                    bid * num_heads + h0, start, end, num_steps, PAGE_SIZE, g0)
+        tile_loader(q_desc, kv_desc, BLOCK_TABLE + bid * stride_bt_b, q_s, kv_s, rope_s,
+                    bars, bid * num_heads + h0, start, end, num_steps, PAGE_SIZE, g0)
         g0 += num_steps
         t = segment_last
 
@@ -154,7 +156,7 @@ def _word(desc, words, which: gl.constexpr):
 
 
 @gluon.jit
-def _range_compute(q_s, kv_s, stats_s, bars, desc_s, PART_O, PART_LSE, OUT, LSE, segments,
+def _range_compute(q_s, kv_s, rope_s, stats_s, bars, desc_s, PART_O, PART_LSE, OUT, LSE, segments,
                    num_heads, qk_scale_log2, stride_po_i, stride_po_h, stride_pl_i, stride_o_b,
                    stride_o_h, stride_lse_b, PARITY: gl.constexpr, CHARGED: gl.constexpr,
                    WRITE_LSE: gl.constexpr):
@@ -171,7 +173,7 @@ def _range_compute(q_s, kv_s, stats_s, bars, desc_s, PART_O, PART_LSE, OUT, LSE,
         # A charged cut's request left whole (D_FINAL): its output and LSE, not a partial.
         # Without CHARGED the loader writes neither word and FINAL drops their use.
         bid = _word(desc, words, D_BID)
-        warpgroup_compute(q_s, kv_s, stats_s, bars, _word(desc, words, D_START),
+        warpgroup_compute(q_s, kv_s, rope_s, stats_s, bars, _word(desc, words, D_START),
                           _word(desc, words, D_END), _word(desc, words, D_STEPS),
                           qk_scale_log2, o_ptr, lse_ptr, stride_po_h, 1, num_rows, False,
                           False, PARITY, _word(desc, words, D_G0), seg & 1, True,
@@ -181,19 +183,19 @@ def _range_compute(q_s, kv_s, stats_s, bars, desc_s, PART_O, PART_LSE, OUT, LSE,
 
 
 @gluon.jit
-def _range_even(q_s, kv_s, stats_s, bars, desc_s, PART_O, PART_LSE, OUT, LSE, segments,
+def _range_even(q_s, kv_s, rope_s, stats_s, bars, desc_s, PART_O, PART_LSE, OUT, LSE, segments,
                 num_heads, qk_scale_log2, stride_po_i, stride_po_h, stride_pl_i, stride_o_b,
                 stride_o_h, stride_lse_b, CHARGED: gl.constexpr, WRITE_LSE: gl.constexpr):
-    _range_compute(q_s, kv_s, stats_s, bars, desc_s, PART_O, PART_LSE, OUT, LSE, segments,
+    _range_compute(q_s, kv_s, rope_s, stats_s, bars, desc_s, PART_O, PART_LSE, OUT, LSE, segments,
                    num_heads, qk_scale_log2, stride_po_i, stride_po_h, stride_pl_i, stride_o_b,
                    stride_o_h, stride_lse_b, 0, CHARGED, WRITE_LSE)
 
 
 @gluon.jit
-def _range_odd(q_s, kv_s, stats_s, bars, desc_s, PART_O, PART_LSE, OUT, LSE, segments,
+def _range_odd(q_s, kv_s, rope_s, stats_s, bars, desc_s, PART_O, PART_LSE, OUT, LSE, segments,
                num_heads, qk_scale_log2, stride_po_i, stride_po_h, stride_pl_i, stride_o_b,
                stride_o_h, stride_lse_b, CHARGED: gl.constexpr, WRITE_LSE: gl.constexpr):
-    _range_compute(q_s, kv_s, stats_s, bars, desc_s, PART_O, PART_LSE, OUT, LSE, segments,
+    _range_compute(q_s, kv_s, rope_s, stats_s, bars, desc_s, PART_O, PART_LSE, OUT, LSE, segments,
                    num_heads, qk_scale_log2, stride_po_i, stride_po_h, stride_pl_i, stride_o_b,
                    stride_o_h, stride_lse_b, 1, CHARGED, WRITE_LSE)
 
@@ -231,22 +233,23 @@ def seesaw_range_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDP
         last = gl.minimum(first + per, gl.load(TILE_INDPTR + batch))
     if first < last:
         segments = _requests_meeting(TILE_INDPTR, first, last, batch, BLOCK_B)
-        q_s, kv_s, stats_s, bars = shared_state(q_desc, kv_desc)
+        q_s, kv_s, rope_s, stats_s, bars = shared_state(q_desc, kv_desc)
         desc_s = gl.allocate_shared_memory(
             gl.int32, [2, DESC_WORDS],
             gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
         h0 = head_block * ROWS
         gl.warp_specialize([
-            (_range_even, (q_s, kv_s, stats_s, bars, desc_s, PART_O, PART_LSE, OUT, LSE,
+            (_range_even, (q_s, kv_s, rope_s, stats_s, bars, desc_s, PART_O, PART_LSE, OUT, LSE,
                            segments, num_heads, qk_scale_log2, stride_po_i, stride_po_h,
                            stride_pl_i, stride_o_b, stride_o_h, stride_lse_b, CHARGED,
                            WRITE_LSE)),
-            (_range_odd, (q_s, kv_s, stats_s, bars, desc_s, PART_O, PART_LSE, OUT, LSE,
+            (_range_odd, (q_s, kv_s, rope_s, stats_s, bars, desc_s, PART_O, PART_LSE, OUT, LSE,
                           segments, num_heads, qk_scale_log2, stride_po_i, stride_po_h,
                           stride_pl_i, stride_o_b, stride_o_h, stride_lse_b, CHARGED,
                           WRITE_LSE)),
             (_range_loader, (q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDPTR, ITEM_INDPTR,
-                             FIRST_PROGRAM, q_s, kv_s, bars, desc_s, first, last, segments,
+                             FIRST_PROGRAM, q_s, kv_s, rope_s, bars, desc_s, first, last,
+                             segments,
                              per, program, batch, num_heads, h0, stride_bt_b, PAGE_SIZE,
                              BLOCK_B, CHARGED)),
         ], [4, 4], [240, 24])

@@ -1,6 +1,15 @@
 """The Gluon seesaw's shared-memory layout (``kernels/seesaw.py``): tile and box sizes,
 the barrier slots and the row-statistics slots its warpgroups and loader hand off through,
-and the allocation of one program's shared state."""
+and the allocation of one program's shared state.
+
+A tile has nine 64-column boxes: eight of values (latent columns 0..511) and the rope box
+(then P). With 64-column PVs (``PV_COLS`` 64) they are one allocation ``kv_s``, slot s's
+box c at index s * 9 + c (``rope_s`` is ``kv_s``). With 256-column PVs (under trial) the
+value boxes have their own allocation, slot s's box c at s * 8 + c, and the rope boxes
+theirs (``rope_s``, index s): four consecutive value boxes are, byte for byte, one
+[64, 256] operand in the same 128-byte swizzle (each box one 128-byte column block of it),
+and only a power-of-two allocation lets every Triton release the project allows take that
+view (``value_halves``)."""
 
 from __future__ import annotations
 
@@ -8,11 +17,14 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
+from graphbucket.kernels.gluon_compat import PUBLIC_REINTERPRET
+
 ROWS = gl.constexpr(64)         # query rows (heads) per program
 TILE = gl.constexpr(64)         # tokens per tile (one page)
 BOX = gl.constexpr(64)          # columns per TMA box and shared-memory chunk (128 bytes)
 CHUNKS = gl.constexpr(9)        # 576 / BOX: latent (8) + rope (1)
 HALF_CHUNKS = gl.constexpr(4)   # value chunks per warpgroup: 256 / BOX
+VALUE_BOXES = gl.constexpr(8)   # value chunks per tile: 512 / BOX (the ninth box is rope)
 TILE_BYTES = gl.constexpr(9 * 64 * 64 * 2)
 
 # Barrier slots. Every 64-column box of a tile has its own ready barrier, so the QK of a
@@ -44,10 +56,18 @@ NUM_STATS = gl.constexpr(6)
 
 
 @gluon.jit
-def shared_state(q_desc, kv_desc):
-    """Q, the two KV tiles, the row statistics and the barriers (initialised) of a program."""
+def shared_state(q_desc, kv_desc, PV_COLS: gl.constexpr = 64):
+    """Q, the two KV tiles (value boxes ``kv_s`` and rope boxes ``rope_s``, laid out for
+    ``PV_COLS``: module docstring), the row statistics and the barriers (initialised) of a
+    program."""
     q_s = gl.allocate_shared_memory(gl.bfloat16, [CHUNKS, ROWS, BOX], q_desc.layout)
-    kv_s = gl.allocate_shared_memory(gl.bfloat16, [2 * CHUNKS, TILE, BOX], kv_desc.layout)
+    if PV_COLS == 256:
+        kv_s = gl.allocate_shared_memory(gl.bfloat16, [2 * VALUE_BOXES, TILE, BOX],
+                                         kv_desc.layout)
+        rope_s = gl.allocate_shared_memory(gl.bfloat16, [2, TILE, BOX], kv_desc.layout)
+    else:
+        kv_s = gl.allocate_shared_memory(gl.bfloat16, [2 * CHUNKS, TILE, BOX], kv_desc.layout)
+        rope_s = kv_s
     stats_s = gl.allocate_shared_memory(
         gl.float32, [2 * NUM_STATS, ROWS],
         gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
@@ -58,4 +78,33 @@ def shared_state(q_desc, kv_desc):
     for i in gl.static_range(B_DESC, NUM_BARRIERS):
         mbarrier.init(bars.index(i), count=1)
     fence_async_shared()
-    return q_s, kv_s, stats_s, bars
+    return q_s, kv_s, rope_s, stats_s, bars
+
+
+@gluon.jit
+def value_box(kv_s, slot, box, PV_COLS: gl.constexpr):
+    """Value box ``box`` (0..7; 8, the rope box, too where ``PV_COLS`` is 64) of the tile in
+    ``slot``."""
+    if PV_COLS == 256:
+        return kv_s.index(slot * VALUE_BOXES + box)
+    else:
+        return kv_s.index(slot * CHUNKS + box)
+
+
+@gluon.jit
+def rope_box(kv_s, rope_s, slot, PV_COLS: gl.constexpr):
+    """The rope box (then P) of the tile in ``slot``."""
+    if PV_COLS == 256:
+        return rope_s.index(slot)
+    else:
+        return kv_s.index(slot * CHUNKS + VALUE_BOXES)
+
+
+@gluon.jit
+def value_halves(kv_s):
+    """The value boxes of the 256-column layout as [4, 64, 256]: index slot * 2 + h is
+    slot's value columns [256 h, 256 h + 256), the B operand of one m64n256k16 PV."""
+    if PUBLIC_REINTERPRET:
+        return kv_s.reinterpret(gl.bfloat16, [4, 64, 256], kv_s.layout)
+    else:
+        return kv_s._reinterpret(gl.bfloat16, [4, 64, 256], kv_s.layout)

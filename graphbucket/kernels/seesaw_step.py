@@ -1,7 +1,12 @@
 """The Gluon seesaw's compute warpgroups (``kernels/seesaw.py``): a step's QK over the
 boxes as they land, the softmax hand-offs between the two warpgroups, the PVs and the
 epilogue, in the default order or the one-rescale order under trial, for one query token or
-a verify step's q_len tokens per request."""
+a verify step's q_len tokens per request.
+
+A warpgroup's O (64 rows x its 256 value columns, float32) is a tuple of accumulators
+``PV_COLS`` wide: four of 64 columns, each PV four m64n64k16 per 16 tokens; or (256, under
+trial) one, each PV one m64n256k16 over the four boxes read as one operand
+(``seesaw_layout.value_halves``), so P is read once instead of four times."""
 
 from __future__ import annotations
 
@@ -37,37 +42,59 @@ from graphbucket.kernels.seesaw_layout import (
     S_SUM_A,
     S_SUM_B,
     TILE,
+    VALUE_BOXES,
+    rope_box,
+    value_box,
+    value_halves,
 )
 
 
 @gluon.jit
-def _qk_boxes(q_s, kv_s, bars, slot, phase, s, FIRST: gl.constexpr, COUNT: gl.constexpr):
+def _qk_boxes(q_s, kv_s, bars, slot, phase, s, FIRST: gl.constexpr, COUNT: gl.constexpr,
+              PV_COLS: gl.constexpr):
     # A loop, not an unrolled sequence: unrolled, the shared-memory descriptors were hoisted
     # out of the step loop and spilled.
     for i in range(COUNT):
         box = FIRST + i
         mbarrier.wait(bars.index(B_READY + slot * CHUNKS + box), phase)
-        s = warpgroup_mma(q_s.index(box), kv_s.index(slot * CHUNKS + box).permute((1, 0)), s,
-                          is_async=True)
+        s = warpgroup_mma(q_s.index(box), value_box(kv_s, slot, box, PV_COLS).permute((1, 0)),
+                          s, is_async=True)
     return s
 
 
 @gluon.jit
-def _scores(q_s, kv_s, bars, phase, start, end, step, PARITY: gl.constexpr,
-            layout: gl.constexpr, row_limit=None, low_limit=0, MULTI_TOKEN: gl.constexpr = False):
+def _qk_rope(q_s, rope_s, bars, slot, phase, s):
+    """The rope box's QK where it has its own allocation (``PV_COLS`` 256)."""
+    mbarrier.wait(bars.index(B_READY + slot * CHUNKS + VALUE_BOXES), phase)
+    return warpgroup_mma(q_s.index(VALUE_BOXES), rope_s.index(slot).permute((1, 0)), s,
+                         is_async=True)
+
+
+@gluon.jit
+def _scores(q_s, kv_s, rope_s, bars, phase, start, end, step, PARITY: gl.constexpr,
+            layout: gl.constexpr, row_limit=None, low_limit=0, MULTI_TOKEN: gl.constexpr = False,
+            PV_COLS: gl.constexpr = 64):
     """S of this warpgroup's tile (slot PARITY), unscaled, tokens past ``end`` at -inf;
     ``MULTI_TOKEN``: past each row's ``row_limit`` too (a verify step's causal limit; the
     smallest of them ``low_limit``).
     Boxes in the order the loader issues them: tile A's left half, then its right half and
     rope box; tile B's left half and rope box, then its right half (freed last, by WG1's
-    own second PV), so WG1's first boxes are the ones that landed earliest."""
+    own second PV), so WG1's first boxes are the ones that landed earliest. Where the rope
+    box shares the value boxes' allocation (``PV_COLS`` 64) it is the loops' ninth box."""
     s = warpgroup_mma_init(gl.zeros([ROWS, TILE], gl.float32, layout))
-    s = _qk_boxes(q_s, kv_s, bars, PARITY, phase, s, 0, HALF_CHUNKS)
-    if PARITY == 0:
-        s = _qk_boxes(q_s, kv_s, bars, PARITY, phase, s, HALF_CHUNKS, HALF_CHUNKS + 1)
+    s = _qk_boxes(q_s, kv_s, bars, PARITY, phase, s, 0, HALF_CHUNKS, PV_COLS)
+    if PV_COLS == 256:
+        if PARITY == 0:
+            s = _qk_boxes(q_s, kv_s, bars, PARITY, phase, s, HALF_CHUNKS, HALF_CHUNKS, PV_COLS)
+            s = _qk_rope(q_s, rope_s, bars, PARITY, phase, s)
+        else:
+            s = _qk_rope(q_s, rope_s, bars, PARITY, phase, s)
+            s = _qk_boxes(q_s, kv_s, bars, PARITY, phase, s, HALF_CHUNKS, HALF_CHUNKS, PV_COLS)
+    elif PARITY == 0:
+        s = _qk_boxes(q_s, kv_s, bars, PARITY, phase, s, HALF_CHUNKS, HALF_CHUNKS + 1, PV_COLS)
     else:
-        s = _qk_boxes(q_s, kv_s, bars, PARITY, phase, s, 2 * HALF_CHUNKS, 1)
-        s = _qk_boxes(q_s, kv_s, bars, PARITY, phase, s, HALF_CHUNKS, HALF_CHUNKS)
+        s = _qk_boxes(q_s, kv_s, bars, PARITY, phase, s, 2 * HALF_CHUNKS, 1, PV_COLS)
+        s = _qk_boxes(q_s, kv_s, bars, PARITY, phase, s, HALF_CHUNKS, HALF_CHUNKS, PV_COLS)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
     first = start + (2 * step + PARITY) * TILE
     if MULTI_TOKEN:
@@ -89,59 +116,93 @@ def _finite(m):
 
 
 @gluon.jit
-def _zero_tail(kv_s, slot, valid):
+def _zero_tail(kv_s, slot, valid, PV_COLS: gl.constexpr):
     """Zero the value rows at and past ``valid`` of the tile in ``slot``: P is 0 there, but
     0 x NaN is NaN, and a cache's unwritten rows may hold anything. Whole 128-byte rows, so
     the swizzle (within a row) does not matter."""
     rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
     keep = gl.arange(0, TILE, gl.SliceLayout(1, rows_layout))[:, None] < valid
-    for c in gl.static_range(2 * HALF_CHUNKS):
-        box = kv_s.index(slot * CHUNKS + c)
+    for c in gl.static_range(VALUE_BOXES):
+        box = value_box(kv_s, slot, c, PV_COLS)
         box.store(gl.where(keep, box.load(rows_layout), 0.0).to(gl.bfloat16))
     fence_async_shared()  # the stores before the wgmma reads (and the loader's next TMA)
 
 
 @gluon.jit
-def _pv(p, kv_s, slot, o0, o1, o2, o3, FIRST_CHUNK: gl.constexpr):
-    """O (four 64-column accumulators) += P V over the tile in ``slot``; p: registers in the
-    A-operand layout, or a shared-memory P."""
-    o0 = warpgroup_mma(p, kv_s.index(slot * CHUNKS + FIRST_CHUNK + 0), o0, is_async=True)
-    o1 = warpgroup_mma(p, kv_s.index(slot * CHUNKS + FIRST_CHUNK + 1), o1, is_async=True)
-    o2 = warpgroup_mma(p, kv_s.index(slot * CHUNKS + FIRST_CHUNK + 2), o2, is_async=True)
-    o3 = warpgroup_mma(p, kv_s.index(slot * CHUNKS + FIRST_CHUNK + 3), o3, is_async=True)
-    o0, o1, o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3))
-    return o0, o1, o2, o3
+def _o_zeros(mma_o: gl.constexpr, PV_COLS: gl.constexpr):
+    if PV_COLS == 256:
+        return (gl.zeros([ROWS, HALF_CHUNKS * BOX], gl.float32, mma_o),)
+    else:
+        return (gl.zeros([ROWS, BOX], gl.float32, mma_o), gl.zeros([ROWS, BOX], gl.float32, mma_o),
+                gl.zeros([ROWS, BOX], gl.float32, mma_o), gl.zeros([ROWS, BOX], gl.float32, mma_o))
 
 
 @gluon.jit
-def _pv_pair(p_a, p_b, kv_s, o0, o1, o2, o3, FIRST_CHUNK: gl.constexpr):
-    """O += P_A V_A + P_B V_B over both tiles' value boxes from FIRST_CHUNK: eight wgmma
-    issued back to back and one wait, so the tensor pipe is not drained between the tiles."""
-    o0 = warpgroup_mma(p_a, kv_s.index(FIRST_CHUNK + 0), o0, is_async=True)
-    o1 = warpgroup_mma(p_a, kv_s.index(FIRST_CHUNK + 1), o1, is_async=True)
-    o2 = warpgroup_mma(p_a, kv_s.index(FIRST_CHUNK + 2), o2, is_async=True)
-    o3 = warpgroup_mma(p_a, kv_s.index(FIRST_CHUNK + 3), o3, is_async=True)
-    o0 = warpgroup_mma(p_b, kv_s.index(CHUNKS + FIRST_CHUNK + 0), o0, is_async=True)
-    o1 = warpgroup_mma(p_b, kv_s.index(CHUNKS + FIRST_CHUNK + 1), o1, is_async=True)
-    o2 = warpgroup_mma(p_b, kv_s.index(CHUNKS + FIRST_CHUNK + 2), o2, is_async=True)
-    o3 = warpgroup_mma(p_b, kv_s.index(CHUNKS + FIRST_CHUNK + 3), o3, is_async=True)
-    o0, o1, o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3))
-    return o0, o1, o2, o3
+def _o_scale(o, alpha, mma_o: gl.constexpr, PV_COLS: gl.constexpr):
+    """O x alpha per row (alpha in the score rows' layout)."""
+    if PV_COLS == 256:
+        a = gl.convert_layout(alpha, gl.SliceLayout(1, mma_o))
+        return (o[0] * a[:, None],)
+    else:
+        return (o[0] * alpha[:, None], o[1] * alpha[:, None], o[2] * alpha[:, None],
+                o[3] * alpha[:, None])
 
 
 @gluon.jit
-def _one_rescale_step(s, kv_s, stats_s, bars, phase, st, m_i, l_i, o0, o1, o2, o3,
-                      qk_scale_log2, PARITY: gl.constexpr, mma: gl.constexpr,
-                      MULTI_TOKEN: gl.constexpr = False):
+def _pv_issue(p, kv_s, slot, o, FIRST_CHUNK: gl.constexpr, PV_COLS: gl.constexpr):
+    """O += P V over the tile in ``slot``'s value boxes from FIRST_CHUNK, issued, not
+    waited on; p: registers in the A-operand layout, or a shared-memory P."""
+    if PV_COLS == 256:
+        half = value_halves(kv_s).index(slot * 2 + FIRST_CHUNK // HALF_CHUNKS)
+        return (warpgroup_mma(p, half, o[0], is_async=True),)
+    else:
+        return (warpgroup_mma(p, value_box(kv_s, slot, FIRST_CHUNK + 0, PV_COLS), o[0],
+                              is_async=True),
+                warpgroup_mma(p, value_box(kv_s, slot, FIRST_CHUNK + 1, PV_COLS), o[1],
+                              is_async=True),
+                warpgroup_mma(p, value_box(kv_s, slot, FIRST_CHUNK + 2, PV_COLS), o[2],
+                              is_async=True),
+                warpgroup_mma(p, value_box(kv_s, slot, FIRST_CHUNK + 3, PV_COLS), o[3],
+                              is_async=True))
+
+
+@gluon.jit
+def _pv_wait(o, PV_COLS: gl.constexpr):
+    if PV_COLS == 256:
+        return (warpgroup_mma_wait(num_outstanding=0, deps=(o[0],)),)
+    else:
+        o0, o1, o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=(o[0], o[1], o[2], o[3]))
+        return (o0, o1, o2, o3)
+
+
+@gluon.jit
+def _pv(p, kv_s, slot, o, FIRST_CHUNK: gl.constexpr, PV_COLS: gl.constexpr):
+    """O += P V over the tile in ``slot`` (``_pv_issue``), then waited on."""
+    return _pv_wait(_pv_issue(p, kv_s, slot, o, FIRST_CHUNK, PV_COLS), PV_COLS)
+
+
+@gluon.jit
+def _pv_pair(p_a, p_b, kv_s, o, FIRST_CHUNK: gl.constexpr, PV_COLS: gl.constexpr):
+    """O += P_A V_A + P_B V_B over both tiles' value boxes from FIRST_CHUNK: issued back to
+    back and one wait, so the tensor pipe is not drained between the tiles."""
+    o = _pv_issue(p_a, kv_s, 0, o, FIRST_CHUNK, PV_COLS)
+    o = _pv_issue(p_b, kv_s, 1, o, FIRST_CHUNK, PV_COLS)
+    return _pv_wait(o, PV_COLS)
+
+
+@gluon.jit
+def _one_rescale_step(s, kv_s, rope_s, stats_s, bars, phase, st, m_i, l_i, o, qk_scale_log2,
+                      PARITY: gl.constexpr, mma: gl.constexpr, mma_o: gl.constexpr,
+                      MULTI_TOKEN: gl.constexpr = False, PV_COLS: gl.constexpr = 64):
     """A step with both tiles' P against the step's final max m_B, so that each warpgroup
     rescales O once, by 2^(m - m_B), and issues its two PVs back to back. WG0
     exponentiates S_A against m_A at once (while WG1's QK may still run), then scales P_A
     by WG1's 2^(m_A - m_B): 64 columns in registers instead of a second pass over O's 256.
     Hand-offs: m_A (WG0 -> WG1), m_B (WG1 -> WG0), P_A and its row sum, P_B and its row
     sum, through mbarriers as in the two-rescale step."""
-    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2)
     rows: gl.constexpr = gl.SliceLayout(1, mma)
-    p_box = kv_s.index(PARITY * CHUNKS + 2 * HALF_CHUNKS)
+    p_box = rope_box(kv_s, rope_s, PARITY, PV_COLS)
     if PARITY == 0:
         # A holds a live token (for every row but a verify step's early ones).
         m_a = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale_log2)
@@ -169,35 +230,33 @@ def _one_rescale_step(s, kv_s, stats_s, bars, phase, st, m_i, l_i, o0, o1, o2, o
     fence_async_shared()
     mbarrier.arrive(bars.index(B_PA + PARITY * (B_PB - B_PA)))
     alpha = gl.exp2(m_i - m_e)
-    o0, o1, o2, o3 = o0 * alpha[:, None], o1 * alpha[:, None], o2 * alpha[:, None], \
-        o3 * alpha[:, None]
+    o = _o_scale(o, alpha, mma_o, PV_COLS)
     if PARITY == 0:
         mbarrier.wait(bars.index(B_PB), phase)
         other_sum = stats_s.index(st + S_SUM_B).load(rows)
-        o0, o1, o2, o3 = _pv_pair(gl.convert_layout(p, a_op),
-                                  kv_s.index(CHUNKS + 2 * HALF_CHUNKS), kv_s,
-                                  o0, o1, o2, o3, 0)
+        o = _pv_pair(gl.convert_layout(p, a_op), rope_box(kv_s, rope_s, 1, PV_COLS), kv_s, o, 0,
+                     PV_COLS)
         mbarrier.arrive(bars.index(B_FREE_OWN + 0))
         mbarrier.arrive(bars.index(B_FREE_CROSS + 1))
     else:
         mbarrier.wait(bars.index(B_PA), phase)
         other_sum = stats_s.index(st + S_SUM_A).load(rows)
-        o0, o1, o2, o3 = _pv_pair(kv_s.index(2 * HALF_CHUNKS), gl.convert_layout(p, a_op),
-                                  kv_s, o0, o1, o2, o3, HALF_CHUNKS)
+        o = _pv_pair(rope_box(kv_s, rope_s, 0, PV_COLS), gl.convert_layout(p, a_op), kv_s, o,
+                     HALF_CHUNKS, PV_COLS)
         mbarrier.arrive(bars.index(B_FREE_CROSS + 0))
         mbarrier.arrive(bars.index(B_FREE_OWN + 1))
     l_i = l_i * alpha + own_sum + other_sum
-    return m_b, l_i, o0, o1, o2, o3
+    return m_b, l_i, o
 
 
 @gluon.jit
-def warpgroup_compute(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
+def warpgroup_compute(q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
              o_ptr, lse_ptr, stride_o_h, stride_lse_h, num_rows, WRITE_LSE: gl.constexpr,
              ONE_SPLIT: gl.constexpr, PARITY: gl.constexpr, g0=0, q_phase=0,
              RANGE: gl.constexpr = False, final=0, out_ptr=None, out_lse_ptr=None,
              stride_out_h=0, FINAL: gl.constexpr = False, WRITE_OUT_LSE: gl.constexpr = False,
              ONE_RESCALE: gl.constexpr = False, MULTI_TOKEN: gl.constexpr = False,
-             first_limit=0, row0=0, rows_per_token=1):
+             first_limit=0, row0=0, rows_per_token=1, PV_COLS: gl.constexpr = 64):
     """One split, item or segment: tokens [start, end) against the Q in shared memory
     (its ``q_phase``-th load), after ``g0`` earlier steps of this program. ``RANGE``: the
     last QK releases Q for the next segment's request. ``FINAL``: where ``final`` holds (a
@@ -206,37 +265,37 @@ def warpgroup_compute(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_
     ``ONE_RESCALE``: each step in ``_one_rescale_step``'s order. ``MULTI_TOKEN``: the
     rows are a verify step's query tokens x heads from row ``row0`` of the request, token
     j's rows (``rows_per_token`` each) seeing the positions before ``first_limit`` + j; a
-    row that sees none here gets zeros and LSE -inf."""
+    row that sees none here gets zeros and LSE -inf. ``PV_COLS``: the width of O's
+    accumulators and PV instructions, 64 or 256 (module docstring)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, 64, 16])
-    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                    instr_shape=[16, PV_COLS, 16])
+    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2)
     rows: gl.constexpr = gl.SliceLayout(1, mma)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, rows)
     l_i = gl.zeros([ROWS], gl.float32, rows)
-    o0 = gl.zeros([ROWS, BOX], gl.float32, mma)
-    o1 = gl.zeros([ROWS, BOX], gl.float32, mma)
-    o2 = gl.zeros([ROWS, BOX], gl.float32, mma)
-    o3 = gl.zeros([ROWS, BOX], gl.float32, mma)
+    o = _o_zeros(mma_o, PV_COLS)
     row_limit = first_limit + (row0 + gl.arange(0, ROWS, rows)) // rows_per_token
     low_limit = first_limit + row0 // rows_per_token
     mbarrier.wait(bars.index(B_Q), q_phase)
     for step in range(num_steps):
         phase = (g0 + step) & 1
-        s = _scores(q_s, kv_s, bars, phase, start, end, step, PARITY, mma, row_limit,
-                    low_limit, MULTI_TOKEN)
+        s = _scores(q_s, kv_s, rope_s, bars, phase, start, end, step, PARITY, mma, row_limit,
+                    low_limit, MULTI_TOKEN, PV_COLS)
         if RANGE:
             if step == num_steps - 1:
                 mbarrier.arrive(bars.index(B_QFREE))
         valid = end - (start + (2 * step + PARITY) * TILE)  # live rows of this tile
         if valid < TILE:
-            _zero_tail(kv_s, PARITY, valid)
+            _zero_tail(kv_s, PARITY, valid, PV_COLS)
         st = phase * NUM_STATS  # this step's set of row statistics
         # Each tile's P goes to its rope box, free once its QK is done.
-        p_box = kv_s.index(PARITY * CHUNKS + 2 * HALF_CHUNKS)
+        p_box = rope_box(kv_s, rope_s, PARITY, PV_COLS)
         if ONE_RESCALE:
-            m_i, l_i, o0, o1, o2, o3 = _one_rescale_step(
-                s, kv_s, stats_s, bars, phase, st, m_i, l_i, o0, o1, o2, o3, qk_scale_log2,
-                PARITY, mma, MULTI_TOKEN)
+            m_i, l_i, o = _one_rescale_step(
+                s, kv_s, rope_s, stats_s, bars, phase, st, m_i, l_i, o, qk_scale_log2,
+                PARITY, mma, mma_o, MULTI_TOKEN, PV_COLS)
         elif PARITY == 0:
             # Row maxima in log2 units (scaling a row's max = the max of the scaled row),
             # so the scale folds into the exponent's multiply-add.
@@ -256,18 +315,15 @@ def warpgroup_compute(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_
             stats_s.index(st + S_SUM_A).store(sum_a)
             fence_async_shared()
             mbarrier.arrive(bars.index(B_PA))
-            o0, o1, o2, o3 = o0 * alpha_a[:, None], o1 * alpha_a[:, None], \
-                o2 * alpha_a[:, None], o3 * alpha_a[:, None]
-            o0, o1, o2, o3 = _pv(gl.convert_layout(p, a_op), kv_s, 0, o0, o1, o2, o3, 0)
+            o = _o_scale(o, alpha_a, mma_o, PV_COLS)
+            o = _pv(gl.convert_layout(p, a_op), kv_s, 0, o, 0, PV_COLS)
             mbarrier.arrive(bars.index(B_FREE_OWN + 0))
             mbarrier.wait(bars.index(B_PB), phase)
             alpha_b = stats_s.index(st + S_ALPHA_B).load(rows)
             m_b = stats_s.index(st + S_MB).load(rows)
             sum_b = stats_s.index(st + S_SUM_B).load(rows)
-            o0, o1, o2, o3 = o0 * alpha_b[:, None], o1 * alpha_b[:, None], \
-                o2 * alpha_b[:, None], o3 * alpha_b[:, None]
-            o0, o1, o2, o3 = _pv(kv_s.index(CHUNKS + 2 * HALF_CHUNKS), kv_s, 1,
-                                 o0, o1, o2, o3, 0)
+            o = _o_scale(o, alpha_b, mma_o, PV_COLS)
+            o = _pv(rope_box(kv_s, rope_s, 1, PV_COLS), kv_s, 1, o, 0, PV_COLS)
             mbarrier.arrive(bars.index(B_FREE_CROSS + 1))
         else:
             mbarrier.wait(bars.index(B_MA), phase)
@@ -288,15 +344,11 @@ def warpgroup_compute(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_
             mbarrier.arrive(bars.index(B_PB))
             mbarrier.wait(bars.index(B_PA), phase)
             sum_a = stats_s.index(st + S_SUM_A).load(rows)
-            o0, o1, o2, o3 = o0 * alpha_a[:, None], o1 * alpha_a[:, None], \
-                o2 * alpha_a[:, None], o3 * alpha_a[:, None]
-            o0, o1, o2, o3 = _pv(kv_s.index(2 * HALF_CHUNKS), kv_s, 0, o0, o1, o2, o3,
-                                 HALF_CHUNKS)
+            o = _o_scale(o, alpha_a, mma_o, PV_COLS)
+            o = _pv(rope_box(kv_s, rope_s, 0, PV_COLS), kv_s, 0, o, HALF_CHUNKS, PV_COLS)
             mbarrier.arrive(bars.index(B_FREE_CROSS + 0))
-            o0, o1, o2, o3 = o0 * alpha_b[:, None], o1 * alpha_b[:, None], \
-                o2 * alpha_b[:, None], o3 * alpha_b[:, None]
-            o0, o1, o2, o3 = _pv(gl.convert_layout(p, a_op), kv_s, 1, o0, o1, o2, o3,
-                                 HALF_CHUNKS)
+            o = _o_scale(o, alpha_b, mma_o, PV_COLS)
+            o = _pv(gl.convert_layout(p, a_op), kv_s, 1, o, HALF_CHUNKS, PV_COLS)
             mbarrier.arrive(bars.index(B_FREE_OWN + 1))
         if not ONE_RESCALE:
             l_i = l_i * alpha_a * alpha_b + sum_a * alpha_b + sum_b
@@ -306,63 +358,77 @@ def warpgroup_compute(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_
     inv_l = 1.0 / (gl.where(l_i > 0.0, l_i, 1.0) if MULTI_TOKEN else l_i)
     if FINAL:
         if final:
-            _store_rows(out_ptr, stride_out_h, 1, o0, o1, o2, o3, inv_l, m_i, l_i, num_rows,
-                        PARITY, WRITE_OUT_LSE, True, mma, out_lse_ptr)
+            _store_rows(out_ptr, stride_out_h, 1, o, inv_l, m_i, l_i, num_rows, PARITY,
+                        WRITE_OUT_LSE, True, mma, mma_o, PV_COLS, out_lse_ptr)
         else:
-            _store_rows(o_ptr, stride_o_h, stride_lse_h, o0, o1, o2, o3, inv_l, m_i, l_i,
-                        num_rows, PARITY, True, False, mma, lse_ptr)
+            _store_rows(o_ptr, stride_o_h, stride_lse_h, o, inv_l, m_i, l_i, num_rows,
+                        PARITY, True, False, mma, mma_o, PV_COLS, lse_ptr)
     else:
         # A split's partial LSE always (the merge weighs by it); the final one when asked.
-        _store_rows(o_ptr, stride_o_h, stride_lse_h, o0, o1, o2, o3, inv_l, m_i, l_i,
-                    num_rows, PARITY, WRITE_LSE or not ONE_SPLIT, ONE_SPLIT, mma, lse_ptr)
+        _store_rows(o_ptr, stride_o_h, stride_lse_h, o, inv_l, m_i, l_i, num_rows, PARITY,
+                    WRITE_LSE or not ONE_SPLIT, ONE_SPLIT, mma, mma_o, PV_COLS, lse_ptr)
 
 
 @gluon.jit
-def _store_rows(o_ptr, stride_o_h, stride_lse_h, o0, o1, o2, o3, inv_l, m_i, l_i, num_rows,
+def _store_rows(o_ptr, stride_o_h, stride_lse_h, o, inv_l, m_i, l_i, num_rows,
                 PARITY: gl.constexpr, STORE_LSE: gl.constexpr, NATURAL_LSE: gl.constexpr,
-                mma: gl.constexpr, lse_ptr=None):
+                mma: gl.constexpr, mma_o: gl.constexpr, PV_COLS: gl.constexpr, lse_ptr=None):
     """A warpgroup's 256 columns of O / l at ``o_ptr`` (in its element type), and, from
     warpgroup 0 with ``STORE_LSE``, the LSE at ``lse_ptr``: log2 units between the stages
     (the merge's), the natural log as a final LSE (``NATURAL_LSE``)."""
     rows: gl.constexpr = gl.SliceLayout(1, mma)
-    offs_h = gl.arange(0, ROWS, rows)
-    offs_c = gl.arange(0, BOX, gl.SliceLayout(0, mma))
-    base = o_ptr + offs_h[:, None] * stride_o_h + PARITY * HALF_CHUNKS * BOX + offs_c[None, :]
     # Rows past num_rows (fewer than 64 heads) are other requests' q or TMA's zero fill:
     # each row's scores and output depend on that row alone, so they are only not stored.
-    real = (offs_h < num_rows)[:, None]
-    gl.store(base, (o0 * inv_l[:, None]).to(o_ptr.dtype.element_ty), mask=real)
-    gl.store(base + BOX, (o1 * inv_l[:, None]).to(o_ptr.dtype.element_ty), mask=real)
-    gl.store(base + 2 * BOX, (o2 * inv_l[:, None]).to(o_ptr.dtype.element_ty), mask=real)
-    gl.store(base + 3 * BOX, (o3 * inv_l[:, None]).to(o_ptr.dtype.element_ty), mask=real)
+    if PV_COLS == 256:
+        rows_o: gl.constexpr = gl.SliceLayout(1, mma_o)
+        offs_h = gl.arange(0, ROWS, rows_o)
+        offs_c = gl.arange(0, HALF_CHUNKS * BOX, gl.SliceLayout(0, mma_o))
+        base = o_ptr + offs_h[:, None] * stride_o_h + PARITY * HALF_CHUNKS * BOX \
+            + offs_c[None, :]
+        inv = gl.convert_layout(inv_l, rows_o)
+        gl.store(base, (o[0] * inv[:, None]).to(o_ptr.dtype.element_ty),
+                 mask=(offs_h < num_rows)[:, None])
+    else:
+        offs_h = gl.arange(0, ROWS, rows)
+        offs_c = gl.arange(0, BOX, gl.SliceLayout(0, mma))
+        base = o_ptr + offs_h[:, None] * stride_o_h + PARITY * HALF_CHUNKS * BOX \
+            + offs_c[None, :]
+        real = (offs_h < num_rows)[:, None]
+        gl.store(base, (o[0] * inv_l[:, None]).to(o_ptr.dtype.element_ty), mask=real)
+        gl.store(base + BOX, (o[1] * inv_l[:, None]).to(o_ptr.dtype.element_ty), mask=real)
+        gl.store(base + 2 * BOX, (o[2] * inv_l[:, None]).to(o_ptr.dtype.element_ty),
+                 mask=real)
+        gl.store(base + 3 * BOX, (o[3] * inv_l[:, None]).to(o_ptr.dtype.element_ty),
+                 mask=real)
     if PARITY == 0 and STORE_LSE and lse_ptr is not None:
+        offs_r = gl.arange(0, ROWS, rows)
         lse = m_i + gl.log2(l_i)
         if NATURAL_LSE:
             lse = lse * 0.6931471805599453
-        gl.store(lse_ptr + offs_h * stride_lse_h, lse, mask=offs_h < num_rows)
+        gl.store(lse_ptr + offs_r * stride_lse_h, lse, mask=offs_r < num_rows)
 
 
 # One entry per partition (PARITY fixed). Passing PARITY straight to warpgroup_compute in
 # warp_specialize compiles too, to differently scheduled code (not measured).
 @gluon.jit
-def warpgroup_even(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
+def warpgroup_even(q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
                     o_ptr, lse_ptr, stride_o_h, stride_lse_h, num_rows, WRITE_LSE: gl.constexpr,
                     ONE_SPLIT: gl.constexpr, ONE_RESCALE: gl.constexpr,
                     MULTI_TOKEN: gl.constexpr = False, first_limit=0, row0=0,
-                    rows_per_token=1):
-    warpgroup_compute(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_log2, o_ptr,
-             lse_ptr, stride_o_h, stride_lse_h, num_rows, WRITE_LSE, ONE_SPLIT, 0,
+                    rows_per_token=1, PV_COLS: gl.constexpr = 64):
+    warpgroup_compute(q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
+             o_ptr, lse_ptr, stride_o_h, stride_lse_h, num_rows, WRITE_LSE, ONE_SPLIT, 0,
              ONE_RESCALE=ONE_RESCALE, MULTI_TOKEN=MULTI_TOKEN, first_limit=first_limit,
-             row0=row0, rows_per_token=rows_per_token)
+             row0=row0, rows_per_token=rows_per_token, PV_COLS=PV_COLS)
 
 
 @gluon.jit
-def warpgroup_odd(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
+def warpgroup_odd(q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
                    o_ptr, lse_ptr, stride_o_h, stride_lse_h, num_rows, WRITE_LSE: gl.constexpr,
                    ONE_SPLIT: gl.constexpr, ONE_RESCALE: gl.constexpr,
                    MULTI_TOKEN: gl.constexpr = False, first_limit=0, row0=0,
-                   rows_per_token=1):
-    warpgroup_compute(q_s, kv_s, stats_s, bars, start, end, num_steps, qk_scale_log2, o_ptr,
-             lse_ptr, stride_o_h, stride_lse_h, num_rows, WRITE_LSE, ONE_SPLIT, 1,
+                   rows_per_token=1, PV_COLS: gl.constexpr = 64):
+    warpgroup_compute(q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
+             o_ptr, lse_ptr, stride_o_h, stride_lse_h, num_rows, WRITE_LSE, ONE_SPLIT, 1,
              ONE_RESCALE=ONE_RESCALE, MULTI_TOKEN=MULTI_TOKEN, first_limit=first_limit,
-             row0=row0, rows_per_token=rows_per_token)
+             row0=row0, rows_per_token=rows_per_token, PV_COLS=PV_COLS)
