@@ -37,7 +37,8 @@
 #        heads on 64-row programs; SEESAW_HEADS="16" picks)
 #        (stepvariants: the seesaw's step variants under trial (one-rescale order,
 #        256-column PVs) against float64, then the split-KV seesaw with each on against
-#        off, bench/experiments/seesaw_variant_ab.py, each into its own folder)
+#        off, bench/experiments/seesaw_variant_ab.py, each into its own folder; then the
+#        balanced kernels' PV width, bench/experiments/pv_cols_ab.py)
 #        (seesawverify: verify steps on the seesaw against float64, then timed against the
 #        Triton verify step and the q_len 1 step, bench/experiments/seesaw_verify.py)
 #        (fp8: FP8_AB="float-32x4 ..." adds stage-1 variants, bench/fp8_sweep.py --ab)
@@ -178,7 +179,10 @@ for step in $steps; do
                       --other "$R/seesaw_$variant.py" --out "$R/$variant" \
                       > "$R/$variant-ab.log" 2>&1
                     tail -14 "$R/$variant-ab.log"
-                  done ;;
+                  done
+                  # The balanced kernels (items, ranges, charged) with 256-column PVs.
+                  timeout 420 python3 bench/experiments/pv_cols_ab.py --out "$R" \
+                    > "$R/pv-cols-ab.log" 2>&1; tail -46 "$R/pv-cols-ab.log" ;;
     seesawverify) # Verify steps on the seesaw (under trial): float64 tests, then the timing
                   # against the Triton verify step and the q_len 1 step.
                   workers=(); python3 -c "import xdist" 2>/dev/null && workers=(-n 8)

@@ -38,16 +38,17 @@ def compile_stage1(balanced: bool = False, ranges: bool = False, charged: bool =
     q = torch.zeros(2, 128, 576, dtype=torch.bfloat16)
     cache = torch.zeros(8, 64, 576, dtype=torch.bfloat16)
     descriptors = dict(zip(("q_desc", "kv_desc"), seesaw.descriptors(q, cache), strict=True))
+    pv_cols = {"PV_COLS": 256 if wide_pv else 64}
     if ranges:
         kernel = seesaw_balanced.seesaw_range_stage1_kernel
-        constants = {"PAGE_SIZE": 64, "BLOCK_B": 128, "CHARGED": charged}
+        constants = {"PAGE_SIZE": 64, "BLOCK_B": 128, "CHARGED": charged, **pv_cols}
     elif balanced:
         kernel = seesaw_balanced.seesaw_balanced_stage1_kernel
-        constants = {"PAGE_SIZE": 64, "BLOCK_B": 128}
+        constants = {"PAGE_SIZE": 64, "BLOCK_B": 128, **pv_cols}
     else:
         kernel = seesaw.seesaw_stage1_kernel
         constants = {"PAGE_SIZE": 64, "ONE_SPLIT": False, "WRITE_LSE": True,
-                     "ONE_RESCALE": one_rescale, "Q_LEN": q_len, "PV_COLS": 256 if wide_pv else 64}
+                     "ONE_RESCALE": one_rescale, "Q_LEN": q_len, **pv_cols}
     pointers = POINTERS
     signature = {}
     for p in kernel.params:
@@ -112,6 +113,8 @@ def main() -> None:
     verify_one_rescale = compile_stage1(one_rescale=True, q_len=4)
     wide_pv = compile_stage1(wide_pv=True)
     wide_pv_one_rescale = compile_stage1(one_rescale=True, wide_pv=True)
+    wide_pv_balanced = compile_stage1(balanced=True, wide_pv=True)
+    wide_pv_charged = compile_stage1(ranges=True, charged=True, wide_pv=True)
     if args.dump:
         args.dump.mkdir(parents=True, exist_ok=True)
         for kind in ("ttgir", "ptx"):
@@ -122,6 +125,8 @@ def main() -> None:
             (args.dump / f"seesaw-one-rescale.{kind}").write_text(one_rescale.asm[kind])
             (args.dump / f"seesaw-q4.{kind}").write_text(verify.asm[kind])
             (args.dump / f"seesaw-wide-pv.{kind}").write_text(wide_pv.asm[kind])
+            (args.dump / f"seesaw-balanced-wide-pv.{kind}").write_text(wide_pv_balanced.asm[kind])
+            (args.dump / f"seesaw-charged-wide-pv.{kind}").write_text(wide_pv_charged.asm[kind])
     planners = {f"{c}{'-bounds' if b else ''}": compile_range_planner(c, b).metadata.shared
                 for c, b in ((0, False), (0, True), (5, True))}
     merge = compile_balanced_merge().asm["ptx"]
@@ -131,6 +136,8 @@ def main() -> None:
                       "q_len_4_one_rescale": summary(verify_one_rescale),
                       "wide_pv": summary(wide_pv),
                       "wide_pv_one_rescale": summary(wide_pv_one_rescale),
+                      "wide_pv_balanced": summary(wide_pv_balanced),
+                      "wide_pv_charged": summary(wide_pv_charged),
                       "range_planner_shared_bytes": planners,
                       "dependent_merge_waits": merge.count("griddepcontrol.wait")}))
 

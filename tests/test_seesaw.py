@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -212,6 +213,27 @@ def test_seesaw_compiles_for_sm90_within_shared_memory():
 @pytest.mark.parametrize("ranges", [None, 0, 3, "charged-0", "charged-3", "charged-0-c0",
                                     "charged-3-c1"])
 def test_gpu_balanced_seesaw_matches_float64(lens, heads, ranges, seeded):
+    balanced_seesaw_matches_float64(lens, heads, ranges, seeded)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens", [[63, 64, 65, 0], [70000] + [1000] * 15,
+                                  [1, 31, 0, 4095, 128, 129], [100000] + [1024] * 31])
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("ranges", [None, 3, "charged-0", "charged-3"])
+def test_gpu_balanced_seesaw_step_variants_match_float64(lens, heads, ranges, seeded,
+                                                         monkeypatch):
+    """The balanced seesaw kernels with 256-column PVs (under trial), through the whole
+    balanced path."""
+    from graphbucket.kernels import launch_balanced
+
+    for name in ("launch_seesaw_balanced_stage1", "launch_seesaw_range_stage1"):
+        monkeypatch.setattr(launch_balanced, name,
+                            functools.partial(getattr(launch_balanced, name), pv_cols=256))
+    balanced_seesaw_matches_float64(lens, heads, ranges, seeded)
+
+
+def balanced_seesaw_matches_float64(lens, heads, ranges, seeded):
     gen = torch.Generator().manual_seed(seeded)
     case = nan_tailed_case(lens, heads, gen)
     charged = isinstance(ranges, str)

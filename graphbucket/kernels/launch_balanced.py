@@ -119,9 +119,10 @@ def launch_balanced_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table:
 def launch_seesaw_balanced_stage1(q: torch.Tensor, kv_cache: torch.Tensor,
                                   block_table: torch.Tensor, seq_lens: torch.Tensor,
                                   workspace: SplitWorkspace, *, plan: LaunchPlan,
-                                  sm_scale: float) -> None:
+                                  sm_scale: float, pv_cols: int | None = None) -> None:
     """Stage 1 by the Gluon seesaw over the step's items (unchecked; where ``runs_seesaw``
-    holds): every item's partial into the workspace, for the merge to combine."""
+    holds): every item's partial into the workspace, for the merge to combine.
+    ``pv_cols``: the PV width under trial (``kernels.seesaw_step``; default the kernel's)."""
     # Imported here: Gluon's sm_90 modules load only where the seesaw runs.
     from graphbucket.kernels.seesaw import ROWS, descriptors
     from graphbucket.kernels.seesaw_balanced import seesaw_balanced_stage1_kernel
@@ -133,7 +134,8 @@ def launch_seesaw_balanced_stage1(q: torch.Tensor, kv_cache: torch.Tensor,
         q_desc, kv_desc, block_table, seq_lens, workspace.item_indptr, workspace.chunk_tiles,
         part_o, part_lse, batch, heads, sm_scale * LOG2E,
         block_table.stride(0), part_o.stride(0), part_o.stride(1), part_lse.stride(0),
-        PAGE_SIZE=kv_cache.shape[1], BLOCK_B=max(128, scan_block(batch)), num_warps=4)
+        PAGE_SIZE=kv_cache.shape[1], BLOCK_B=max(128, scan_block(batch)),
+        **({"PV_COLS": pv_cols} if pv_cols is not None else {}), num_warps=4)
 
 
 def launch_range_planner(seq_lens: torch.Tensor, workspace: SplitWorkspace, *,
@@ -158,10 +160,12 @@ def launch_seesaw_range_stage1(q: torch.Tensor, kv_cache: torch.Tensor,
                                block_table: torch.Tensor, seq_lens: torch.Tensor,
                                workspace: SplitWorkspace, *, plan: LaunchPlan,
                                sm_scale: float, out: torch.Tensor,
-                               lse: torch.Tensor | None = None) -> None:
+                               lse: torch.Tensor | None = None,
+                               pv_cols: int | None = None) -> None:
     """Stage 1 by the Gluon seesaw on persistent programs over tile ranges (unchecked;
     where ``runs_seesaw`` holds): one partial per (request, program) segment; under a
-    charged cut, a request left whole gets its output in ``out`` (and ``lse``) instead."""
+    charged cut, a request left whole gets its output in ``out`` (and ``lse``) instead.
+    ``pv_cols``: the PV width under trial (``kernels.seesaw_step``; default the kernel's)."""
     from graphbucket.kernels.seesaw import ROWS, descriptors
     from graphbucket.kernels.seesaw_balanced import seesaw_range_stage1_kernel
 
@@ -177,7 +181,8 @@ def launch_seesaw_range_stage1(q: torch.Tensor, kv_cache: torch.Tensor,
         block_table.stride(0), part_o.stride(0), part_o.stride(1), part_lse.stride(0),
         out.stride(0), out.stride(1), 0 if lse is None else lse.stride(0),
         PAGE_SIZE=kv_cache.shape[1], BLOCK_B=max(128, scan_block(batch)), CHARGED=charged,
-        WRITE_LSE=lse is not None, num_warps=4)
+        WRITE_LSE=lse is not None, **({"PV_COLS": pv_cols} if pv_cols is not None else {}),
+        num_warps=4)
 
 
 def launch_balanced_merge(out: torch.Tensor, workspace: SplitWorkspace, *, plan: LaunchPlan,

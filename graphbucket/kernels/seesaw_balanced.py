@@ -43,11 +43,12 @@ def seesaw_balanced_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, ITEM_I
                                   CHUNK_TILES, PART_O, PART_LSE, batch, num_heads,
                                   qk_scale_log2, stride_bt_b, stride_po_i, stride_po_h,
                                   stride_pl_i, PAGE_SIZE: gl.constexpr,
-                                  BLOCK_B: gl.constexpr):
+                                  BLOCK_B: gl.constexpr, PV_COLS: gl.constexpr = 64):
     """The seesaw over balanced work items (``kernels/balanced.py``'s partition of the
     step's tiles, computed on the device): grid (head blocks, most items), program i takes
     item i when the step has that many. Every item writes a float32 partial (log2 LSE); the
-    balanced merge combines them, one-item requests included."""
+    balanced merge combines them, one-item requests included. ``PV_COLS``: the PV width
+    (``seesaw_step``)."""
     head_block = gl.program_id(0)
     item = gl.program_id(1)
     if item < gl.load(ITEM_INDPTR + batch):
@@ -56,7 +57,7 @@ def seesaw_balanced_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, ITEM_I
         start = (item - gl.load(ITEM_INDPTR + bid)) * chunk
         end = gl.minimum(start + chunk, gl.load(SEQ_LENS + bid))  # items are non-empty
         num_steps = gl.cdiv(gl.cdiv(end - start, TILE), 2)
-        q_s, kv_s, rope_s, stats_s, bars = shared_state(q_desc, kv_desc)
+        q_s, kv_s, rope_s, stats_s, bars = shared_state(q_desc, kv_desc, PV_COLS)
         h0 = head_block * ROWS
         o_ptr = PART_O + item * stride_po_i + h0 * stride_po_h
         lse_ptr = PART_LSE + item * stride_pl_i + h0
@@ -64,13 +65,13 @@ def seesaw_balanced_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, ITEM_I
         gl.warp_specialize([
             (warpgroup_even, (q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps,
                                qk_scale_log2, o_ptr, lse_ptr, stride_po_h, 1, num_rows, False,
-                               False, False)),
+                               False, False, False, 0, 0, 1, PV_COLS)),
             (warpgroup_odd, (q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps,
                               qk_scale_log2, o_ptr, lse_ptr, stride_po_h, 1, num_rows, False,
-                              False, False)),
+                              False, False, False, 0, 0, 1, PV_COLS)),
             (tile_loader, (q_desc, kv_desc, BLOCK_TABLE + bid * stride_bt_b, q_s, kv_s,
                            rope_s, bars, bid * num_heads + h0, start, end, num_steps,
-                           PAGE_SIZE)),
+                           PAGE_SIZE, 0, PV_COLS)),
         ], [4, 4], [240, 24])
 
 
@@ -120,7 +121,7 @@ def _range_loader(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDPTR, ITEM_INDP
                   FIRST_PROGRAM, q_s, kv_s, rope_s, bars, desc_s, first, last, segments, per,
                   program,
                   batch, num_heads, h0, stride_bt_b, PAGE_SIZE: gl.constexpr,
-                  BLOCK_B: gl.constexpr, CHARGED: gl.constexpr):
+                  BLOCK_B: gl.constexpr, CHARGED: gl.constexpr, PV_COLS: gl.constexpr):
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     words = gl.arange(0, DESC_WORDS, layout)
     t = first
@@ -145,7 +146,7 @@ def _range_loader(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDPTR, ITEM_INDP
         if seg > 0:  # the next request's Q once both warpgroups' last QK has read this one
             mbarrier.wait(bars.index(B_QFREE), (seg - 1) & 1)
         tile_loader(q_desc, kv_desc, BLOCK_TABLE + bid * stride_bt_b, q_s, kv_s, rope_s,
-                    bars, bid * num_heads + h0, start, end, num_steps, PAGE_SIZE, g0)
+                    bars, bid * num_heads + h0, start, end, num_steps, PAGE_SIZE, g0, PV_COLS)
         g0 += num_steps
         t = segment_last
 
@@ -159,7 +160,7 @@ def _word(desc, words, which: gl.constexpr):
 def _range_compute(q_s, kv_s, rope_s, stats_s, bars, desc_s, PART_O, PART_LSE, OUT, LSE, segments,
                    num_heads, qk_scale_log2, stride_po_i, stride_po_h, stride_pl_i, stride_o_b,
                    stride_o_h, stride_lse_b, PARITY: gl.constexpr, CHARGED: gl.constexpr,
-                   WRITE_LSE: gl.constexpr):
+                   WRITE_LSE: gl.constexpr, PV_COLS: gl.constexpr):
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     words = gl.arange(0, DESC_WORDS, layout)
     for seg in range(segments):
@@ -179,25 +180,28 @@ def _range_compute(q_s, kv_s, rope_s, stats_s, bars, desc_s, PART_O, PART_LSE, O
                           False, PARITY, _word(desc, words, D_G0), seg & 1, True,
                           _word(desc, words, D_FINAL),
                           OUT + bid * stride_o_b + h0 * stride_o_h,
-                          LSE + bid * stride_lse_b + h0, stride_o_h, CHARGED, WRITE_LSE)
+                          LSE + bid * stride_lse_b + h0, stride_o_h, CHARGED, WRITE_LSE,
+                          PV_COLS=PV_COLS)
 
 
 @gluon.jit
 def _range_even(q_s, kv_s, rope_s, stats_s, bars, desc_s, PART_O, PART_LSE, OUT, LSE, segments,
                 num_heads, qk_scale_log2, stride_po_i, stride_po_h, stride_pl_i, stride_o_b,
-                stride_o_h, stride_lse_b, CHARGED: gl.constexpr, WRITE_LSE: gl.constexpr):
+                stride_o_h, stride_lse_b, CHARGED: gl.constexpr, WRITE_LSE: gl.constexpr,
+                PV_COLS: gl.constexpr):
     _range_compute(q_s, kv_s, rope_s, stats_s, bars, desc_s, PART_O, PART_LSE, OUT, LSE, segments,
                    num_heads, qk_scale_log2, stride_po_i, stride_po_h, stride_pl_i, stride_o_b,
-                   stride_o_h, stride_lse_b, 0, CHARGED, WRITE_LSE)
+                   stride_o_h, stride_lse_b, 0, CHARGED, WRITE_LSE, PV_COLS)
 
 
 @gluon.jit
 def _range_odd(q_s, kv_s, rope_s, stats_s, bars, desc_s, PART_O, PART_LSE, OUT, LSE, segments,
                num_heads, qk_scale_log2, stride_po_i, stride_po_h, stride_pl_i, stride_o_b,
-               stride_o_h, stride_lse_b, CHARGED: gl.constexpr, WRITE_LSE: gl.constexpr):
+               stride_o_h, stride_lse_b, CHARGED: gl.constexpr, WRITE_LSE: gl.constexpr,
+               PV_COLS: gl.constexpr):
     _range_compute(q_s, kv_s, rope_s, stats_s, bars, desc_s, PART_O, PART_LSE, OUT, LSE, segments,
                    num_heads, qk_scale_log2, stride_po_i, stride_po_h, stride_pl_i, stride_o_b,
-                   stride_o_h, stride_lse_b, 1, CHARGED, WRITE_LSE)
+                   stride_o_h, stride_lse_b, 1, CHARGED, WRITE_LSE, PV_COLS)
 
 
 @gluon.jit
@@ -207,7 +211,7 @@ def seesaw_range_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDP
                                stride_bt_b, stride_po_i, stride_po_h, stride_pl_i, stride_o_b,
                                stride_o_h, stride_lse_b, PAGE_SIZE: gl.constexpr,
                                BLOCK_B: gl.constexpr, CHARGED: gl.constexpr = False,
-                               WRITE_LSE: gl.constexpr = False):
+                               WRITE_LSE: gl.constexpr = False, PV_COLS: gl.constexpr = 64):
     """The seesaw on persistent programs over equal ranges of the step's tiles
     (``kernels.balanced.plan_tile_ranges_kernel``): grid (head blocks, programs); program p
     takes the batch's 64-token tiles [p * per, (p + 1) * per) in request order, across
@@ -217,7 +221,8 @@ def seesaw_range_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDP
     the ranges of a charged cut (``plan_tile_ranges_kernel`` with a ``CHARGE``), program
     p's tiles [RANGE_BOUNDS[p], RANGE_BOUNDS[p + 1]) and a request's first program in
     FIRST_PROGRAM; a request the cut leaves whole (one segment) gets its output in OUT (and
-    with ``WRITE_LSE`` its LSE in LSE) here, which the merge then leaves alone."""
+    with ``WRITE_LSE`` its LSE in LSE) here, which the merge then leaves alone. ``PV_COLS``:
+    the PV width (``seesaw_step``)."""
     head_block = gl.program_id(0)
     program = gl.program_id(1)
     if CHARGED:
@@ -233,7 +238,7 @@ def seesaw_range_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDP
         last = gl.minimum(first + per, gl.load(TILE_INDPTR + batch))
     if first < last:
         segments = _requests_meeting(TILE_INDPTR, first, last, batch, BLOCK_B)
-        q_s, kv_s, rope_s, stats_s, bars = shared_state(q_desc, kv_desc)
+        q_s, kv_s, rope_s, stats_s, bars = shared_state(q_desc, kv_desc, PV_COLS)
         desc_s = gl.allocate_shared_memory(
             gl.int32, [2, DESC_WORDS],
             gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
@@ -242,14 +247,14 @@ def seesaw_range_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDP
             (_range_even, (q_s, kv_s, rope_s, stats_s, bars, desc_s, PART_O, PART_LSE, OUT, LSE,
                            segments, num_heads, qk_scale_log2, stride_po_i, stride_po_h,
                            stride_pl_i, stride_o_b, stride_o_h, stride_lse_b, CHARGED,
-                           WRITE_LSE)),
+                           WRITE_LSE, PV_COLS)),
             (_range_odd, (q_s, kv_s, rope_s, stats_s, bars, desc_s, PART_O, PART_LSE, OUT, LSE,
                           segments, num_heads, qk_scale_log2, stride_po_i, stride_po_h,
                           stride_pl_i, stride_o_b, stride_o_h, stride_lse_b, CHARGED,
-                          WRITE_LSE)),
+                          WRITE_LSE, PV_COLS)),
             (_range_loader, (q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDPTR, ITEM_INDPTR,
                              FIRST_PROGRAM, q_s, kv_s, rope_s, bars, desc_s, first, last,
                              segments,
                              per, program, batch, num_heads, h0, stride_bt_b, PAGE_SIZE,
-                             BLOCK_B, CHARGED)),
+                             BLOCK_B, CHARGED, PV_COLS)),
         ], [4, 4], [240, 24])
