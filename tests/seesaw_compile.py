@@ -1,7 +1,9 @@
 """Compile the Gluon seesaw stage 1 (split-KV, over balanced work items, and over tile
-ranges, equal and charged) and the tile-range planner for sm_90
-without a GPU and print what each asks for, as one JSON line (run by tests/test_seesaw.py
-in a process without Triton's interpreter):
+ranges, equal and charged; the step variants under trial) and the tile-range planner for
+sm_90 without a GPU and print what each asks for, as one JSON line (run by
+tests/test_seesaw.py in a process without Triton's interpreter). ``spill_bytes``: what
+ptxas reports spilling, from the ptxas the installed triton ships (None where it has none
+that reads its PTX):
 
     python3 -m tests.seesaw_compile [--dump DIR]
 
@@ -114,7 +116,9 @@ def main() -> None:
     wide_pv = compile_stage1(wide_pv=True)
     wide_pv_one_rescale = compile_stage1(one_rescale=True, wide_pv=True)
     wide_pv_balanced = compile_stage1(balanced=True, wide_pv=True)
+    wide_pv_ranges = compile_stage1(ranges=True, wide_pv=True)
     wide_pv_charged = compile_stage1(ranges=True, charged=True, wide_pv=True)
+    wide_pv_verify = compile_stage1(q_len=4, wide_pv=True)
     if args.dump:
         args.dump.mkdir(parents=True, exist_ok=True)
         for kind in ("ttgir", "ptx"):
@@ -137,9 +141,32 @@ def main() -> None:
                       "wide_pv": summary(wide_pv),
                       "wide_pv_one_rescale": summary(wide_pv_one_rescale),
                       "wide_pv_balanced": summary(wide_pv_balanced),
+                      "wide_pv_ranges": summary(wide_pv_ranges),
                       "wide_pv_charged": summary(wide_pv_charged),
+                      "wide_pv_q_len_4": summary(wide_pv_verify),
                       "range_planner_shared_bytes": planners,
                       "dependent_merge_waits": merge.count("griddepcontrol.wait")}))
+
+
+def spill_bytes(ptx: str) -> int | None:
+    """Bytes the kernel spills (``ptxas -v``'s spill stores), assembled by the ptxas this
+    triton ships (the first of its binaries that reads the PTX); None where none does."""
+    import subprocess
+    import tempfile
+
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp, "k.ptx")
+        src.write_text(ptx)
+        for name in ("ptxas", "ptxas-blackwell"):
+            if not (bin_dir / name).exists():
+                continue
+            done = subprocess.run([str(bin_dir / name), "-arch=sm_90a", "-v", str(src), "-o",
+                                   str(Path(tmp, "k.cubin"))], capture_output=True, text=True)
+            found = re.search(r"(\d+) bytes spill stores", done.stderr)
+            if done.returncode == 0 and found:
+                return int(found.group(1))
+    return None
 
 
 def summary(compiled) -> dict:
@@ -154,6 +181,7 @@ def summary(compiled) -> dict:
         "wgmma_waits": ptx.count("wgmma.wait_group"),
         "tma_copies": ptx.count("cp.async.bulk.tensor"),
         "dependent_launch": "griddepcontrol.launch_dependents" in ptx,
+        "spill_bytes": spill_bytes(ptx),
     }
 
 
