@@ -48,6 +48,15 @@ def out_dir(out: str | None, *, smoke: bool = False) -> str | None:
     return tempfile.mkdtemp(prefix="graphbucket-smoke-") if smoke else None
 
 
+def write_run(out: str | os.PathLike, stem: str, meta: dict, rows: list, text: str) -> None:
+    """A run's ``{"meta", "rows"}`` as ``out/stem.json`` and its table as ``out/stem.md``."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{stem}.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    with open(os.path.join(out, f"{stem}.md"), "w") as f:
+        f.write(text)
+
+
 def rerender(json_path: str, markdown: Callable[[dict], str]) -> None:
     """Rewrite the markdown beside a saved run's JSON (``--render``), no GPU needed."""
     with open(json_path) as f:

@@ -13,7 +13,6 @@ checked against float64 in tests/test_multi_token.py).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from dataclasses import replace
@@ -29,6 +28,7 @@ from bench.gpu_timing import (  # noqa: E402
     out_dir,
     run_meta,
     time_replays,
+    write_run,
 )
 from graphbucket import plan_streams as S  # noqa: E402
 from graphbucket.kernels import SplitWorkspace, default_sm_scale, mla_decode  # noqa: E402
@@ -119,10 +119,7 @@ def main() -> None:
     meta = {**run_meta(), "copy_gbps": round(gbps, 1)}
     print(markdown(meta, rows))
     if out := out_dir(args.out):
-        with open(os.path.join(out, "h200-mtp.json"), "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
-        with open(os.path.join(out, "h200-mtp.md"), "w") as f:
-            f.write(markdown(meta, rows))
+        write_run(out, "h200-mtp", meta, rows, markdown(meta, rows))
 
 
 def markdown(meta: dict, rows: list[dict]) -> str:

@@ -20,11 +20,16 @@ import json
 import os
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from bench.gpu_timing import add_out_argument, out_dir, run_line, run_meta  # noqa: E402
+from bench.gpu_timing import (  # noqa: E402
+    add_out_argument,
+    out_dir,
+    run_line,
+    run_meta,
+    write_run,
+)
 
 TOP = 131072
 KERNELS = {"items": {}, "ranges": {"tile_ranges": True},
@@ -142,9 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     print(text)
     out = out_dir(args.out)
     if out:
-        Path(out, "pv-cols-ab.json").write_text(json.dumps({"meta": meta, "rows": rows},
-                                                           indent=1))
-        Path(out, "pv-cols-ab.md").write_text(text)
+        write_run(out, "pv-cols-ab", meta, rows, text)
 
 
 if __name__ == "__main__":

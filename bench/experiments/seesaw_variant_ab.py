@@ -22,7 +22,13 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from bench.gpu_timing import add_out_argument, out_dir, run_line, run_meta  # noqa: E402
+from bench.gpu_timing import (  # noqa: E402
+    add_out_argument,
+    out_dir,
+    run_line,
+    run_meta,
+    write_run,
+)
 
 # (heads, batch, context)
 SHAPES = [(128, 1, 131072), (128, 8, 65536), (128, 8, 131072), (128, 64, 4096),
@@ -130,9 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     print(text)
     out = out_dir(args.out)
     if out:
-        Path(out, "seesaw-variant-ab.json").write_text(
-            json.dumps({"meta": meta, "rows": rows}, indent=1))
-        Path(out, "seesaw-variant-ab.md").write_text(text)
+        write_run(out, "seesaw-variant-ab", meta, rows, text)
 
 
 if __name__ == "__main__":

@@ -18,11 +18,16 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from bench.gpu_timing import add_out_argument, out_dir, run_line, run_meta  # noqa: E402
+from bench.gpu_timing import (  # noqa: E402
+    add_out_argument,
+    out_dir,
+    run_line,
+    run_meta,
+    write_run,
+)
 
 # (heads, q_len, batch, context)
 SHAPES = [(16, 2, 1, 131072), (16, 4, 1, 131072), (16, 2, 8, 16384), (16, 4, 8, 16384),
@@ -135,9 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     print(text)
     out = out_dir(args.out)
     if out:
-        Path(out, "h200-seesaw-verify.json").write_text(
-            json.dumps({"meta": meta, "rows": rows}, indent=1))
-        Path(out, "h200-seesaw-verify.md").write_text(text)
+        write_run(out, "h200-seesaw-verify", meta, rows, text)
 
 
 if __name__ == "__main__":
