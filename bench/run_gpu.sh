@@ -43,6 +43,8 @@
 #        Triton verify step and the q_len 1 step, bench/experiments/seesaw_verify.py)
 #        (fp8: FP8_AB="float-32x4 ..." adds stage-1 variants, bench/fp8_sweep.py --ab)
 #        (fisweep: the sweep with FlashInfer rows, wheels installed from .whl/ if present)
+#        (threeway: the sweep with FlashInfer and FlashMLA rows: wheels from .whl/, FlashMLA
+#        built from its kit copied into .flashmla-kit/ (git-ignored; carry both))
 #        (sparseab: the indexer and sparse-attention A/Bs, each checked against float64)
 #        (ragged: batches whose lengths differ, against the bytes they read)
 #        (tp needs 2 GPUs: TP=2 decode, numerics vs TP=1, TPOT ladder vs fixed-1)
@@ -59,7 +61,7 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 STEPS="tests gputests balancedtests sweep fisweep capture tune tunefp8 tunemtp tunesparse retime tpot tpotfp8 tpotmtp
        ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp hostphases balancedseesaw tpotbatches
-       tpothf stepkernels stepvariants seesawverify"
+       tpothf stepkernels stepvariants seesawverify threeway"
 usage() { sed -n '2,/^set /{/^set /d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"; }
 for arg in "$@"; do
   case $arg in
@@ -142,6 +144,17 @@ for step in $steps; do
                      > "$R/balanced-tests.log" 2>&1; tail -4 "$R/balanced-tests.log" ;;
     sweep) timeout 240 python3 bench/kernel_sweep.py --out "$R" > "$R/sweep.log" 2>&1
            tail -42 "$R/sweep.log" ;;
+    threeway) # The sweep beside FlashInfer (wheels in .whl/) and FlashMLA (its build kit
+              # copied into .flashmla-kit/ and carried: about 100 s to build), one run.
+              if [ -f .flashmla-kit/build.sh ]; then
+                timeout 300 bash .flashmla-kit/build.sh /tmp/flashmla-src > "$R/flashmla-build.log" 2>&1
+                tail -2 "$R/flashmla-build.log"
+                export PYTHONPATH=/tmp/flashmla-src/FlashMLA${PYTHONPATH:+:$PYTHONPATH}
+              fi
+              [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile \
+                --no-cache-dir --upgrade --target /tmp/site .whl/*.whl > /dev/null 2>&1
+              PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} timeout 480 python3 \
+                bench/kernel_sweep.py --splits --out "$R" > "$R/sweep.log" 2>&1; tail -80 "$R/sweep.log" ;;
     fisweep) [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile \
                --no-cache-dir --upgrade --target /tmp/site .whl/*.whl > /dev/null 2>&1
              PYTHONPATH=/tmp/site timeout 300 python3 bench/kernel_sweep.py --splits --out "$R" \
