@@ -164,7 +164,7 @@ class BatchValidator:
             if raw_table is not self.block_table:
                 raise ValueError("block_table_cpu is a BlockTable this runner does not own; "
                                  "pass runner.block_table (or a plain array)")
-            raw_table.check_lengths(lens, max_len)
+            raw_table.check_lengths(lens)
             table, paged = None, raw_table
         else:
             table = self._block_table(_host_ints("block_table_cpu", raw_table, 2), lens,

@@ -195,7 +195,7 @@ class BlockTable:
 
     # ---- staging ----------------------------------------------------------------------------
 
-    def check_lengths(self, lens: np.ndarray, max_len: int) -> None:
+    def check_lengths(self, lens: np.ndarray) -> None:
         """Raise ValueError unless rows [0, B) hold the pages that ``lens`` [B] need."""
         b = lens.shape[0]
         if b > self.num_rows:
@@ -205,9 +205,7 @@ class BlockTable:
             if int(lens[0]) > self._tokens[0]:
                 self._short_row(0, int(lens[0]))
             return
-        if max_len <= self._tokens[:b].min():
-            return
-        short = lens > self._tokens[:b]
+        short = lens > self._tokens[:b]  # one pass (a min first costs as much again)
         if short.any():
             row = int(short.argmax())
             self._short_row(row, int(lens[row]))
