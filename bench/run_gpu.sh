@@ -174,7 +174,7 @@ for step in $steps; do
                   # against off, in one process (the A/B's other version is this
                   # checkout's kernel with that variant's default flipped).
                   workers=(); python3 -c "import xdist" 2>/dev/null && workers=(-n 8)
-                  timeout 240 python3 -m pytest -q "${workers[@]}" tests/test_seesaw.py -m gpu \
+                  timeout 420 python3 -m pytest -q "${workers[@]}" tests/test_seesaw.py -m gpu \
                     -k step_variants -p no:cacheprovider > "$R/step-variants-tests.log" 2>&1
                   tail -3 "$R/step-variants-tests.log"
                   for variant in one-rescale wide-pv; do
@@ -199,7 +199,7 @@ for step in $steps; do
     seesawverify) # Verify steps on the seesaw (under trial): float64 tests, then the timing
                   # against the Triton verify step and the q_len 1 step.
                   workers=(); python3 -c "import xdist" 2>/dev/null && workers=(-n 8)
-                  timeout 240 python3 -m pytest -q "${workers[@]}" tests/test_seesaw.py -m gpu \
+                  timeout 360 python3 -m pytest -q "${workers[@]}" tests/test_seesaw.py -m gpu \
                     -k verify_step \
                     -p no:cacheprovider > "$R/seesaw-verify-tests.log" 2>&1
                   tail -3 "$R/seesaw-verify-tests.log"
