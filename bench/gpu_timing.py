@@ -57,6 +57,15 @@ def write_run(out: str | os.PathLike, stem: str, meta: dict, rows: list, text: s
         f.write(text)
 
 
+def report_run(out: str | None, stem: str, meta: dict, rows: list,
+               markdown: Callable[[dict, list], str]) -> None:
+    """Print a run's table and, with ``--out``, write it and its JSON (``write_run``)."""
+    text = markdown(meta, rows)
+    print(text)
+    if folder := out_dir(out):
+        write_run(folder, stem, meta, rows, text)
+
+
 def rerender(json_path: str, markdown: Callable[[dict], str]) -> None:
     """Rewrite the markdown beside a saved run's JSON (``--render``), no GPU needed."""
     with open(json_path) as f:

@@ -25,10 +25,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from bench.gpu_timing import (  # noqa: E402
     add_out_argument,
-    out_dir,
+    report_run,
     run_line,
     run_meta,
-    write_run,
 )
 
 TOP = 131072
@@ -142,12 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         sys.exit("pv_cols_ab.py times the Gluon seesaw and needs a Hopper GPU")
     rows = measure(args.heads, args.reps)
-    meta = run_meta()
-    text = markdown(meta, rows)
-    print(text)
-    out = out_dir(args.out)
-    if out:
-        write_run(out, "pv-cols-ab", meta, rows, text)
+    report_run(args.out, "pv-cols-ab", run_meta(), rows, markdown)
 
 
 if __name__ == "__main__":

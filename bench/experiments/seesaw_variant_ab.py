@@ -24,10 +24,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from bench.gpu_timing import (  # noqa: E402
     add_out_argument,
-    out_dir,
+    report_run,
     run_line,
     run_meta,
-    write_run,
 )
 
 # (heads, batch, context)
@@ -131,12 +130,8 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         sys.exit("seesaw_variant_ab.py times the Gluon seesaw and needs a Hopper GPU")
     rows = measure(args.other, args.reps)
-    meta = {**run_meta(), "other": str(args.other)}
-    text = markdown(meta, rows)
-    print(text)
-    out = out_dir(args.out)
-    if out:
-        write_run(out, "seesaw-variant-ab", meta, rows, text)
+    report_run(args.out, "seesaw-variant-ab", {**run_meta(), "other": str(args.other)}, rows,
+               markdown)
 
 
 if __name__ == "__main__":

@@ -23,10 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from bench.gpu_timing import (  # noqa: E402
     add_out_argument,
-    out_dir,
+    report_run,
     run_line,
     run_meta,
-    write_run,
 )
 
 # (heads, q_len, batch, context)
@@ -136,11 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     meta = run_meta()
     meta["command"] = "python3 " + " ".join(sys.argv)
     rows = measure(args.reps)
-    text = markdown(meta, rows)
-    print(text)
-    out = out_dir(args.out)
-    if out:
-        write_run(out, "h200-seesaw-verify", meta, rows, text)
+    report_run(args.out, "h200-seesaw-verify", meta, rows, markdown)
 
 
 if __name__ == "__main__":
