@@ -21,10 +21,15 @@ from pathlib import Path
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
-from triton.runtime.jit import mangle_type
+from triton.runtime.jit import constexpr_function, mangle_type
 
 from graphbucket.kernels import seesaw, seesaw_balanced
+
+# The layout of every 64 x 64 box the seesaw's TMA copies land in (``seesaw.descriptors``).
+_BOX_LAYOUT = gl.constexpr(seesaw.box_layout())
 
 POINTERS = {"BLOCK_TABLE": "*i32", "SEQ_LENS": "*i32", "OUT": "*bf16", "LSE": "*fp32",
             "PART_O": "*fp32", "PART_LSE": "*fp32", "ITEM_INDPTR": "*i32",
@@ -80,6 +85,36 @@ def compile_range_planner(charge: int, bounds: bool):
                  for p in kernel.params}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
+@constexpr_function
+def _boxes_are_wide_operand(box, wide) -> bool:
+    box, wide = ([list(b) for b in x.offset_bases] for x in (box, wide))
+    return wide[:len(box)] == box and wide[len(box):] == [[0, 64], [0, 128]]
+
+
+@gluon.jit
+def _wide_view_check(X):
+    box: gl.constexpr = gl.to_linear_layout(_BOX_LAYOUT, [64, 64])
+    wide: gl.constexpr = gl.to_linear_layout(_BOX_LAYOUT, [64, 256])
+    gl.static_assert(_boxes_are_wide_operand(box, wide))
+
+
+def wide_view_matches_boxes() -> bool | None:
+    """Whether four consecutive 64-column boxes of the seesaw's tile layout are, byte for
+    byte, the [64, 256] operand its 256-column PVs read (``seesaw_layout.value_halves``):
+    the wide layout's first offset bits are one box's, the next two step 64 and 128
+    columns. Checked by compiling a kernel that compares the two layouts
+    (``gl.to_linear_layout``); None on triton 3.6, whose ``to_linear_layout`` of a shared
+    layout aborts the process."""
+    if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7):
+        return None
+    source = GluonASTSource(fn=_wide_view_check, signature={"X": "*i32"}, constexprs={})
+    try:
+        triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    except Exception:  # the static assertion failed: the layouts differ
+        return False
+    return True
 
 
 def compile_balanced_merge():
@@ -145,6 +180,7 @@ def main() -> None:
                       "wide_pv_charged": summary(wide_pv_charged),
                       "wide_pv_q_len_4": summary(wide_pv_verify),
                       "range_planner_shared_bytes": planners,
+                      "wide_view_matches_boxes": wide_view_matches_boxes(),
                       "dependent_merge_waits": merge.count("griddepcontrol.wait")}))
 
 

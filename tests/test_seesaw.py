@@ -203,6 +203,8 @@ def test_seesaw_compiles_for_sm90_within_shared_memory():
         assert kernel["wgmma_n256"] == 16 and kernel["wgmma"] < report["wgmma"], report
     # One 256-column accumulator holds fewer live registers than four 64-column ones: each
     # kernel spills no more at 256 columns (where this triton ships a ptxas for its PTX).
+    # Four TMA boxes are one [64, 256] operand (not checkable on triton 3.6: None).
+    assert report["wide_view_matches_boxes"] is not False, report
     for narrow, wide in (("", "wide_pv"), ("one_rescale", "wide_pv_one_rescale"),
                          ("balanced", "wide_pv_balanced"), ("ranges", "wide_pv_ranges"),
                          ("charged", "wide_pv_charged"), ("q_len_4", "wide_pv_q_len_4")):

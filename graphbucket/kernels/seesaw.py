@@ -177,11 +177,16 @@ def seesaw_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, OUT, LSE, PART_
                      mask=offs_h < num_heads)
 
 
+def box_layout() -> gl.NVMMASharedLayout:
+    """The shared layout of a 64 x 64 bf16 box: the 128-byte swizzle wgmma reads."""
+    return gl.NVMMASharedLayout.get_default_for([ROWS.value, BOX.value], gl.bfloat16)
+
+
 def descriptors(q: torch.Tensor, kv_cache: torch.Tensor):
     """TMA descriptors of q [B, H, 576] (as [B H, 576]) and the cache [pages, page, 576] (as
-    [pages page, 576]), 64 x 64 boxes in the 128-byte swizzle wgmma reads."""
+    [pages page, 576]), 64 x 64 boxes in ``box_layout``."""
     rows, tile, box = ROWS.value, TILE.value, BOX.value
-    layout = gl.NVMMASharedLayout.get_default_for([rows, box], gl.bfloat16)
+    layout = box_layout()
     q2 = q.reshape(-1, q.shape[-1])
     kv2 = kv_cache.reshape(-1, kv_cache.shape[-1])
     return (TensorDescriptor(q2, list(q2.shape), list(q2.stride()), [rows, box], layout),
