@@ -36,8 +36,8 @@
 #        against the Triton stage 1 on ragged mixes and uniform batches, 128 heads, then 16
 #        heads on 64-row programs; SEESAW_HEADS="16" picks)
 #        (stepvariants: the seesaw's step variants under trial (one-rescale order,
-#        256-column PVs) against float64, then the split-KV seesaw with each on against
-#        off, bench/experiments/seesaw_variant_ab.py, each into its own folder; then the
+#        256-column PVs) against float64, then the split-KV seesaw with each on, and both,
+#        against off, bench/experiments/seesaw_variant_ab.py, each into its own folder; then the
 #        balanced kernels' PV width, bench/experiments/pv_cols_ab.py)
 #        (seesawverify: verify steps on the seesaw against float64, then timed against the
 #        Triton verify step and the q_len 1 step, bench/experiments/seesaw_verify.py)
@@ -170,23 +170,25 @@ for step in $steps; do
                       tail -36 "$R/balanced-seesaw-h$h.log"; pack
                     done ;;
     stepvariants) # The seesaw's step variants under trial (one-rescale order, 256-column
-                  # PVs): their float64 tests, then the split-KV kernel with each on
-                  # against off, in one process (the A/B's other version is this
-                  # checkout's kernel with that variant's default flipped).
+                  # PVs): their float64 tests, then the split-KV kernel with each on, and
+                  # with both, against the default, in one process (the A/B's other
+                  # version is this checkout's kernel with those defaults flipped).
                   workers=(); python3 -c "import xdist" 2>/dev/null && workers=(-n 8)
                   timeout 420 python3 -m pytest -q "${workers[@]}" tests/test_seesaw.py -m gpu \
                     -k step_variants -p no:cacheprovider > "$R/step-variants-tests.log" 2>&1
                   tail -3 "$R/step-variants-tests.log"
-                  for variant in one-rescale wide-pv; do
+                  rescale='s/ONE_RESCALE: gl.constexpr = False,/ONE_RESCALE: gl.constexpr = True,/'
+                  wide='s/^                         PV_COLS: gl.constexpr = 64):/                         PV_COLS: gl.constexpr = 256):/'
+                  for variant in one-rescale wide-pv both; do
                     case $variant in
-                      one-rescale) from='ONE_RESCALE: gl.constexpr = False,'
-                                   to='ONE_RESCALE: gl.constexpr = True,' ;;
-                      wide-pv) from='                         PV_COLS: gl.constexpr = 64):'
-                               to='                         PV_COLS: gl.constexpr = 256):' ;;
+                      one-rescale) edits=(-e "$rescale") ;;
+                      wide-pv) edits=(-e "$wide") ;;
+                      both) edits=(-e "$rescale" -e "$wide") ;;
                     esac
-                    sed "s/$from/$to/" graphbucket/kernels/seesaw.py > "$R/seesaw_$variant.py"
-                    grep -qF "$to" "$R/seesaw_$variant.py" || {
-                      echo "stepvariants: $variant's default was not found" >&2; continue; }
+                    sed "${edits[@]}" graphbucket/kernels/seesaw.py > "$R/seesaw_$variant.py"
+                    changed=$(diff graphbucket/kernels/seesaw.py "$R/seesaw_$variant.py" | grep -c '^>')
+                    [ "$changed" = $(( ${#edits[@]} / 2 )) ] || {
+                      echo "stepvariants: $variant's defaults were not found" >&2; continue; }
                     mkdir -p "$R/$variant"
                     timeout 240 python3 bench/experiments/seesaw_variant_ab.py \
                       --other "$R/seesaw_$variant.py" --out "$R/$variant" \
