@@ -119,8 +119,7 @@ DESC_WORDS = gl.constexpr(8)
 @gluon.jit
 def _range_loader(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDPTR, ITEM_INDPTR,
                   FIRST_PROGRAM, q_s, kv_s, rope_s, bars, desc_s, first, last, segments, per,
-                  program,
-                  batch, num_heads, h0, stride_bt_b, PAGE_SIZE: gl.constexpr,
+                  program, batch, num_heads, h0, stride_bt_b, PAGE_SIZE: gl.constexpr,
                   BLOCK_B: gl.constexpr, CHARGED: gl.constexpr, PV_COLS: gl.constexpr):
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     words = gl.arange(0, DESC_WORDS, layout)
@@ -254,7 +253,6 @@ def seesaw_range_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDP
                           WRITE_LSE, PV_COLS)),
             (_range_loader, (q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDPTR, ITEM_INDPTR,
                              FIRST_PROGRAM, q_s, kv_s, rope_s, bars, desc_s, first, last,
-                             segments,
-                             per, program, batch, num_heads, h0, stride_bt_b, PAGE_SIZE,
+                             segments, per, program, batch, num_heads, h0, stride_bt_b, PAGE_SIZE,
                              BLOCK_B, CHARGED, PV_COLS)),
         ], [4, 4], [240, 24])
