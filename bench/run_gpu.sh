@@ -154,7 +154,8 @@ for step in $steps; do
               [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile \
                 --no-cache-dir --upgrade --target /tmp/site .whl/*.whl > /dev/null 2>&1
               PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} timeout 480 python3 \
-                bench/kernel_sweep.py --splits --out "$R" > "$R/sweep.log" 2>&1; tail -80 "$R/sweep.log" ;;
+                bench/kernel_sweep.py --splits --contexts 256 1024 4096 16384 65536 131072 \
+                --out "$R" > "$R/sweep.log" 2>&1; tail -80 "$R/sweep.log" ;;
     fisweep) [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile \
                --no-cache-dir --upgrade --target /tmp/site .whl/*.whl > /dev/null 2>&1
              PYTHONPATH=/tmp/site timeout 300 python3 bench/kernel_sweep.py --splits --out "$R" \
