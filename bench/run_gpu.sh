@@ -151,8 +151,11 @@ for step in $steps; do
                 tail -2 "$R/flashmla-build.log"
                 export PYTHONPATH=/tmp/flashmla-src/FlashMLA${PYTHONPATH:+:$PYTHONPATH}
               fi
-              [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile \
-                --no-cache-dir --upgrade --target /tmp/site .whl/*.whl > /dev/null 2>&1
+              # FlashInfer: its wheels in .whl/, or already unpacked into .whl/site.tar.xz
+              # (a third the size, for a carry limit).
+              if [ -f .whl/site.tar.xz ]; then mkdir -p /tmp/site && tar xJf .whl/site.tar.xz -C /tmp/site
+              elif [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile \
+                --no-cache-dir --upgrade --target /tmp/site .whl/*.whl > /dev/null 2>&1; fi
               PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} timeout 480 python3 \
                 bench/kernel_sweep.py --splits --contexts 256 1024 4096 16384 65536 131072 \
                 --out "$R" > "$R/sweep.log" 2>&1; tail -80 "$R/sweep.log" ;;
