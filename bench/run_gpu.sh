@@ -5,7 +5,7 @@
 # TPOT per policy, and the demo's GPU path. Run it on a CUDA machine.
 # steps: any of tests gputests balancedtests sweep fisweep capture tune tunefp8 tunemtp tunesparse
 #        tpot tpotfp8 tpotmtp ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp hostphases
-#        balancedseesaw tpotbatches tpothf stepkernels stepvariants seesawverify
+#        balancedseesaw tpotbatches tpothf stepkernels stepvariants seesawverify fp8seesaw
 #        (tpotdp: TPOT of the 128-head deepseek-v3-dp preset, the compute-bound decode)
 #        (balancedtests: the balanced kernels per capture size, the ragged switch and the
 #        oracle's host logic, on the GPU)
@@ -38,9 +38,12 @@
 #        (stepvariants: the seesaw's step variants under trial (one-rescale order,
 #        256-column PVs) against float64, then the split-KV seesaw with each on, and both,
 #        against off, bench/experiments/seesaw_variant_ab.py, each into its own folder; then the
-#        balanced kernels' PV width, bench/experiments/pv_cols_ab.py)
+#        balanced kernels' PV width, bench/experiments/pv_cols_ab.py; STEP_VARIANTS="wide-pv"
+#        and STEP_VARIANT_TESTS="step_variants and False-256" pick)
 #        (seesawverify: verify steps on the seesaw against float64, then timed against the
 #        Triton verify step and the q_len 1 step, bench/experiments/seesaw_verify.py)
+#        (fp8seesaw: the seesaw over a per-tensor fp8 cache against float64, then timed
+#        against the bf16 seesaw and the Triton fp8 kernel, bench/experiments/seesaw_fp8_ab.py)
 #        (fp8: FP8_AB="float-32x4 ..." adds stage-1 variants, bench/fp8_sweep.py --ab)
 #        (fisweep: the sweep with FlashInfer rows, wheels installed from .whl/ if present)
 #        (threeway: the sweep with FlashInfer and FlashMLA rows: wheels from .whl/, FlashMLA
@@ -179,11 +182,12 @@ for step in $steps; do
                   # version is this checkout's kernel with those defaults flipped).
                   workers=(); python3 -c "import xdist" 2>/dev/null && workers=(-n 8)
                   timeout 420 python3 -m pytest -q "${workers[@]}" tests/test_seesaw.py -m gpu \
-                    -k step_variants -p no:cacheprovider > "$R/step-variants-tests.log" 2>&1
+                    -k "${STEP_VARIANT_TESTS:-step_variants}" -p no:cacheprovider \
+                    > "$R/step-variants-tests.log" 2>&1
                   tail -3 "$R/step-variants-tests.log"
                   rescale='s/ONE_RESCALE: gl.constexpr = False,/ONE_RESCALE: gl.constexpr = True,/'
                   wide='s/^                         PV_COLS: gl.constexpr = 64):/                         PV_COLS: gl.constexpr = 256):/'
-                  for variant in one-rescale wide-pv both; do
+                  for variant in ${STEP_VARIANTS:-one-rescale wide-pv both}; do
                     case $variant in
                       one-rescale) edits=(-e "$rescale") ;;
                       wide-pv) edits=(-e "$wide") ;;
@@ -202,6 +206,19 @@ for step in $steps; do
                   # The balanced kernels (items, ranges, charged) with 256-column PVs.
                   timeout 420 python3 bench/experiments/pv_cols_ab.py --out "$R" \
                     > "$R/pv-cols-ab.log" 2>&1; tail -46 "$R/pv-cols-ab.log" ;;
+    fp8seesaw) # The seesaw over a per-tensor fp8 cache (under trial): its float64 tests,
+               # then the A/B against the bf16 seesaw and the Triton fp8 kernel.
+               workers=(); python3 -c "import xdist" 2>/dev/null && workers=(-n 8)
+               # A new barrier protocol can hang: the first test alone, with a short limit.
+               if timeout 90 python3 -m pytest -q -x tests/test_seesaw_fp8.py -m gpu \
+                    -k "3-128-lens3" -p no:cacheprovider > "$R/seesaw-fp8-first.log" 2>&1
+               then
+                 timeout 300 python3 -m pytest -q "${workers[@]}" tests/test_seesaw_fp8.py \
+                   -m gpu -p no:cacheprovider > "$R/seesaw-fp8-tests.log" 2>&1
+                 tail -3 "$R/seesaw-fp8-tests.log"
+                 timeout 240 python3 bench/experiments/seesaw_fp8_ab.py --out "$R" \
+                   > "$R/seesaw-fp8-ab.log" 2>&1; tail -12 "$R/seesaw-fp8-ab.log"
+               else tail -30 "$R/seesaw-fp8-first.log"; fi ;;
     seesawverify) # Verify steps on the seesaw (under trial): float64 tests, then the timing
                   # against the Triton verify step and the q_len 1 step.
                   workers=(); python3 -c "import xdist" 2>/dev/null && workers=(-n 8)

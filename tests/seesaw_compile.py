@@ -1,5 +1,6 @@
 """Compile the Gluon seesaw stage 1 (split-KV, over balanced work items, and over tile
-ranges, equal and charged; the step variants under trial) and the tile-range planner for
+ranges, equal and charged; the step variants and the per-tensor fp8 kernel under trial)
+and the tile-range planner for
 sm_90 without a GPU and print what each asks for, as one JSON line (run by
 tests/test_seesaw.py in a process without Triton's interpreter). ``spill_bytes``: what
 ptxas reports spilling, from the ptxas the installed triton ships (None where it has none
@@ -26,12 +27,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import constexpr_function, mangle_type
 
-from graphbucket.kernels import seesaw, seesaw_balanced
+from graphbucket.kernels import seesaw, seesaw_balanced, seesaw_fp8
 
 # The layout of every 64 x 64 box the seesaw's TMA copies land in (``seesaw.descriptors``).
 _BOX_LAYOUT = gl.constexpr(seesaw.box_layout())
 
 POINTERS = {"BLOCK_TABLE": "*i32", "SEQ_LENS": "*i32", "OUT": "*bf16", "LSE": "*fp32",
+            "Q": "*bf16", "KV8": "*fp8e4nv", "KV_SCALE": "*fp32",
             "PART_O": "*fp32", "PART_LSE": "*fp32", "ITEM_INDPTR": "*i32",
             "CHUNK_TILES": "*i32", "TILE_INDPTR": "*i32", "RANGE_TILES": "*i32",
             "RANGE_BOUNDS": "*i32", "FIRST_PROGRAM": "*i32"}
@@ -56,6 +58,16 @@ def compile_stage1(balanced: bool = False, ranges: bool = False, charged: bool =
         kernel = seesaw.seesaw_stage1_kernel
         constants = {"PAGE_SIZE": 64, "ONE_SPLIT": False, "WRITE_LSE": True,
                      "ONE_RESCALE": one_rescale, "Q_LEN": q_len, **pv_cols}
+    return _compile(kernel, constants, descriptors)
+
+
+def compile_fp8_stage1():
+    """The split-KV seesaw over a per-tensor fp8 cache (``seesaw_fp8``)."""
+    return _compile(seesaw_fp8.seesaw_fp8_stage1_kernel,
+                    {"PAGE_SIZE": 64, "ONE_SPLIT": False, "WRITE_LSE": True}, {})
+
+
+def _compile(kernel, constants: dict, descriptors: dict):
     pointers = POINTERS
     signature = {}
     for p in kernel.params:
@@ -67,7 +79,10 @@ def compile_stage1(balanced: bool = False, ranges: bool = False, charged: bool =
             signature[p.name] = "fp32"
         else:
             signature[p.name] = pointers.get(p.name, "i32")
-    source = GluonASTSource(fn=kernel, signature=signature, constexprs=constants)
+    # As a launch specializes them: every pointer 16-byte aligned (torch's allocations are).
+    aligned = {(i,): [["tt.divisibility", 16]]
+               for i, p in enumerate(kernel.params) if signature[p.name].startswith("*")}
+    source = GluonASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=aligned)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
 
@@ -154,6 +169,7 @@ def main() -> None:
     wide_pv_ranges = compile_stage1(ranges=True, wide_pv=True)
     wide_pv_charged = compile_stage1(ranges=True, charged=True, wide_pv=True)
     wide_pv_verify = compile_stage1(q_len=4, wide_pv=True)
+    fp8_tensor = compile_fp8_stage1()
     if args.dump:
         args.dump.mkdir(parents=True, exist_ok=True)
         for kind in ("ttgir", "ptx"):
@@ -166,6 +182,7 @@ def main() -> None:
             (args.dump / f"seesaw-wide-pv.{kind}").write_text(wide_pv.asm[kind])
             (args.dump / f"seesaw-balanced-wide-pv.{kind}").write_text(wide_pv_balanced.asm[kind])
             (args.dump / f"seesaw-charged-wide-pv.{kind}").write_text(wide_pv_charged.asm[kind])
+            (args.dump / f"seesaw-fp8.{kind}").write_text(fp8_tensor.asm[kind])
     planners = {f"{c}{'-bounds' if b else ''}": compile_range_planner(c, b).metadata.shared
                 for c, b in ((0, False), (0, True), (5, True))}
     merge = compile_balanced_merge().asm["ptx"]
@@ -179,6 +196,7 @@ def main() -> None:
                       "wide_pv_ranges": summary(wide_pv_ranges),
                       "wide_pv_charged": summary(wide_pv_charged),
                       "wide_pv_q_len_4": summary(wide_pv_verify),
+                      "fp8_tensor": summary(fp8_tensor),
                       "range_planner_shared_bytes": planners,
                       "wide_view_matches_boxes": wide_view_matches_boxes(),
                       "dependent_merge_waits": merge.count("griddepcontrol.wait")}))

@@ -397,6 +397,29 @@ def launch_seesaw_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         num_warps=4)
 
 
+def launch_seesaw_fp8_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                             seq_lens: torch.Tensor, out: torch.Tensor,
+                             workspace: SplitWorkspace | None, *, plan: LaunchPlan,
+                             sm_scale: float, lse: torch.Tensor | None,
+                             kv_scale: torch.Tensor) -> None:
+    """Stage 1 by the Gluon seesaw over a per-tensor fp8 cache (unchecked; under trial,
+    launched directly: ``seesaw_fp8.runs_seesaw_fp8`` names the shapes it takes, on sm_90).
+    The same grid, splits (64-token tiles) and outputs as ``launch_seesaw_stage1``: the
+    merge combines its splits with ``block_n`` 64."""
+    from graphbucket.kernels.seesaw_fp8 import seesaw_fp8_stage1_kernel
+    from graphbucket.kernels.seesaw_layout import ROWS, TILE
+
+    batch, heads, _ = q.shape
+    part_o, part_lse, po_strides, pl_strides = _workspace_args(workspace, out)
+    seesaw_fp8_stage1_kernel[(-(-heads // ROWS.value), batch, plan.num_kv_splits)](
+        q, kv_cache, kv_scale, block_table, seq_lens, out, out if lse is None else lse,
+        part_o, part_lse, plan.num_kv_splits, heads, batch * heads, sm_scale * LOG2E,
+        block_table.stride(0), out.stride(0), out.stride(1),
+        0 if lse is None else lse.stride(0), *po_strides, *pl_strides,
+        PAGE_SIZE=TILE.value, ONE_SPLIT=not plan.use_stage2, WRITE_LSE=lse is not None,
+        num_warps=4)
+
+
 def launch_merge(seq_lens: torch.Tensor, out: torch.Tensor, workspace: SplitWorkspace, *,
                  plan: LaunchPlan, lse: torch.Tensor | None, block_n: int | None = None) -> None:
     """Stage 2 alone (unchecked): blocked LSE merge of the live splits into ``out``.

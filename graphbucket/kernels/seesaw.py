@@ -138,18 +138,13 @@ def seesaw_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, OUT, LSE, PART_
     end = gl.minimum(start + per * TILE, seq_len)
     if start < end:
         num_steps = gl.cdiv(gl.cdiv(end - start, TILE), 2)
-        q_s, kv_s, rope_s, stats_s, bars = shared_state(q_desc, kv_desc, PV_COLS)
+        q_layout: gl.constexpr = q_desc.layout
+        kv_layout: gl.constexpr = kv_desc.layout
+        q_s, kv_s, rope_s, stats_s, bars = shared_state(q_layout, kv_layout, PV_COLS)
         h0 = head_block * ROWS
-        if ONE_SPLIT:
-            o_ptr = OUT + bid * stride_o_b + h0 * stride_o_h
-            stride_rows = stride_o_h
-            lse_ptr = LSE + bid * stride_lse_b + h0
-            stride_lse_rows = 1
-        else:
-            o_ptr = PART_O + bid * stride_po_b + h0 * stride_po_h + split * stride_po_s
-            stride_rows = stride_po_h
-            lse_ptr = PART_LSE + bid * stride_pl_b + h0 * stride_pl_h + split
-            stride_lse_rows = stride_pl_h
+        o_ptr, stride_rows, lse_ptr, stride_lse_rows = program_outputs(
+            OUT, LSE, PART_O, PART_LSE, bid, h0, split, stride_o_b, stride_o_h, stride_lse_b,
+            stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, ONE_SPLIT)
         num_rows = gl.minimum(num_heads - h0, ROWS)
         gl.warp_specialize([
             (warpgroup_even, (q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps,
@@ -164,17 +159,40 @@ def seesaw_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, OUT, LSE, PART_
                            rope_s, bars, bid * num_heads + h0, start, end, num_steps,
                            PAGE_SIZE, 0, PV_COLS)),
         ], [4, 4], [240, 24])
-    elif ONE_SPLIT:  # an empty request (seq_len 0): zeros, LSE -inf
-        pad: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        offs_h = head_block * ROWS + gl.arange(0, ROWS, gl.SliceLayout(1, pad))
-        offs_c = gl.arange(0, 8 * BOX, gl.SliceLayout(0, pad))
-        gl.store(OUT + bid * stride_o_b + offs_h[:, None] * stride_o_h + offs_c[None, :],
-                 gl.zeros([ROWS, 8 * BOX], OUT.dtype.element_ty, pad),
-                 mask=(offs_h < num_heads)[:, None])
-        if WRITE_LSE:
-            gl.store(LSE + bid * stride_lse_b + offs_h,
-                     gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, pad)),
-                     mask=offs_h < num_heads)
+    elif ONE_SPLIT:
+        store_empty_request(OUT, LSE, bid, head_block, num_heads, stride_o_b, stride_o_h,
+                            stride_lse_b, WRITE_LSE)
+
+
+@gluon.jit
+def program_outputs(OUT, LSE, PART_O, PART_LSE, bid, h0, split, stride_o_b, stride_o_h,
+                    stride_lse_b, stride_po_b, stride_po_h, stride_po_s, stride_pl_b,
+                    stride_pl_h, ONE_SPLIT: gl.constexpr):
+    """Where a split-KV program's rows go: (O pointer, its row stride, LSE pointer, its row
+    stride), the output itself for one split, else the split's partials."""
+    if ONE_SPLIT:
+        return (OUT + bid * stride_o_b + h0 * stride_o_h, stride_o_h,
+                LSE + bid * stride_lse_b + h0, 1)
+    else:
+        return (PART_O + bid * stride_po_b + h0 * stride_po_h + split * stride_po_s,
+                stride_po_h, PART_LSE + bid * stride_pl_b + h0 * stride_pl_h + split,
+                stride_pl_h)
+
+
+@gluon.jit
+def store_empty_request(OUT, LSE, bid, head_block, num_heads, stride_o_b, stride_o_h,
+                        stride_lse_b, WRITE_LSE: gl.constexpr):
+    """An empty request's (seq_len 0) rows of one head block: zeros, LSE -inf."""
+    pad: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    offs_h = head_block * ROWS + gl.arange(0, ROWS, gl.SliceLayout(1, pad))
+    offs_c = gl.arange(0, 8 * BOX, gl.SliceLayout(0, pad))
+    gl.store(OUT + bid * stride_o_b + offs_h[:, None] * stride_o_h + offs_c[None, :],
+             gl.zeros([ROWS, 8 * BOX], OUT.dtype.element_ty, pad),
+             mask=(offs_h < num_heads)[:, None])
+    if WRITE_LSE:
+        gl.store(LSE + bid * stride_lse_b + offs_h,
+                 gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, pad)),
+                 mask=offs_h < num_heads)
 
 
 def box_layout() -> gl.NVMMASharedLayout:

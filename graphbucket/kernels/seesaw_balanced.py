@@ -57,7 +57,9 @@ def seesaw_balanced_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, ITEM_I
         start = (item - gl.load(ITEM_INDPTR + bid)) * chunk
         end = gl.minimum(start + chunk, gl.load(SEQ_LENS + bid))  # items are non-empty
         num_steps = gl.cdiv(gl.cdiv(end - start, TILE), 2)
-        q_s, kv_s, rope_s, stats_s, bars = shared_state(q_desc, kv_desc, PV_COLS)
+        q_layout: gl.constexpr = q_desc.layout
+        kv_layout: gl.constexpr = kv_desc.layout
+        q_s, kv_s, rope_s, stats_s, bars = shared_state(q_layout, kv_layout, PV_COLS)
         h0 = head_block * ROWS
         o_ptr = PART_O + item * stride_po_i + h0 * stride_po_h
         lse_ptr = PART_LSE + item * stride_pl_i + h0
@@ -237,7 +239,9 @@ def seesaw_range_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDP
         last = gl.minimum(first + per, gl.load(TILE_INDPTR + batch))
     if first < last:
         segments = _requests_meeting(TILE_INDPTR, first, last, batch, BLOCK_B)
-        q_s, kv_s, rope_s, stats_s, bars = shared_state(q_desc, kv_desc, PV_COLS)
+        q_layout: gl.constexpr = q_desc.layout
+        kv_layout: gl.constexpr = kv_desc.layout
+        q_s, kv_s, rope_s, stats_s, bars = shared_state(q_layout, kv_layout, PV_COLS)
         desc_s = gl.allocate_shared_memory(
             gl.int32, [2, DESC_WORDS],
             gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))

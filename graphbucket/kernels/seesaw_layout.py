@@ -56,17 +56,17 @@ NUM_STATS = gl.constexpr(6)
 
 
 @gluon.jit
-def shared_state(q_desc, kv_desc, PV_COLS: gl.constexpr = 64):
+def shared_state(q_layout: gl.constexpr, kv_layout: gl.constexpr, PV_COLS: gl.constexpr = 64,
+                 DTYPE: gl.constexpr = gl.bfloat16):
     """Q, the two KV tiles (value boxes ``kv_s`` and rope boxes ``rope_s``, laid out for
-    ``PV_COLS``: module docstring), the row statistics and the barriers (initialised) of a
-    program."""
-    q_s = gl.allocate_shared_memory(gl.bfloat16, [CHUNKS, ROWS, BOX], q_desc.layout)
+    ``PV_COLS``: module docstring) in ``DTYPE`` (bf16, or float16 for an fp8 cache's
+    converted tiles), the row statistics and the barriers (initialised) of a program."""
+    q_s = gl.allocate_shared_memory(DTYPE, [CHUNKS, ROWS, BOX], q_layout)
     if PV_COLS == 256:
-        kv_s = gl.allocate_shared_memory(gl.bfloat16, [2 * VALUE_BOXES, TILE, BOX],
-                                         kv_desc.layout)
-        rope_s = gl.allocate_shared_memory(gl.bfloat16, [2, TILE, BOX], kv_desc.layout)
+        kv_s = gl.allocate_shared_memory(DTYPE, [2 * VALUE_BOXES, TILE, BOX], kv_layout)
+        rope_s = gl.allocate_shared_memory(DTYPE, [2, TILE, BOX], kv_layout)
     else:
-        kv_s = gl.allocate_shared_memory(gl.bfloat16, [2 * CHUNKS, TILE, BOX], kv_desc.layout)
+        kv_s = gl.allocate_shared_memory(DTYPE, [2 * CHUNKS, TILE, BOX], kv_layout)
         rope_s = kv_s
     stats_s = gl.allocate_shared_memory(
         gl.float32, [2 * NUM_STATS, ROWS],
@@ -105,6 +105,6 @@ def value_halves(kv_s):
     """The value boxes of the 256-column layout as [4, 64, 256]: index slot * 2 + h is
     slot's value columns [256 h, 256 h + 256), the B operand of one m64n256k16 PV."""
     if PUBLIC_REINTERPRET:
-        return kv_s.reinterpret(gl.bfloat16, [4, 64, 256], kv_s.layout)
+        return kv_s.reinterpret(kv_s.dtype, [4, 64, 256], kv_s.layout)
     else:
-        return kv_s._reinterpret(gl.bfloat16, [4, 64, 256], kv_s.layout)
+        return kv_s._reinterpret(kv_s.dtype, [4, 64, 256], kv_s.layout)

@@ -124,7 +124,7 @@ def _zero_tail(kv_s, slot, valid, PV_COLS: gl.constexpr):
     keep = gl.arange(0, TILE, gl.SliceLayout(1, rows_layout))[:, None] < valid
     for c in gl.static_range(VALUE_BOXES):
         box = value_box(kv_s, slot, c, PV_COLS)
-        box.store(gl.where(keep, box.load(rows_layout), 0.0).to(gl.bfloat16))
+        box.store(gl.where(keep, box.load(rows_layout), 0.0).to(box.dtype))
     fence_async_shared()  # the stores before the wgmma reads (and the loader's next TMA)
 
 
@@ -224,7 +224,7 @@ def _one_rescale_step(s, kv_s, rope_s, stats_s, bars, phase, st, m_i, l_i, o, qk
         m_e = _finite(m_b) if MULTI_TOKEN else m_b
         p32 = gl.exp2(s * qk_scale_log2 - m_e[:, None])
     own_sum = gl.sum(p32, axis=1)
-    p = p32.to(gl.bfloat16)
+    p = p32.to(kv_s.dtype)
     p_box.store(p)
     stats_s.index(st + S_SUM_A + PARITY * (S_SUM_B - S_SUM_A)).store(own_sum)
     fence_async_shared()
@@ -256,7 +256,8 @@ def warpgroup_compute(q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps, q
              RANGE: gl.constexpr = False, final=0, out_ptr=None, out_lse_ptr=None,
              stride_out_h=0, FINAL: gl.constexpr = False, WRITE_OUT_LSE: gl.constexpr = False,
              ONE_RESCALE: gl.constexpr = False, MULTI_TOKEN: gl.constexpr = False,
-             first_limit=0, row0=0, rows_per_token=1, PV_COLS: gl.constexpr = 64):
+             first_limit=0, row0=0, rows_per_token=1, PV_COLS: gl.constexpr = 64,
+             kv_scale_ptr=None):
     """One split, item or segment: tokens [start, end) against the Q in shared memory
     (its ``q_phase``-th load), after ``g0`` earlier steps of this program. ``RANGE``: the
     last QK releases Q for the next segment's request. ``FINAL``: where ``final`` holds (a
@@ -266,13 +267,19 @@ def warpgroup_compute(q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps, q
     rows are a verify step's query tokens x heads from row ``row0`` of the request, token
     j's rows (``rows_per_token`` each) seeing the positions before ``first_limit`` + j; a
     row that sees none here gets zeros and LSE -inf. ``PV_COLS``: the width of O's
-    accumulators and PV instructions, 64 or 256 (module docstring)."""
+    accumulators and PV instructions, 64 or 256 (module docstring). ``kv_scale_ptr``: a
+    per-tensor fp8 cache's scale (its tiles hold the stored codes): the scores and the
+    output are scaled by it."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, 64, 16])
     mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                     instr_shape=[16, PV_COLS, 16])
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2)
     rows: gl.constexpr = gl.SliceLayout(1, mma)
+    kv_scale = 1.0
+    if kv_scale_ptr is not None:
+        kv_scale = gl.load(kv_scale_ptr)
+        qk_scale_log2 = qk_scale_log2 * kv_scale
     m_i = gl.full([ROWS], float("-inf"), gl.float32, rows)
     l_i = gl.zeros([ROWS], gl.float32, rows)
     o = _o_zeros(mma_o, PV_COLS)
@@ -308,7 +315,7 @@ def warpgroup_compute(q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps, q
             mbarrier.arrive(bars.index(B_MA))
             p32 = gl.exp2(s * qk_scale_log2 - m_ae[:, None])
             sum_a = gl.sum(p32, axis=1)
-            p = p32.to(gl.bfloat16)
+            p = p32.to(kv_s.dtype)
             # P_A unscaled to WG1 at once (it rescales by alpha_B itself), so tile A is
             # released after both warpgroups' first PV.
             p_box.store(p)
@@ -335,7 +342,7 @@ def warpgroup_compute(q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps, q
             alpha_b = gl.exp2(m_a - m_be)
             p32 = gl.exp2(s * qk_scale_log2 - m_be[:, None])
             sum_b = gl.sum(p32, axis=1)
-            p = p32.to(gl.bfloat16)
+            p = p32.to(kv_s.dtype)
             p_box.store(p)
             stats_s.index(st + S_ALPHA_B).store(alpha_b)
             stats_s.index(st + S_MB).store(m_b)
@@ -356,6 +363,8 @@ def warpgroup_compute(q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps, q
     # This warpgroup's 256 columns of O / l, and (warpgroup 0) the LSE (a row that saw no
     # token: O 0, l 0, m -inf, so zeros and LSE -inf).
     inv_l = 1.0 / (gl.where(l_i > 0.0, l_i, 1.0) if MULTI_TOKEN else l_i)
+    if kv_scale_ptr is not None:
+        inv_l = inv_l * kv_scale
     if FINAL:
         if final:
             _store_rows(out_ptr, stride_out_h, 1, o, inv_l, m_i, l_i, num_rows, PARITY,
@@ -415,11 +424,12 @@ def warpgroup_even(q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps, qk_s
                     o_ptr, lse_ptr, stride_o_h, stride_lse_h, num_rows, WRITE_LSE: gl.constexpr,
                     ONE_SPLIT: gl.constexpr, ONE_RESCALE: gl.constexpr,
                     MULTI_TOKEN: gl.constexpr = False, first_limit=0, row0=0,
-                    rows_per_token=1, PV_COLS: gl.constexpr = 64):
+                    rows_per_token=1, PV_COLS: gl.constexpr = 64, kv_scale_ptr=None):
     warpgroup_compute(q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
              o_ptr, lse_ptr, stride_o_h, stride_lse_h, num_rows, WRITE_LSE, ONE_SPLIT, 0,
              ONE_RESCALE=ONE_RESCALE, MULTI_TOKEN=MULTI_TOKEN, first_limit=first_limit,
-             row0=row0, rows_per_token=rows_per_token, PV_COLS=PV_COLS)
+             row0=row0, rows_per_token=rows_per_token, PV_COLS=PV_COLS,
+             kv_scale_ptr=kv_scale_ptr)
 
 
 @gluon.jit
@@ -427,8 +437,9 @@ def warpgroup_odd(q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps, qk_sc
                    o_ptr, lse_ptr, stride_o_h, stride_lse_h, num_rows, WRITE_LSE: gl.constexpr,
                    ONE_SPLIT: gl.constexpr, ONE_RESCALE: gl.constexpr,
                    MULTI_TOKEN: gl.constexpr = False, first_limit=0, row0=0,
-                   rows_per_token=1, PV_COLS: gl.constexpr = 64):
+                   rows_per_token=1, PV_COLS: gl.constexpr = 64, kv_scale_ptr=None):
     warpgroup_compute(q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
              o_ptr, lse_ptr, stride_o_h, stride_lse_h, num_rows, WRITE_LSE, ONE_SPLIT, 1,
              ONE_RESCALE=ONE_RESCALE, MULTI_TOKEN=MULTI_TOKEN, first_limit=first_limit,
-             row0=row0, rows_per_token=rows_per_token, PV_COLS=PV_COLS)
+             row0=row0, rows_per_token=rows_per_token, PV_COLS=PV_COLS,
+             kv_scale_ptr=kv_scale_ptr)

@@ -1,0 +1,129 @@
+"""The seesaw over a per-tensor fp8 cache (``kernels/seesaw_fp8.py``, under trial) against
+the bf16 seesaw over the same values and the Triton kernels over the same fp8 cache, in one
+process on the same inputs: interleaved CUDA-graph replays with a cold L2
+(``time_replays_paired``), split-KV plans, stage 1 and the merge.
+
+    python3 bench/experiments/seesaw_fp8_ab.py --out DIR
+
+Writes DIR/seesaw-fp8-ab.{json,md}. The issue's targets: fp8-tensor <= 0.60x the bf16 time
+from 16K on; the fp8 seesaw's error against the Triton fp8 kernel is printed beside.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import replace
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from bench.gpu_timing import add_out_argument, report_run, run_line, run_meta  # noqa: E402
+
+# (heads, batch, context)
+SHAPES = [(128, 1, 131072), (128, 8, 65536), (128, 64, 16384), (16, 1, 131072),
+          (16, 8, 16384), (16, 8, 131072), (16, 64, 4096), (16, 64, 16384)]
+VARIANTS = ("bf16_seesaw", "fp8_seesaw", "fp8_triton")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_out_argument(p, "seesaw-fp8-ab.{json,md}")
+    p.add_argument("--reps", type=int, default=9, help="interleaved rounds per shape")
+    return p.parse_args(argv)
+
+
+def measure(reps: int) -> list[dict]:
+    import torch
+
+    from bench.common import inputs, random_cache
+    from graphbucket import fp8
+    from graphbucket.kernels import SplitWorkspace, default_sm_scale, mla_decode
+    from graphbucket.kernels.launch import launch_merge, launch_seesaw_fp8_stage1
+    from graphbucket.plan import plan_mla_decode
+    from graphbucket.plan_streams import SEESAW_STREAM
+    from graphbucket.tuning.measure import time_replays_paired
+
+    bf16 = random_cache(max(b * -(-c // 64) for _, b, c in SHAPES))
+    scale = fp8.scale_for(bf16.abs().amax().item(), "cuda")
+    cache8 = fp8.quantize(bf16, scale)
+    sm_scale = default_sm_scale()
+    rows = []
+    for heads, batch, context in SHAPES:
+        tables, q, out, seq_lens = inputs([context] * batch, bf16, heads)
+        plan = plan_mla_decode(batch, heads, context,
+                               **({} if heads >= 64 else {"stream": SEESAW_STREAM}))
+        triton_plan = replace(plan, seesaw=False)
+        ws = SplitWorkspace.allocate(batch, heads, plan.num_kv_splits, 512, "cuda")
+
+        def fp8_seesaw(r: int, plan=plan, ws=ws, tables=tables, q=q, out=out,
+                       seq_lens=seq_lens) -> None:
+            launch_seesaw_fp8_stage1(q[r], cache8, tables[r], seq_lens, out[r],
+                                     ws if plan.use_stage2 else None, plan=plan,
+                                     sm_scale=sm_scale, lse=None, kv_scale=scale)
+            if plan.merge_kernel:
+                launch_merge(seq_lens, out[r], ws, plan=plan, lse=None, block_n=64)
+
+        launches = {
+            "bf16_seesaw": lambda r, plan=plan, ws=ws, tables=tables, q=q, out=out,
+            seq_lens=seq_lens: mla_decode(q[r], bf16, tables[r], seq_lens, out[r], ws,
+                                          plan=plan, sm_scale=sm_scale),
+            "fp8_seesaw": fp8_seesaw,
+            "fp8_triton": lambda r, tables=tables, q=q, out=out, seq_lens=seq_lens,
+            ws=ws, plan=triton_plan: mla_decode(q[r], cache8, tables[r], seq_lens, out[r],
+                                                ws, plan=plan, sm_scale=sm_scale,
+                                                kv_scale=scale)}
+        outs = {}
+        for name, launch in launches.items():
+            launch(0)
+            outs[name] = out[0].float().clone()
+        ref = outs["fp8_triton"]
+        errors = {n: ((o - ref).norm() / ref.norm()).item() for n, o in outs.items()}
+
+        def calls(launch, rotations=tables.shape[0]):
+            def call() -> None:
+                for r in range(rotations):
+                    launch(r)
+            return call
+
+        us = time_replays_paired({n: calls(fn) for n, fn in launches.items()},
+                                 calls_per_graph=tables.shape[0], reps=reps)
+        row = {"heads": heads, "batch": batch, "context": context, "plan": plan.describe(),
+               **{f"{n}_us": round(us[n], 2) for n in VARIANTS},
+               "fp8_seesaw_over_bf16_seesaw": round(us["fp8_seesaw"] / us["bf16_seesaw"], 4),
+               "fp8_seesaw_over_fp8_triton": round(us["fp8_seesaw"] / us["fp8_triton"], 4),
+               "rel_err_vs_fp8_triton": {n: float(f"{e:.3e}") for n, e in errors.items()}}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def markdown(meta: dict, rows: list[dict]) -> str:
+    lines = [f"# The fp8 seesaw against the bf16 seesaw and the Triton fp8 kernel "
+             f"({meta['gpu']})", "",
+             f"{run_line(meta)}. Interleaved CUDA-graph replays, cold L2, median microseconds "
+             "per call (stage 1 and merge); the bf16 cache holds the values the fp8 cache "
+             "quantizes. Error: relative L2 against the Triton fp8 kernel's output.", "",
+             "| heads | batch | context | plan | bf16 seesaw us | fp8 seesaw us | "
+             "fp8 Triton us | fp8 seesaw / bf16 seesaw | fp8 seesaw / fp8 Triton | error |",
+             "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['heads']} | {r['batch']} | {r['context']} | {r['plan']} | "
+                     f"{r['bf16_seesaw_us']} | {r['fp8_seesaw_us']} | {r['fp8_triton_us']} | "
+                     f"{r['fp8_seesaw_over_bf16_seesaw']} | {r['fp8_seesaw_over_fp8_triton']} "
+                     f"| {r['rel_err_vs_fp8_triton']['fp8_seesaw']:.1e} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("seesaw_fp8_ab.py times the Gluon seesaw and needs a Hopper GPU")
+    report_run(args.out, "seesaw-fp8-ab", run_meta(), measure(args.reps), markdown)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""The Gluon seesaw over a per-tensor fp8 cache ("fp8-tensor"; sm_90, under trial): split-KV
+stage 1 with a converting warpgroup in place of the TMA loader.
+
+fp8 wgmma reads only K-major operands. K (the tile's rows, 576 contiguous bytes per
+token) is one, but V (the tile's latent columns, token-major) is not, so the tiles are
+converted for a float16 MMA instead: the converter loads a tile's fp8 rows from global
+memory into registers (16-byte loads), converts them to float16 (exact: every e4m3 number
+is a float16 one) and stores them into the boxes the bf16 kernel's TMA fills, arriving on
+the same ready barriers in the same order; Q is converted once from bf16. The two compute
+warpgroups are the bf16 kernel's (``seesaw_step``) on float16 boxes; the cache's scale
+multiplies the scores and the output there (``kv_scale_ptr``), so the converted tiles hold
+the stored codes. Register loads keep less in flight than TMA, so each step first asks L2
+for the next step's two pages (one bulk prefetch of 36,864 contiguous bytes each): the
+converter's loads then wait on L2, not on HBM.
+
+Shared memory is the bf16 kernel's (the boxes hold float16). Registers: the converter holds
+one tile half in flight (32 per thread) and takes them from the compute warpgroups, which
+run with 256-column PVs only (64-column PVs spill at fewer registers).
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+
+from graphbucket.kernels.seesaw import program_outputs, store_empty_request
+from graphbucket.kernels.seesaw_layout import (
+    B_FREE_CROSS,
+    B_FREE_OWN,
+    B_Q,
+    B_READY,
+    BOX,
+    CHUNKS,
+    HALF_CHUNKS,
+    ROWS,
+    TILE,
+    VALUE_BOXES,
+    shared_state,
+    value_halves,
+)
+from graphbucket.kernels.seesaw_step import warpgroup_even, warpgroup_odd
+
+ROW = gl.constexpr(576)                  # values per row of q and of the cache (latent, rope)
+PAGE_BYTES = gl.constexpr(64 * 576)      # one 64-token page, contiguous
+
+
+@gluon.jit
+def _prefetch_page(KV8, page, valid):
+    """Ask L2 for a page's bytes (one bulk prefetch, from one thread; none where not
+    ``valid``)."""
+    lanes: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    lane = gl.arange(0, 128, lanes)
+    ptr = KV8 + page.to(gl.int64) * PAGE_BYTES + lane * 0
+    gl.inline_asm_elementwise(
+        "{ .reg .pred p, v; setp.ne.s32 v, $3, 0; setp.eq.and.s32 p, $2, 0, v; "
+        "@p cp.async.bulk.prefetch.L2.global [$1], 36864; mov.b32 $0, 0; }",
+        "=r,l,r,r", [ptr, lane, lane * 0 + valid.to(gl.int32)], dtype=gl.int32,
+        is_pure=False, pack=1)
+
+
+@gluon.jit
+def _load_rows(KV8, row, col0, COLS: gl.constexpr):
+    """The tile's 64 rows from ``row``, columns [col0, col0 + COLS), as fp8 registers."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 16 // COLS, COLS // 16], [4, 1],
+                                            [1, 0])
+    tok = gl.arange(0, TILE, gl.SliceLayout(1, layout))
+    col = gl.arange(0, COLS, gl.SliceLayout(0, layout))
+    return gl.load(KV8 + (row + tok.to(gl.int64))[:, None] * ROW + col0 + col[None, :])
+
+
+@gluon.jit
+def _store_half(x, kv_s, bars, slot, half):
+    """A converted value half into its four boxes (one [64, 256] view), then their ready
+    barriers."""
+    value_halves(kv_s).index(slot * 2 + half).store(x.to(gl.float16))
+    fence_async_shared()
+    for i in gl.static_range(HALF_CHUNKS):
+        mbarrier.arrive(bars.index(B_READY + slot * CHUNKS + half * HALF_CHUNKS + i))
+
+
+@gluon.jit
+def _store_rope(x, rope_s, bars, slot):
+    rope_s.index(slot).store(x.to(gl.float16))
+    fence_async_shared()
+    mbarrier.arrive(bars.index(B_READY + slot * CHUNKS + VALUE_BOXES))
+
+
+@gluon.jit
+def _convert_q(Q, q_s, bars, q_row, q_rows):
+    """Q's 64 rows from ``q_row`` (bf16 [rows, 576]; rows past ``q_rows`` as zeros) into
+    its float16 boxes."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+    r = q_row + gl.arange(0, ROWS, gl.SliceLayout(1, layout))
+    col = gl.arange(0, BOX, gl.SliceLayout(0, layout))
+    ptrs = Q + r.to(gl.int64)[:, None] * ROW + col[None, :]
+    live = (r < q_rows)[:, None]
+    for c in gl.static_range(CHUNKS):
+        q_s.index(c).store(gl.load(ptrs + c * BOX, mask=live, other=0.0).to(gl.float16))
+    fence_async_shared()
+    mbarrier.arrive(bars.index(B_Q))
+
+
+@gluon.jit
+def fp8_tile_converter(Q, KV8, bt_row, q_s, kv_s, rope_s, bars, q_row, q_rows, start, end,
+                       num_steps, PAGE_SIZE: gl.constexpr):
+    """Q, then the tiles of tokens [start, end) in steps of two, converted in the order and
+    under the barriers of ``seesaw.tile_loader``."""
+    _convert_q(Q, q_s, bars, q_row, q_rows)
+    for g in range(num_steps):
+        # A tile past the split's end (the second of an odd count) converts page 0's rows;
+        # its warpgroup masks its scores and zeroes its values.
+        tok_a = start + 2 * g * TILE
+        tok_b = tok_a + TILE
+        page_a = gl.load(bt_row + tok_a // PAGE_SIZE)
+        page_b = gl.load(bt_row + tok_b // PAGE_SIZE, mask=tok_b < end, other=0)
+        next_a = tok_a + 2 * TILE
+        next_b = next_a + TILE
+        _prefetch_page(KV8, gl.load(bt_row + next_a // PAGE_SIZE, mask=next_a < end, other=0),
+                       next_a < end)
+        _prefetch_page(KV8, gl.load(bt_row + next_b // PAGE_SIZE, mask=next_b < end, other=0),
+                       next_b < end)
+        row_a = page_a.to(gl.int64) * PAGE_SIZE
+        row_b = page_b.to(gl.int64) * PAGE_SIZE
+        # At most two halves in registers (a third spills); each rope box is loaded once
+        # its slot's left half is stored.
+        left = _load_rows(KV8, row_a, 0, 256)
+        right = _load_rows(KV8, row_a, 256, 256)
+        if g > 0:
+            mbarrier.wait(bars.index(B_FREE_OWN + 0), (g - 1) & 1)
+        _store_half(left, kv_s, bars, 0, 0)
+        rope = _load_rows(KV8, row_a, 512, 64)
+        if g > 0:
+            mbarrier.wait(bars.index(B_FREE_CROSS + 0), (g - 1) & 1)
+        _store_half(right, kv_s, bars, 0, 1)
+        _store_rope(rope, rope_s, bars, 0)
+        left = _load_rows(KV8, row_b, 0, 256)
+        right = _load_rows(KV8, row_b, 256, 256)
+        if g > 0:
+            mbarrier.wait(bars.index(B_FREE_CROSS + 1), (g - 1) & 1)
+        _store_half(left, kv_s, bars, 1, 0)
+        _store_rope(_load_rows(KV8, row_b, 512, 64), rope_s, bars, 1)
+        if g > 0:
+            mbarrier.wait(bars.index(B_FREE_OWN + 1), (g - 1) & 1)
+        _store_half(right, kv_s, bars, 1, 1)
+
+
+@gluon.jit
+def seesaw_fp8_stage1_kernel(Q, KV8, KV_SCALE, BLOCK_TABLE, SEQ_LENS, OUT, LSE, PART_O,
+                             PART_LSE, num_kv_splits, num_heads, q_rows, qk_scale_log2,
+                             stride_bt_b, stride_o_b, stride_o_h, stride_lse_b,
+                             stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h,
+                             PAGE_SIZE: gl.constexpr, ONE_SPLIT: gl.constexpr,
+                             WRITE_LSE: gl.constexpr):
+    """``seesaw.seesaw_stage1_kernel`` over a per-tensor fp8 cache (module docstring): same
+    grid, splits and outputs; ``q_rows``: q's rows (batch x heads)."""
+    head_block = gl.program_id(0)
+    bid = gl.program_id(1)
+    split = gl.program_id(2)
+    seq_len = gl.load(SEQ_LENS + bid)
+    tiles = gl.cdiv(seq_len, TILE)
+    per = gl.cdiv(tiles, num_kv_splits)
+    start = split * per * TILE
+    end = gl.minimum(start + per * TILE, seq_len)
+    if start < end:
+        num_steps = gl.cdiv(gl.cdiv(end - start, TILE), 2)
+        box: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BOX], gl.float16)
+        q_s, kv_s, rope_s, stats_s, bars = shared_state(box, box, 256, gl.float16)
+        h0 = head_block * ROWS
+        o_ptr, stride_rows, lse_ptr, stride_lse_rows = program_outputs(
+            OUT, LSE, PART_O, PART_LSE, bid, h0, split, stride_o_b, stride_o_h, stride_lse_b,
+            stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, ONE_SPLIT)
+        num_rows = gl.minimum(num_heads - h0, ROWS)
+        gl.warp_specialize([
+            (warpgroup_even, (q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps,
+                               qk_scale_log2, o_ptr, lse_ptr, stride_rows, stride_lse_rows,
+                               num_rows, WRITE_LSE, ONE_SPLIT, False, False, 0, 0, 1, 256,
+                               KV_SCALE)),
+            (warpgroup_odd, (q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps,
+                              qk_scale_log2, o_ptr, lse_ptr, stride_rows, stride_lse_rows,
+                              num_rows, WRITE_LSE, ONE_SPLIT, False, False, 0, 0, 1, 256,
+                              KV_SCALE)),
+            (fp8_tile_converter, (Q, KV8, BLOCK_TABLE + bid * stride_bt_b, q_s, kv_s, rope_s,
+                                  bars, bid * num_heads + h0, q_rows, start, end, num_steps,
+                                  PAGE_SIZE)),
+        ], [4, 4], [208, 96])  # the converter's registers come from the compute warpgroups
+    elif ONE_SPLIT:
+        store_empty_request(OUT, LSE, bid, head_block, num_heads, stride_o_b, stride_o_h,
+                            stride_lse_b, WRITE_LSE)
+
+
+def runs_seesaw_fp8(q: torch.Tensor, kv_cache: torch.Tensor, kv_scale: torch.Tensor | None,
+                    num_heads: int) -> bool:
+    """The shapes this kernel takes (the caller checks the device): a per-tensor fp8 cache
+    of 64-token pages 576 wide with its scale, bf16 q, both contiguous, heads a multiple of
+    64 or fewer than 64."""
+    return (kv_scale is not None and kv_cache.dtype == torch.float8_e4m3fn
+            and q.dtype == torch.bfloat16 and kv_cache.dim() == 3
+            and kv_cache.shape[1] == 64 and kv_cache.shape[2] == 576
+            and (num_heads % 64 == 0 or num_heads < 64)
+            and q.is_contiguous() and kv_cache.is_contiguous())

@@ -1,0 +1,67 @@
+"""The Gluon seesaw over a per-tensor fp8 cache (``kernels/seesaw_fp8.py``, under trial):
+stage 1 launched directly, then the merge as ``mla_decode`` launches it, against float64
+over the dequantized cache (sm_90 only; the compile test in ``test_seesaw.py`` covers the
+kernel on any machine)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphbucket import fp8
+from graphbucket.kernels import SplitWorkspace
+from graphbucket.kernels.launch import default_sm_scale, launch_merge, launch_seesaw_fp8_stage1
+from graphbucket.plan import plan_mla_decode
+from graphbucket.plan_streams import SEESAW_STREAM
+from graphbucket.reference import mla_decode_reference
+from tests.kernel_cases import KV_LORA_RANK, make_case, rel_l2
+
+E4M3_NAN = 0x7F  # float8_e4m3fn's NaN code
+
+
+def fp8_nan_tailed_case(lens, heads, gen):
+    """bf16 q and a per-tensor fp8 cache of 64-token pages (scattered, with poisoned spare
+    pages) whose rows past each length hold NaN codes; the cache's scale."""
+    case = make_case(lens, heads, page_size=64, dtype=torch.float32, device="cpu", gen=gen)
+    scale = fp8.scale_for(case.kv_cache.abs().amax())
+    cache = fp8.quantize(case.kv_cache, scale)
+    for b, n in enumerate(lens):
+        if n % 64:
+            cache.view(torch.uint8)[case.block_table[b, n // 64], n % 64:] = E4M3_NAN
+    return (case.q.to(torch.bfloat16).cuda(), cache.cuda(), case.block_table.cuda(),
+            case.seq_lens.cuda(), scale.cuda())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens", [[1], [63, 64, 65], [127, 128, 129, 0], [4113], [70000, 17],
+                                  [2048] * 8])
+@pytest.mark.parametrize("heads", [16, 128])  # 16: one program, rows past 16 unstored
+@pytest.mark.parametrize("splits", [1, 3, 0])  # 0: the planned count
+def test_gpu_fp8_seesaw_matches_float64_over_the_dequantized_cache(lens, heads, splits,
+                                                                   seeded):
+    from graphbucket.kernels.seesaw_fp8 import runs_seesaw_fp8
+
+    gen = torch.Generator().manual_seed(seeded)
+    q, cache, table, seq_lens, scale = fp8_nan_tailed_case(lens, heads, gen)
+    assert runs_seesaw_fp8(q, cache, scale, heads)
+    plan = plan_mla_decode(len(lens), heads, max(lens), stream=SEESAW_STREAM)
+    plan = plan.with_splits(splits) if splits else plan
+    sm_scale = default_sm_scale()
+    ws = SplitWorkspace.allocate(len(lens), heads, plan.num_kv_splits, KV_LORA_RANK, "cuda")
+    out = torch.full((len(lens), heads, KV_LORA_RANK), float("nan"), dtype=torch.bfloat16,
+                     device="cuda")
+    lse = torch.full((len(lens), heads), float("nan"), device="cuda")
+    launch_seesaw_fp8_stage1(q, cache, table, seq_lens, out,
+                             ws if plan.use_stage2 else None, plan=plan, sm_scale=sm_scale,
+                             lse=lse, kv_scale=scale)
+    if plan.merge_kernel:
+        launch_merge(seq_lens, out, ws, plan=plan, lse=lse, block_n=64)
+    want, want_lse = mla_decode_reference(q.cpu(), fp8.dequantize(cache.cpu(), scale.cpu()),
+                                          table.cpu(), seq_lens.cpu(),
+                                          kv_lora_rank=KV_LORA_RANK, sm_scale=sm_scale)
+    for b, n in enumerate(lens):
+        if n == 0:
+            assert (out[b] == 0).all() and (lse[b] == float("-inf")).all()
+            continue
+        assert rel_l2(out[b].double(), want[b]) < 1e-2, (b, n, plan.describe())
+        assert torch.allclose(lse[b].double().cpu(), want_lse[b], atol=2e-2), (b, n)
