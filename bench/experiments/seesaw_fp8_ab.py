@@ -35,7 +35,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def measure(reps: int) -> list[dict]:
-
     from bench.common import inputs, random_cache
     from graphbucket import fp8
     from graphbucket.kernels import SplitWorkspace, default_sm_scale, mla_decode
