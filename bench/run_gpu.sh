@@ -42,8 +42,9 @@
 #        and STEP_VARIANT_TESTS="step_variants and False-256" pick)
 #        (seesawverify: verify steps on the seesaw against float64, then timed against the
 #        Triton verify step and the q_len 1 step, bench/experiments/seesaw_verify.py)
-#        (fp8seesaw: the seesaw over a per-tensor fp8 cache against float64, then timed
-#        against the bf16 seesaw and the Triton fp8 kernel, bench/experiments/seesaw_fp8_ab.py)
+#        (fp8seesaw: the seesaw over fp8 caches (per-tensor, V3.2) against float64, then
+#        timed against the bf16 seesaw and the Triton fp8 kernels,
+#        bench/experiments/seesaw_fp8_ab.py)
 #        (fp8: FP8_AB="float-32x4 ..." adds stage-1 variants, bench/fp8_sweep.py --ab)
 #        (fisweep: the sweep with FlashInfer rows, wheels installed from .whl/ if present)
 #        (threeway: the sweep with FlashInfer and FlashMLA rows: wheels from .whl/, FlashMLA
@@ -206,12 +207,12 @@ for step in $steps; do
                   # The balanced kernels (items, ranges, charged) with 256-column PVs.
                   timeout 420 python3 bench/experiments/pv_cols_ab.py --out "$R" \
                     > "$R/pv-cols-ab.log" 2>&1; tail -46 "$R/pv-cols-ab.log" ;;
-    fp8seesaw) # The seesaw over a per-tensor fp8 cache (under trial): its float64 tests,
-               # then the A/B against the bf16 seesaw and the Triton fp8 kernel.
+    fp8seesaw) # The seesaw over fp8 caches (under trial): its float64 tests, then the A/B
+               # against the bf16 seesaw and the Triton kernels on the same fp8 caches.
                workers=(); python3 -c "import xdist" 2>/dev/null && workers=(-n 8)
                # A new barrier protocol can hang: the first test alone, with a short limit.
                if timeout 90 python3 -m pytest -q -x tests/test_seesaw_fp8.py -m gpu \
-                    -k "3-128-lens3" -p no:cacheprovider > "$R/seesaw-fp8-first.log" 2>&1
+                    -k "fp8-tensor-3-128-lens3 or fp8-v32-3-128-lens3" -p no:cacheprovider > "$R/seesaw-fp8-first.log" 2>&1
                then
                  timeout 300 python3 -m pytest -q "${workers[@]}" tests/test_seesaw_fp8.py \
                    -m gpu -p no:cacheprovider > "$R/seesaw-fp8-tests.log" 2>&1

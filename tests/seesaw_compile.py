@@ -1,5 +1,5 @@
 """Compile the Gluon seesaw stage 1 (split-KV, over balanced work items, and over tile
-ranges, equal and charged; the step variants and the per-tensor fp8 kernel under trial)
+ranges, equal and charged; the step variants and the fp8 kernels under trial)
 and the tile-range planner for
 sm_90 without a GPU and print what each asks for, as one JSON line (run by
 tests/test_seesaw.py in a process without Triton's interpreter). ``spill_bytes``: what
@@ -61,14 +61,18 @@ def compile_stage1(balanced: bool = False, ranges: bool = False, charged: bool =
     return _compile(kernel, constants, descriptors)
 
 
-def compile_fp8_stage1():
-    """The split-KV seesaw over a per-tensor fp8 cache (``seesaw_fp8``)."""
-    return _compile(seesaw_fp8.seesaw_fp8_stage1_kernel,
-                    {"PAGE_SIZE": 64, "ONE_SPLIT": False, "WRITE_LSE": True}, {})
+def compile_fp8_stage1(v32: bool = False):
+    """The split-KV seesaw over a per-tensor fp8 cache (``seesaw_fp8``), or over a V3.2
+    cache (``v32``: uint8 rows, no scale)."""
+    constants = {"PAGE_SIZE": 64, "ONE_SPLIT": False, "WRITE_LSE": True, "V32": v32}
+    if v32:
+        constants["KV_SCALE"] = None
+    return _compile(seesaw_fp8.seesaw_fp8_stage1_kernel, constants, {},
+                    {"KV8": "*u8"} if v32 else {})
 
 
-def _compile(kernel, constants: dict, descriptors: dict):
-    pointers = POINTERS
+def _compile(kernel, constants: dict, descriptors: dict, pointers: dict | None = None):
+    pointers = {**POINTERS, **(pointers or {})}
     signature = {}
     for p in kernel.params:
         if p.name in descriptors:
@@ -170,6 +174,7 @@ def main() -> None:
     wide_pv_charged = compile_stage1(ranges=True, charged=True, wide_pv=True)
     wide_pv_verify = compile_stage1(q_len=4, wide_pv=True)
     fp8_tensor = compile_fp8_stage1()
+    fp8_v32 = compile_fp8_stage1(v32=True)
     if args.dump:
         args.dump.mkdir(parents=True, exist_ok=True)
         for kind in ("ttgir", "ptx"):
@@ -183,6 +188,7 @@ def main() -> None:
             (args.dump / f"seesaw-balanced-wide-pv.{kind}").write_text(wide_pv_balanced.asm[kind])
             (args.dump / f"seesaw-charged-wide-pv.{kind}").write_text(wide_pv_charged.asm[kind])
             (args.dump / f"seesaw-fp8.{kind}").write_text(fp8_tensor.asm[kind])
+            (args.dump / f"seesaw-fp8-v32.{kind}").write_text(fp8_v32.asm[kind])
     planners = {f"{c}{'-bounds' if b else ''}": compile_range_planner(c, b).metadata.shared
                 for c, b in ((0, False), (0, True), (5, True))}
     merge = compile_balanced_merge().asm["ptx"]
@@ -196,7 +202,7 @@ def main() -> None:
                       "wide_pv_ranges": summary(wide_pv_ranges),
                       "wide_pv_charged": summary(wide_pv_charged),
                       "wide_pv_q_len_4": summary(wide_pv_verify),
-                      "fp8_tensor": summary(fp8_tensor),
+                      "fp8_tensor": summary(fp8_tensor), "fp8_v32": summary(fp8_v32),
                       "range_planner_shared_bytes": planners,
                       "wide_view_matches_boxes": wide_view_matches_boxes(),
                       "dependent_merge_waits": merge.count("griddepcontrol.wait")}))

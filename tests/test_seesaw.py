@@ -211,14 +211,16 @@ def test_seesaw_compiles_for_sm90_within_shared_memory():
         base = report[narrow] if narrow else report
         if base["spill_bytes"] is not None:
             assert report[wide]["spill_bytes"] <= base["spill_bytes"], (narrow, report)
-    # The per-tensor fp8 kernel: no TMA (its converter loads the tiles), 256-column PVs on
-    # float16 boxes, the converter's registers taken from the compute warpgroups, and
-    # (where ptxas runs) next to no spills: one tile half more in flight spills ~100 bytes.
-    fp8_tensor = report["fp8_tensor"]
-    assert fp8_tensor["shared_bytes"] <= 227 * 1024, report
-    assert fp8_tensor["tma_copies"] == 0 and fp8_tensor["wgmma_n256"] == 16, report
-    assert fp8_tensor["requested_registers"] == [208, 96], report
-    assert fp8_tensor["spill_bytes"] is None or fp8_tensor["spill_bytes"] <= 16, report
+    # The fp8 kernels (per-tensor, V3.2): no TMA (the converter loads the tiles),
+    # 256-column PVs on float16 boxes, the converter's registers taken from the compute
+    # warpgroups, and (where ptxas runs) few spills: a third tile half in flight spills
+    # over 100 bytes more.
+    for name, most in (("fp8_tensor", 16), ("fp8_v32", 64)):
+        kernel = report[name]
+        assert kernel["shared_bytes"] <= 227 * 1024, report
+        assert kernel["tma_copies"] == 0 and kernel["wgmma_n256"] == 16, report
+        assert kernel["requested_registers"] == [208, 96], report
+        assert kernel["spill_bytes"] is None or kernel["spill_bytes"] <= most, (name, report)
 
 
 @pytest.mark.gpu

@@ -1,7 +1,7 @@
-"""The Gluon seesaw over a per-tensor fp8 cache (``kernels/seesaw_fp8.py``, under trial):
-stage 1 launched directly, then the merge as ``mla_decode`` launches it, against float64
-over the dequantized cache (sm_90 only; the compile test in ``test_seesaw.py`` covers the
-kernel on any machine)."""
+"""The Gluon seesaw over fp8 caches (``kernels/seesaw_fp8.py``, under trial), per-tensor
+and V3.2: stage 1 launched directly, then the merge as ``mla_decode`` launches it, against
+float64 over the dequantized cache (sm_90 only; the compile test in ``test_seesaw.py``
+covers the kernels on any machine)."""
 
 from __future__ import annotations
 
@@ -32,17 +32,40 @@ def fp8_nan_tailed_case(lens, heads, gen):
             case.seq_lens.cuda(), scale.cuda())
 
 
+def v32_nan_tailed_case(lens, heads, gen):
+    """bf16 q and a V3.2 cache of 64-token pages, its latent groups at different
+    magnitudes (a wrong group's scale shows), rows past each length NaN codes and NaN
+    rope; no scale."""
+    case = make_case(lens, heads, page_size=64, dtype=torch.float32, device="cpu", gen=gen)
+    case.kv_cache[..., :512] *= torch.tensor([0.05, 1.0, 8.0, 0.5]).repeat_interleave(128)
+    cache = fp8.pack_v32(case.kv_cache)
+    for b, n in enumerate(lens):
+        if n % 64:
+            tail = cache[case.block_table[b, n // 64], n % 64:]
+            tail[:, :512] = E4M3_NAN
+            tail[:, 528:] = 0xFF  # bf16 NaN bytes
+    return (case.q.to(torch.bfloat16).cuda(), cache.cuda(), case.block_table.cuda(),
+            case.seq_lens.cuda(), None)
+
+
+def dequantized(cache, scale):
+    return fp8.unpack_v32(cache.cpu()) if scale is None else fp8.dequantize(cache.cpu(),
+                                                                           scale.cpu())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("lens", [[1], [63, 64, 65], [127, 128, 129, 0], [4113], [70000, 17],
                                   [2048] * 8])
 @pytest.mark.parametrize("heads", [16, 128])  # 16: one program, rows past 16 unstored
 @pytest.mark.parametrize("splits", [1, 3, 0])  # 0: the planned count
-def test_gpu_fp8_seesaw_matches_float64_over_the_dequantized_cache(lens, heads, splits,
+@pytest.mark.parametrize("fmt", ["fp8-tensor", "fp8-v32"])
+def test_gpu_fp8_seesaw_matches_float64_over_the_dequantized_cache(lens, heads, splits, fmt,
                                                                    seeded):
     from graphbucket.kernels.seesaw_fp8 import runs_seesaw_fp8
 
     gen = torch.Generator().manual_seed(seeded)
-    q, cache, table, seq_lens, scale = fp8_nan_tailed_case(lens, heads, gen)
+    make = fp8_nan_tailed_case if fmt == "fp8-tensor" else v32_nan_tailed_case
+    q, cache, table, seq_lens, scale = make(lens, heads, gen)
     assert runs_seesaw_fp8(q, cache, scale, heads)
     plan = plan_mla_decode(len(lens), heads, max(lens), stream=SEESAW_STREAM)
     plan = plan.with_splits(splits) if splits else plan
@@ -56,7 +79,7 @@ def test_gpu_fp8_seesaw_matches_float64_over_the_dequantized_cache(lens, heads, 
                              lse=lse, kv_scale=scale)
     if plan.merge_kernel:
         launch_merge(seq_lens, out, ws, plan=plan, lse=lse, block_n=64)
-    want, want_lse = mla_decode_reference(q.cpu(), fp8.dequantize(cache.cpu(), scale.cpu()),
+    want, want_lse = mla_decode_reference(q.cpu(), dequantized(cache, scale),
                                           table.cpu(), seq_lens.cpu(),
                                           kv_lora_rank=KV_LORA_RANK, sm_scale=sm_scale)
     for b, n in enumerate(lens):
@@ -64,4 +87,7 @@ def test_gpu_fp8_seesaw_matches_float64_over_the_dequantized_cache(lens, heads, 
             assert (out[b] == 0).all() and (lse[b] == float("-inf")).all()
             continue
         assert rel_l2(out[b].double(), want[b]) < 1e-2, (b, n, plan.describe())
-        assert torch.allclose(lse[b].double().cpu(), want_lse[b], atol=2e-2), (b, n)
+        # Q's float16 rounding (exact for bf16 values of ordinary range) and the tiles'
+        # (V3.2: code x scale in float16) reach scores of magnitude ~20 at 128 heads.
+        got = lse[b].double().cpu()
+        assert ((got - want_lse[b]).abs() <= 2e-2 + 3e-3 * want_lse[b].abs()).all(), (b, n)

@@ -42,22 +42,91 @@ from graphbucket.kernels.seesaw_layout import (
 )
 from graphbucket.kernels.seesaw_step import warpgroup_even, warpgroup_odd
 
-ROW = gl.constexpr(576)                  # values per row of q and of the cache (latent, rope)
-PAGE_BYTES = gl.constexpr(64 * 576)      # one 64-token page, contiguous
+ROW = gl.constexpr(576)         # values per row of q and of a per-tensor cache (latent, rope)
+V32_ROW = gl.constexpr(656)     # bytes per token of a V3.2 cache (``graphbucket.fp8``)
+V32_SCALES = gl.constexpr(512)  # byte offset of its 4 float32 group scales
+V32_ROPE = gl.constexpr(528)    # byte offset of its 64 bf16 rope values
+# A V3.2 tile half as [tokens, 16-value chunks, 16]: a thread's 16 values share a scale.
+HALF3 = gl.constexpr(gl.BlockedLayout([1, 1, 16], [2, 16, 1], [4, 1, 1], [2, 1, 0]))
+# One bulk L2 prefetch of a 64-token page (36,864 bytes per-tensor, 41,984 V3.2), from one
+# thread of the partition ($2 == 0) where the page is live ($3).
+_PREFETCH = "{ .reg .pred p, v; setp.ne.s32 v, $3, 0; setp.eq.and.s32 p, $2, 0, v; " \
+    "@p cp.async.bulk.prefetch.L2.global [$1], %d; mov.b32 $0, 0; }"
+PREFETCH_TENSOR = gl.constexpr(_PREFETCH % (64 * 576))
+PREFETCH_V32 = gl.constexpr(_PREFETCH % (64 * 656))
 
 
 @gluon.jit
-def _prefetch_page(KV8, page, valid):
+def _prefetch_page(KV8, page, valid, V32: gl.constexpr):
     """Ask L2 for a page's bytes (one bulk prefetch, from one thread; none where not
     ``valid``)."""
     lanes: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     lane = gl.arange(0, 128, lanes)
-    ptr = KV8 + page.to(gl.int64) * PAGE_BYTES + lane * 0
-    gl.inline_asm_elementwise(
-        "{ .reg .pred p, v; setp.ne.s32 v, $3, 0; setp.eq.and.s32 p, $2, 0, v; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], 36864; mov.b32 $0, 0; }",
-        "=r,l,r,r", [ptr, lane, lane * 0 + valid.to(gl.int32)], dtype=gl.int32,
-        is_pure=False, pack=1)
+    flag = lane * 0 + valid.to(gl.int32)
+    if V32:
+        ptr = KV8 + page.to(gl.int64) * (TILE * V32_ROW) + lane * 0
+        gl.inline_asm_elementwise(PREFETCH_V32, "=r,l,r,r", [ptr, lane, flag],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+    else:
+        ptr = KV8 + page.to(gl.int64) * (TILE * ROW) + lane * 0
+        gl.inline_asm_elementwise(PREFETCH_TENSOR, "=r,l,r,r", [ptr, lane, flag],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _load_half_v32(KV8, row, col0):
+    """A V3.2 tile half's codes (uint8 [64, 16, 16], ``HALF3``) from latent column
+    ``col0``, and each 16-value chunk's group scale (float32 [64, 16])."""
+    chunks: gl.constexpr = gl.SliceLayout(2, HALF3)
+    tok = gl.arange(0, TILE, gl.SliceLayout(1, chunks))
+    chunk = gl.arange(0, 16, gl.SliceLayout(0, chunks))
+    within = gl.arange(0, 16, gl.SliceLayout(0, gl.SliceLayout(1, HALF3)))
+    base = KV8 + (row + tok.to(gl.int64)) * V32_ROW
+    codes = gl.load(base[:, None, None] + col0 + chunk[None, :, None] * 16
+                    + within[None, None, :])
+    scales = (base[:, None] + V32_SCALES + ((col0 + chunk * 16) // 128)[None, :] * 4).to(
+        gl.pointer_type(gl.float32), bitcast=True)
+    return codes, gl.load(scales)
+
+
+@gluon.jit
+def _load_rope_v32(KV8, row):
+    """A V3.2 tile's rope values (bf16 [64, 64])."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+    tok = gl.arange(0, TILE, gl.SliceLayout(1, layout))
+    col = gl.arange(0, BOX, gl.SliceLayout(0, layout))
+    base = (KV8 + (row + tok.to(gl.int64)) * V32_ROW + V32_ROPE).to(
+        gl.pointer_type(gl.bfloat16), bitcast=True)
+    return gl.load(base[:, None] + col[None, :])
+
+
+@gluon.jit
+def _load_half(KV8, row, half, V32: gl.constexpr):
+    if V32:
+        return _load_half_v32(KV8, row, half * 256)
+    else:
+        return _load_rows(KV8, row, half * 256, 256)
+
+
+@gluon.jit
+def _load_rope(KV8, row, V32: gl.constexpr):
+    if V32:
+        return _load_rope_v32(KV8, row)
+    else:
+        return _load_rows(KV8, row, 512, 64)
+
+
+@gluon.jit
+def _store_any_half(x, kv_s, bars, slot, half, V32: gl.constexpr):
+    """``_store_half`` of a loaded half: a V3.2 half's codes times their scales, in
+    float16 (as the Triton kernels dequantize V3.2 tiles)."""
+    if V32:
+        codes, scales = x
+        values = codes.to(gl.float8e4nv, bitcast=True).to(gl.float16) \
+            * scales.to(gl.float16)[:, :, None]
+        _store_half(gl.reshape(values, [TILE, 256]), kv_s, bars, slot, half)
+    else:
+        _store_half(x, kv_s, bars, slot, half)
 
 
 @gluon.jit
@@ -104,7 +173,7 @@ def _convert_q(Q, q_s, bars, q_row, q_rows):
 
 @gluon.jit
 def fp8_tile_converter(Q, KV8, bt_row, q_s, kv_s, rope_s, bars, q_row, q_rows, start, end,
-                       num_steps, PAGE_SIZE: gl.constexpr):
+                       num_steps, PAGE_SIZE: gl.constexpr, V32: gl.constexpr):
     """Q, then the tiles of tokens [start, end) in steps of two, converted in the order and
     under the barriers of ``seesaw.tile_loader``."""
     _convert_q(Q, q_s, bars, q_row, q_rows)
@@ -118,32 +187,32 @@ def fp8_tile_converter(Q, KV8, bt_row, q_s, kv_s, rope_s, bars, q_row, q_rows, s
         next_a = tok_a + 2 * TILE
         next_b = next_a + TILE
         _prefetch_page(KV8, gl.load(bt_row + next_a // PAGE_SIZE, mask=next_a < end, other=0),
-                       next_a < end)
+                       next_a < end, V32)
         _prefetch_page(KV8, gl.load(bt_row + next_b // PAGE_SIZE, mask=next_b < end, other=0),
-                       next_b < end)
+                       next_b < end, V32)
         row_a = page_a.to(gl.int64) * PAGE_SIZE
         row_b = page_b.to(gl.int64) * PAGE_SIZE
         # At most two halves in registers (a third spills); each rope box is loaded once
         # its slot's left half is stored.
-        left = _load_rows(KV8, row_a, 0, 256)
-        right = _load_rows(KV8, row_a, 256, 256)
+        left = _load_half(KV8, row_a, 0, V32)
+        right = _load_half(KV8, row_a, 1, V32)
         if g > 0:
             mbarrier.wait(bars.index(B_FREE_OWN + 0), (g - 1) & 1)
-        _store_half(left, kv_s, bars, 0, 0)
-        rope = _load_rows(KV8, row_a, 512, 64)
+        _store_any_half(left, kv_s, bars, 0, 0, V32)
+        rope = _load_rope(KV8, row_a, V32)
         if g > 0:
             mbarrier.wait(bars.index(B_FREE_CROSS + 0), (g - 1) & 1)
-        _store_half(right, kv_s, bars, 0, 1)
+        _store_any_half(right, kv_s, bars, 0, 1, V32)
         _store_rope(rope, rope_s, bars, 0)
-        left = _load_rows(KV8, row_b, 0, 256)
-        right = _load_rows(KV8, row_b, 256, 256)
+        left = _load_half(KV8, row_b, 0, V32)
+        right = _load_half(KV8, row_b, 1, V32)
         if g > 0:
             mbarrier.wait(bars.index(B_FREE_CROSS + 1), (g - 1) & 1)
-        _store_half(left, kv_s, bars, 1, 0)
-        _store_rope(_load_rows(KV8, row_b, 512, 64), rope_s, bars, 1)
+        _store_any_half(left, kv_s, bars, 1, 0, V32)
+        _store_rope(_load_rope(KV8, row_b, V32), rope_s, bars, 1)
         if g > 0:
             mbarrier.wait(bars.index(B_FREE_OWN + 1), (g - 1) & 1)
-        _store_half(right, kv_s, bars, 1, 1)
+        _store_any_half(right, kv_s, bars, 1, 1, V32)
 
 
 @gluon.jit
@@ -152,9 +221,10 @@ def seesaw_fp8_stage1_kernel(Q, KV8, KV_SCALE, BLOCK_TABLE, SEQ_LENS, OUT, LSE, 
                              stride_bt_b, stride_o_b, stride_o_h, stride_lse_b,
                              stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h,
                              PAGE_SIZE: gl.constexpr, ONE_SPLIT: gl.constexpr,
-                             WRITE_LSE: gl.constexpr):
-    """``seesaw.seesaw_stage1_kernel`` over a per-tensor fp8 cache (module docstring): same
-    grid, splits and outputs; ``q_rows``: q's rows (batch x heads)."""
+                             WRITE_LSE: gl.constexpr, V32: gl.constexpr = False):
+    """``seesaw.seesaw_stage1_kernel`` over an fp8 cache (module docstring): same grid,
+    splits and outputs; ``q_rows``: q's rows (batch x heads). Per-tensor: KV_SCALE, the
+    cache's scale; ``V32``: a V3.2 cache (bytes, KV_SCALE None)."""
     head_block = gl.program_id(0)
     bid = gl.program_id(1)
     split = gl.program_id(2)
@@ -183,7 +253,7 @@ def seesaw_fp8_stage1_kernel(Q, KV8, KV_SCALE, BLOCK_TABLE, SEQ_LENS, OUT, LSE, 
                               KV_SCALE)),
             (fp8_tile_converter, (Q, KV8, BLOCK_TABLE + bid * stride_bt_b, q_s, kv_s, rope_s,
                                   bars, bid * num_heads + h0, q_rows, start, end, num_steps,
-                                  PAGE_SIZE)),
+                                  PAGE_SIZE, V32)),
         ], [4, 4], [208, 96])  # the converter's registers come from the compute warpgroups
     elif ONE_SPLIT:
         store_empty_request(OUT, LSE, bid, head_block, num_heads, stride_o_b, stride_o_h,
@@ -193,10 +263,12 @@ def seesaw_fp8_stage1_kernel(Q, KV8, KV_SCALE, BLOCK_TABLE, SEQ_LENS, OUT, LSE, 
 def runs_seesaw_fp8(q: torch.Tensor, kv_cache: torch.Tensor, kv_scale: torch.Tensor | None,
                     num_heads: int) -> bool:
     """The shapes this kernel takes (the caller checks the device): a per-tensor fp8 cache
-    of 64-token pages 576 wide with its scale, bf16 q, both contiguous, heads a multiple of
-    64 or fewer than 64."""
-    return (kv_scale is not None and kv_cache.dtype == torch.float8_e4m3fn
-            and q.dtype == torch.bfloat16 and kv_cache.dim() == 3
-            and kv_cache.shape[1] == 64 and kv_cache.shape[2] == 576
+    (576 wide, with its scale) or a V3.2 cache (656 bytes wide, no scale) of 64-token
+    pages, bf16 q, both contiguous, heads a multiple of 64 or fewer than 64."""
+    per_tensor = (kv_scale is not None and kv_cache.dtype == torch.float8_e4m3fn
+                  and kv_cache.dim() == 3 and kv_cache.shape[2] == 576)
+    v32 = (kv_scale is None and kv_cache.dtype == torch.uint8 and kv_cache.dim() == 3
+           and kv_cache.shape[2] == 656)
+    return ((per_tensor or v32) and q.dtype == torch.bfloat16 and kv_cache.shape[1] == 64
             and (num_heads % 64 == 0 or num_heads < 64)
             and q.is_contiguous() and kv_cache.is_contiguous())
