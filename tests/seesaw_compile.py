@@ -64,7 +64,8 @@ def compile_stage1(balanced: bool = False, ranges: bool = False, charged: bool =
 def compile_fp8_stage1(v32: bool = False):
     """The split-KV seesaw over a per-tensor fp8 cache (``seesaw_fp8``), or over a V3.2
     cache (``v32``: uint8 rows, no scale)."""
-    constants = {"PAGE_SIZE": 64, "ONE_SPLIT": False, "WRITE_LSE": True, "V32": v32}
+    constants = {"PAGE_SIZE": 64, "ONE_SPLIT": False, "WRITE_LSE": True, "V32": v32,
+                 "Q_LEN": 1}
     if v32:
         constants["KV_SCALE"] = None
     return _compile(seesaw_fp8.seesaw_fp8_stage1_kernel, constants, {},

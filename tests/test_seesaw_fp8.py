@@ -91,3 +91,43 @@ def test_gpu_fp8_seesaw_matches_float64_over_the_dequantized_cache(lens, heads, 
         # (V3.2: code x scale in float16) reach scores of magnitude ~20 at 128 heads.
         got = lse[b].double().cpu()
         assert ((got - want_lse[b]).abs() <= 2e-2 + 3e-3 * want_lse[b].abs()).all(), (b, n)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens", [[4], [64, 65, 66, 67], [129, 130, 0], [4113], [70000, 17]])
+@pytest.mark.parametrize("heads, q_len", [(16, 2), (16, 4), (128, 2)])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("fmt", ["fp8-tensor", "fp8-v32"])
+def test_gpu_fp8_seesaw_verify_step_matches_per_token_float64(lens, heads, q_len, splits, fmt,
+                                                               seeded):
+    """A verify step of q_len tokens x heads rows over an fp8 cache, token j seeing the
+    positions before seq_len - q_len + j + 1 (a row that sees none: zeros, LSE -inf)."""
+    from tests.kernel_cases import DecodeCase
+    from tests.test_multi_token import reference
+
+    gen = torch.Generator().manual_seed(seeded)
+    rows = q_len * heads
+    make = fp8_nan_tailed_case if fmt == "fp8-tensor" else v32_nan_tailed_case
+    q, cache, table, seq_lens, scale = make(lens, rows, gen)
+    plan = plan_mla_decode(len(lens), rows, max(lens), stream=SEESAW_STREAM).with_splits(splits)
+    sm_scale = default_sm_scale()
+    ws = SplitWorkspace.allocate(len(lens), rows, plan.num_kv_splits, KV_LORA_RANK, "cuda")
+    out = torch.full((len(lens), rows, KV_LORA_RANK), float("nan"), dtype=torch.bfloat16,
+                     device="cuda")
+    lse = torch.full((len(lens), rows), float("nan"), device="cuda")
+    launch_seesaw_fp8_stage1(q, cache, table, seq_lens, out,
+                             ws if plan.use_stage2 else None, plan=plan, sm_scale=sm_scale,
+                             lse=lse, kv_scale=scale, q_len=q_len)
+    if plan.merge_kernel:
+        launch_merge(seq_lens, out, ws, plan=plan, lse=lse, block_n=64)
+    case = DecodeCase(q.cpu(), dequantized(cache, scale), table.cpu(), seq_lens.cpu())
+    want, want_lse = reference(case, q_len)
+    for b, n in enumerate(lens):
+        if n == 0:
+            assert (out[b] == 0).all() and (lse[b] == float("-inf")).all()
+            continue
+        assert rel_l2(out[b].double(), want[b]) < 1e-2, (b, n, plan.describe())
+        got, w = lse[b].double().cpu(), want_lse[b]
+        finite = torch.isfinite(w)
+        assert (got[~finite] == float("-inf")).all(), (b, n)
+        assert ((got - w)[finite].abs() <= 2e-2 + 3e-3 * w[finite].abs()).all(), (b, n)

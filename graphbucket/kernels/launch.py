@@ -401,12 +401,12 @@ def launch_seesaw_fp8_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_tabl
                              seq_lens: torch.Tensor, out: torch.Tensor,
                              workspace: SplitWorkspace | None, *, plan: LaunchPlan,
                              sm_scale: float, lse: torch.Tensor | None,
-                             kv_scale: torch.Tensor | None) -> None:
+                             kv_scale: torch.Tensor | None, q_len: int = 1) -> None:
     """Stage 1 by the Gluon seesaw over an fp8 cache (unchecked; under trial, launched
     directly: ``seesaw_fp8.runs_seesaw_fp8`` names the shapes it takes, on sm_90): a
     per-tensor cache with its ``kv_scale``, or a V3.2 cache (uint8 rows, ``kv_scale``
-    None). The same grid, splits (64-token tiles) and outputs as ``launch_seesaw_stage1``:
-    the merge combines its splits with ``block_n`` 64."""
+    None). The same grid, splits (64-token tiles), outputs and verify steps (``q_len``) as
+    ``launch_seesaw_stage1``: the merge combines its splits with ``block_n`` 64."""
     from graphbucket.kernels.seesaw_fp8 import seesaw_fp8_stage1_kernel
     from graphbucket.kernels.seesaw_layout import ROWS, TILE
 
@@ -418,7 +418,9 @@ def launch_seesaw_fp8_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_tabl
         block_table.stride(0), out.stride(0), out.stride(1),
         0 if lse is None else lse.stride(0), *po_strides, *pl_strides,
         PAGE_SIZE=TILE.value, ONE_SPLIT=not plan.use_stage2, WRITE_LSE=lse is not None,
-        V32=kv_cache.dtype == torch.uint8, num_warps=4)
+        V32=kv_cache.dtype == torch.uint8,
+        **({"Q_LEN": q_len, "rows_per_token": heads // q_len} if q_len > 1 else {}),
+        num_warps=4)
 
 
 def launch_merge(seq_lens: torch.Tensor, out: torch.Tensor, workspace: SplitWorkspace, *,

@@ -216,15 +216,38 @@ def fp8_tile_converter(Q, KV8, bt_row, q_s, kv_s, rope_s, bars, q_row, q_rows, s
 
 
 @gluon.jit
+def _partitions(Q, KV8, KV_SCALE, bt_row, q_s, kv_s, rope_s, stats_s, bars, start, end,
+                num_steps, qk_scale_log2, o_ptr, lse_ptr, stride_rows, stride_lse_rows,
+                num_rows, q_row, q_rows, WRITE_LSE: gl.constexpr, ONE_SPLIT: gl.constexpr,
+                PAGE_SIZE: gl.constexpr, V32: gl.constexpr, MULTI_TOKEN: gl.constexpr,
+                first_limit, row0, rows_per_token):
+    """The two compute warpgroups and the converter of one program."""
+    gl.warp_specialize([
+        (warpgroup_even, (q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps,
+                           qk_scale_log2, o_ptr, lse_ptr, stride_rows, stride_lse_rows,
+                           num_rows, WRITE_LSE, ONE_SPLIT, False, MULTI_TOKEN, first_limit,
+                           row0, rows_per_token, 256, KV_SCALE)),
+        (warpgroup_odd, (q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps,
+                          qk_scale_log2, o_ptr, lse_ptr, stride_rows, stride_lse_rows,
+                          num_rows, WRITE_LSE, ONE_SPLIT, False, MULTI_TOKEN, first_limit,
+                          row0, rows_per_token, 256, KV_SCALE)),
+        (fp8_tile_converter, (Q, KV8, bt_row, q_s, kv_s, rope_s, bars, q_row, q_rows, start,
+                              end, num_steps, PAGE_SIZE, V32)),
+    ], [4, 4], [208, 96])  # the converter's registers come from the compute warpgroups
+
+
+@gluon.jit
 def seesaw_fp8_stage1_kernel(Q, KV8, KV_SCALE, BLOCK_TABLE, SEQ_LENS, OUT, LSE, PART_O,
                              PART_LSE, num_kv_splits, num_heads, q_rows, qk_scale_log2,
                              stride_bt_b, stride_o_b, stride_o_h, stride_lse_b,
                              stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h,
                              PAGE_SIZE: gl.constexpr, ONE_SPLIT: gl.constexpr,
-                             WRITE_LSE: gl.constexpr, V32: gl.constexpr = False):
+                             WRITE_LSE: gl.constexpr, V32: gl.constexpr = False,
+                             Q_LEN: gl.constexpr = 1, rows_per_token=1):
     """``seesaw.seesaw_stage1_kernel`` over an fp8 cache (module docstring): same grid,
-    splits and outputs; ``q_rows``: q's rows (batch x heads). Per-tensor: KV_SCALE, the
-    cache's scale; ``V32``: a V3.2 cache (bytes, KV_SCALE None)."""
+    splits, outputs and verify steps (``Q_LEN``); ``q_rows``: q's rows (batch x rows).
+    Per-tensor: KV_SCALE, the cache's scale; ``V32``: a V3.2 cache (bytes, KV_SCALE
+    None)."""
     head_block = gl.program_id(0)
     bid = gl.program_id(1)
     split = gl.program_id(2)
@@ -242,19 +265,19 @@ def seesaw_fp8_stage1_kernel(Q, KV8, KV_SCALE, BLOCK_TABLE, SEQ_LENS, OUT, LSE, 
             OUT, LSE, PART_O, PART_LSE, bid, h0, split, stride_o_b, stride_o_h, stride_lse_b,
             stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, ONE_SPLIT)
         num_rows = gl.minimum(num_heads - h0, ROWS)
-        gl.warp_specialize([
-            (warpgroup_even, (q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps,
-                               qk_scale_log2, o_ptr, lse_ptr, stride_rows, stride_lse_rows,
-                               num_rows, WRITE_LSE, ONE_SPLIT, False, False, 0, 0, 1, 256,
-                               KV_SCALE)),
-            (warpgroup_odd, (q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps,
-                              qk_scale_log2, o_ptr, lse_ptr, stride_rows, stride_lse_rows,
-                              num_rows, WRITE_LSE, ONE_SPLIT, False, False, 0, 0, 1, 256,
-                              KV_SCALE)),
-            (fp8_tile_converter, (Q, KV8, BLOCK_TABLE + bid * stride_bt_b, q_s, kv_s, rope_s,
-                                  bars, bid * num_heads + h0, q_rows, start, end, num_steps,
-                                  PAGE_SIZE, V32)),
-        ], [4, 4], [208, 96])  # the converter's registers come from the compute warpgroups
+        # A verify step's causal limits; literals for one token, so the compute warpgroups
+        # hold none of them.
+        if Q_LEN > 1:
+            _partitions(Q, KV8, KV_SCALE, BLOCK_TABLE + bid * stride_bt_b, q_s, kv_s, rope_s,
+                        stats_s, bars, start, end, num_steps, qk_scale_log2, o_ptr, lse_ptr,
+                        stride_rows, stride_lse_rows, num_rows, bid * num_heads + h0, q_rows,
+                        WRITE_LSE, ONE_SPLIT, PAGE_SIZE, V32, True, seq_len - Q_LEN + 1, h0,
+                        rows_per_token)
+        else:
+            _partitions(Q, KV8, KV_SCALE, BLOCK_TABLE + bid * stride_bt_b, q_s, kv_s, rope_s,
+                        stats_s, bars, start, end, num_steps, qk_scale_log2, o_ptr, lse_ptr,
+                        stride_rows, stride_lse_rows, num_rows, bid * num_heads + h0, q_rows,
+                        WRITE_LSE, ONE_SPLIT, PAGE_SIZE, V32, False, 0, 0, 1)
     elif ONE_SPLIT:
         store_empty_request(OUT, LSE, bid, head_block, num_heads, stride_o_b, stride_o_h,
                             stride_lse_b, WRITE_LSE)
