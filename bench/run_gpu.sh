@@ -45,7 +45,8 @@
 #        Triton verify step and the q_len 1 step, bench/experiments/seesaw_verify.py)
 #        (fp8seesaw: the seesaw over fp8 caches (per-tensor, V3.2) against float64, then
 #        timed against the bf16 seesaw and the Triton fp8 kernels,
-#        bench/experiments/seesaw_fp8_ab.py)
+#        bench/experiments/seesaw_fp8_ab.py; FP8_SEESAW_TESTS="over_the_dequantized" picks
+#        the split-KV tests without the verify steps)
 #        (fp8: FP8_AB="float-32x4 ..." adds stage-1 variants, bench/fp8_sweep.py --ab)
 #        (fisweep: the sweep with FlashInfer rows, wheels installed from .whl/ if present)
 #        (threeway: the sweep with FlashInfer and FlashMLA rows: wheels from .whl/, FlashMLA
@@ -219,7 +220,8 @@ for step in $steps; do
                     -k "fp8-tensor-3-128-lens3 or fp8-v32-3-128-lens3" -p no:cacheprovider > "$R/seesaw-fp8-first.log" 2>&1
                then
                  timeout 300 python3 -m pytest -q "${workers[@]}" tests/test_seesaw_fp8.py \
-                   -m gpu -p no:cacheprovider > "$R/seesaw-fp8-tests.log" 2>&1
+                   -m gpu -k "${FP8_SEESAW_TESTS:-gpu}" -p no:cacheprovider \
+                   > "$R/seesaw-fp8-tests.log" 2>&1
                  tail -3 "$R/seesaw-fp8-tests.log"
                  timeout 240 python3 bench/experiments/seesaw_fp8_ab.py --out "$R" \
                    > "$R/seesaw-fp8-ab.log" 2>&1; tail -12 "$R/seesaw-fp8-ab.log"
