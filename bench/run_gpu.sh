@@ -45,8 +45,8 @@
 #        Triton verify step and the q_len 1 step, bench/experiments/seesaw_verify.py)
 #        (fp8seesaw: the seesaw over fp8 caches (per-tensor, V3.2) against float64, then
 #        timed against the bf16 seesaw and the Triton fp8 kernels,
-#        bench/experiments/seesaw_fp8_ab.py; FP8_SEESAW_TESTS="over_the_dequantized" picks
-#        the split-KV tests without the verify steps)
+#        bench/experiments/seesaw_fp8_ab.py; FP8_SEESAW_TESTS="fp8_seesaw_matches" picks
+#        the split-KV tests alone)
 #        (fp8: FP8_AB="float-32x4 ..." adds stage-1 variants, bench/fp8_sweep.py --ab)
 #        (fisweep: the sweep with FlashInfer rows, wheels installed from .whl/ if present)
 #        (threeway: the sweep with FlashInfer and FlashMLA rows: wheels from .whl/, FlashMLA

@@ -15,6 +15,7 @@ the code two Triton releases, or two versions of the kernel, compile to.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import re
 from pathlib import Path
@@ -61,6 +62,13 @@ def compile_stage1(balanced: bool = False, ranges: bool = False, charged: bool =
     return _compile(kernel, constants, descriptors)
 
 
+def compile_fp8_charged():
+    """The seesaw over a charged cut's tile ranges on a per-tensor fp8 cache."""
+    return _compile(seesaw_balanced.seesaw_range_stage1_kernel,
+                    {"PAGE_SIZE": 64, "BLOCK_B": 128, "CHARGED": True, "KV_FP8": 1,
+                     "q_desc": None, "kv_desc": None}, {}, {"KV8": "*fp8e4nv"})
+
+
 def compile_fp8_stage1(v32: bool = False):
     """The split-KV seesaw over a per-tensor fp8 cache (``seesaw_fp8``), or over a V3.2
     cache (``v32``: uint8 rows, no scale)."""
@@ -74,6 +82,15 @@ def compile_fp8_stage1(v32: bool = False):
 
 def _compile(kernel, constants: dict, descriptors: dict, pointers: dict | None = None):
     pointers = {**POINTERS, **(pointers or {})}
+    # As a launch leaves them out: constexpr parameters, and those defaulting to None, at
+    # their defaults.
+    constants = dict(constants)
+    for p in kernel.params:
+        default = p._param.default
+        if p.name not in constants and p.name not in descriptors \
+                and default is not inspect.Parameter.empty \
+                and (p.is_constexpr or default is None):
+            constants[p.name] = default
     signature = {}
     for p in kernel.params:
         if p.name in descriptors:
@@ -176,6 +193,7 @@ def main() -> None:
     wide_pv_verify = compile_stage1(q_len=4, wide_pv=True)
     fp8_tensor = compile_fp8_stage1()
     fp8_v32 = compile_fp8_stage1(v32=True)
+    fp8_charged = compile_fp8_charged()
     if args.dump:
         args.dump.mkdir(parents=True, exist_ok=True)
         for kind in ("ttgir", "ptx"):
@@ -204,6 +222,7 @@ def main() -> None:
                       "wide_pv_charged": summary(wide_pv_charged),
                       "wide_pv_q_len_4": summary(wide_pv_verify),
                       "fp8_tensor": summary(fp8_tensor), "fp8_v32": summary(fp8_v32),
+                      "fp8_charged": summary(fp8_charged),
                       "range_planner_shared_bytes": planners,
                       "wide_view_matches_boxes": wide_view_matches_boxes(),
                       "dependent_merge_waits": merge.count("griddepcontrol.wait")}))

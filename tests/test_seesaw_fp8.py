@@ -53,6 +53,22 @@ def dequantized(cache, scale):
                                                                            scale.cpu())
 
 
+def assert_matches(want, want_lse, lens, out, lse, plan):
+    """Each request's rows against float64 (an empty request: zeros, LSE -inf). Q's
+    float16 rounding (exact for bf16 values of ordinary range) and the tiles' (V3.2: code x
+    scale in float16) reach scores of magnitude ~20 at 128 heads: the LSE's bound grows
+    with it."""
+    for b, n in enumerate(lens):
+        if n == 0:
+            assert (out[b] == 0).all() and (lse[b] == float("-inf")).all()
+            continue
+        assert rel_l2(out[b].double(), want[b]) < 1e-2, (b, n, plan.describe())
+        got, w = lse[b].double().cpu(), want_lse[b]
+        finite = torch.isfinite(w)
+        assert (got[~finite] == float("-inf")).all(), (b, n)
+        assert ((got - w)[finite].abs() <= 2e-2 + 3e-3 * w[finite].abs()).all(), (b, n)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("lens", [[1], [63, 64, 65], [127, 128, 129, 0], [4113], [70000, 17],
                                   [2048] * 8])
@@ -82,15 +98,7 @@ def test_gpu_fp8_seesaw_matches_float64_over_the_dequantized_cache(lens, heads, 
     want, want_lse = mla_decode_reference(q.cpu(), dequantized(cache, scale),
                                           table.cpu(), seq_lens.cpu(),
                                           kv_lora_rank=KV_LORA_RANK, sm_scale=sm_scale)
-    for b, n in enumerate(lens):
-        if n == 0:
-            assert (out[b] == 0).all() and (lse[b] == float("-inf")).all()
-            continue
-        assert rel_l2(out[b].double(), want[b]) < 1e-2, (b, n, plan.describe())
-        # Q's float16 rounding (exact for bf16 values of ordinary range) and the tiles'
-        # (V3.2: code x scale in float16) reach scores of magnitude ~20 at 128 heads.
-        got = lse[b].double().cpu()
-        assert ((got - want_lse[b]).abs() <= 2e-2 + 3e-3 * want_lse[b].abs()).all(), (b, n)
+    assert_matches(want, want_lse, lens, out, lse, plan)
 
 
 @pytest.mark.gpu
@@ -122,12 +130,44 @@ def test_gpu_fp8_seesaw_verify_step_matches_per_token_float64(lens, heads, q_len
         launch_merge(seq_lens, out, ws, plan=plan, lse=lse, block_n=64)
     case = DecodeCase(q.cpu(), dequantized(cache, scale), table.cpu(), seq_lens.cpu())
     want, want_lse = reference(case, q_len)
-    for b, n in enumerate(lens):
-        if n == 0:
-            assert (out[b] == 0).all() and (lse[b] == float("-inf")).all()
-            continue
-        assert rel_l2(out[b].double(), want[b]) < 1e-2, (b, n, plan.describe())
-        got, w = lse[b].double().cpu(), want_lse[b]
-        finite = torch.isfinite(w)
-        assert (got[~finite] == float("-inf")).all(), (b, n)
-        assert ((got - w)[finite].abs() <= 2e-2 + 3e-3 * w[finite].abs()).all(), (b, n)
+    assert_matches(want, want_lse, lens, out, lse, plan)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens", [[63, 64, 65, 0], [70000] + [1000] * 15,
+                                  [1, 31, 0, 4095, 128, 129], [100000] + [1024] * 31])
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("programs, charged", [(3, False), (0, True), (3, True)])
+@pytest.mark.parametrize("fmt", ["fp8-tensor", "fp8-v32"])
+def test_gpu_fp8_range_seesaw_matches_float64_over_the_dequantized_cache(lens, heads, programs,
+                                                                         charged, fmt, seeded):
+    """The seesaw over tile ranges (equal, or a charged cut's) on an fp8 cache: planner,
+    stage 1 launched directly, merge, as ``mla_decode_balanced`` runs the bf16 ones."""
+    from graphbucket.kernels.launch import pdl_capable
+    from graphbucket.kernels.launch_balanced import (
+        launch_balanced_merge,
+        launch_range_planner,
+        launch_seesaw_range_stage1,
+    )
+    from graphbucket.plan import plan_balanced_mla_decode
+
+    gen = torch.Generator().manual_seed(seeded)
+    make = fp8_nan_tailed_case if fmt == "fp8-tensor" else v32_nan_tailed_case
+    q, cache, table, seq_lens, scale = make(lens, heads, gen)
+    plan = plan_balanced_mla_decode(len(lens), heads, stream=SEESAW_STREAM, tile_ranges=True,
+                                    programs=programs or None, charged_ranges=charged)
+    sm_scale = default_sm_scale()
+    ws = SplitWorkspace.allocate(len(lens), heads, 1, KV_LORA_RANK, "cuda",
+                                 max_items=plan.max_work_items)
+    out = torch.full((len(lens), heads, KV_LORA_RANK), float("nan"), dtype=torch.bfloat16,
+                     device="cuda")
+    lse = torch.full((len(lens), heads), float("nan"), device="cuda")
+    launch_range_planner(seq_lens, ws, plan=plan)
+    launch_seesaw_range_stage1(q, cache, table, seq_lens, ws, plan=plan, sm_scale=sm_scale,
+                               out=out, lse=lse, kv_scale=scale)
+    launch_balanced_merge(out, ws, plan=plan, lse=lse, merge_single=not charged,
+                          dependent=charged and pdl_capable(out.device))
+    want, want_lse = mla_decode_reference(q.cpu(), dequantized(cache, scale), table.cpu(),
+                                          seq_lens.cpu(), kv_lora_rank=KV_LORA_RANK,
+                                          sm_scale=sm_scale)
+    assert_matches(want, want_lse, lens, out, lse, plan)

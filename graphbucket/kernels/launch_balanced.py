@@ -161,16 +161,26 @@ def launch_seesaw_range_stage1(q: torch.Tensor, kv_cache: torch.Tensor,
                                workspace: SplitWorkspace, *, plan: LaunchPlan,
                                sm_scale: float, out: torch.Tensor,
                                lse: torch.Tensor | None = None,
-                               pv_cols: int | None = None) -> None:
+                               pv_cols: int | None = None,
+                               kv_scale: torch.Tensor | None = None) -> None:
     """Stage 1 by the Gluon seesaw on persistent programs over tile ranges (unchecked;
     where ``runs_seesaw`` holds): one partial per (request, program) segment; under a
     charged cut, a request left whole gets its output in ``out`` (and ``lse``) instead.
-    ``pv_cols``: the PV width under trial (``kernels.seesaw_step``; default the kernel's)."""
+    ``pv_cols``: the PV width under trial (``kernels.seesaw_step``; default the kernel's).
+    Under trial, launched directly: an fp8 cache (``seesaw_fp8.runs_seesaw_fp8``; a
+    per-tensor one with its ``kv_scale``), read by the fp8 seesaw's converter."""
     from graphbucket.kernels.seesaw import ROWS, descriptors
     from graphbucket.kernels.seesaw_balanced import seesaw_range_stage1_kernel
 
     batch, heads, _ = q.shape
-    q_desc, kv_desc = descriptors(q, kv_cache)
+    fp8_format = {torch.float8_e4m3fn: 1, torch.uint8: 2}.get(kv_cache.dtype, 0)
+    if fp8_format:
+        q_desc = kv_desc = None
+        fp8_args = {"KV_FP8": fp8_format, "Q": q, "KV8": kv_cache, "KV_SCALE": kv_scale,
+                    "q_rows": batch * heads}
+    else:
+        q_desc, kv_desc = descriptors(q, kv_cache)
+        fp8_args = {}
     part_o, part_lse = workspace.item_o, workspace.item_lse
     charged = plan.charged_ranges
     seesaw_range_stage1_kernel[(-(-heads // ROWS.value), plan.persistent_programs)](
@@ -182,7 +192,7 @@ def launch_seesaw_range_stage1(q: torch.Tensor, kv_cache: torch.Tensor,
         out.stride(0), out.stride(1), 0 if lse is None else lse.stride(0),
         PAGE_SIZE=kv_cache.shape[1], BLOCK_B=max(128, scan_block(batch)), CHARGED=charged,
         WRITE_LSE=lse is not None, **({"PV_COLS": pv_cols} if pv_cols is not None else {}),
-        num_warps=4)
+        **fp8_args, num_warps=4)
 
 
 def launch_balanced_merge(out: torch.Tensor, workspace: SplitWorkspace, *, plan: LaunchPlan,

@@ -22,7 +22,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from graphbucket.kernels.seesaw import tile_loader
-from graphbucket.kernels.seesaw_layout import B_DESC, B_QFREE, ROWS, TILE, shared_state
+from graphbucket.kernels.seesaw_fp8 import fp8_tile_converter
+from graphbucket.kernels.seesaw_layout import B_DESC, B_QFREE, BOX, ROWS, TILE, shared_state
 from graphbucket.kernels.seesaw_step import warpgroup_compute, warpgroup_even, warpgroup_odd
 
 
@@ -122,7 +123,8 @@ DESC_WORDS = gl.constexpr(8)
 def _range_loader(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDPTR, ITEM_INDPTR,
                   FIRST_PROGRAM, q_s, kv_s, rope_s, bars, desc_s, first, last, segments, per,
                   program, batch, num_heads, h0, stride_bt_b, PAGE_SIZE: gl.constexpr,
-                  BLOCK_B: gl.constexpr, CHARGED: gl.constexpr, PV_COLS: gl.constexpr):
+                  BLOCK_B: gl.constexpr, CHARGED: gl.constexpr, PV_COLS: gl.constexpr,
+                  KV_FP8: gl.constexpr, Q, KV8, q_rows):
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     words = gl.arange(0, DESC_WORDS, layout)
     t = first
@@ -146,8 +148,14 @@ def _range_loader(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDPTR, ITEM_INDP
         mbarrier.arrive(bars.index(B_DESC + seg % 2))
         if seg > 0:  # the next request's Q once both warpgroups' last QK has read this one
             mbarrier.wait(bars.index(B_QFREE), (seg - 1) & 1)
-        tile_loader(q_desc, kv_desc, BLOCK_TABLE + bid * stride_bt_b, q_s, kv_s, rope_s,
-                    bars, bid * num_heads + h0, start, end, num_steps, PAGE_SIZE, g0, PV_COLS)
+        if KV_FP8:
+            fp8_tile_converter(Q, KV8, BLOCK_TABLE + bid * stride_bt_b, q_s, kv_s, rope_s,
+                               bars, bid * num_heads + h0, q_rows, start, end, num_steps,
+                               PAGE_SIZE, KV_FP8 == 2, g0)
+        else:
+            tile_loader(q_desc, kv_desc, BLOCK_TABLE + bid * stride_bt_b, q_s, kv_s, rope_s,
+                        bars, bid * num_heads + h0, start, end, num_steps, PAGE_SIZE, g0,
+                        PV_COLS)
         g0 += num_steps
         t = segment_last
 
@@ -161,7 +169,7 @@ def _word(desc, words, which: gl.constexpr):
 def _range_compute(q_s, kv_s, rope_s, stats_s, bars, desc_s, PART_O, PART_LSE, OUT, LSE, segments,
                    num_heads, qk_scale_log2, stride_po_i, stride_po_h, stride_pl_i, stride_o_b,
                    stride_o_h, stride_lse_b, PARITY: gl.constexpr, CHARGED: gl.constexpr,
-                   WRITE_LSE: gl.constexpr, PV_COLS: gl.constexpr):
+                   WRITE_LSE: gl.constexpr, PV_COLS: gl.constexpr, kv_scale_ptr):
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     words = gl.arange(0, DESC_WORDS, layout)
     for seg in range(segments):
@@ -182,27 +190,29 @@ def _range_compute(q_s, kv_s, rope_s, stats_s, bars, desc_s, PART_O, PART_LSE, O
                           _word(desc, words, D_FINAL),
                           OUT + bid * stride_o_b + h0 * stride_o_h,
                           LSE + bid * stride_lse_b + h0, stride_o_h, CHARGED, WRITE_LSE,
-                          PV_COLS=PV_COLS)
+                          PV_COLS=PV_COLS, kv_scale_ptr=kv_scale_ptr)
 
 
 @gluon.jit
 def _range_even(q_s, kv_s, rope_s, stats_s, bars, desc_s, PART_O, PART_LSE, OUT, LSE, segments,
                 num_heads, qk_scale_log2, stride_po_i, stride_po_h, stride_pl_i, stride_o_b,
                 stride_o_h, stride_lse_b, CHARGED: gl.constexpr, WRITE_LSE: gl.constexpr,
-                PV_COLS: gl.constexpr):
+                PV_COLS: gl.constexpr, kv_scale_ptr=None):
     _range_compute(q_s, kv_s, rope_s, stats_s, bars, desc_s, PART_O, PART_LSE, OUT, LSE, segments,
                    num_heads, qk_scale_log2, stride_po_i, stride_po_h, stride_pl_i, stride_o_b,
-                   stride_o_h, stride_lse_b, 0, CHARGED, WRITE_LSE, PV_COLS)
+                   stride_o_h, stride_lse_b, 0, CHARGED, WRITE_LSE, PV_COLS,
+                   kv_scale_ptr)
 
 
 @gluon.jit
 def _range_odd(q_s, kv_s, rope_s, stats_s, bars, desc_s, PART_O, PART_LSE, OUT, LSE, segments,
                num_heads, qk_scale_log2, stride_po_i, stride_po_h, stride_pl_i, stride_o_b,
                stride_o_h, stride_lse_b, CHARGED: gl.constexpr, WRITE_LSE: gl.constexpr,
-               PV_COLS: gl.constexpr):
+               PV_COLS: gl.constexpr, kv_scale_ptr=None):
     _range_compute(q_s, kv_s, rope_s, stats_s, bars, desc_s, PART_O, PART_LSE, OUT, LSE, segments,
                    num_heads, qk_scale_log2, stride_po_i, stride_po_h, stride_pl_i, stride_o_b,
-                   stride_o_h, stride_lse_b, 1, CHARGED, WRITE_LSE, PV_COLS)
+                   stride_o_h, stride_lse_b, 1, CHARGED, WRITE_LSE, PV_COLS,
+                   kv_scale_ptr)
 
 
 @gluon.jit
@@ -212,7 +222,9 @@ def seesaw_range_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDP
                                stride_bt_b, stride_po_i, stride_po_h, stride_pl_i, stride_o_b,
                                stride_o_h, stride_lse_b, PAGE_SIZE: gl.constexpr,
                                BLOCK_B: gl.constexpr, CHARGED: gl.constexpr = False,
-                               WRITE_LSE: gl.constexpr = False, PV_COLS: gl.constexpr = 64):
+                               WRITE_LSE: gl.constexpr = False, PV_COLS: gl.constexpr = 64,
+                               KV_FP8: gl.constexpr = 0, Q=None, KV8=None, KV_SCALE=None,
+                               q_rows=0):
     """The seesaw on persistent programs over equal ranges of the step's tiles
     (``kernels.balanced.plan_tile_ranges_kernel``): grid (head blocks, programs); program p
     takes the batch's 64-token tiles [p * per, (p + 1) * per) in request order, across
@@ -223,7 +235,9 @@ def seesaw_range_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDP
     p's tiles [RANGE_BOUNDS[p], RANGE_BOUNDS[p + 1]) and a request's first program in
     FIRST_PROGRAM; a request the cut leaves whole (one segment) gets its output in OUT (and
     with ``WRITE_LSE`` its LSE in LSE) here, which the merge then leaves alone. ``PV_COLS``:
-    the PV width (``seesaw_step``)."""
+    the PV width (``seesaw_step``). ``KV_FP8`` (under trial): an fp8 cache, 1 per-tensor
+    (KV_SCALE its scale), 2 V3.2, read by ``seesaw_fp8``'s converter from Q (bf16, q_rows
+    rows) and KV8 instead of the descriptors (None), with 256-column PVs."""
     head_block = gl.program_id(0)
     program = gl.program_id(1)
     if CHARGED:
@@ -239,24 +253,29 @@ def seesaw_range_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDP
         last = gl.minimum(first + per, gl.load(TILE_INDPTR + batch))
     if first < last:
         segments = _requests_meeting(TILE_INDPTR, first, last, batch, BLOCK_B)
-        q_layout: gl.constexpr = q_desc.layout
-        kv_layout: gl.constexpr = kv_desc.layout
-        q_s, kv_s, rope_s, stats_s, bars = shared_state(q_layout, kv_layout, PV_COLS)
+        if KV_FP8:
+            box: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BOX], gl.float16)
+            q_s, kv_s, rope_s, stats_s, bars = shared_state(box, box, 256, gl.float16)
+        else:
+            q_layout: gl.constexpr = q_desc.layout
+            kv_layout: gl.constexpr = kv_desc.layout
+            q_s, kv_s, rope_s, stats_s, bars = shared_state(q_layout, kv_layout, PV_COLS)
         desc_s = gl.allocate_shared_memory(
             gl.int32, [2, DESC_WORDS],
             gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
         h0 = head_block * ROWS
+        pv: gl.constexpr = 256 if KV_FP8 else PV_COLS
         gl.warp_specialize([
             (_range_even, (q_s, kv_s, rope_s, stats_s, bars, desc_s, PART_O, PART_LSE, OUT, LSE,
                            segments, num_heads, qk_scale_log2, stride_po_i, stride_po_h,
                            stride_pl_i, stride_o_b, stride_o_h, stride_lse_b, CHARGED,
-                           WRITE_LSE, PV_COLS)),
+                           WRITE_LSE, pv, KV_SCALE)),
             (_range_odd, (q_s, kv_s, rope_s, stats_s, bars, desc_s, PART_O, PART_LSE, OUT, LSE,
                           segments, num_heads, qk_scale_log2, stride_po_i, stride_po_h,
                           stride_pl_i, stride_o_b, stride_o_h, stride_lse_b, CHARGED,
-                          WRITE_LSE, PV_COLS)),
+                          WRITE_LSE, pv, KV_SCALE)),
             (_range_loader, (q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDPTR, ITEM_INDPTR,
                              FIRST_PROGRAM, q_s, kv_s, rope_s, bars, desc_s, first, last,
                              segments, per, program, batch, num_heads, h0, stride_bt_b, PAGE_SIZE,
-                             BLOCK_B, CHARGED, PV_COLS)),
-        ], [4, 4], [240, 24])
+                             BLOCK_B, CHARGED, pv, KV_FP8, Q, KV8, q_rows)),
+        ], [4, 4], [208, 96] if KV_FP8 else [240, 24])  # fp8: the converter's registers

@@ -173,14 +173,16 @@ def _convert_q(Q, q_s, bars, q_row, q_rows):
 
 @gluon.jit
 def fp8_tile_converter(Q, KV8, bt_row, q_s, kv_s, rope_s, bars, q_row, q_rows, start, end,
-                       num_steps, PAGE_SIZE: gl.constexpr, V32: gl.constexpr):
+                       num_steps, PAGE_SIZE: gl.constexpr, V32: gl.constexpr, g0=0):
     """Q, then the tiles of tokens [start, end) in steps of two, converted in the order and
-    under the barriers of ``seesaw.tile_loader``."""
+    under the barriers of ``seesaw.tile_loader`` (``g0``: the steps this program ran
+    before, a range's earlier segments, which set the barrier phases)."""
     _convert_q(Q, q_s, bars, q_row, q_rows)
-    for g in range(num_steps):
+    for step in range(num_steps):
+        g = g0 + step
         # A tile past the split's end (the second of an odd count) converts page 0's rows;
         # its warpgroup masks its scores and zeroes its values.
-        tok_a = start + 2 * g * TILE
+        tok_a = start + 2 * step * TILE
         tok_b = tok_a + TILE
         page_a = gl.load(bt_row + tok_a // PAGE_SIZE)
         page_b = gl.load(bt_row + tok_b // PAGE_SIZE, mask=tok_b < end, other=0)
