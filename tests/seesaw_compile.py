@@ -66,7 +66,8 @@ def compile_fp8_charged():
     """The seesaw over a charged cut's tile ranges on a per-tensor fp8 cache."""
     return _compile(seesaw_balanced.seesaw_range_stage1_kernel,
                     {"PAGE_SIZE": 64, "BLOCK_B": 128, "CHARGED": True, "KV_FP8": 1,
-                     "q_desc": None, "kv_desc": None}, {}, {"KV8": "*fp8e4nv"})
+                     "q_desc": None, "kv_desc": None}, {},
+                    {"Q": "*bf16", "KV8": "*fp8e4nv", "KV_SCALE": "*fp32"})
 
 
 def compile_fp8_stage1(v32: bool = False):
@@ -81,13 +82,16 @@ def compile_fp8_stage1(v32: bool = False):
 
 
 def _compile(kernel, constants: dict, descriptors: dict, pointers: dict | None = None):
-    pointers = {**POINTERS, **(pointers or {})}
-    # As a launch leaves them out: constexpr parameters, and those defaulting to None, at
-    # their defaults.
+    """``kernel`` compiled for sm_90 with ``constants``, TMA ``descriptors`` and pointer
+    arguments typed by ``POINTERS`` and ``pointers``; other parameters are int32, except
+    that, as a launch leaves them out, constexpr parameters and those defaulting to None
+    (unless ``pointers`` names them) take their defaults."""
+    named = pointers or {}
+    pointers = {**POINTERS, **named}
     constants = dict(constants)
     for p in kernel.params:
         default = p._param.default
-        if p.name not in constants and p.name not in descriptors \
+        if p.name not in constants and p.name not in descriptors and p.name not in named \
                 and default is not inspect.Parameter.empty \
                 and (p.is_constexpr or default is None):
             constants[p.name] = default
