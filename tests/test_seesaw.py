@@ -37,9 +37,10 @@ def nan_tailed_case(lens, heads, gen):
 
 
 def nan_outputs(batch: int, rows: int, plan):
-    """A workspace for ``plan`` and NaN-filled out [batch, rows, 512] (bf16) and LSE: a row
-    a kernel leaves unwritten shows up as NaN."""
-    ws = SplitWorkspace.allocate(batch, rows, plan.num_kv_splits, KV_LORA_RANK, "cuda")
+    """A workspace for ``plan`` (split or balanced) and NaN-filled out [batch, rows, 512]
+    (bf16) and LSE: a row a kernel leaves unwritten shows up as NaN."""
+    ws = SplitWorkspace.allocate(batch, rows, max(1, plan.num_kv_splits), KV_LORA_RANK, "cuda",
+                                 max_items=plan.max_work_items)
     out = torch.full((batch, rows, KV_LORA_RANK), float("nan"), dtype=torch.bfloat16,
                      device="cuda")
     return ws, out, torch.full((batch, rows), float("nan"), device="cuda")
@@ -265,11 +266,7 @@ def balanced_seesaw_matches_float64(lens, heads, ranges, seeded):
                                     charged_ranges=charged, **charge)
     assert plan.seesaw and runs_seesaw(plan, case.q, case.kv_cache), plan.describe()
     sm_scale = default_sm_scale()
-    ws = SplitWorkspace.allocate(len(lens), heads, 1, KV_LORA_RANK, "cuda",
-                                 max_items=plan.max_work_items)
-    out = torch.full((len(lens), heads, KV_LORA_RANK), float("nan"), dtype=torch.bfloat16,
-                     device="cuda")
-    lse = torch.full((len(lens), heads), float("nan"), device="cuda")
+    ws, out, lse = nan_outputs(len(lens), heads, plan)
     mla_decode_balanced(case.q, case.kv_cache, case.block_table, case.seq_lens, out, ws,
                         plan=plan, sm_scale=sm_scale, lse=lse)
     assert_matches_float64(case, lens, out, lse, sm_scale, plan)

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from graphbucket import fp8
-from graphbucket.kernels import SplitWorkspace
 from graphbucket.kernels.launch import default_sm_scale, launch_merge, launch_seesaw_fp8_stage1
 from graphbucket.plan import plan_mla_decode
 from graphbucket.plan_streams import SEESAW_STREAM
 from graphbucket.reference import mla_decode_reference
 from tests.kernel_cases import KV_LORA_RANK, make_case, rel_l2
+from tests.test_seesaw import nan_outputs
 
 E4M3_NAN = 0x7F  # float8_e4m3fn's NaN code
 
@@ -53,6 +53,18 @@ def dequantized(cache, scale):
                                                                            scale.cpu())
 
 
+def split_kv(q, cache, table, seq_lens, scale, plan, sm_scale, q_len=1):
+    """Stage 1 by the fp8 seesaw, then the merge where the plan has one, as
+    ``mla_decode`` launches the bf16 seesaw: (out, lse), NaN where left unwritten."""
+    ws, out, lse = nan_outputs(q.shape[0], q.shape[1], plan)
+    launch_seesaw_fp8_stage1(q, cache, table, seq_lens, out,
+                             ws if plan.use_stage2 else None, plan=plan, sm_scale=sm_scale,
+                             lse=lse, kv_scale=scale, q_len=q_len)
+    if plan.merge_kernel:
+        launch_merge(seq_lens, out, ws, plan=plan, lse=lse, block_n=64)
+    return out, lse
+
+
 def assert_matches(want, want_lse, lens, out, lse, plan):
     """Each request's rows against float64 (an empty request: zeros, LSE -inf). Q's
     float16 rounding (exact for bf16 values of ordinary range) and the tiles' (V3.2: code x
@@ -86,15 +98,7 @@ def test_gpu_fp8_seesaw_matches_float64_over_the_dequantized_cache(lens, heads, 
     plan = plan_mla_decode(len(lens), heads, max(lens), stream=SEESAW_STREAM)
     plan = plan.with_splits(splits) if splits else plan
     sm_scale = default_sm_scale()
-    ws = SplitWorkspace.allocate(len(lens), heads, plan.num_kv_splits, KV_LORA_RANK, "cuda")
-    out = torch.full((len(lens), heads, KV_LORA_RANK), float("nan"), dtype=torch.bfloat16,
-                     device="cuda")
-    lse = torch.full((len(lens), heads), float("nan"), device="cuda")
-    launch_seesaw_fp8_stage1(q, cache, table, seq_lens, out,
-                             ws if plan.use_stage2 else None, plan=plan, sm_scale=sm_scale,
-                             lse=lse, kv_scale=scale)
-    if plan.merge_kernel:
-        launch_merge(seq_lens, out, ws, plan=plan, lse=lse, block_n=64)
+    out, lse = split_kv(q, cache, table, seq_lens, scale, plan, sm_scale)
     want, want_lse = mla_decode_reference(q.cpu(), dequantized(cache, scale),
                                           table.cpu(), seq_lens.cpu(),
                                           kv_lora_rank=KV_LORA_RANK, sm_scale=sm_scale)
@@ -118,16 +122,7 @@ def test_gpu_fp8_seesaw_verify_step_matches_per_token_float64(lens, heads, q_len
     make = fp8_nan_tailed_case if fmt == "fp8-tensor" else v32_nan_tailed_case
     q, cache, table, seq_lens, scale = make(lens, rows, gen)
     plan = plan_mla_decode(len(lens), rows, max(lens), stream=SEESAW_STREAM).with_splits(splits)
-    sm_scale = default_sm_scale()
-    ws = SplitWorkspace.allocate(len(lens), rows, plan.num_kv_splits, KV_LORA_RANK, "cuda")
-    out = torch.full((len(lens), rows, KV_LORA_RANK), float("nan"), dtype=torch.bfloat16,
-                     device="cuda")
-    lse = torch.full((len(lens), rows), float("nan"), device="cuda")
-    launch_seesaw_fp8_stage1(q, cache, table, seq_lens, out,
-                             ws if plan.use_stage2 else None, plan=plan, sm_scale=sm_scale,
-                             lse=lse, kv_scale=scale, q_len=q_len)
-    if plan.merge_kernel:
-        launch_merge(seq_lens, out, ws, plan=plan, lse=lse, block_n=64)
+    out, lse = split_kv(q, cache, table, seq_lens, scale, plan, default_sm_scale(), q_len)
     case = DecodeCase(q.cpu(), dequantized(cache, scale), table.cpu(), seq_lens.cpu())
     want, want_lse = reference(case, q_len)
     assert_matches(want, want_lse, lens, out, lse, plan)
@@ -157,11 +152,7 @@ def test_gpu_fp8_range_seesaw_matches_float64_over_the_dequantized_cache(lens, h
     plan = plan_balanced_mla_decode(len(lens), heads, stream=SEESAW_STREAM, tile_ranges=True,
                                     programs=programs or None, charged_ranges=charged)
     sm_scale = default_sm_scale()
-    ws = SplitWorkspace.allocate(len(lens), heads, 1, KV_LORA_RANK, "cuda",
-                                 max_items=plan.max_work_items)
-    out = torch.full((len(lens), heads, KV_LORA_RANK), float("nan"), dtype=torch.bfloat16,
-                     device="cuda")
-    lse = torch.full((len(lens), heads), float("nan"), device="cuda")
+    ws, out, lse = nan_outputs(len(lens), heads, plan)
     launch_range_planner(seq_lens, ws, plan=plan)
     launch_seesaw_range_stage1(q, cache, table, seq_lens, ws, plan=plan, sm_scale=sm_scale,
                                out=out, lse=lse, kv_scale=scale)

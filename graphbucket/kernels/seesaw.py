@@ -131,11 +131,7 @@ def seesaw_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, OUT, LSE, PART_
     head_block = gl.program_id(0)
     bid = gl.program_id(1)
     split = gl.program_id(2)
-    seq_len = gl.load(SEQ_LENS + bid)
-    tiles = gl.cdiv(seq_len, TILE)
-    per = gl.cdiv(tiles, num_kv_splits)
-    start = split * per * TILE
-    end = gl.minimum(start + per * TILE, seq_len)
+    seq_len, start, end = split_bounds(SEQ_LENS, bid, split, num_kv_splits)
     if start < end:
         num_steps = gl.cdiv(gl.cdiv(end - start, TILE), 2)
         q_layout: gl.constexpr = q_desc.layout
@@ -162,6 +158,16 @@ def seesaw_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, OUT, LSE, PART_
     elif ONE_SPLIT:
         store_empty_request(OUT, LSE, bid, head_block, num_heads, stride_o_b, stride_o_h,
                             stride_lse_b, WRITE_LSE)
+
+
+@gluon.jit
+def split_bounds(SEQ_LENS, bid, split, num_kv_splits):
+    """Request ``bid``'s length and split ``split``'s tokens [start, end): the Triton stage
+    1's split of 64-token tiles (``tiles.split_range``), so the merge kernel combines them."""
+    seq_len = gl.load(SEQ_LENS + bid)
+    per = gl.cdiv(gl.cdiv(seq_len, TILE), num_kv_splits)
+    start = split * per * TILE
+    return seq_len, start, gl.minimum(start + per * TILE, seq_len)
 
 
 @gluon.jit

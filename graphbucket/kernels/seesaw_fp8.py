@@ -25,7 +25,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-from graphbucket.kernels.seesaw import program_outputs, store_empty_request
+from graphbucket.kernels.seesaw import program_outputs, split_bounds, store_empty_request
 from graphbucket.kernels.seesaw_layout import (
     B_FREE_CROSS,
     B_FREE_OWN,
@@ -253,11 +253,7 @@ def seesaw_fp8_stage1_kernel(Q, KV8, KV_SCALE, BLOCK_TABLE, SEQ_LENS, OUT, LSE, 
     head_block = gl.program_id(0)
     bid = gl.program_id(1)
     split = gl.program_id(2)
-    seq_len = gl.load(SEQ_LENS + bid)
-    tiles = gl.cdiv(seq_len, TILE)
-    per = gl.cdiv(tiles, num_kv_splits)
-    start = split * per * TILE
-    end = gl.minimum(start + per * TILE, seq_len)
+    seq_len, start, end = split_bounds(SEQ_LENS, bid, split, num_kv_splits)
     if start < end:
         num_steps = gl.cdiv(gl.cdiv(end - start, TILE), 2)
         box: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BOX], gl.float16)
