@@ -1,20 +1,23 @@
-"""The Gluon seesaw over a per-tensor fp8 cache ("fp8-tensor"; sm_90, under trial): split-KV
-stage 1 with a converting warpgroup in place of the TMA loader.
+"""The Gluon seesaw over fp8 caches (sm_90, under trial): stage 1 with a converting
+warpgroup in place of the TMA loader, over a per-tensor cache ("fp8-tensor") or a V3.2 one
+("fp8-v32"), for split-KV (this module's kernel, verify steps included) and, through
+``fp8_tile_converter``, for the tile ranges of ``seesaw_balanced``.
 
-fp8 wgmma reads only K-major operands. K (the tile's rows, 576 contiguous bytes per
-token) is one, but V (the tile's latent columns, token-major) is not, so the tiles are
-converted for a float16 MMA instead: the converter loads a tile's fp8 rows from global
-memory into registers (16-byte loads), converts them to float16 (exact: every e4m3 number
-is a float16 one) and stores them into the boxes the bf16 kernel's TMA fills, arriving on
-the same ready barriers in the same order; Q is converted once from bf16. The two compute
-warpgroups are the bf16 kernel's (``seesaw_step``) on float16 boxes; the cache's scale
-multiplies the scores and the output there (``kv_scale_ptr``), so the converted tiles hold
-the stored codes. Register loads keep less in flight than TMA, so each step first asks L2
-for the next step's two pages (one bulk prefetch of 36,864 contiguous bytes each): the
-converter's loads then wait on L2, not on HBM.
+fp8 wgmma reads only K-major operands. K (the tile's rows, contiguous per token) is one,
+but V (the tile's latent columns, token-major) is not, so the tiles are converted for a
+float16 MMA instead: the converter loads a tile's fp8 rows from global memory into
+registers (16-byte loads), converts them to float16 (exact: every e4m3 number is a float16
+one) and stores them into the boxes the bf16 kernel's TMA fills, arriving on the same ready
+barriers in the same order; Q is converted once from bf16. The two compute warpgroups are
+the bf16 kernel's (``seesaw_step``) on float16 boxes. A per-tensor scale multiplies the
+scores and the output there (``kv_scale_ptr``), so those boxes hold the stored codes; a
+V3.2 tile's codes are multiplied by their group's scale in the converter, in float16 as the
+Triton kernels do, and its bf16 rope is converted. Register loads keep less in flight than
+TMA, so each step first asks L2 for the next step's two pages (one bulk prefetch of the
+whole contiguous page each): the converter's loads then wait on L2, not on HBM.
 
 Shared memory is the bf16 kernel's (the boxes hold float16). Registers: the converter holds
-one tile half in flight (32 per thread) and takes them from the compute warpgroups, which
+up to two tile halves in flight and takes its registers from the compute warpgroups, which
 run with 256-column PVs only (64-column PVs spill at fewer registers).
 """
 
