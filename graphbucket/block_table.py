@@ -44,7 +44,8 @@ class BlockTable:
     """
 
     __slots__ = ("num_rows", "max_pages", "num_cache_pages", "page_size", "table", "counts",
-                 "_tokens", "_lo", "_hi", "_dirty_rows", "_marks", "_counts_view")
+                 "_tokens", "_lo", "_hi", "_dirty_rows", "_marks", "_counts_view",
+                 "_token_heads")
 
     def __init__(self, spec: BufferSpec, num_rows: int) -> None:
         if isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows < 1:
@@ -64,6 +65,8 @@ class BlockTable:
         self._marks = np.zeros(num_rows, np.int64)  # scratch of append_rows' duplicate check
         self._counts_view = self.counts.view()
         self._counts_view.flags.writeable = False
+        # b -> _tokens[:b]: a step looks its rows' capacities up instead of slicing them.
+        self._token_heads: dict[int, np.ndarray] = {}
 
     def __repr__(self) -> str:
         return (f"BlockTable({self.num_rows} rows x {self.max_pages} pages, "
@@ -205,7 +208,10 @@ class BlockTable:
             if int(lens[0]) > self._tokens[0]:
                 self._short_row(0, int(lens[0]))
             return
-        short = lens > self._tokens[:b]  # one pass (a min first costs as much again)
+        held = self._token_heads.get(b)
+        if held is None:
+            held = self._token_heads[b] = self._tokens[:b]
+        short = lens > held  # one pass (a min first costs as much again)
         if short.any():
             row = int(short.argmax())
             self._short_row(row, int(lens[row]))

@@ -8,7 +8,7 @@ first word is the ticket a graph's copy kernel hands back (``kernels.staging``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -87,22 +87,27 @@ class StagingSlot:
     pending: torch.Event | torch.cuda.Event | None = None
     # The copy-kernel path: the ticket this slot carries and the pinned word the kernel
     # writes it back to (``pending`` is None while a ticket is out).
-    ticket: np.ndarray | None = None
+    # Memoryviews: an item read or write through one is cheaper than numpy's.
+    ticket: memoryview | None = None
     done: torch.Tensor | None = None
-    done_words: np.ndarray | None = None
+    done_words: memoryview | None = None
     issued: int = 0
     in_flight: bool = False
     live_rows: int = 0
     live_tokens: int = 0
     live_changes: int = 0
+    heads: dict = field(default_factory=dict)  # n -> ``_heads(n)``
 
     def fill(self, batch: CheckedBatch, padded_bs: int) -> None:
         """Rows [0, bs) from ``batch``; rows [bs, padded_bs) neutral (zero lengths). Per-token
         rows: [0, bs x q_len) from ``batch``, [bs x q_len, padded_bs x q_len) zero."""
         bs, lens, q_len = batch.batch_size, batch.seq_lens, batch.q_len
         tokens = bs * q_len
-        self.seq_lens[:bs] = lens
-        positions = self.positions[:tokens]
+        heads = self.heads
+        rows = heads.get(bs) or self._heads(bs)
+        rows[0][...] = lens
+        per_token = rows if q_len == 1 else heads.get(tokens) or self._heads(tokens)
+        positions = per_token[1]
         if batch.positions is not None:
             positions[...] = batch.positions
         elif q_len == 1:
@@ -113,8 +118,9 @@ class StagingSlot:
             grid = positions.reshape(bs, q_len)
             np.add(lens[:, None].astype(np.int64) - q_len, np.arange(q_len), out=grid)
             np.maximum(grid, 0, out=grid)
+        inputs = per_token[2]
         for name, arr in batch.host_inputs:
-            self.inputs[name][:tokens] = arr
+            inputs[name][...] = arr
         live = self.live_rows
         top = padded_bs if padded_bs < live else live
         if top > bs:
@@ -131,6 +137,14 @@ class StagingSlot:
         if table is not None:
             self.block_table[:bs, :table.shape[1]] = table
             self._changed(0)
+
+    def _heads(self, n: int) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+        # (seq_lens[:n], positions[:n], name -> inputs[name][:n]), cached per n so that a
+        # step slices nothing: each slice is a numpy call, dear on a host's cold caches.
+        views = (self.seq_lens[:n], self.positions[:n],
+                 {name: arr[:n] for name, arr in self.inputs.items()})
+        self.heads[n] = views
+        return views
 
     def fill_changes(self, table: BlockTable) -> list[tuple[int, int, int]]:
         """The table's changes: listed up to capacity, the rest written into this slot's
@@ -163,8 +177,9 @@ def staging_slot(segments: dict[str, Segment], nbytes: int, device: torch.device
                         table.numpy(), table, views["change_index"].numpy(),
                         views["change_value"].numpy(), sink, inputs,
                         torch.cuda.Event(external=True) if pin else None,
-                        torch.Event(device) if pin else None, ticket=views["ticket"].numpy(),
-                        done=done, done_words=done.numpy())
+                        torch.Event(device) if pin else None,
+                        ticket=memoryview(views["ticket"].numpy()), done=done,
+                        done_words=memoryview(done.numpy()))
 
 
 def table_views(flat: torch.Tensor, max_bs: int) -> tuple[torch.Tensor, torch.Tensor, int]:

@@ -105,6 +105,14 @@ def test_a_host_input_passed_again_is_read_afresh_and_a_resized_one_is_checked()
                          hidden=hidden)).host_inputs[0][1]
     assert one.shape == (1, HIDDEN)
     np.testing.assert_array_equal(one, hidden.numpy())
+    # The tensor checked last step, unchanged, against a batch of another size.
+    with pytest.raises(ValueError, match=rf"inputs\['hidden'\] has shape \(1, {HIDDEN}\); "
+                       rf"expected \(2, {HIDDEN}\)"):
+        validate(batch(hidden=hidden))
+    hidden.data = hidden.data.to(torch.float64)  # the same object, another dtype
+    with pytest.raises(TypeError, match="dtype torch.float64; expected torch.float32"):
+        validate(batch(lens=(40,), table=np.arange(3, dtype=np.int32).reshape(1, 3),
+                       hidden=hidden))
 
 
 def test_wide_tables_are_checked_only_over_live_columns():

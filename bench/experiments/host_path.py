@@ -38,6 +38,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, help="write cpu-host-path.{json,md} here")
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--core", type=int, default=(os.cpu_count() or 1) - 1)
+    p.add_argument("--evict-mb", type=int, default=0,
+                   help="MB written between steps (cold caches; 2x the last-level cache)")
+    p.add_argument("--ladders", nargs="+",
+                   default=["graphbucket/ladders/h200-h16.json", "default"])
     return p.parse_args(argv)
 
 
@@ -73,7 +77,7 @@ def build(ladder_name: str):
     return cfg, selector, buffers, table, validate
 
 
-def cell(parts, bs: int, lo: int, hi: int, steps: int) -> dict:
+def cell(parts, bs: int, lo: int, hi: int, steps: int, evict_mb: int = 0) -> dict:
     import numpy as np
 
     from bench.capture_dispatch import Trajectory
@@ -83,9 +87,12 @@ def cell(parts, bs: int, lo: int, hi: int, steps: int) -> dict:
         table.release(row)
     traj = Trajectory(cfg, table, bs, lo, hi, np.random.default_rng(0))
     samples: dict[str, list[float]] = {p: [] for p in PHASES}
+    junk = np.zeros(evict_mb * 2**20 // 8) if evict_mb else None
     clock = time.perf_counter
     for i in range(steps + 50):
         lens = traj.advance()  # the scheduler's bookkeeping, outside the timing
+        if junk is not None:
+            junk.fill(i)
         t0 = clock()
         traj.advance_table()
         t1 = clock()
@@ -116,13 +123,15 @@ def cpu_name() -> str:
 
 
 def markdown(meta: dict, runs: dict[str, list[dict]]) -> str:
+    cold = (f" Before each step {meta['evict_mb']} MB were written (cold caches)."
+            if meta.get("evict_mb") else "")
     lines = ["# The host work of a decode step, without a GPU (the code's own cost)", "",
              f"{meta['date']}, {meta['cpu']} ({meta['cores']} cores), Python "
              f"{meta['python']}, torch {meta['torch']}, numpy {meta['numpy']}; pinned to core "
              f"{meta['core']}. Command: "
              f"`{meta['command']}`. BlockTable steps of the capture bench's spec, staged into "
              "CPU buffers (no device copy, no replay); median microseconds over "
-             f"{meta['steps']} steps.", ""]
+             f"{meta['steps']} steps.{cold}", ""]
     for ladder, rows in runs.items():
         lines += [f"Ladder: {ladder}", "",
                   "| batch | lengths | verbs | validate | select | stage | total | p90 |",
@@ -145,9 +154,9 @@ def main(argv: list[str] | None = None) -> None:
         os.sched_setaffinity(0, {args.core})
     torch.set_num_threads(1)
     runs = {}
-    for name in ("graphbucket/ladders/h200-h16.json", "default"):
+    for name in args.ladders:
         parts = build(name)
-        runs[name] = [cell(parts, bs, lo, hi, args.steps) for bs, lo, hi in CELLS]
+        runs[name] = [cell(parts, bs, lo, hi, args.steps, args.evict_mb) for bs, lo, hi in CELLS]
         for r in runs[name]:
             print(name, r["batch"], r["lengths"], r["us_median"], flush=True)
     import datetime
@@ -156,14 +165,16 @@ def main(argv: list[str] | None = None) -> None:
             "cpu": cpu_name(), "cores": os.cpu_count(),
             "python": platform.python_version(), "torch": torch.__version__,
             "numpy": np.__version__, "core": args.core, "steps": args.steps,
+            "evict_mb": args.evict_mb,
             "command": "python3 " + " ".join(sys.argv)}
     text = markdown(meta, runs)
     print(text)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "cpu-host-path.json").write_text(json.dumps({"meta": meta, "runs": runs},
-                                                                indent=1))
-        (args.out / "cpu-host-path.md").write_text(text)
+        stem = "cpu-host-path-cold" if args.evict_mb else "cpu-host-path"
+        (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "runs": runs},
+                                                          indent=1))
+        (args.out / f"{stem}.md").write_text(text)
 
 
 if __name__ == "__main__":
