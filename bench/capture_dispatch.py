@@ -251,7 +251,7 @@ def host_times(runner: GraphBucketRunner, batches: list[DecodeBatch], cuda: bool
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         host = validate(batch)
-        key = selector.key_for(host.batch_size, host.min_len, host.max_len, host.seq_lens)
+        key = selector.key_for(host.batch_size, host.min_len, host.max_len, host.lengths)
         t1 = time.perf_counter()
         slot = buffers.stage(host, key.batch_size, in_graph=graphs.copy_in_graph)
         t2 = time.perf_counter()

@@ -90,6 +90,13 @@ class CheckedBatch:
     device_inputs: tuple[tuple[str, torch.Tensor], ...] = ()
     q_len: int = 1
     paged: BlockTable | None = None
+    lens_list: list | None = None  # seq_lens as the caller's list, when it passed one
+
+    @property
+    def lengths(self) -> list | np.ndarray:
+        """The lengths for host arithmetic: the caller's list where it passed one (builtins
+        over a batch's list cost less than numpy's calls), else ``seq_lens``."""
+        return self.seq_lens if self.lens_list is None else self.lens_list
 
 
 def _host_ints(name: str, value: Any, ndim: int) -> np.ndarray:
@@ -167,7 +174,7 @@ class BatchValidator:
             if raw_table is not self.block_table:
                 raise ValueError("block_table_cpu is a BlockTable this runner does not own; "
                                  "pass runner.block_table (or a plain array)")
-            raw_table.check_lengths(lens)
+            raw_table.check_lengths(raw if type(raw) is list else lens)
             table, paged = None, raw_table
         else:
             table = self._block_table(_host_ints("block_table_cpu", raw_table, 2), lens,
@@ -179,7 +186,7 @@ class BatchValidator:
         inputs = batch.inputs
         host, device = self._split_inputs(inputs, bs * q_len)
         return CheckedBatch(lens, table, positions, inputs, min_len, max_len, bs, host, device,
-                            q_len, paged)
+                            q_len, paged, raw if type(raw) is list else None)
 
     def _q_len(self, q_len: Any) -> None:
         if isinstance(q_len, bool) or not isinstance(q_len, int) or q_len < 1:

@@ -24,6 +24,7 @@ Host only: nothing here touches a device.
 
 from __future__ import annotations
 
+from operator import gt
 from typing import Any
 
 import numpy as np
@@ -44,8 +45,7 @@ class BlockTable:
     """
 
     __slots__ = ("num_rows", "max_pages", "num_cache_pages", "page_size", "table", "counts",
-                 "_tokens", "_lo", "_hi", "_dirty_rows", "_marks", "_counts_view",
-                 "_token_heads")
+                 "_tokens", "_lo", "_hi", "_dirty_rows", "_marks", "_counts_view")
 
     def __init__(self, spec: BufferSpec, num_rows: int) -> None:
         if isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows < 1:
@@ -54,7 +54,10 @@ class BlockTable:
         self.num_cache_pages, self.page_size = spec.num_pages, spec.page_size
         self.table = np.zeros((num_rows, self.max_pages), np.int32)
         self.counts = np.zeros(num_rows, np.int64)
-        self._tokens = np.zeros(num_rows, np.int64)  # counts x page_size: the lengths rows hold
+        # counts x page_size, the lengths rows hold: a list, so that a step's check of its
+        # lengths is one pass of builtins (numpy's calls cost more, on cold caches many times
+        # more, than comparing a batch's lengths one by one).
+        self._tokens: list[int] = [0] * num_rows
         # Changed columns of row r: [_lo[r], _hi[r]); clean rows have lo = max_pages, hi = 0.
         # Rows that turned dirty since the last staged step, so that draining the changes
         # costs what changed, not the table's height (a listed row may be clean again, or
@@ -65,8 +68,6 @@ class BlockTable:
         self._marks = np.zeros(num_rows, np.int64)  # scratch of append_rows' duplicate check
         self._counts_view = self.counts.view()
         self._counts_view.flags.writeable = False
-        # b -> _tokens[:b]: a step looks its rows' capacities up instead of slicing them.
-        self._token_heads: dict[int, np.ndarray] = {}
 
     def __repr__(self) -> str:
         return (f"BlockTable({self.num_rows} rows x {self.max_pages} pages, "
@@ -151,7 +152,9 @@ class BlockTable:
             raise self._full_row_error(int(rows[starts.argmax()]))
         self.table[rows, starts] = new
         self.counts[rows] = starts + 1
-        self._tokens[rows] += self.page_size
+        tokens, page = self._tokens, self.page_size
+        for row in rows.tolist():
+            tokens[row] += page
         fresh = rows[self._hi[rows] == 0]
         if fresh.size:
             self._dirty_rows.extend(fresh.tolist())
@@ -198,22 +201,17 @@ class BlockTable:
 
     # ---- staging ----------------------------------------------------------------------------
 
-    def check_lengths(self, lens: np.ndarray) -> None:
-        """Raise ValueError unless rows [0, B) hold the pages that ``lens`` [B] need."""
-        b = lens.shape[0]
+    def check_lengths(self, lens: list[int] | np.ndarray) -> None:
+        """Raise ValueError unless rows [0, B) hold the pages that ``lens`` [B] (ints) need."""
+        if type(lens) is not list:
+            lens = lens.tolist()
+        b = len(lens)
         if b > self.num_rows:
             raise ValueError(f"seq_lens_cpu has {b} requests but the block table has "
                              f"{self.num_rows} rows (batch slots)")
-        if b == 1:
-            if int(lens[0]) > self._tokens[0]:
-                self._short_row(0, int(lens[0]))
-            return
-        held = self._token_heads.get(b)
-        if held is None:
-            held = self._token_heads[b] = self._tokens[:b]
-        short = lens > held  # one pass (a min first costs as much again)
-        if short.any():
-            row = int(short.argmax())
+        held = self._tokens
+        if any(map(gt, lens, held)):  # stops at the batch's last row
+            row = next(i for i, (length, cap) in enumerate(zip(lens, held)) if length > cap)
             self._short_row(row, int(lens[row]))
 
     def changes(self, index_out: np.ndarray, value_out: np.ndarray, row_width: int

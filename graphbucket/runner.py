@@ -227,7 +227,7 @@ class GraphBucketRunner:
         try:
             host = self._validate(batch)
             key = self.selector.key_for(host.batch_size, host.min_len, host.max_len,
-                                        host.seq_lens, host.q_len)
+                                        host.lengths, host.q_len)
             eager = self.graphs is None or key is None
             buffers = self._buffers_for(host.batch_size) if eager else self.buffers
             # A graph copies its staging slot itself, unless device inputs must land after

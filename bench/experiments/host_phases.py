@@ -138,7 +138,7 @@ def wall_split(runner, traj, steps: int, cuda: bool, idle: str = "", idle_ms: fl
         t1 = clock()
         host = validate(traj.table_batch(lens))
         t2 = clock()
-        key = selector.key_for(host.batch_size, host.min_len, host.max_len, host.seq_lens,
+        key = selector.key_for(host.batch_size, host.min_len, host.max_len, host.lengths,
                                host.q_len)
         t3 = clock()
         slot = buffers.stage(host, key.batch_size, in_graph=graphs.copy_in_graph)
