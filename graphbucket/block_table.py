@@ -211,7 +211,7 @@ class BlockTable:
                              f"{self.num_rows} rows (batch slots)")
         held = self._tokens
         if any(map(gt, lens, held)):  # stops at the batch's last row
-            row = next(i for i, (length, cap) in enumerate(zip(lens, held)) if length > cap)
+            row = next(i for i, length in enumerate(lens) if length > held[i])
             self._short_row(row, int(lens[row]))
 
     def changes(self, index_out: np.ndarray, value_out: np.ndarray, row_width: int
