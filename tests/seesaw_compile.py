@@ -42,9 +42,10 @@ POINTERS = {"BLOCK_TABLE": "*i32", "SEQ_LENS": "*i32", "OUT": "*bf16", "LSE": "*
 
 def compile_stage1(balanced: bool = False, ranges: bool = False, charged: bool = False,
                    one_rescale: bool = False, q_len: int = 1, wide_pv: bool = False):
-    """The split-KV seesaw (its step in the one-rescale order with ``one_rescale``, its PV
-    as one 256-column wgmma with ``wide_pv``), or the one over balanced work items
-    (``balanced``) or over tile ranges (``ranges``; a charged cut's with ``charged``)."""
+    """The split-KV seesaw (its step in the one-rescale order with ``one_rescale``; its PV
+    as one 256-column wgmma with ``wide_pv``, the kernels' default, else as four 64-column
+    ones, kept to compare), or the one over balanced work items (``balanced``) or over tile
+    ranges (``ranges``; a charged cut's with ``charged``)."""
     q = torch.zeros(2, 128, 576, dtype=torch.bfloat16)
     cache = torch.zeros(8, 64, 576, dtype=torch.bfloat16)
     descriptors = dict(zip(("q_desc", "kv_desc"), seesaw.descriptors(q, cache), strict=True))

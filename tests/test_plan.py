@@ -129,6 +129,25 @@ def test_runs_seesaw_only_where_the_kernel_applies():
     assert not runs_seesaw(dataclasses.replace(plan, seesaw=False), q, cache)
 
 
+def test_runs_seesaw_over_fp8_only_where_the_kernel_applies():
+    """Not on a CPU, not for bf16 caches, verify steps or 16-row plans: each leaves the plan
+    to the Triton kernel."""
+    import torch
+
+    from graphbucket.kernels.launch import runs_seesaw_over_fp8
+
+    plan = plan_mla_decode(2, 128, 4096)
+    q = torch.zeros(2, 128, 576, dtype=torch.bfloat16)
+    cache = torch.zeros(4, 64, 576, dtype=torch.float8_e4m3fn)
+    scale = torch.ones(1)
+    assert plan.seesaw and not runs_seesaw_over_fp8(plan, q, cache, kv_scale=scale)
+    bf16 = cache.to(torch.bfloat16)
+    assert not runs_seesaw_over_fp8(plan, q, bf16)
+    assert not runs_seesaw_over_fp8(plan, q, cache, kv_scale=scale, q_len=2)
+    assert not runs_seesaw_over_fp8(plan_mla_decode(2, 16, 4096), q[:, :16], cache,
+                                    kv_scale=scale)
+
+
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "8"])
 def test_bad_arguments_raise(bad):
     with pytest.raises(ValueError, match="positive int"):

@@ -1,6 +1,7 @@
-"""The Gluon seesaw over fp8 caches (``kernels/seesaw_fp8.py``, under trial), per-tensor
-and V3.2: stage 1 launched directly, then the merge as ``mla_decode`` launches it, against
-float64 over the dequantized cache (sm_90 only; the compile test in ``test_seesaw.py``
+"""The Gluon seesaw over fp8 caches (``kernels/seesaw_fp8.py``), per-tensor and V3.2:
+stage 1 launched directly, then the merge as ``mla_decode`` launches it, and through
+``mla_decode`` / ``mla_decode_balanced`` for the plans they route to it, against float64
+over the dequantized cache (sm_90 only; the compile test in ``test_seesaw.py``
 covers the kernels on any machine)."""
 
 from __future__ import annotations
@@ -158,6 +159,35 @@ def test_gpu_fp8_range_seesaw_matches_float64_over_the_dequantized_cache(lens, h
                                out=out, lse=lse, kv_scale=scale)
     launch_balanced_merge(out, ws, plan=plan, lse=lse, merge_single=not charged,
                           dependent=charged and pdl_capable(out.device))
+    want, want_lse = mla_decode_reference(q.cpu(), dequantized(cache, scale), table.cpu(),
+                                          seq_lens.cpu(), kv_lora_rank=KV_LORA_RANK,
+                                          sm_scale=sm_scale)
+    assert_matches(want, want_lse, lens, out, lse, plan)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens", [[63, 64, 65, 0], [70000] + [1000] * 15])
+@pytest.mark.parametrize("balanced", [False, True])
+@pytest.mark.parametrize("fmt", ["fp8-tensor", "fp8-v32"])
+def test_gpu_mla_decode_runs_seesaw_plans_over_fp8_on_the_fp8_seesaw(lens, balanced, fmt,
+                                                                     seeded):
+    """The public launches route a 128-head seesaw plan over an fp8 cache (split-KV, and a
+    balanced plan over tile ranges) to the fp8 seesaw, checked, against float64."""
+    from graphbucket.kernels.launch import mla_decode, runs_seesaw_over_fp8
+    from graphbucket.kernels.launch_balanced import mla_decode_balanced
+    from graphbucket.plan import plan_balanced_mla_decode
+
+    gen = torch.Generator().manual_seed(seeded)
+    make = fp8_nan_tailed_case if fmt == "fp8-tensor" else v32_nan_tailed_case
+    q, cache, table, seq_lens, scale = make(lens, 128, gen)
+    plan = (plan_balanced_mla_decode(len(lens), 128, tile_ranges=True) if balanced
+            else plan_mla_decode(len(lens), 128, max(lens)))
+    assert plan.seesaw and runs_seesaw_over_fp8(plan, q, cache, kv_scale=scale), plan.describe()
+    sm_scale = default_sm_scale()
+    ws, out, lse = nan_outputs(len(lens), 128, plan)
+    decode = mla_decode_balanced if balanced else mla_decode
+    decode(q, cache, table, seq_lens, out, ws, plan=plan, sm_scale=sm_scale, lse=lse,
+           kv_scale=scale)
     want, want_lse = mla_decode_reference(q.cpu(), dequantized(cache, scale), table.cpu(),
                                           seq_lens.cpu(), kv_lora_rank=KV_LORA_RANK,
                                           sm_scale=sm_scale)

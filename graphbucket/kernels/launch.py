@@ -20,6 +20,8 @@ from graphbucket.kernels.stage1 import mla_decode_stage1_kernel
 from graphbucket.plan import LaunchPlan
 
 LOG2E = 1.4426950408889634
+# The Gluon seesaws' tile in tokens (``seesaw_layout.TILE``): the unit their splits are cut in.
+SEESAW_TILE = 64
 
 @dataclass(frozen=True, slots=True)
 class SplitWorkspace:
@@ -211,15 +213,19 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
                               kv_scale)
         check_q_len(plan, q_len)
     workspace = workspace if plan.use_stage2 else None
+    block_n = kv_tile_tokens(plan, kv_cache)
     if runs_seesaw(plan, q, kv_cache, q_len=q_len, kv_scale=kv_scale):
         launch_seesaw_stage1(q, kv_cache, block_table, seq_lens, out, workspace, plan=plan,
                              sm_scale=sm_scale, lse=lse)
+    elif runs_seesaw_over_fp8(plan, q, kv_cache, q_len=q_len, kv_scale=kv_scale):
+        launch_seesaw_fp8_stage1(q, kv_cache, block_table, seq_lens, out, workspace, plan=plan,
+                                 sm_scale=sm_scale, lse=lse, kv_scale=kv_scale)
+        block_n = SEESAW_TILE  # its splits are cut in 64-token tiles
     else:
         launch_stage1(q, kv_cache, block_table, seq_lens, out, workspace, plan=plan,
                       kv_scale=kv_scale, q_len=q_len, sm_scale=sm_scale, lse=lse)
     if plan.merge_kernel:
-        launch_merge(seq_lens, out, workspace, plan=plan, lse=lse,
-                     block_n=kv_tile_tokens(plan, kv_cache))
+        launch_merge(seq_lens, out, workspace, plan=plan, lse=lse, block_n=block_n)
     return out
 
 
@@ -265,6 +271,24 @@ def runs_seesaw(plan: LaunchPlan, q: torch.Tensor, kv_cache: torch.Tensor, *, q_
             and kv_cache.shape[1] == 64 and plan.block_h == 64
             and (plan.num_heads % 64 == 0 or plan.num_heads < 64)
             and q.is_contiguous() and kv_cache.is_contiguous())
+
+
+def runs_seesaw_over_fp8(plan: LaunchPlan, q: torch.Tensor, kv_cache: torch.Tensor, *,
+                         q_len: int = 1, kv_scale: torch.Tensor | None = None) -> bool:
+    """Whether a ``plan.seesaw`` launch over an fp8 cache runs the Gluon fp8 seesaw's stage 1
+    (``kernels.seesaw_fp8``): on sm_90 (compiled, not interpreted), one query token per
+    request, a per-tensor cache with its ``kv_scale`` or a V3.2 cache, bf16 q, 64-token
+    pages, 64-row programs (``block_h`` 64). Otherwise the Triton 64-row kernel runs the
+    plan. Static properties only: capture and replay take the same path."""
+    if not (plan.seesaw and q_len == 1 and plan.block_h == 64
+            and kv_cache.dtype in (torch.float8_e4m3fn, torch.uint8)
+            and plan.kv_lora_rank + plan.qk_rope_dim == 576
+            and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+            and _warpgroup_mma_capable(q.device)):
+        return False
+    from graphbucket.kernels.seesaw_fp8 import runs_seesaw_fp8
+
+    return runs_seesaw_fp8(q, kv_cache, kv_scale, plan.num_heads)
 
 
 @functools.cache

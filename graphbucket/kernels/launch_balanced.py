@@ -23,6 +23,7 @@ from graphbucket.kernels.launch import (
     kv_tile_tokens,
     pdl_capable,
     runs_seesaw,
+    runs_seesaw_over_fp8,
 )
 from graphbucket.plan import LaunchPlan, pow2_ceil
 
@@ -54,11 +55,15 @@ def mla_decode_balanced(q: torch.Tensor, kv_cache: torch.Tensor, block_table: to
                               kv_scale)
     block_n = kv_tile_tokens(plan, kv_cache)
     seesaw = runs_seesaw(plan, q, kv_cache, kv_scale=kv_scale)
+    # Over an fp8 cache, the seesaw's tile ranges run with its converter (the item seesaw
+    # has none: those plans run on the Triton stage 1).
+    if not seesaw and plan.tile_ranges:
+        seesaw = runs_seesaw_over_fp8(plan, q, kv_cache, kv_scale=kv_scale)
     if seesaw and plan.tile_ranges:
         if partition:
             launch_range_planner(seq_lens, workspace, plan=plan)
         launch_seesaw_range_stage1(q, kv_cache, block_table, seq_lens, workspace, plan=plan,
-                                   sm_scale=sm_scale, out=out, lse=lse)
+                                   sm_scale=sm_scale, out=out, lse=lse, kv_scale=kv_scale)
     elif seesaw:
         if partition:
             launch_item_planner(seq_lens, workspace, plan=plan, block_n=block_n)

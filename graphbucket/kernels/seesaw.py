@@ -125,7 +125,7 @@ def seesaw_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, OUT, LSE, PART_
                          PAGE_SIZE: gl.constexpr, ONE_SPLIT: gl.constexpr,
                          WRITE_LSE: gl.constexpr, ONE_RESCALE: gl.constexpr = False,
                          Q_LEN: gl.constexpr = 1, rows_per_token=1,
-                         PV_COLS: gl.constexpr = 64):
+                         PV_COLS: gl.constexpr = 256):
     # Grid (head blocks, batch, splits): the programs of one request's head blocks launch
     # together and read the same pages about together, the second from L2.
     head_block = gl.program_id(0)

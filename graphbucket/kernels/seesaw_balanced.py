@@ -44,7 +44,7 @@ def seesaw_balanced_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, ITEM_I
                                   CHUNK_TILES, PART_O, PART_LSE, batch, num_heads,
                                   qk_scale_log2, stride_bt_b, stride_po_i, stride_po_h,
                                   stride_pl_i, PAGE_SIZE: gl.constexpr,
-                                  BLOCK_B: gl.constexpr, PV_COLS: gl.constexpr = 64):
+                                  BLOCK_B: gl.constexpr, PV_COLS: gl.constexpr = 256):
     """The seesaw over balanced work items (``kernels/balanced.py``'s partition of the
     step's tiles, computed on the device): grid (head blocks, most items), program i takes
     item i when the step has that many. Every item writes a float32 partial (log2 LSE); the
@@ -222,7 +222,7 @@ def seesaw_range_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDP
                                stride_bt_b, stride_po_i, stride_po_h, stride_pl_i, stride_o_b,
                                stride_o_h, stride_lse_b, PAGE_SIZE: gl.constexpr,
                                BLOCK_B: gl.constexpr, CHARGED: gl.constexpr = False,
-                               WRITE_LSE: gl.constexpr = False, PV_COLS: gl.constexpr = 64,
+                               WRITE_LSE: gl.constexpr = False, PV_COLS: gl.constexpr = 256,
                                KV_FP8: gl.constexpr = 0, Q=None, KV8=None, KV_SCALE=None,
                                q_rows=0):
     """The seesaw on persistent programs over equal ranges of the step's tiles
