@@ -83,14 +83,14 @@ def test_gpu_seesaw_matches_float64(lens, heads, splits, seeded):
                                   [2048] * 8])
 @pytest.mark.parametrize("heads", [16, 128])
 @pytest.mark.parametrize("splits", [1, 3, 0])
-# The step variants under trial: one-rescale order, 256-column PVs, both.
-@pytest.mark.parametrize("one_rescale, pv_cols", [(True, 64), (False, 256), (True, 256)])
+# The variants kept to compare: one-rescale order, 64-column PVs, both (256 is the default).
+@pytest.mark.parametrize("one_rescale, pv_cols", [(True, 64), (False, 64), (True, 256)])
 def test_gpu_seesaw_step_variants_match_float64(lens, heads, splits, one_rescale, pv_cols,
                                                 seeded):
-    """The step variants under trial (``seesaw_step._one_rescale_step``: both tiles' P
-    against the step's final max, one O rescale, the two PVs back to back; ``PV_COLS``
-    256: one m64n256k16 per 16 tokens over a warpgroup's four value boxes), stage 1 then
-    the merge as ``mla_decode`` launches them."""
+    """The step variants kept to compare (``seesaw_step._one_rescale_step``: both tiles' P
+    against the step's final max, one O rescale, the two PVs back to back; ``PV_COLS`` 64:
+    four m64n64k16 per 16 tokens, one per value box), stage 1 then the merge as
+    ``mla_decode`` launches them."""
     gen = torch.Generator().manual_seed(seeded)
     case = nan_tailed_case(lens, heads, gen)
     plan = plan_mla_decode(len(lens), heads, max(lens), stream=SEESAW_STREAM)
@@ -109,13 +109,14 @@ def test_gpu_seesaw_step_variants_match_float64(lens, heads, splits, one_rescale
 @pytest.mark.parametrize("heads, q_len", [(16, 2), (16, 4), (128, 2)])
 # "tile": one 64-token tile per split, up to 64 splits (short last splits).
 @pytest.mark.parametrize("splits", [1, 3, "tile"])
-@pytest.mark.parametrize("one_rescale, pv_cols", [(False, 64), (True, 64), (True, 256)])
+@pytest.mark.parametrize("one_rescale, pv_cols", [(False, None), (False, 64), (True, 256)])
 def test_gpu_seesaw_verify_step_matches_per_token_float64(lens, heads, q_len, splits,
                                                            one_rescale, pv_cols, seeded):
-    """A verify step on the seesaw (under trial, launched directly): q_len tokens x heads
-    rows, token j seeing the positions before seq_len - q_len + j + 1. One-tile splits
-    leave a request's last split with rows that see no token (zeros, LSE -inf into the
-    merge)."""
+    """A verify step on the seesaw: q_len tokens x heads rows, token j seeing the positions
+    before seq_len - q_len + j + 1. One-tile splits leave a request's last split with rows
+    that see no token (zeros, LSE -inf into the merge). The default step goes through
+    ``mla_decode`` (which routes a seesaw plan's verify step here), the variants are
+    launched directly."""
     from tests.test_multi_token import reference
 
     gen = torch.Generator().manual_seed(seeded)
@@ -123,11 +124,16 @@ def test_gpu_seesaw_verify_step_matches_per_token_float64(lens, heads, q_len, sp
     case = nan_tailed_case(lens, rows, gen)
     plan = plan_mla_decode(len(lens), rows, max(lens), stream=SEESAW_STREAM)
     plan = plan.with_splits(min(64, -(-max(lens) // 64)) if splits == "tile" else splits)
-    assert plan.seesaw and plan.block_h == 64, plan.describe()
+    q = case.q.contiguous()
+    assert plan.seesaw and runs_seesaw(plan, q, case.kv_cache, q_len=q_len), plan.describe()
     sm_scale = default_sm_scale()
     ws, out, lse = nan_outputs(len(lens), rows, plan)
-    seesaw_then_merge(case, plan, ws, out, lse, sm_scale, one_rescale=one_rescale,
-                      q_len=q_len, pv_cols=pv_cols)
+    if pv_cols is None and not one_rescale:
+        mla_decode(q, case.kv_cache, case.block_table, case.seq_lens, out, ws, plan=plan,
+                   sm_scale=sm_scale, lse=lse, q_len=q_len)
+    else:
+        seesaw_then_merge(case, plan, ws, out, lse, sm_scale, one_rescale=one_rescale,
+                          q_len=q_len, pv_cols=pv_cols)
     assert_matches(*reference(case, q_len), lens, out, lse, plan)
 
 
@@ -245,13 +251,13 @@ def test_gpu_balanced_seesaw_matches_float64(lens, heads, ranges, seeded):
 @pytest.mark.parametrize("ranges", [None, 3, "charged-0", "charged-3"])
 def test_gpu_balanced_seesaw_step_variants_match_float64(lens, heads, ranges, seeded,
                                                          monkeypatch):
-    """The balanced seesaw kernels with 256-column PVs (under trial), through the whole
-    balanced path."""
+    """The balanced seesaw kernels with 64-column PVs (kept to compare; 256 is the
+    default), through the whole balanced path."""
     from graphbucket.kernels import launch_balanced
 
     for name in ("launch_seesaw_balanced_stage1", "launch_seesaw_range_stage1"):
         monkeypatch.setattr(launch_balanced, name,
-                            functools.partial(getattr(launch_balanced, name), pv_cols=256))
+                            functools.partial(getattr(launch_balanced, name), pv_cols=64))
     balanced_seesaw_matches_float64(lens, heads, ranges, seeded)
 
 

@@ -54,13 +54,13 @@ def dequantized(cache, scale):
                                                                            scale.cpu())
 
 
-def split_kv(q, cache, table, seq_lens, scale, plan, sm_scale, q_len=1):
+def split_kv(q, cache, table, seq_lens, scale, plan, sm_scale):
     """Stage 1 by the fp8 seesaw, then the merge where the plan has one, as
     ``mla_decode`` launches the bf16 seesaw: (out, lse), NaN where left unwritten."""
     ws, out, lse = nan_outputs(q.shape[0], q.shape[1], plan)
     launch_seesaw_fp8_stage1(q, cache, table, seq_lens, out,
                              ws if plan.use_stage2 else None, plan=plan, sm_scale=sm_scale,
-                             lse=lse, kv_scale=scale, q_len=q_len)
+                             lse=lse, kv_scale=scale)
     if plan.merge_kernel:
         launch_merge(seq_lens, out, ws, plan=plan, lse=lse, block_n=64)
     return out, lse
@@ -114,7 +114,9 @@ def test_gpu_fp8_seesaw_matches_float64_over_the_dequantized_cache(lens, heads, 
 def test_gpu_fp8_seesaw_verify_step_matches_per_token_float64(lens, heads, q_len, splits, fmt,
                                                                seeded):
     """A verify step of q_len tokens x heads rows over an fp8 cache, token j seeing the
-    positions before seq_len - q_len + j + 1 (a row that sees none: zeros, LSE -inf)."""
+    positions before seq_len - q_len + j + 1 (a row that sees none: zeros, LSE -inf),
+    through ``mla_decode``, which routes a seesaw plan's verify step to the fp8 seesaw."""
+    from graphbucket.kernels.launch import mla_decode, runs_seesaw_over_fp8
     from tests.kernel_cases import DecodeCase
     from tests.test_multi_token import reference
 
@@ -123,7 +125,10 @@ def test_gpu_fp8_seesaw_verify_step_matches_per_token_float64(lens, heads, q_len
     make = fp8_nan_tailed_case if fmt == "fp8-tensor" else v32_nan_tailed_case
     q, cache, table, seq_lens, scale = make(lens, rows, gen)
     plan = plan_mla_decode(len(lens), rows, max(lens), stream=SEESAW_STREAM).with_splits(splits)
-    out, lse = split_kv(q, cache, table, seq_lens, scale, plan, default_sm_scale(), q_len)
+    assert runs_seesaw_over_fp8(plan, q, cache, q_len=q_len, kv_scale=scale), plan.describe()
+    ws, out, lse = nan_outputs(len(lens), rows, plan)
+    mla_decode(q, cache, table, seq_lens, out, ws, plan=plan, sm_scale=default_sm_scale(),
+               lse=lse, kv_scale=scale, q_len=q_len)
     case = DecodeCase(q.cpu(), dequantized(cache, scale), table.cpu(), seq_lens.cpu())
     want, want_lse = reference(case, q_len)
     assert_matches(want, want_lse, lens, out, lse, plan)

@@ -216,10 +216,10 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     block_n = kv_tile_tokens(plan, kv_cache)
     if runs_seesaw(plan, q, kv_cache, q_len=q_len, kv_scale=kv_scale):
         launch_seesaw_stage1(q, kv_cache, block_table, seq_lens, out, workspace, plan=plan,
-                             sm_scale=sm_scale, lse=lse)
+                             sm_scale=sm_scale, lse=lse, q_len=q_len)
     elif runs_seesaw_over_fp8(plan, q, kv_cache, q_len=q_len, kv_scale=kv_scale):
         launch_seesaw_fp8_stage1(q, kv_cache, block_table, seq_lens, out, workspace, plan=plan,
-                                 sm_scale=sm_scale, lse=lse, kv_scale=kv_scale)
+                                 sm_scale=sm_scale, lse=lse, kv_scale=kv_scale, q_len=q_len)
         block_n = SEESAW_TILE  # its splits are cut in 64-token tiles
     else:
         launch_stage1(q, kv_cache, block_table, seq_lens, out, workspace, plan=plan,
@@ -258,12 +258,11 @@ def _warpgroup_mma_capable(device: torch.device) -> bool:
 def runs_seesaw(plan: LaunchPlan, q: torch.Tensor, kv_cache: torch.Tensor, *, q_len: int = 1,
                 kv_scale: torch.Tensor | None = None) -> bool:
     """Whether a ``plan.seesaw`` launch runs the Gluon seesaw stage 1: on sm_90 (compiled,
-    not interpreted), one query token per request, bf16 q and cache, a contiguous cache of
-    64-token pages 576 wide, contiguous q with heads a multiple of 64 or fewer than 64
-    (64-row programs, ``block_h`` 64). Otherwise the
-    Triton 64-row kernel runs the same plan. Static properties only: capture and replay
-    take the same path."""
-    return (plan.seesaw and q_len == 1 and kv_scale is None
+    not interpreted), bf16 q and cache, a contiguous cache of 64-token pages 576 wide,
+    contiguous q with rows (q_len tokens x heads) a multiple of 64 or fewer than 64
+    (64-row programs, ``block_h`` 64). Otherwise the Triton 64-row kernel runs the same
+    plan. Static properties only: capture and replay take the same path."""
+    return (plan.seesaw and plan.num_heads % q_len == 0 and kv_scale is None
             and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
             and _warpgroup_mma_capable(q.device)
             and q.dtype == kv_cache.dtype == torch.bfloat16
@@ -276,11 +275,11 @@ def runs_seesaw(plan: LaunchPlan, q: torch.Tensor, kv_cache: torch.Tensor, *, q_
 def runs_seesaw_over_fp8(plan: LaunchPlan, q: torch.Tensor, kv_cache: torch.Tensor, *,
                          q_len: int = 1, kv_scale: torch.Tensor | None = None) -> bool:
     """Whether a ``plan.seesaw`` launch over an fp8 cache runs the Gluon fp8 seesaw's stage 1
-    (``kernels.seesaw_fp8``): on sm_90 (compiled, not interpreted), one query token per
-    request, a per-tensor cache with its ``kv_scale`` or a V3.2 cache, bf16 q, 64-token
-    pages, 64-row programs (``block_h`` 64). Otherwise the Triton 64-row kernel runs the
-    plan. Static properties only: capture and replay take the same path."""
-    if not (plan.seesaw and q_len == 1 and plan.block_h == 64
+    (``kernels.seesaw_fp8``): on sm_90 (compiled, not interpreted), a per-tensor cache with
+    its ``kv_scale`` or a V3.2 cache, bf16 q, 64-token pages, 64-row programs (``block_h``
+    64; rows: q_len tokens x heads). Otherwise the Triton 64-row kernel runs the plan.
+    Static properties only: capture and replay take the same path."""
+    if not (plan.seesaw and plan.num_heads % q_len == 0 and plan.block_h == 64
             and kv_cache.dtype in (torch.float8_e4m3fn, torch.uint8)
             and plan.kv_lora_rank + plan.qk_rope_dim == 576
             and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
@@ -398,11 +397,11 @@ def launch_seesaw_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
                          q_len: int = 1, pv_cols: int | None = None) -> None:
     """Stage 1 by the Gluon seesaw kernel (unchecked; where ``runs_seesaw`` holds). One
     split: writes ``out`` (and ``lse``); else the partials the merge kernel reads.
-    ``one_rescale``: the step order under trial (``seesaw_step._one_rescale_step``);
-    ``pv_cols`` 64 or 256: the PV instructions' width (256 under trial,
-    ``seesaw_step``). Either left out of the launch where not given, so the kernel's own
-    default decides. ``q_len`` above 1 (under trial: ``runs_seesaw`` does not route verify
-    steps here yet): q's rows are q_len tokens x heads, each token with its causal limit."""
+    ``one_rescale``: the step order kept for comparison (``seesaw_step._one_rescale_step``);
+    ``pv_cols`` 64 or 256: the PV instructions' width (``seesaw_step``; 256 by default).
+    Either left out of the launch where not given, so the kernel's own default decides.
+    ``q_len`` above 1: q's rows are q_len tokens x heads, each token with its causal
+    limit."""
     # Imported here: Gluon's sm_90 modules load only where the seesaw runs.
     from graphbucket.kernels.seesaw import ROWS, TILE, descriptors, seesaw_stage1_kernel
 
@@ -426,8 +425,8 @@ def launch_seesaw_fp8_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_tabl
                              workspace: SplitWorkspace | None, *, plan: LaunchPlan,
                              sm_scale: float, lse: torch.Tensor | None,
                              kv_scale: torch.Tensor | None, q_len: int = 1) -> None:
-    """Stage 1 by the Gluon seesaw over an fp8 cache (unchecked; under trial, launched
-    directly: ``seesaw_fp8.runs_seesaw_fp8`` names the shapes it takes, on sm_90): a
+    """Stage 1 by the Gluon seesaw over an fp8 cache (unchecked; where
+    ``runs_seesaw_over_fp8`` holds): a
     per-tensor cache with its ``kv_scale``, or a V3.2 cache (uint8 rows, ``kv_scale``
     None). The same grid, splits (64-token tiles), outputs and verify steps (``q_len``) as
     ``launch_seesaw_stage1``: the merge combines its splits with ``block_n`` 64."""

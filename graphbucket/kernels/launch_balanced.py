@@ -127,7 +127,7 @@ def launch_seesaw_balanced_stage1(q: torch.Tensor, kv_cache: torch.Tensor,
                                   sm_scale: float, pv_cols: int | None = None) -> None:
     """Stage 1 by the Gluon seesaw over the step's items (unchecked; where ``runs_seesaw``
     holds): every item's partial into the workspace, for the merge to combine.
-    ``pv_cols``: the PV width under trial (``kernels.seesaw_step``; default the kernel's)."""
+    ``pv_cols``: the PV width (``kernels.seesaw_step``; default the kernel's)."""
     # Imported here: Gluon's sm_90 modules load only where the seesaw runs.
     from graphbucket.kernels.seesaw import ROWS, descriptors
     from graphbucket.kernels.seesaw_balanced import seesaw_balanced_stage1_kernel
@@ -171,9 +171,9 @@ def launch_seesaw_range_stage1(q: torch.Tensor, kv_cache: torch.Tensor,
     """Stage 1 by the Gluon seesaw on persistent programs over tile ranges (unchecked;
     where ``runs_seesaw`` holds): one partial per (request, program) segment; under a
     charged cut, a request left whole gets its output in ``out`` (and ``lse``) instead.
-    ``pv_cols``: the PV width under trial (``kernels.seesaw_step``; default the kernel's).
-    Under trial, launched directly: an fp8 cache (``seesaw_fp8.runs_seesaw_fp8``; a
-    per-tensor one with its ``kv_scale``), read by the fp8 seesaw's converter."""
+    ``pv_cols``: the PV width (``kernels.seesaw_step``; default the kernel's). An fp8 cache
+    (where ``runs_seesaw_over_fp8`` holds; a per-tensor one with its ``kv_scale``) is read
+    by the fp8 seesaw's converter."""
     from graphbucket.kernels.seesaw import ROWS, descriptors
     from graphbucket.kernels.seesaw_balanced import seesaw_range_stage1_kernel
 

@@ -235,7 +235,7 @@ def seesaw_range_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDP
     p's tiles [RANGE_BOUNDS[p], RANGE_BOUNDS[p + 1]) and a request's first program in
     FIRST_PROGRAM; a request the cut leaves whole (one segment) gets its output in OUT (and
     with ``WRITE_LSE`` its LSE in LSE) here, which the merge then leaves alone. ``PV_COLS``:
-    the PV width (``seesaw_step``). ``KV_FP8`` (under trial): an fp8 cache, 1 per-tensor
+    the PV width (``seesaw_step``). ``KV_FP8``: an fp8 cache, 1 per-tensor
     (KV_SCALE its scale), 2 V3.2, read by ``seesaw_fp8``'s converter from Q (bf16, q_rows
     rows) and KV8 instead of the descriptors (None), with 256-column PVs."""
     head_block = gl.program_id(0)

@@ -4,7 +4,7 @@ and the allocation of one program's shared state.
 
 A tile has nine 64-column boxes: eight of values (latent columns 0..511) and the rope box
 (then P). With 64-column PVs (``PV_COLS`` 64) they are one allocation ``kv_s``, slot s's
-box c at index s * 9 + c (``rope_s`` is ``kv_s``). With 256-column PVs (under trial) the
+box c at index s * 9 + c (``rope_s`` is ``kv_s``). With 256-column PVs (the default) the
 value boxes have their own allocation, slot s's box c at s * 8 + c, and the rope boxes
 theirs (``rope_s``, index s): four consecutive value boxes are, byte for byte, one
 [64, 256] operand in the same 128-byte swizzle (each box one 128-byte column block of it),

@@ -1,11 +1,11 @@
 """The Gluon seesaw's compute warpgroups (``kernels/seesaw.py``): a step's QK over the
 boxes as they land, the softmax hand-offs between the two warpgroups, the PVs and the
-epilogue, in the default order or the one-rescale order under trial, for one query token or
-a verify step's q_len tokens per request.
+epilogue, in the default order or the one-rescale order (slower, kept to compare), for one
+query token or a verify step's q_len tokens per request.
 
 A warpgroup's O (64 rows x its 256 value columns, float32) is a tuple of accumulators
-``PV_COLS`` wide: four of 64 columns, each PV four m64n64k16 per 16 tokens; or (256, under
-trial) one, each PV one m64n256k16 over the four boxes read as one operand
+``PV_COLS`` wide: four of 64 columns, each PV four m64n64k16 per 16 tokens; or (256, the
+default) one, each PV one m64n256k16 over the four boxes read as one operand
 (``seesaw_layout.value_halves``), so P is read once instead of four times."""
 
 from __future__ import annotations
