@@ -62,8 +62,9 @@ class BlockTable:
         # Rows that turned dirty since the last staged step, so that draining the changes
         # costs what changed, not the table's height (a listed row may be clean again, or
         # listed twice after a release).
-        self._lo = np.full(num_rows, self.max_pages, np.int64)
-        self._hi = np.zeros(num_rows, np.int64)
+        # Lists, as ``_tokens``: a step's verbs read and write them one entry at a time.
+        self._lo: list[int] = [self.max_pages] * num_rows
+        self._hi: list[int] = [0] * num_rows
         self._dirty_rows: list[int] = []
         self._marks = np.zeros(num_rows, np.int64)  # scratch of append_rows' duplicate check
         self._counts_view = self.counts.view()
@@ -152,15 +153,10 @@ class BlockTable:
             raise self._full_row_error(int(rows[starts.argmax()]))
         self.table[rows, starts] = new
         self.counts[rows] = starts + 1
-        tokens, page = self._tokens, self.page_size
-        for row in rows.tolist():
+        tokens, page, mark = self._tokens, self.page_size, self._mark
+        for row, start in zip(rows.tolist(), starts.tolist(), strict=True):
             tokens[row] += page
-        fresh = rows[self._hi[rows] == 0]
-        if fresh.size:
-            self._dirty_rows.extend(fresh.tolist())
-        np.minimum(self._lo[rows], starts, out=starts)
-        self._lo[rows] = starts
-        self._hi[rows] = self.counts[rows]
+            mark(row, start, start + 1)
 
     def _append_few(self, rows: list[int], pages: list[int]) -> None:
         # The usual decode step appends a few pages: scalar work beats a dozen numpy calls.
@@ -239,11 +235,14 @@ class BlockTable:
             ends = np.array([b for _, _, b in spans], np.int64)
         else:
             rows = np.unique(np.array(listed, np.int64))  # a row released and grown again
-            starts, ends = lo[rows], hi[rows]
-            live = ends > starts
+            row_list = rows.tolist()
+            starts = np.array([lo[r] for r in row_list], np.int64)
+            ends = np.array([hi[r] for r in row_list], np.int64)
+            live = ends > starts  # the others are clean
             if not live.all():
                 rows, starts, ends = rows[live], starts[live], ends[live]
-            lo[rows], hi[rows] = empty, 0
+            for r in row_list:
+                lo[r], hi[r] = empty, 0
         if rows.size == 0:
             return 0, []
         widths = ends - starts
@@ -290,8 +289,8 @@ class BlockTable:
 
     def discard_changes(self) -> None:
         """Forget the changes since the last step (the whole table is being staged)."""
-        self._lo[:] = self.max_pages
-        self._hi[:] = 0
+        self._lo = [self.max_pages] * self.num_rows
+        self._hi = [0] * self.num_rows
         self._dirty_rows = []
 
     # ---- checks -------------------------------------------------------------------------------
