@@ -11,8 +11,8 @@
 #        oracle's host logic, on the GPU)
 #        (tune: 16-, 128- and 12-head ladders (TUNE_HEADS) tuned at every capture size, each copied
 #        into graphbucket/ladders/ so that the TPOT steps after it run it, and checked by
-#        bench/ladder_oracle.py; tunefp8: 16-head ladders over fp8-tensor and fp8-v32 (TUNE_FP8)
-#        caches, likewise; tunemtp: 16- and 128-head ladders for q_len 2 and 4
+#        bench/ladder_oracle.py; tunefp8: ladders over fp8-tensor and fp8-v32 (TUNE_FP8)
+#        caches at 16 heads (TUNE_FP8_HEADS), likewise; tunemtp: 16- and 128-head ladders for q_len 2 and 4
 #        (TUNE_MTP="heads:q ..." picks some); retime: a saved report's split-KV table with
 #        its ragged mixes timed again (RETIME="heads:report ...", bf16), then the oracle; tunesparse: the 16-head sparse decoder's ladder
 #        (tune_ladder.py --sparse, top-k 2048), copied in as h200-h16-sparse.json (tpotsparse
@@ -270,7 +270,8 @@ for step in $steps; do
     capture) timeout 120 python3 bench/capture_dispatch.py --out "$R" > "$R/capture.log" 2>&1
              tail -20 "$R/capture.log" ;;
     tune) for h in ${TUNE_HEADS:-16 128 12}; do tune_one "$h" bf16 1; done ;;
-    tunefp8) for fmt in ${TUNE_FP8:-fp8-tensor fp8-v32}; do tune_one 16 "$fmt" 1; done ;;
+    tunefp8) for h in ${TUNE_FP8_HEADS:-16}; do
+               for fmt in ${TUNE_FP8:-fp8-tensor fp8-v32}; do tune_one "$h" "$fmt" 1; done; done ;;
     tunemtp) for hq in ${TUNE_MTP:-16:2 128:2 16:4 128:4}; do
                tune_one "${hq%:*}" bf16 "${hq#*:}"; done ;;
     tunesparse) tune_one 16 bf16 1 --sparse ;;
