@@ -145,7 +145,7 @@ class LaunchPlan:
     # A fused merge sums the partials in this many column blocks (StreamConfig.merge_chunks).
     merge_chunks: int = 1
     # Split plans: stage 1 by the Gluon seesaw kernel (64 rows, two warpgroups) where the
-    # launch's inputs allow it (``kernels.launch.runs_seesaw``), else the Triton kernel.
+    # launch's inputs allow it (``kernels.seesaw_route.runs_seesaw``), else the Triton kernel.
     seesaw: bool = False
     # Balanced seesaw plans: each persistent program takes an equal range of the step's
     # tiles across request boundaries (one partial per request it meets) instead of one
@@ -385,7 +385,7 @@ def plan_balanced_mla_decode(
     context. ``min_chunk_tiles`` defaults to the stream's minimum tiles per split
     (a sweep of programs and minimum chunks: bench/results/h200-ragged-balanced-sweep.md).
     64-row programs (the default from 64 heads, SEESAW_STREAM) run stage 1 by the Gluon
-    seesaw, one program per work item, where ``kernels.launch.runs_seesaw`` holds (else the
+    seesaw, one program per work item, where ``kernels.seesaw_route.runs_seesaw`` holds (else the
     Triton kernel runs the same plan); ``stream=ROWS_STREAM`` keeps the Triton stage 1.
     ``tile_ranges`` (64-row programs only): the seesaw runs one persistent program per SM
     (``programs`` defaults to num_sms / head blocks), each over an equal range of the

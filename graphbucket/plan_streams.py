@@ -86,7 +86,7 @@ ROWS_STREAM = StreamConfig(block_n=64, num_stages=2, ctas_per_sm=1, min_tiles_pe
 # The same 64-row programs with stage 1 by the Gluon seesaw kernel (kernels/seesaw.py): each
 # warpgroup owns whole rows of S for its own tile and half of O's columns, so the two meet
 # only to hand over the row max and P. Planned from 64 heads; where the inputs do not allow
-# it (launch.runs_seesaw) the Triton kernel runs the same plan. Faster than ROWS_STREAM's
+# it (seesaw_route.runs_seesaw) the Triton kernel runs the same plan. Faster than ROWS_STREAM's
 # Triton stage 1 at 128 heads; splits of at least one step (two tiles), which beat one-tile
 # splits (bench/NOTES.md, topic "128 heads").
 SEESAW_STREAM = replace(ROWS_STREAM, seesaw=True, min_tiles_per_split=2)

@@ -130,7 +130,7 @@ class TritonBackend:
                       kernel: str = DEFAULT_BALANCED_KERNEL) -> LaunchPlan:
         """Balanced split-KV for any lengths (no hint); see ``plan_balanced_mla_decode``.
         ``kernel="seesaw"`` (below 64 heads): 64-row programs whose stage 1 the Gluon
-        seesaw runs on Hopper (``kernels.launch.runs_seesaw``; elsewhere the Triton kernel
+        seesaw runs on Hopper (``kernels.seesaw_route.runs_seesaw``; elsewhere the Triton kernel
         runs the same plan, correct and slower). ``kernel="seesaw-ranges"``: the seesaw on
         one persistent program per SM over equal ranges of the step's tiles.
         ``kernel="seesaw-fitted"``: the seesaw over work items whose chunk the device

@@ -22,9 +22,8 @@ from graphbucket.kernels.launch import (
     check_mla_decode_args,
     kv_tile_tokens,
     pdl_capable,
-    runs_seesaw,
-    runs_seesaw_over_fp8,
 )
+from graphbucket.kernels.seesaw_route import runs_seesaw, runs_seesaw_over_fp8
 from graphbucket.plan import LaunchPlan, pow2_ceil
 
 # Requests scanned per step by the planner and by each item's owner search: batches up

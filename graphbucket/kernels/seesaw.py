@@ -31,7 +31,7 @@ side, the second from L2. Same split formula and partials as the Triton stage 1
 (``tiles.split_range``, BLOCK_N 64), so the Triton merge kernel combines the splits.
 ``kernels/seesaw_balanced.py`` runs the same partitions over balanced work items instead
 of splits (one long request among short ones), merged by the balanced merge.
-Requirements (``launch.runs_seesaw``): sm_90, bf16 q and cache, 64-token pages, heads a
+Requirements (``seesaw_route.runs_seesaw``): sm_90, bf16 q and cache, 64-token pages, heads a
 multiple of 64 or fewer than 64 (one program's 64 rows then hold the request's heads and
 rows no one stores: the wgmma's M is 64 whatever the head count), q contiguous. Value
 rows past a request's length are zeroed in shared memory before the PV (unwritten cache

@@ -1,4 +1,4 @@
-"""The Gluon seesaw over fp8 caches (sm_90; ``launch.runs_seesaw_over_fp8`` routes seesaw
+"""The Gluon seesaw over fp8 caches (sm_90; ``seesaw_route.runs_seesaw_over_fp8`` routes seesaw
 plans to it): stage 1 with a converting warpgroup in place of the TMA loader, over a
 per-tensor cache ("fp8-tensor") or a V3.2 one ("fp8-v32"), for split-KV (this module's
 kernel, verify steps included) and, through ``fp8_tile_converter``, for the tile ranges of
