@@ -71,6 +71,14 @@ def compile_fp8_charged():
                     {"Q": "*bf16", "KV8": "*fp8e4nv", "KV_SCALE": "*fp32"})
 
 
+def compile_fp8_items():
+    """The seesaw over balanced work items on a per-tensor fp8 cache."""
+    return _compile(seesaw_balanced.seesaw_balanced_stage1_kernel,
+                    {"PAGE_SIZE": 64, "BLOCK_B": 128, "KV_FP8": 1, "q_desc": None,
+                     "kv_desc": None}, {},
+                    {"Q": "*bf16", "KV8": "*fp8e4nv", "KV_SCALE": "*fp32"})
+
+
 def compile_fp8_stage1(v32: bool = False):
     """The split-KV seesaw over a per-tensor fp8 cache (``seesaw_fp8``), or over a V3.2
     cache (``v32``: uint8 rows, no scale)."""
@@ -199,6 +207,7 @@ def main() -> None:
     fp8_tensor = compile_fp8_stage1()
     fp8_v32 = compile_fp8_stage1(v32=True)
     fp8_charged = compile_fp8_charged()
+    fp8_items = compile_fp8_items()
     if args.dump:
         args.dump.mkdir(parents=True, exist_ok=True)
         for kind in ("ttgir", "ptx"):
@@ -227,7 +236,7 @@ def main() -> None:
                       "wide_pv_charged": summary(wide_pv_charged),
                       "wide_pv_q_len_4": summary(wide_pv_verify),
                       "fp8_tensor": summary(fp8_tensor), "fp8_v32": summary(fp8_v32),
-                      "fp8_charged": summary(fp8_charged),
+                      "fp8_charged": summary(fp8_charged), "fp8_items": summary(fp8_items),
                       "range_planner_shared_bytes": planners,
                       "wide_view_matches_boxes": wide_view_matches_boxes(),
                       "dependent_merge_waits": merge.count("griddepcontrol.wait")}))

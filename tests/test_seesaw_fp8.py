@@ -197,3 +197,36 @@ def test_gpu_mla_decode_runs_seesaw_plans_over_fp8_on_the_fp8_seesaw(lens, balan
                                           seq_lens.cpu(), kv_lora_rank=KV_LORA_RANK,
                                           sm_scale=sm_scale)
     assert_matches(want, want_lse, lens, out, lse, plan)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens", [[63, 64, 65, 0], [70000] + [1000] * 15,
+                                  [1, 31, 0, 4095, 128, 129]])
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("fmt", ["fp8-tensor", "fp8-v32"])
+def test_gpu_fp8_item_seesaw_matches_float64_over_the_dequantized_cache(lens, heads, fmt,
+                                                                        seeded):
+    """The seesaw over balanced work items on an fp8 cache (under trial, launched
+    directly): the item planner in 64-token tiles, stage 1, the balanced merge."""
+    from graphbucket.kernels.launch_balanced import (
+        launch_balanced_merge,
+        launch_item_planner,
+        launch_seesaw_balanced_stage1,
+    )
+    from graphbucket.plan import plan_balanced_mla_decode
+
+    gen = torch.Generator().manual_seed(seeded)
+    make = fp8_nan_tailed_case if fmt == "fp8-tensor" else v32_nan_tailed_case
+    q, cache, table, seq_lens, scale = make(lens, heads, gen)
+    plan = plan_balanced_mla_decode(len(lens), heads, stream=SEESAW_STREAM)
+    assert plan.seesaw and not plan.tile_ranges, plan.describe()
+    sm_scale = default_sm_scale()
+    ws, out, lse = nan_outputs(len(lens), heads, plan)
+    launch_item_planner(seq_lens, ws, plan=plan, block_n=64)
+    launch_seesaw_balanced_stage1(q, cache, table, seq_lens, ws, plan=plan, sm_scale=sm_scale,
+                                  kv_scale=scale)
+    launch_balanced_merge(out, ws, plan=plan, lse=lse, merge_single=True)
+    want, want_lse = mla_decode_reference(q.cpu(), dequantized(cache, scale), table.cpu(),
+                                          seq_lens.cpu(), kv_lora_rank=KV_LORA_RANK,
+                                          sm_scale=sm_scale)
+    assert_matches(want, want_lse, lens, out, lse, plan)

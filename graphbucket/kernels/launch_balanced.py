@@ -123,23 +123,40 @@ def launch_balanced_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table:
 def launch_seesaw_balanced_stage1(q: torch.Tensor, kv_cache: torch.Tensor,
                                   block_table: torch.Tensor, seq_lens: torch.Tensor,
                                   workspace: SplitWorkspace, *, plan: LaunchPlan,
-                                  sm_scale: float, pv_cols: int | None = None) -> None:
+                                  sm_scale: float, pv_cols: int | None = None,
+                                  kv_scale: torch.Tensor | None = None) -> None:
     """Stage 1 by the Gluon seesaw over the step's items (unchecked; where ``runs_seesaw``
     holds): every item's partial into the workspace, for the merge to combine.
-    ``pv_cols``: the PV width (``kernels.seesaw_step``; default the kernel's)."""
+    ``pv_cols``: the PV width (``kernels.seesaw_step``; default the kernel's). Under trial,
+    launched directly (``mla_decode_balanced`` does not route to it): an fp8 cache, read by
+    the fp8 seesaw's converter; its items must be planned in 64-token tiles."""
     # Imported here: Gluon's sm_90 modules load only where the seesaw runs.
-    from graphbucket.kernels.seesaw import ROWS, descriptors
+    from graphbucket.kernels.seesaw import ROWS
     from graphbucket.kernels.seesaw_balanced import seesaw_balanced_stage1_kernel
 
     batch, heads, _ = q.shape
-    q_desc, kv_desc = descriptors(q, kv_cache)
+    q_desc, kv_desc, fp8_args = _seesaw_inputs(q, kv_cache, kv_scale)
     part_o, part_lse = workspace.item_o, workspace.item_lse
     seesaw_balanced_stage1_kernel[(-(-heads // ROWS.value), plan.max_work_items)](
         q_desc, kv_desc, block_table, seq_lens, workspace.item_indptr, workspace.chunk_tiles,
         part_o, part_lse, batch, heads, sm_scale * LOG2E,
         block_table.stride(0), part_o.stride(0), part_o.stride(1), part_lse.stride(0),
         PAGE_SIZE=kv_cache.shape[1], BLOCK_B=max(128, scan_block(batch)),
-        **({"PV_COLS": pv_cols} if pv_cols is not None else {}), num_warps=4)
+        **({"PV_COLS": pv_cols} if pv_cols is not None else {}), **fp8_args, num_warps=4)
+
+
+def _seesaw_inputs(q: torch.Tensor, kv_cache: torch.Tensor, kv_scale: torch.Tensor | None
+                   ) -> tuple[object, object, dict]:
+    """(q descriptor, cache descriptor, fp8 arguments) of a seesaw launch: TMA descriptors
+    for a bf16 cache; for an fp8 one none, and the converter's inputs (``KV_FP8`` 1
+    per-tensor, 2 V3.2)."""
+    from graphbucket.kernels.seesaw import descriptors
+
+    fp8_format = {torch.float8_e4m3fn: 1, torch.uint8: 2}.get(kv_cache.dtype, 0)
+    if fp8_format:
+        return None, None, {"KV_FP8": fp8_format, "Q": q, "KV8": kv_cache, "KV_SCALE": kv_scale,
+                            "q_rows": q.shape[0] * q.shape[1]}
+    return (*descriptors(q, kv_cache), {})
 
 
 def launch_range_planner(seq_lens: torch.Tensor, workspace: SplitWorkspace, *,
@@ -173,18 +190,11 @@ def launch_seesaw_range_stage1(q: torch.Tensor, kv_cache: torch.Tensor,
     ``pv_cols``: the PV width (``kernels.seesaw_step``; default the kernel's). An fp8 cache
     (where ``runs_seesaw_over_fp8`` holds; a per-tensor one with its ``kv_scale``) is read
     by the fp8 seesaw's converter."""
-    from graphbucket.kernels.seesaw import ROWS, descriptors
+    from graphbucket.kernels.seesaw import ROWS
     from graphbucket.kernels.seesaw_balanced import seesaw_range_stage1_kernel
 
     batch, heads, _ = q.shape
-    fp8_format = {torch.float8_e4m3fn: 1, torch.uint8: 2}.get(kv_cache.dtype, 0)
-    if fp8_format:
-        q_desc = kv_desc = None
-        fp8_args = {"KV_FP8": fp8_format, "Q": q, "KV8": kv_cache, "KV_SCALE": kv_scale,
-                    "q_rows": batch * heads}
-    else:
-        q_desc, kv_desc = descriptors(q, kv_cache)
-        fp8_args = {}
+    q_desc, kv_desc, fp8_args = _seesaw_inputs(q, kv_cache, kv_scale)
     part_o, part_lse = workspace.item_o, workspace.item_lse
     charged = plan.charged_ranges
     seesaw_range_stage1_kernel[(-(-heads // ROWS.value), plan.persistent_programs)](

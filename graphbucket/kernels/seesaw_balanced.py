@@ -44,12 +44,15 @@ def seesaw_balanced_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, ITEM_I
                                   CHUNK_TILES, PART_O, PART_LSE, batch, num_heads,
                                   qk_scale_log2, stride_bt_b, stride_po_i, stride_po_h,
                                   stride_pl_i, PAGE_SIZE: gl.constexpr,
-                                  BLOCK_B: gl.constexpr, PV_COLS: gl.constexpr = 256):
+                                  BLOCK_B: gl.constexpr, PV_COLS: gl.constexpr = 256,
+                                  KV_FP8: gl.constexpr = 0, Q=None, KV8=None, KV_SCALE=None,
+                                  q_rows=0):
     """The seesaw over balanced work items (``kernels/balanced.py``'s partition of the
     step's tiles, computed on the device): grid (head blocks, most items), program i takes
     item i when the step has that many. Every item writes a float32 partial (log2 LSE); the
     balanced merge combines them, one-item requests included. ``PV_COLS``: the PV width
-    (``seesaw_step``)."""
+    (``seesaw_step``). ``KV_FP8`` (under trial, not routed): an fp8 cache, as
+    ``seesaw_range_stage1_kernel`` takes it."""
     head_block = gl.program_id(0)
     item = gl.program_id(1)
     if item < gl.load(ITEM_INDPTR + batch):
@@ -58,24 +61,39 @@ def seesaw_balanced_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, ITEM_I
         start = (item - gl.load(ITEM_INDPTR + bid)) * chunk
         end = gl.minimum(start + chunk, gl.load(SEQ_LENS + bid))  # items are non-empty
         num_steps = gl.cdiv(gl.cdiv(end - start, TILE), 2)
-        q_layout: gl.constexpr = q_desc.layout
-        kv_layout: gl.constexpr = kv_desc.layout
-        q_s, kv_s, rope_s, stats_s, bars = shared_state(q_layout, kv_layout, PV_COLS)
         h0 = head_block * ROWS
         o_ptr = PART_O + item * stride_po_i + h0 * stride_po_h
         lse_ptr = PART_LSE + item * stride_pl_i + h0
         num_rows = gl.minimum(num_heads - h0, ROWS)
-        gl.warp_specialize([
-            (warpgroup_even, (q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps,
-                               qk_scale_log2, o_ptr, lse_ptr, stride_po_h, 1, num_rows, False,
-                               False, False, False, 0, 0, 1, PV_COLS)),
-            (warpgroup_odd, (q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps,
-                              qk_scale_log2, o_ptr, lse_ptr, stride_po_h, 1, num_rows, False,
-                              False, False, False, 0, 0, 1, PV_COLS)),
-            (tile_loader, (q_desc, kv_desc, BLOCK_TABLE + bid * stride_bt_b, q_s, kv_s,
-                           rope_s, bars, bid * num_heads + h0, start, end, num_steps,
-                           PAGE_SIZE, 0, PV_COLS)),
-        ], [4, 4], [240, 24])
+        if KV_FP8:
+            box: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BOX], gl.float16)
+            q_s, kv_s, rope_s, stats_s, bars = shared_state(box, box, 256, gl.float16)
+            gl.warp_specialize([
+                (warpgroup_even, (q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps,
+                                   qk_scale_log2, o_ptr, lse_ptr, stride_po_h, 1, num_rows,
+                                   False, False, False, False, 0, 0, 1, 256, KV_SCALE)),
+                (warpgroup_odd, (q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps,
+                                  qk_scale_log2, o_ptr, lse_ptr, stride_po_h, 1, num_rows,
+                                  False, False, False, False, 0, 0, 1, 256, KV_SCALE)),
+                (fp8_tile_converter, (Q, KV8, BLOCK_TABLE + bid * stride_bt_b, q_s, kv_s,
+                                      rope_s, bars, bid * num_heads + h0, q_rows, start, end,
+                                      num_steps, PAGE_SIZE, KV_FP8 == 2)),
+            ], [4, 4], [208, 96])  # the converter's registers come from the compute warpgroups
+        else:
+            q_layout: gl.constexpr = q_desc.layout
+            kv_layout: gl.constexpr = kv_desc.layout
+            q_s, kv_s, rope_s, stats_s, bars = shared_state(q_layout, kv_layout, PV_COLS)
+            gl.warp_specialize([
+                (warpgroup_even, (q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps,
+                                   qk_scale_log2, o_ptr, lse_ptr, stride_po_h, 1, num_rows,
+                                   False, False, False, False, 0, 0, 1, PV_COLS)),
+                (warpgroup_odd, (q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps,
+                                  qk_scale_log2, o_ptr, lse_ptr, stride_po_h, 1, num_rows,
+                                  False, False, False, False, 0, 0, 1, PV_COLS)),
+                (tile_loader, (q_desc, kv_desc, BLOCK_TABLE + bid * stride_bt_b, q_s, kv_s,
+                               rope_s, bars, bid * num_heads + h0, start, end, num_steps,
+                               PAGE_SIZE, 0, PV_COLS)),
+            ], [4, 4], [240, 24])
 
 
 @gluon.jit
