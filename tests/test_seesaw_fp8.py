@@ -10,8 +10,23 @@ import pytest
 import torch
 
 from graphbucket import fp8
-from graphbucket.kernels.launch import default_sm_scale, launch_merge, launch_seesaw_fp8_stage1
-from graphbucket.plan import plan_mla_decode
+from graphbucket.kernels.launch import (
+    default_sm_scale,
+    launch_merge,
+    launch_seesaw_fp8_stage1,
+    mla_decode,
+    pdl_capable,
+)
+from graphbucket.kernels.launch_balanced import (
+    launch_balanced_merge,
+    launch_item_planner,
+    launch_range_planner,
+    launch_seesaw_balanced_stage1,
+    launch_seesaw_range_stage1,
+    mla_decode_balanced,
+)
+from graphbucket.kernels.seesaw_route import runs_seesaw_over_fp8
+from graphbucket.plan import plan_balanced_mla_decode, plan_mla_decode
 from graphbucket.plan_streams import SEESAW_STREAM
 from graphbucket.reference import mla_decode_reference
 from tests.kernel_cases import KV_LORA_RANK, make_case, rel_l2
@@ -47,6 +62,13 @@ def v32_nan_tailed_case(lens, heads, gen):
             tail[:, 528:] = 0xFF  # bf16 NaN bytes
     return (case.q.to(torch.bfloat16).cuda(), cache.cuda(), case.block_table.cuda(),
             case.seq_lens.cuda(), None)
+
+
+def fp8_case(fmt, lens, rows, seeded):
+    """(q, cache, block table, lengths, scale) of ``fmt`` ("fp8-tensor" or "fp8-v32")."""
+    gen = torch.Generator().manual_seed(seeded)
+    make = fp8_nan_tailed_case if fmt == "fp8-tensor" else v32_nan_tailed_case
+    return make(lens, rows, gen)
 
 
 def dequantized(cache, scale):
@@ -92,9 +114,7 @@ def test_gpu_fp8_seesaw_matches_float64_over_the_dequantized_cache(lens, heads, 
                                                                    seeded):
     from graphbucket.kernels.seesaw_fp8 import runs_seesaw_fp8
 
-    gen = torch.Generator().manual_seed(seeded)
-    make = fp8_nan_tailed_case if fmt == "fp8-tensor" else v32_nan_tailed_case
-    q, cache, table, seq_lens, scale = make(lens, heads, gen)
+    q, cache, table, seq_lens, scale = fp8_case(fmt, lens, heads, seeded)
     assert runs_seesaw_fp8(q, cache, scale, heads)
     plan = plan_mla_decode(len(lens), heads, max(lens), stream=SEESAW_STREAM)
     plan = plan.with_splits(splits) if splits else plan
@@ -116,14 +136,11 @@ def test_gpu_fp8_seesaw_verify_step_matches_per_token_float64(lens, heads, q_len
     """A verify step of q_len tokens x heads rows over an fp8 cache, token j seeing the
     positions before seq_len - q_len + j + 1 (a row that sees none: zeros, LSE -inf),
     through ``mla_decode``, which routes a seesaw plan's verify step to the fp8 seesaw."""
-    from graphbucket.kernels.launch import mla_decode, runs_seesaw_over_fp8
     from tests.kernel_cases import DecodeCase
     from tests.test_multi_token import reference
 
-    gen = torch.Generator().manual_seed(seeded)
     rows = q_len * heads
-    make = fp8_nan_tailed_case if fmt == "fp8-tensor" else v32_nan_tailed_case
-    q, cache, table, seq_lens, scale = make(lens, rows, gen)
+    q, cache, table, seq_lens, scale = fp8_case(fmt, lens, rows, seeded)
     plan = plan_mla_decode(len(lens), rows, max(lens), stream=SEESAW_STREAM).with_splits(splits)
     assert runs_seesaw_over_fp8(plan, q, cache, q_len=q_len, kv_scale=scale), plan.describe()
     ws, out, lse = nan_outputs(len(lens), rows, plan)
@@ -144,17 +161,7 @@ def test_gpu_fp8_range_seesaw_matches_float64_over_the_dequantized_cache(lens, h
                                                                          charged, fmt, seeded):
     """The seesaw over tile ranges (equal, or a charged cut's) on an fp8 cache: planner,
     stage 1 launched directly, merge, as ``mla_decode_balanced`` runs the bf16 ones."""
-    from graphbucket.kernels.launch import pdl_capable
-    from graphbucket.kernels.launch_balanced import (
-        launch_balanced_merge,
-        launch_range_planner,
-        launch_seesaw_range_stage1,
-    )
-    from graphbucket.plan import plan_balanced_mla_decode
-
-    gen = torch.Generator().manual_seed(seeded)
-    make = fp8_nan_tailed_case if fmt == "fp8-tensor" else v32_nan_tailed_case
-    q, cache, table, seq_lens, scale = make(lens, heads, gen)
+    q, cache, table, seq_lens, scale = fp8_case(fmt, lens, heads, seeded)
     plan = plan_balanced_mla_decode(len(lens), heads, stream=SEESAW_STREAM, tile_ranges=True,
                                     programs=programs or None, charged_ranges=charged)
     sm_scale = default_sm_scale()
@@ -178,13 +185,7 @@ def test_gpu_mla_decode_runs_seesaw_plans_over_fp8_on_the_fp8_seesaw(lens, balan
                                                                      seeded):
     """The public launches route a 128-head seesaw plan over an fp8 cache (split-KV, and a
     balanced plan over tile ranges) to the fp8 seesaw, checked, against float64."""
-    from graphbucket.kernels.launch import mla_decode, runs_seesaw_over_fp8
-    from graphbucket.kernels.launch_balanced import mla_decode_balanced
-    from graphbucket.plan import plan_balanced_mla_decode
-
-    gen = torch.Generator().manual_seed(seeded)
-    make = fp8_nan_tailed_case if fmt == "fp8-tensor" else v32_nan_tailed_case
-    q, cache, table, seq_lens, scale = make(lens, 128, gen)
+    q, cache, table, seq_lens, scale = fp8_case(fmt, lens, 128, seeded)
     plan = (plan_balanced_mla_decode(len(lens), 128, tile_ranges=True) if balanced
             else plan_mla_decode(len(lens), 128, max(lens)))
     assert plan.seesaw and runs_seesaw_over_fp8(plan, q, cache, kv_scale=scale), plan.describe()
@@ -208,16 +209,7 @@ def test_gpu_fp8_item_seesaw_matches_float64_over_the_dequantized_cache(lens, he
                                                                         seeded):
     """The seesaw over balanced work items on an fp8 cache (under trial, launched
     directly): the item planner in 64-token tiles, stage 1, the balanced merge."""
-    from graphbucket.kernels.launch_balanced import (
-        launch_balanced_merge,
-        launch_item_planner,
-        launch_seesaw_balanced_stage1,
-    )
-    from graphbucket.plan import plan_balanced_mla_decode
-
-    gen = torch.Generator().manual_seed(seeded)
-    make = fp8_nan_tailed_case if fmt == "fp8-tensor" else v32_nan_tailed_case
-    q, cache, table, seq_lens, scale = make(lens, heads, gen)
+    q, cache, table, seq_lens, scale = fp8_case(fmt, lens, heads, seeded)
     plan = plan_balanced_mla_decode(len(lens), heads, stream=SEESAW_STREAM)
     assert plan.seesaw and not plan.tile_ranges, plan.describe()
     sm_scale = default_sm_scale()
