@@ -22,8 +22,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from graphbucket.kernels.seesaw import tile_loader
-from graphbucket.kernels.seesaw_fp8 import fp8_tile_converter
-from graphbucket.kernels.seesaw_layout import B_DESC, B_QFREE, BOX, ROWS, TILE, shared_state
+from graphbucket.kernels.seesaw_fp8 import fp8_shared_state, fp8_tile_converter
+from graphbucket.kernels.seesaw_layout import B_DESC, B_QFREE, ROWS, TILE, shared_state
 from graphbucket.kernels.seesaw_step import warpgroup_compute, warpgroup_even, warpgroup_odd
 
 
@@ -66,34 +66,38 @@ def seesaw_balanced_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, ITEM_I
         lse_ptr = PART_LSE + item * stride_pl_i + h0
         num_rows = gl.minimum(num_heads - h0, ROWS)
         if KV_FP8:
-            box: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BOX], gl.float16)
-            q_s, kv_s, rope_s, stats_s, bars = shared_state(box, box, 256, gl.float16)
-            gl.warp_specialize([
-                (warpgroup_even, (q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps,
-                                   qk_scale_log2, o_ptr, lse_ptr, stride_po_h, 1, num_rows,
-                                   False, False, False, False, 0, 0, 1, 256, KV_SCALE)),
-                (warpgroup_odd, (q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps,
-                                  qk_scale_log2, o_ptr, lse_ptr, stride_po_h, 1, num_rows,
-                                  False, False, False, False, 0, 0, 1, 256, KV_SCALE)),
-                (fp8_tile_converter, (Q, KV8, BLOCK_TABLE + bid * stride_bt_b, q_s, kv_s,
-                                      rope_s, bars, bid * num_heads + h0, q_rows, start, end,
-                                      num_steps, PAGE_SIZE, KV_FP8 == 2)),
-            ], [4, 4], [208, 96])  # the converter's registers come from the compute warpgroups
+            q_s, kv_s, rope_s, stats_s, bars = fp8_shared_state()
         else:
             q_layout: gl.constexpr = q_desc.layout
             kv_layout: gl.constexpr = kv_desc.layout
             q_s, kv_s, rope_s, stats_s, bars = shared_state(q_layout, kv_layout, PV_COLS)
-            gl.warp_specialize([
-                (warpgroup_even, (q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps,
-                                   qk_scale_log2, o_ptr, lse_ptr, stride_po_h, 1, num_rows,
-                                   False, False, False, False, 0, 0, 1, PV_COLS)),
-                (warpgroup_odd, (q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps,
-                                  qk_scale_log2, o_ptr, lse_ptr, stride_po_h, 1, num_rows,
-                                  False, False, False, False, 0, 0, 1, PV_COLS)),
-                (tile_loader, (q_desc, kv_desc, BLOCK_TABLE + bid * stride_bt_b, q_s, kv_s,
-                               rope_s, bars, bid * num_heads + h0, start, end, num_steps,
-                               PAGE_SIZE, 0, PV_COLS)),
-            ], [4, 4], [240, 24])
+        pv: gl.constexpr = 256 if KV_FP8 else PV_COLS
+        gl.warp_specialize([
+            (warpgroup_even, (q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps,
+                               qk_scale_log2, o_ptr, lse_ptr, stride_po_h, 1, num_rows, False,
+                               False, False, False, 0, 0, 1, pv, KV_SCALE)),
+            (warpgroup_odd, (q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps,
+                              qk_scale_log2, o_ptr, lse_ptr, stride_po_h, 1, num_rows, False,
+                              False, False, False, 0, 0, 1, pv, KV_SCALE)),
+            (tile_source, (q_desc, kv_desc, Q, KV8, BLOCK_TABLE + bid * stride_bt_b, q_s,
+                           kv_s, rope_s, bars, bid * num_heads + h0, q_rows, start, end,
+                           num_steps, PAGE_SIZE, 0, pv, KV_FP8)),
+        ], [4, 4], [208, 96] if KV_FP8 else [240, 24])  # fp8: the converter's registers
+
+
+@gluon.jit
+def tile_source(q_desc, kv_desc, Q, KV8, bt_row, q_s, kv_s, rope_s, bars, q_row, q_rows, start,
+                end, num_steps, PAGE_SIZE: gl.constexpr, g0, PV_COLS: gl.constexpr,
+                KV_FP8: gl.constexpr):
+    """Q and the tiles of tokens [start, end) into shared memory: by the TMA loader
+    (``seesaw.tile_loader``) from a bf16 cache, or by the fp8 converter
+    (``seesaw_fp8.fp8_tile_converter``; ``KV_FP8`` 1 per-tensor, 2 V3.2)."""
+    if KV_FP8:
+        fp8_tile_converter(Q, KV8, bt_row, q_s, kv_s, rope_s, bars, q_row, q_rows, start, end,
+                           num_steps, PAGE_SIZE, KV_FP8 == 2, g0)
+    else:
+        tile_loader(q_desc, kv_desc, bt_row, q_s, kv_s, rope_s, bars, q_row, start, end,
+                    num_steps, PAGE_SIZE, g0, PV_COLS)
 
 
 @gluon.jit
@@ -166,14 +170,9 @@ def _range_loader(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDPTR, ITEM_INDP
         mbarrier.arrive(bars.index(B_DESC + seg % 2))
         if seg > 0:  # the next request's Q once both warpgroups' last QK has read this one
             mbarrier.wait(bars.index(B_QFREE), (seg - 1) & 1)
-        if KV_FP8:
-            fp8_tile_converter(Q, KV8, BLOCK_TABLE + bid * stride_bt_b, q_s, kv_s, rope_s,
-                               bars, bid * num_heads + h0, q_rows, start, end, num_steps,
-                               PAGE_SIZE, KV_FP8 == 2, g0)
-        else:
-            tile_loader(q_desc, kv_desc, BLOCK_TABLE + bid * stride_bt_b, q_s, kv_s, rope_s,
-                        bars, bid * num_heads + h0, start, end, num_steps, PAGE_SIZE, g0,
-                        PV_COLS)
+        tile_source(q_desc, kv_desc, Q, KV8, BLOCK_TABLE + bid * stride_bt_b, q_s, kv_s,
+                    rope_s, bars, bid * num_heads + h0, q_rows, start, end, num_steps,
+                    PAGE_SIZE, g0, PV_COLS, KV_FP8)
         g0 += num_steps
         t = segment_last
 
@@ -272,8 +271,7 @@ def seesaw_range_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDP
     if first < last:
         segments = _requests_meeting(TILE_INDPTR, first, last, batch, BLOCK_B)
         if KV_FP8:
-            box: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BOX], gl.float16)
-            q_s, kv_s, rope_s, stats_s, bars = shared_state(box, box, 256, gl.float16)
+            q_s, kv_s, rope_s, stats_s, bars = fp8_shared_state()
         else:
             q_layout: gl.constexpr = q_desc.layout
             kv_layout: gl.constexpr = kv_desc.layout

@@ -176,6 +176,14 @@ def _convert_q(Q, q_s, bars, q_row, q_rows):
 
 
 @gluon.jit
+def fp8_shared_state():
+    """The bf16 kernel's shared state with float16 boxes (the converter fills them) and
+    256-column PVs: ``seesaw_layout.shared_state``'s tuple."""
+    box: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BOX], gl.float16)
+    return shared_state(box, box, 256, gl.float16)
+
+
+@gluon.jit
 def fp8_tile_converter(Q, KV8, bt_row, q_s, kv_s, rope_s, bars, q_row, q_rows, start, end,
                        num_steps, PAGE_SIZE: gl.constexpr, V32: gl.constexpr, g0=0):
     """Q, then the tiles of tokens [start, end) in steps of two, converted in the order and
@@ -260,8 +268,7 @@ def seesaw_fp8_stage1_kernel(Q, KV8, KV_SCALE, BLOCK_TABLE, SEQ_LENS, OUT, LSE, 
     seq_len, start, end = split_bounds(SEQ_LENS, bid, split, num_kv_splits)
     if start < end:
         num_steps = gl.cdiv(gl.cdiv(end - start, TILE), 2)
-        box: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BOX], gl.float16)
-        q_s, kv_s, rope_s, stats_s, bars = shared_state(box, box, 256, gl.float16)
+        q_s, kv_s, rope_s, stats_s, bars = fp8_shared_state()
         h0 = head_block * ROWS
         o_ptr, stride_rows, lse_ptr, stride_lse_rows = program_outputs(
             OUT, LSE, PART_O, PART_LSE, bid, h0, split, stride_o_b, stride_o_h, stride_lse_b,
