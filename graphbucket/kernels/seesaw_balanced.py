@@ -65,12 +65,7 @@ def seesaw_balanced_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, ITEM_I
         o_ptr = PART_O + item * stride_po_i + h0 * stride_po_h
         lse_ptr = PART_LSE + item * stride_pl_i + h0
         num_rows = gl.minimum(num_heads - h0, ROWS)
-        if KV_FP8:
-            q_s, kv_s, rope_s, stats_s, bars = fp8_shared_state()
-        else:
-            q_layout: gl.constexpr = q_desc.layout
-            kv_layout: gl.constexpr = kv_desc.layout
-            q_s, kv_s, rope_s, stats_s, bars = shared_state(q_layout, kv_layout, PV_COLS)
+        q_s, kv_s, rope_s, stats_s, bars = _shared_state(q_desc, kv_desc, PV_COLS, KV_FP8)
         pv: gl.constexpr = 256 if KV_FP8 else PV_COLS
         gl.warp_specialize([
             (warpgroup_even, (q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps,
@@ -83,6 +78,19 @@ def seesaw_balanced_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, ITEM_I
                            kv_s, rope_s, bars, bid * num_heads + h0, q_rows, start, end,
                            num_steps, PAGE_SIZE, 0, pv, KV_FP8)),
         ], [4, 4], [208, 96] if KV_FP8 else [240, 24])  # fp8: the converter's registers
+
+
+@gluon.jit
+def _shared_state(q_desc, kv_desc, PV_COLS: gl.constexpr, KV_FP8: gl.constexpr):
+    """A program's shared state: the descriptors' layouts for a bf16 cache, the fp8
+    converter's float16 boxes for an fp8 one."""
+    if KV_FP8:
+        state = fp8_shared_state()
+    else:
+        q_layout: gl.constexpr = q_desc.layout
+        kv_layout: gl.constexpr = kv_desc.layout
+        state = shared_state(q_layout, kv_layout, PV_COLS)
+    return state
 
 
 @gluon.jit
@@ -270,12 +278,7 @@ def seesaw_range_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDP
         last = gl.minimum(first + per, gl.load(TILE_INDPTR + batch))
     if first < last:
         segments = _requests_meeting(TILE_INDPTR, first, last, batch, BLOCK_B)
-        if KV_FP8:
-            q_s, kv_s, rope_s, stats_s, bars = fp8_shared_state()
-        else:
-            q_layout: gl.constexpr = q_desc.layout
-            kv_layout: gl.constexpr = kv_desc.layout
-            q_s, kv_s, rope_s, stats_s, bars = shared_state(q_layout, kv_layout, PV_COLS)
+        q_s, kv_s, rope_s, stats_s, bars = _shared_state(q_desc, kv_desc, PV_COLS, KV_FP8)
         desc_s = gl.allocate_shared_memory(
             gl.int32, [2, DESC_WORDS],
             gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
