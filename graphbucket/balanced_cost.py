@@ -121,14 +121,15 @@ def _chunk(tiles: np.ndarray, part: Partition) -> int:
     return hi if 2 * hi <= 3 * plain else plain
 
 
-def _items(tiles: np.ndarray, chunk: int) -> np.ndarray:
-    """Every work item's tiles, in request order."""
+def _items(tiles: np.ndarray, chunk: int) -> tuple[np.ndarray, int]:
+    """(every work item's tiles, in request order; the partials: items of requests cut in
+    two or more, as a request of one item gets its output from stage 1)."""
     live = tiles[tiles > 0]
     counts = np.ceil(live / chunk).astype(np.int64)
     items = np.full(int(counts.sum()), float(chunk))
     last = np.cumsum(counts) - 1
     items[last] = live - (counts - 1) * chunk
-    return items
+    return items, int(counts[counts > 1].sum())
 
 
 def _waves(items: np.ndarray, slots: int, overhead: float) -> float:
@@ -201,17 +202,18 @@ def _ranges(tiles: np.ndarray, part: Partition, overhead: float, charge: int
 def makespan(lens: Sequence[int] | np.ndarray, part: Partition, overhead: float
              ) -> tuple[float, int]:
     """(the busiest program's load in 64-token tiles, the partials the merge reads: work
-    items, or range segments) of a step with host lengths ``lens`` under ``part``, each
-    item or segment charged ``overhead`` tiles."""
+    items or range segments of the requests cut in two or more; every segment of equal
+    ranges) of a step with host lengths ``lens`` under ``part``, each item or segment
+    charged ``overhead`` tiles."""
     tiles = np.ceil(np.asarray(lens, dtype=np.float64) / part.block_n)
     scale = part.block_n / TILE
     if part.kind in (RANGES, CHARGED):
         load, segments = _ranges(tiles, part, overhead / scale, part.charge)
         return load * scale, segments
-    items = _items(tiles, _chunk(tiles, part))
+    items, partials = _items(tiles, _chunk(tiles, part))
     if part.kind == STRIDED:
-        return _strided(items, part, overhead / scale) * scale, int(items.size)
-    return _waves(items, part.programs, overhead / scale) * scale, int(items.size)
+        return _strided(items, part, overhead / scale) * scale, partials
+    return _waves(items, part.programs, overhead / scale) * scale, partials
 
 
 @dataclass(frozen=True, slots=True)

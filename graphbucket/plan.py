@@ -36,19 +36,15 @@ and "stage-1 kernel (split-KV, tiles, streams, pipelining)"):
 The ladder tuner measures these choices on the GPU at hand and may replace them.
 
 fp8 caches (``graphbucket.fp8``) run the same plans. Plans count tokens; the launcher picks
-the tile for the cache format (``kernels.launch.tile_tokens``: fp8-v32 rows stream half the
-plan's tokens per tile, fp8-tensor the plan's, or half with 64 query rows), and the split
-formula uses that tile, so a split still covers the planned tokens. Each stream keeps its
-programs per SM in those tiles (sm_90 compile; bench/NOTES.md, topic "fp8 caches"), so the
-split budget holds. What the smaller rows (0.50x / 0.57x of bf16's bytes) move is the best
-split count per context, which is a hint choice: ``scripts/tune_ladder.py --kv-cache``
-tunes a ladder per format and the ``ladder`` policy looks it up by the format.
+the tile for the cache format (``kernels.launch.tile_tokens``), and the split formula uses
+that tile, so a split still covers the planned tokens. The smaller rows move the best split
+count per context, a hint choice: ``scripts/tune_ladder.py --kv-cache`` tunes a ladder per
+format and the ``ladder`` policy looks it up by the format.
 
 ``plan_balanced_mla_decode`` plans the other topology, balanced split-KV: a fixed grid of
 persistent programs takes equal chunks of the batch's total tiles, partitioned on the
-device from the live lengths (``graphbucket/kernels/balanced.py``). ``plan_mla_decode``
-never returns it; ladders ask for it per bucket for ragged batches
-(``Bucket.balanced_imbalance``), and the backend plans it with ``plan_balanced``.
+device from the live lengths (``graphbucket/kernels/balanced.py``); ladders ask for it per
+bucket for ragged batches (``Bucket.balanced_imbalance``).
 """
 
 from __future__ import annotations
@@ -70,15 +66,15 @@ from graphbucket.plan_streams import (
 MAX_KV_SPLITS = 512
 H200_NUM_SMS = 132
 # Stage 2 merges up to MERGE_BLOCK_S splits per step, in a tile just large enough for the
-# plan's split count (32, 64, 128 or 256 rows: four compiled merge variants at most): a large
-# tile over a few live splits is mostly masked work, a small one over many splits takes many
-# dependent steps (bench/results/archive/h200-kernel-variants-*.md).
+# plan's split count (32-256 rows: four merge variants at most): a large tile over a few
+# splits is mostly masked work, a small one over many takes many dependent steps.
 MERGE_BLOCK_S = 256
 MERGE_BLOCK_S_SMALL = 32
 MERGE_BLOCK_DV = 32
 # Balanced merges over few items per request: whole rows per program (``whole_row_merge``).
 WHOLE_ROW_MERGE_DV = 512
 WHOLE_ROW_MERGE_MAX_PROGRAMS = 256
+MERGE_PROGRAMS_PER_SM = 16  # a balanced merge's persistent programs (a wave of 4 warps each)
 # A fused merge is done by one program per (request, head block), reading every partial
 # alone: cheap for a few splits, a serial tail for many.
 FUSED_MERGE_MAX_SPLITS = 4
@@ -129,6 +125,8 @@ class LaunchPlan:
     merge_block_s: int
     merge_block_dv: int
     merge_num_warps: int = 4
+    # Balanced plans: the merge's persistent programs (over merged requests' units).
+    merge_programs: int = 0
     # The merge waits for stage 1 on the device instead of at a kernel boundary
     # (programmatic dependent launch, where the GPU has it: sm_90 and later).
     dependent_merge: bool = False
@@ -202,6 +200,8 @@ class LaunchPlan:
 
     @property
     def merge_grid(self) -> tuple[int, int, int]:
+        if self.balanced:
+            return (self.merge_programs, 1, 1)
         return (self.batch_size, self.num_heads, cdiv(self.kv_lora_rank, self.merge_block_dv))
 
     @property
@@ -436,7 +436,8 @@ def plan_balanced_mla_decode(
     if whole_row_merge(batch_size, num_heads, programs):
         plan = replace(plan, merge_block_dv=min(WHOLE_ROW_MERGE_DV, kv_lora_rank),
                        merge_num_warps=8)
-    return plan
+    units = batch_size * num_heads * cdiv(kv_lora_rank, plan.merge_block_dv)
+    return replace(plan, merge_programs=min(units, MERGE_PROGRAMS_PER_SM * num_sms))
 
 
 def whole_row_merge(batch_size: int, num_heads: int, programs: int) -> bool:

@@ -96,17 +96,17 @@ class StagingSlot:
     live_rows: int = 0
     live_tokens: int = 0
     live_changes: int = 0
-    heads: dict = field(default_factory=dict)  # n -> ``_heads(n)``
+    first_rows: dict = field(default_factory=dict)  # n -> ``_first_rows(n)``
 
     def fill(self, batch: CheckedBatch, padded_bs: int) -> None:
         """Rows [0, bs) from ``batch``; rows [bs, padded_bs) neutral (zero lengths). Per-token
         rows: [0, bs x q_len) from ``batch``, [bs x q_len, padded_bs x q_len) zero."""
         bs, lens, q_len = batch.batch_size, batch.seq_lens, batch.q_len
         tokens = bs * q_len
-        heads = self.heads
-        rows = heads.get(bs) or self._heads(bs)
+        cached = self.first_rows
+        rows = cached.get(bs) or self._first_rows(bs)
         rows[0][...] = lens
-        per_token = rows if q_len == 1 else heads.get(tokens) or self._heads(tokens)
+        per_token = rows if q_len == 1 else cached.get(tokens) or self._first_rows(tokens)
         positions = per_token[1]
         if batch.positions is not None:
             positions[...] = batch.positions
@@ -138,12 +138,12 @@ class StagingSlot:
             self.block_table[:bs, :table.shape[1]] = table
             self._changed(0)
 
-    def _heads(self, n: int) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+    def _first_rows(self, n: int) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
         # (seq_lens[:n], positions[:n], name -> inputs[name][:n]), cached per n so that a
         # step slices nothing: each slice is a numpy call, dear on a host's cold caches.
         views = (self.seq_lens[:n], self.positions[:n],
                  {name: arr[:n] for name, arr in self.inputs.items()})
-        self.heads[n] = views
+        self.first_rows[n] = views
         return views
 
     def fill_changes(self, table: BlockTable) -> list[tuple[int, int, int]]:

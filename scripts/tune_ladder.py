@@ -403,9 +403,8 @@ def measure_ragged(args: argparse.Namespace, ladder, meta: dict) -> list[RaggedS
         return plan_for(batch, ladder.hints_for(batch)[ladder.bucket_for(max(lens))])
 
     backend = TritonBackend(num_sms=num_sms)
-    # The seesaw stage 1 decodes bf16 caches; over fp8 its plan would run the Triton kernel.
-    kernels = backend.balanced_kernels(heads) if meta["kv_cache"] == "bf16" else (
-        DEFAULT_BALANCED_KERNEL,)
+    # Every balanced kernel runs over fp8 caches too (the fp8 seesaw's converter).
+    kernels = backend.balanced_kernels(heads)
 
     def balanced_for(batch: int):
         return {k: backend.plan_balanced(batch, heads, k) for k in kernels}

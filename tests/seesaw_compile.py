@@ -79,11 +79,11 @@ def compile_fp8_items():
                     {"Q": "*bf16", "KV8": "*fp8e4nv", "KV_SCALE": "*fp32"})
 
 
-def compile_fp8_stage1(v32: bool = False):
+def compile_fp8_stage1(v32: bool = False, prefetch_ahead: int = 1):
     """The split-KV seesaw over a per-tensor fp8 cache (``seesaw_fp8``), or over a V3.2
-    cache (``v32``: uint8 rows, no scale)."""
+    cache (``v32``: uint8 rows, no scale), its L2 prefetch ``prefetch_ahead`` steps ahead."""
     constants = {"PAGE_SIZE": 64, "ONE_SPLIT": False, "WRITE_LSE": True, "V32": v32,
-                 "Q_LEN": 1}
+                 "Q_LEN": 1, "PREFETCH_AHEAD": prefetch_ahead}
     if v32:
         constants["KV_SCALE"] = None
     return _compile(seesaw_fp8.seesaw_fp8_stage1_kernel, constants, {},
@@ -129,7 +129,7 @@ def compile_range_planner(charge: int, bounds: bool):
     from graphbucket.kernels.balanced import plan_tile_ranges_kernel as kernel
 
     constants = {"BLOCK_N": 64, "MIN_RANGE_TILES": 2, "BLOCK_B": 128, "CHARGE": charge,
-                 "BLOCK_P": 256, "BOUNDS": bounds}
+                 "BLOCK_P": 256, "BOUNDS": bounds, "MERGE_SINGLE": not bounds}
     signature = {p.name: "constexpr" if p.name in constants else
                  "i32" if p.name in ("batch", "num_programs") else "*i32"
                  for p in kernel.params}
@@ -174,10 +174,10 @@ def compile_balanced_merge():
 
     from graphbucket.kernels.balanced import balanced_merge_kernel as kernel
 
-    constants = {"BLOCK_S": 32, "BLOCK_DV": 512, "WRITE_LSE": True, "MERGE_SINGLE": False,
+    constants = {"BLOCK_S": 32, "BLOCK_DV": 512, "DV_BLOCKS": 1, "WRITE_LSE": True,
                  "USE_GDC": True}
     pointers = {"PART_O": "*fp32", "PART_LSE": "*fp32", "ITEM_INDPTR": "*i32",
-                "OUT": "*bf16", "LSE": "*fp32"}
+                "MERGE_ROWS": "*i32", "OUT": "*bf16", "LSE": "*fp32"}
     signature = {p.name: "constexpr" if p.name in constants else pointers.get(p.name, "i32")
                  for p in kernel.params}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
@@ -206,6 +206,7 @@ def main() -> None:
     wide_pv_verify = compile_stage1(q_len=4, wide_pv=True)
     fp8_tensor = compile_fp8_stage1()
     fp8_v32 = compile_fp8_stage1(v32=True)
+    fp8_ahead = compile_fp8_stage1(prefetch_ahead=2)
     fp8_charged = compile_fp8_charged()
     fp8_items = compile_fp8_items()
     if args.dump:
@@ -237,6 +238,7 @@ def main() -> None:
                       "wide_pv_q_len_4": summary(wide_pv_verify),
                       "fp8_tensor": summary(fp8_tensor), "fp8_v32": summary(fp8_v32),
                       "fp8_charged": summary(fp8_charged), "fp8_items": summary(fp8_items),
+                      "fp8_tensor_prefetch_2": summary(fp8_ahead),
                       "range_planner_shared_bytes": planners,
                       "wide_view_matches_boxes": wide_view_matches_boxes(),
                       "dependent_merge_waits": merge.count("griddepcontrol.wait")}))

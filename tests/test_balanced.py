@@ -140,7 +140,8 @@ def test_balanced_plan_shape():
     assert plan.grid == (4 * 132, 1, 1) and plan.min_chunk_tiles == 4
     assert plan.max_work_items == 4 * 132 + 64
     assert plan.workspace_shape == (0, 0, 0, 0)  # no split partials
-    assert plan.merge_grid == (64, 16, 512 // plan.merge_block_dv)
+    # The merge: one resident wave of persistent programs over the merged requests' units.
+    assert plan.merge_programs == 16 * 132 and plan.merge_grid == (16 * 132, 1, 1)
     one = plan_balanced_mla_decode(1, 128, num_sms=132)  # 2 blocks of 64 rows, 1 per SM
     assert one.block_h == 64 and one.grid == (132 // 2, 2, 1)
     assert one.min_chunk_tiles == 2 and one.seesaw  # the Gluon seesaw from 64 rows
@@ -156,7 +157,7 @@ def test_balanced_plan_shape():
 @pytest.mark.host
 def test_merge_reads_whole_rows_only_for_few_items_per_request():
     seesaw = plan_balanced_mla_decode(64, 16, num_sms=132, stream=SEESAW_STREAM)
-    assert seesaw.merge_block_dv == 512 and seesaw.merge_grid == (64, 16, 1)
+    assert seesaw.merge_block_dv == 512 and seesaw.merge_programs == 64 * 16
     assert seesaw.merge_num_warps == 8
     # 528 programs: up to 529 items of one request walked serially; 128 heads: unmeasured
     for plan in (plan_balanced_mla_decode(64, 16, num_sms=132),
@@ -164,7 +165,7 @@ def test_merge_reads_whole_rows_only_for_few_items_per_request():
                  plan_balanced_mla_decode(64, 128, num_sms=132)):
         assert plan.merge_block_dv == 32, plan.describe()
     small = balanced_plan(8, 6)  # rank 64: one block of the whole row
-    assert small.merge_block_dv == RANK and small.merge_grid == (8, HEADS, 1)
+    assert small.merge_block_dv == RANK and small.merge_programs == 8 * HEADS
 
 
 def random_lens(rng: random.Random, short: int) -> list[int]:
@@ -222,9 +223,19 @@ def test_item_planner_matches_python(lens, programs, min_chunk, fit):
     plan = balanced_plan(len(lens), programs, min_chunk_tiles=min_chunk, fit_items=fit)
     ws = workspace_for(plan)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    ws.merge_rows.fill_(-1)
     launch_item_planner(seq_lens, ws, plan=plan, block_n=64)
     indptr, chunk = python_partition(lens, 64, programs, min_chunk, fit)
     assert ws.item_indptr.tolist() == indptr and int(ws.chunk_tiles.item()) == chunk
+    assert_merge_rows(ws, indptr, every=False)
+
+
+def assert_merge_rows(ws: SplitWorkspace, item_indptr: list[int], *, every: bool) -> None:
+    """The planner's list of requests to merge: [count, b...], those of other than one item
+    in request order (``every``: all of them)."""
+    items = [item_indptr[b + 1] - item_indptr[b] for b in range(len(item_indptr) - 1)]
+    want = [b for b, n in enumerate(items) if every or n != 1]
+    assert ws.merge_rows[:len(want) + 1].tolist() == [len(want)] + want
 
 
 @pytest.mark.parametrize("fit", [False, True])
@@ -238,6 +249,7 @@ def test_item_planner_scans_batches_wider_than_one_block(fit):
                         block_n=32)
     indptr, chunk = python_partition(lens, 32, programs, 2, fit)
     assert ws.item_indptr.tolist() == indptr and int(ws.chunk_tiles.item()) == chunk
+    assert_merge_rows(ws, indptr, every=False)
 
 
 def python_ranges(lens: list[int], programs: int, min_tiles: int
@@ -315,6 +327,7 @@ def test_range_planner_matches_python(lens, programs, min_tiles):
     tile_indptr, item_indptr, per = python_ranges(lens, programs, min_tiles)
     assert ws.tile_indptr.tolist() == tile_indptr and ws.item_indptr.tolist() == item_indptr
     assert int(ws.chunk_tiles.item()) == per
+    assert_merge_rows(ws, item_indptr, every=True)  # equal ranges: every segment a partial
 
 
 def python_charged(lens: list[int], programs: int, min_tiles: int, charge: int
@@ -354,6 +367,7 @@ def test_charged_range_planner_matches_python(lens, programs, min_tiles, charge)
     tile_indptr, item_indptr, bounds, first = python_charged(lens, programs, min_tiles, charge)
     assert ws.tile_indptr.tolist() == tile_indptr and ws.item_indptr.tolist() == item_indptr
     assert ws.range_bounds[:programs + 1].tolist() == bounds
+    assert_merge_rows(ws, item_indptr, every=False)
     live = [b for b, n in enumerate(lens) if n]
     assert [ws.first_program.tolist()[b] for b in live] == [first[b] for b in live]
 

@@ -19,9 +19,7 @@ from graphbucket.kernels.launch import (
 )
 from graphbucket.kernels.launch_balanced import (
     launch_balanced_merge,
-    launch_item_planner,
     launch_range_planner,
-    launch_seesaw_balanced_stage1,
     launch_seesaw_range_stage1,
     mla_decode_balanced,
 )
@@ -169,7 +167,7 @@ def test_gpu_fp8_range_seesaw_matches_float64_over_the_dequantized_cache(lens, h
     launch_range_planner(seq_lens, ws, plan=plan)
     launch_seesaw_range_stage1(q, cache, table, seq_lens, ws, plan=plan, sm_scale=sm_scale,
                                out=out, lse=lse, kv_scale=scale)
-    launch_balanced_merge(out, ws, plan=plan, lse=lse, merge_single=not charged,
+    launch_balanced_merge(out, ws, plan=plan, lse=lse,
                           dependent=charged and pdl_capable(out.device))
     want, want_lse = mla_decode_reference(q.cpu(), dequantized(cache, scale), table.cpu(),
                                           seq_lens.cpu(), kv_lora_rank=KV_LORA_RANK,
@@ -204,21 +202,37 @@ def test_gpu_mla_decode_runs_seesaw_plans_over_fp8_on_the_fp8_seesaw(lens, balan
 @pytest.mark.parametrize("lens", [[63, 64, 65, 0], [70000] + [1000] * 15,
                                   [1, 31, 0, 4095, 128, 129]])
 @pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("programs, fit", [(3, False), (0, False), (0, True)])
 @pytest.mark.parametrize("fmt", ["fp8-tensor", "fp8-v32"])
-def test_gpu_fp8_item_seesaw_matches_float64_over_the_dequantized_cache(lens, heads, fmt,
-                                                                        seeded):
-    """The seesaw over balanced work items on an fp8 cache (under trial, launched
-    directly): the item planner in 64-token tiles, stage 1, the balanced merge."""
+def test_gpu_fp8_item_seesaw_matches_float64_over_the_dequantized_cache(lens, heads, programs,
+                                                                        fit, fmt, seeded):
+    """``mla_decode_balanced`` over an fp8 cache with the item seesaw's plans (few programs:
+    requests of many items; the default's and fitted chunks: requests of one item, whose
+    output stage 1 writes): item planner in 64-token tiles, fp8 stage 1, merge."""
     q, cache, table, seq_lens, scale = fp8_case(fmt, lens, heads, seeded)
-    plan = plan_balanced_mla_decode(len(lens), heads, stream=SEESAW_STREAM)
+    plan = plan_balanced_mla_decode(len(lens), heads, stream=SEESAW_STREAM,
+                                    programs=programs or None, fit_items=fit)
     assert plan.seesaw and not plan.tile_ranges, plan.describe()
+    assert runs_seesaw_over_fp8(plan, q, cache, kv_scale=scale), plan.describe()
     sm_scale = default_sm_scale()
     ws, out, lse = nan_outputs(len(lens), heads, plan)
-    launch_item_planner(seq_lens, ws, plan=plan, block_n=64)
-    launch_seesaw_balanced_stage1(q, cache, table, seq_lens, ws, plan=plan, sm_scale=sm_scale,
-                                  kv_scale=scale)
-    launch_balanced_merge(out, ws, plan=plan, lse=lse, merge_single=True)
+    mla_decode_balanced(q, cache, table, seq_lens, out, ws, plan=plan, sm_scale=sm_scale,
+                        lse=lse, kv_scale=scale)
     want, want_lse = mla_decode_reference(q.cpu(), dequantized(cache, scale), table.cpu(),
                                           seq_lens.cpu(), kv_lora_rank=KV_LORA_RANK,
                                           sm_scale=sm_scale)
     assert_matches(want, want_lse, lens, out, lse, plan)
+
+
+@pytest.mark.host
+@pytest.mark.parametrize("ahead", [0, -1, 1.5])
+def test_prefetch_distance_is_checked_before_any_launch(ahead):
+    """A distance below one step would prefetch pages before the split (block-table entries
+    before the request's row): refused before the kernel is compiled or launched."""
+    q = torch.zeros(1, 16, 576, dtype=torch.bfloat16)
+    plan = plan_mla_decode(1, 16, 1024, stream=SEESAW_STREAM)
+    with pytest.raises(ValueError, match="prefetch_ahead must be an int >= 1"):
+        launch_seesaw_fp8_stage1(q, torch.zeros(1, 64, 576), torch.zeros(1, 1, dtype=torch.int32),
+                                 torch.ones(1, dtype=torch.int32), torch.zeros(1, 16, 512), None,
+                                 plan=plan, sm_scale=0.1, lse=None, kv_scale=None,
+                                 prefetch_ahead=ahead)

@@ -78,7 +78,7 @@ def stage_calls(timer, lens, plan):
 MERGE_TILES = (32, 64, 128, 256, 512)
 
 
-def merge_tiles(timer, lens, plan, *, merge_single):
+def merge_tiles(timer, lens, plan):
     """{columns per merge program: us} of the balanced merge alone over ``plan``'s items
     (what stage 1 left in the slots is not read for its values: timing only)."""
     import torch
@@ -97,8 +97,7 @@ def merge_tiles(timer, lens, plan, *, merge_single):
 
     def call(tile):
         variant = replace(plan, merge_block_dv=tile, merge_num_warps=4 if tile <= 128 else 8)
-        return lambda: [launch_balanced_merge(out[r], ws, plan=variant, lse=None,
-                                              merge_single=merge_single)
+        return lambda: [launch_balanced_merge(out[r], ws, plan=variant, lse=None)
                         for r in range(tables.shape[0])]
     return {t: call(t) for t in MERGE_TILES}, tables.shape[0]
 
@@ -145,8 +144,7 @@ def main(argv: list[str] | None = None) -> None:
         rows = []
         for batch, name, lens in todo:
             for label in ("triton_x4", "seesaw_fit"):
-                calls, rotations = merge_tiles(timer, lens, by_batch[batch][label],
-                                               merge_single=label.startswith("seesaw"))
+                calls, rotations = merge_tiles(timer, lens, by_batch[batch][label])
                 us = time_replays_paired({str(t): c for t, c in calls.items()},
                                          calls_per_graph=rotations, reps=7, min_ms=20)
                 rows.append({"batch": batch, "mix": name, "plan": label,

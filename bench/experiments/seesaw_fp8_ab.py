@@ -1,7 +1,8 @@
 """The seesaw over fp8 caches (``kernels/seesaw_fp8.py``, under trial; per-tensor and V3.2)
 against the bf16 seesaw over the same values and the Triton kernels over the same fp8
 caches, in one process on the same inputs: interleaved CUDA-graph replays with a cold L2
-(``time_replays_paired``), split-KV plans, stage 1 and the merge.
+(``time_replays_paired``), split-KV plans, stage 1 and the merge; the fp8 seesaws also with
+their L2 prefetch two steps ahead (``prefetch_ahead=2``, under trial).
 
     python3 bench/experiments/seesaw_fp8_ab.py --out DIR
 
@@ -24,7 +25,8 @@ from bench.gpu_timing import add_out_argument, report_run, run_line, run_meta  #
 # (heads, batch, context)
 SHAPES = [(128, 1, 131072), (128, 8, 65536), (128, 64, 16384), (16, 1, 131072),
           (16, 8, 16384), (16, 8, 131072), (16, 64, 4096), (16, 64, 16384)]
-VARIANTS = ("bf16_seesaw", "fp8_seesaw", "fp8_triton", "v32_seesaw", "v32_triton")
+VARIANTS = ("bf16_seesaw", "fp8_seesaw", "fp8_triton", "v32_seesaw", "v32_triton",
+            "fp8_seesaw_p2", "v32_seesaw_p2")  # _p2: the L2 prefetch two steps ahead
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -60,12 +62,13 @@ def measure(reps: int) -> list[dict]:
                                      max(plan.num_kv_splits, triton_plan.num_kv_splits), 512,
                                      "cuda")
 
-        def seesaw(cache, kv_scale, plan=plan, ws=ws, tables=tables, q=q, out=out,
+        def seesaw(cache, kv_scale, ahead=1, plan=plan, ws=ws, tables=tables, q=q, out=out,
                    seq_lens=seq_lens):
             def launch(r: int) -> None:
                 launch_seesaw_fp8_stage1(q[r], cache, tables[r], seq_lens, out[r],
                                          ws if plan.use_stage2 else None, plan=plan,
-                                         sm_scale=sm_scale, lse=None, kv_scale=kv_scale)
+                                         sm_scale=sm_scale, lse=None, kv_scale=kv_scale,
+                                         prefetch_ahead=ahead)
                 if plan.merge_kernel:
                     launch_merge(seq_lens, out[r], ws, plan=plan, lse=None, block_n=64)
             return launch
@@ -80,7 +83,8 @@ def measure(reps: int) -> list[dict]:
             seq_lens=seq_lens: mla_decode(q[r], bf16, tables[r], seq_lens, out[r], ws,
                                           plan=plan, sm_scale=sm_scale),
             "fp8_seesaw": seesaw(cache8, scale), "fp8_triton": triton(cache8, scale),
-            "v32_seesaw": seesaw(cache_v32, None), "v32_triton": triton(cache_v32, None)}
+            "v32_seesaw": seesaw(cache_v32, None), "v32_triton": triton(cache_v32, None),
+            "fp8_seesaw_p2": seesaw(cache8, scale, 2), "v32_seesaw_p2": seesaw(cache_v32, None, 2)}
         outs = {}
         for name, launch in launches.items():
             launch(0)
@@ -89,7 +93,9 @@ def measure(reps: int) -> list[dict]:
         def error(name: str, ref: str) -> float:
             return ((outs[name] - outs[ref]).norm() / outs[ref].norm()).item()
         errors = {"fp8_seesaw": error("fp8_seesaw", "fp8_triton"),
-                  "v32_seesaw": error("v32_seesaw", "v32_triton")}
+                  "v32_seesaw": error("v32_seesaw", "v32_triton"),
+                  "fp8_seesaw_p2": error("fp8_seesaw_p2", "fp8_triton"),
+                  "v32_seesaw_p2": error("v32_seesaw_p2", "v32_triton")}
 
         def calls(launch, rotations=tables.shape[0]):
             def call() -> None:
@@ -106,6 +112,8 @@ def measure(reps: int) -> list[dict]:
                "fp8_seesaw_over_fp8_triton": round(us["fp8_seesaw"] / us["fp8_triton"], 4),
                "v32_seesaw_over_bf16_seesaw": round(us["v32_seesaw"] / us["bf16_seesaw"], 4),
                "v32_seesaw_over_v32_triton": round(us["v32_seesaw"] / us["v32_triton"], 4),
+               "fp8_p2_over_fp8_seesaw": round(us["fp8_seesaw_p2"] / us["fp8_seesaw"], 4),
+               "v32_p2_over_v32_seesaw": round(us["v32_seesaw_p2"] / us["v32_seesaw"], 4),
                "rel_err_vs_triton": {n: float(f"{e:.3e}") for n, e in errors.items()}}
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -120,8 +128,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
              "quantize. Error: relative L2 against the Triton kernel on the same cache.", "",
              "| heads | batch | context | bf16 seesaw us | fp8-tensor seesaw us | Triton us | "
              "/ bf16 | / Triton | error | fp8-v32 seesaw us | Triton us | / bf16 | / Triton "
-             "| error |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| error | fp8-tensor, prefetch 2 ahead / 1 | fp8-v32, prefetch 2 / 1 |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         e = r["rel_err_vs_triton"]
         lines.append(f"| {r['heads']} | {r['batch']} | {r['context']} | {r['bf16_seesaw_us']} | "
@@ -129,7 +137,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
                      f"{r['fp8_seesaw_over_bf16_seesaw']} | {r['fp8_seesaw_over_fp8_triton']} "
                      f"| {e['fp8_seesaw']:.1e} | {r['v32_seesaw_us']} | {r['v32_triton_us']} | "
                      f"{r['v32_seesaw_over_bf16_seesaw']} | {r['v32_seesaw_over_v32_triton']} "
-                     f"| {e['v32_seesaw']:.1e} |")
+                     f"| {e['v32_seesaw']:.1e} | {r['fp8_p2_over_fp8_seesaw']} | "
+                     f"{r['v32_p2_over_v32_seesaw']} |")
     return "\n".join(lines) + "\n"
 
 

@@ -12,6 +12,10 @@ among short ones sets the step time; here every work item has about the same siz
        items_b     = cdiv(tiles_b, chunk_tiles)               # 0 for padding rows
        item_indptr = [0, items_0, items_0 + items_1, ...]     # B + 1 entries
 
+   It also lists the requests the merge writes (``_store_merge_rows``)::
+
+       merge_rows  = [count, b_0, b_1, ...]   # requests of other than one item, in order
+
    chunk_tiles >= total / G bounds the item count by G + B (the workspace's size). A
    program strided over G + B items runs two where the count passes G; with ``FIT_ITEMS``
    the planner bisects for the smallest chunk whose items fit in G (where the live
@@ -22,10 +26,13 @@ among short ones sets the step time; here every work item has about the same siz
    [(i - indptr[b]) * chunk, min(+chunk, len_b)) with chunk = chunk_tiles * BLOCK_N.
    A request with one item gets its final output (and LSE) here; otherwise the item
    writes a float32 partial (output, log2 LSE) to slot i.
-3. ``balanced_merge_kernel`` (request, head, dv block) merges slots
-   indptr[b] .. indptr[b + 1] of requests with two or more items, and writes zeros and
-   LSE -inf for padding rows (no items); it leaves one-item requests alone, except after
-   a stage 1 that writes every item as a partial (the Gluon seesaw's, ``MERGE_SINGLE``).
+3. ``balanced_merge_kernel`` merges slots indptr[b] .. indptr[b + 1] of the requests in
+   ``merge_rows``: those of two or more items, and padding rows (no items: zeros and LSE
+   -inf); a one-item request's output is written already, except after a stage 1 that
+   writes every item as a partial (the Gluon seesaw's equal tile ranges, whose planner
+   lists every request: ``MERGE_SINGLE``). Its programs are persistent over (listed
+   request, head, dv block) units, so a step whose requests are mostly whole costs no
+   program time per idle row, and no unit searches for its request.
 
 Plans with ``tile_ranges`` cut the batch differently for the Gluon seesaw
 (``plan_tile_ranges_kernel``): each persistent program takes an equal range of the
@@ -99,7 +106,17 @@ def _fitted_chunk(SEQ_LENS, batch, num_programs, lo, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
-def plan_work_items_kernel(SEQ_LENS, ITEM_INDPTR, CHUNK_TILES, batch, num_programs,
+def _store_merge_rows(MERGE_ROWS, offs, mask, items, listed, MERGE_SINGLE: tl.constexpr):
+    """Appends this block's requests that the merge writes (every one with MERGE_SINGLE,
+    else those of other than one item) to MERGE_ROWS[1 + listed ...]; returns the new
+    count. MERGE_ROWS[0] takes the count once the last block is listed."""
+    merged = (mask & ((items != 1) | MERGE_SINGLE)).to(tl.int32)
+    tl.store(MERGE_ROWS + listed + tl.cumsum(merged, 0), offs, mask=merged != 0)
+    return listed + tl.sum(merged, 0)
+
+
+@triton.jit
+def plan_work_items_kernel(SEQ_LENS, ITEM_INDPTR, CHUNK_TILES, MERGE_ROWS, batch, num_programs,
                            BLOCK_N: tl.constexpr, MIN_CHUNK_TILES: tl.constexpr,
                            BLOCK_B: tl.constexpr, FIT_ITEMS: tl.constexpr = False):
     total_tiles = _total_tiles(SEQ_LENS, batch, BLOCK_N, BLOCK_B)
@@ -110,6 +127,7 @@ def plan_work_items_kernel(SEQ_LENS, ITEM_INDPTR, CHUNK_TILES, batch, num_progra
     tl.store(CHUNK_TILES, chunk_tiles)
     tl.store(ITEM_INDPTR, 0)
     carry = 0
+    listed = 0
     for b0 in range(0, batch, BLOCK_B):
         offs = b0 + tl.arange(0, BLOCK_B)
         mask = offs < batch
@@ -117,14 +135,17 @@ def plan_work_items_kernel(SEQ_LENS, ITEM_INDPTR, CHUNK_TILES, batch, num_progra
         items = tl.cdiv(tl.cdiv(lens, BLOCK_N), chunk_tiles)
         tl.store(ITEM_INDPTR + 1 + offs, carry + tl.cumsum(items, 0), mask=mask)
         carry += tl.sum(items, 0)
+        listed = _store_merge_rows(MERGE_ROWS, offs, mask, items, listed, False)
+    tl.store(MERGE_ROWS, listed)
 
 
 @triton.jit
 def plan_tile_ranges_kernel(SEQ_LENS, TILE_INDPTR, ITEM_INDPTR, RANGE_TILES, RANGE_BOUNDS,
-                            FIRST_PROGRAM, batch, num_programs, BLOCK_N: tl.constexpr,
-                            MIN_RANGE_TILES: tl.constexpr, BLOCK_B: tl.constexpr,
-                            CHARGE: tl.constexpr = 0, BLOCK_P: tl.constexpr = 1,
-                            BOUNDS: tl.constexpr = False):
+                            FIRST_PROGRAM, MERGE_ROWS, batch, num_programs,
+                            BLOCK_N: tl.constexpr, MIN_RANGE_TILES: tl.constexpr,
+                            BLOCK_B: tl.constexpr, CHARGE: tl.constexpr = 0,
+                            BLOCK_P: tl.constexpr = 1, BOUNDS: tl.constexpr = False,
+                            MERGE_SINGLE: tl.constexpr = False):
     """The partition of the Gluon seesaw over tile ranges: the batch's tiles in request
     order, each live request b counting ``units_b = CHARGE + tiles_b`` (its charge first,
     then its tiles), program p taking units [p * per, (p + 1) * per) with per =
@@ -143,7 +164,9 @@ def plan_tile_ranges_kernel(SEQ_LENS, TILE_INDPTR, ITEM_INDPTR, RANGE_TILES, RAN
     CHARGE, clamped to the request; a boundary inside a charge falls on the request's first
     tile, and the program before it may be empty); program p runs tiles [RANGE_BOUNDS[p],
     RANGE_BOUNDS[p + 1]) and FIRST_PROGRAM[b] numbers b's segments. Each program boundary
-    inside a request's tiles adds one segment: at most G + (live requests) - 1."""
+    inside a request's tiles adds one segment: at most G + (live requests) - 1.
+    ``MERGE_SINGLE``: every request goes to the merge's list (a stage 1 that writes every
+    segment as a partial)."""
     total_tiles = 0
     live = 0
     for b0 in range(0, batch, BLOCK_B):
@@ -159,6 +182,7 @@ def plan_tile_ranges_kernel(SEQ_LENS, TILE_INDPTR, ITEM_INDPTR, RANGE_TILES, RAN
     tile_carry = 0
     unit_carry = 0
     item_carry = 0
+    listed = 0
     for b0 in range(0, batch, BLOCK_B):
         offs = b0 + tl.arange(0, BLOCK_B)
         mask = offs < batch
@@ -174,6 +198,8 @@ def plan_tile_ranges_kernel(SEQ_LENS, TILE_INDPTR, ITEM_INDPTR, RANGE_TILES, RAN
         tile_carry += tl.sum(tiles, 0)
         unit_carry += tl.sum(units, 0)
         item_carry += tl.sum(segments, 0)
+        listed = _store_merge_rows(MERGE_ROWS, offs, mask, segments, listed, MERGE_SINGLE)
+    tl.store(MERGE_ROWS, listed)
     if BOUNDS:
         # Programs x requests at once: a narrower scan keeps the tile in registers.
         _charged_bounds(SEQ_LENS, RANGE_BOUNDS, batch, num_programs, per, total_tiles,
@@ -298,35 +324,40 @@ def balanced_stage1_kernel(
 
 @triton.jit
 def balanced_merge_kernel(
-    PART_O, PART_LSE, ITEM_INDPTR, OUT, LSE,
+    PART_O, PART_LSE, ITEM_INDPTR, MERGE_ROWS, OUT, LSE,
+    num_heads,
     stride_po_i, stride_po_h,
     stride_pl_i,
     stride_o_b, stride_o_h,
     stride_lse_b,
     BLOCK_S: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    DV_BLOCKS: tl.constexpr,
     WRITE_LSE: tl.constexpr,
-    MERGE_SINGLE: tl.constexpr = False,
     USE_GDC: tl.constexpr = False,
 ):
-    bid = tl.program_id(0)
-    head = tl.program_id(1)
-    dv_block = tl.program_id(2)
-    offs_dv = dv_block * BLOCK_DV + tl.arange(0, BLOCK_DV)
-
+    """Persistent programs over the step's merge units (a request of the planner's
+    ``MERGE_ROWS`` list, a head, a block of BLOCK_DV columns), unit u by program u mod G:
+    only requests with something to merge cost a program's time, however many rows the
+    graph was captured for."""
     if USE_GDC:
         # Stage 1's partials are complete and visible past this point. Every program waits,
         # those with nothing to merge too: the grid then ends after stage 1, whose outputs
         # the kernels after the merge read.
         gdc_wait()
-    first = tl.load(ITEM_INDPTR + bid)
-    request_items = tl.load(ITEM_INDPTR + bid + 1) - first
-    # One item: stage 1 wrote the output (unless it writes partials only: MERGE_SINGLE).
-    # No items (padding): the merge of nothing gives zeros and LSE -inf.
-    if request_items != 1 or MERGE_SINGLE:
+    per_request = num_heads * DV_BLOCKS
+    for unit in range(tl.program_id(0), tl.load(MERGE_ROWS) * per_request,
+                      tl.num_programs(0)):
+        bid = tl.load(MERGE_ROWS + 1 + unit // per_request)
+        head = (unit % per_request) // DV_BLOCKS
+        dv_block = unit % DV_BLOCKS
+        offs_dv = dv_block * BLOCK_DV + tl.arange(0, BLOCK_DV)
+        first = tl.load(ITEM_INDPTR + bid)
+        # No items (padding): the merge of nothing gives zeros and LSE -inf.
         acc, l_i, m_i = merge_partials(
             PART_O + first.to(tl.int64) * stride_po_i + head * stride_po_h,
             PART_LSE + first.to(tl.int64) * stride_pl_i + head,
-            stride_po_i, stride_pl_i, request_items, offs_dv, BLOCK_S, BLOCK_DV)
+            stride_po_i, stride_pl_i, tl.load(ITEM_INDPTR + bid + 1) - first, offs_dv,
+            BLOCK_S, BLOCK_DV)
         store_merged(OUT + bid * stride_o_b + head * stride_o_h + offs_dv,
                      LSE + bid * stride_lse_b + head, acc, l_i, m_i, dv_block, WRITE_LSE)

@@ -42,7 +42,8 @@ class SplitWorkspace:
     device-side partition of the step), and tile_indptr [max_batch + 1] int32 (the
     requests' first tiles, for plans over tile ranges; ``chunk_tiles`` then holds the
     tiles per range); range_bounds [max_items + 1] and first_program [max_batch] int32
-    (charged tile ranges: each program's first tile, each request's first program).
+    (charged tile ranges: each program's first tile, each request's first program);
+    merge_rows [max_batch + 1] int32 (how many requests the merge writes, then which).
     """
 
     partial_o: torch.Tensor
@@ -54,6 +55,7 @@ class SplitWorkspace:
     tile_indptr: torch.Tensor | None = None
     range_bounds: torch.Tensor | None = None
     first_program: torch.Tensor | None = None
+    merge_rows: torch.Tensor | None = None
     merge_counters: torch.Tensor | None = None
 
     @classmethod
@@ -76,7 +78,9 @@ class SplitWorkspace:
                      "range_bounds": torch.zeros(max_items + 1, dtype=torch.int32,
                                                  device=device),
                      "first_program": torch.zeros(max_batch, dtype=torch.int32,
-                                                  device=device)}
+                                                  device=device),
+                     "merge_rows": torch.zeros(max_batch + 1, dtype=torch.int32,
+                                               device=device)}
         counters = torch.zeros(max_batch, num_heads, dtype=torch.int32, device=device)
         return cls(torch.empty(*shape, kv_lora_rank, **f32), torch.empty(*shape, **f32),
                    merge_counters=counters, **items)
@@ -384,12 +388,16 @@ def launch_seesaw_fp8_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_tabl
                              seq_lens: torch.Tensor, out: torch.Tensor,
                              workspace: SplitWorkspace | None, *, plan: LaunchPlan,
                              sm_scale: float, lse: torch.Tensor | None,
-                             kv_scale: torch.Tensor | None, q_len: int = 1) -> None:
+                             kv_scale: torch.Tensor | None, q_len: int = 1,
+                             prefetch_ahead: int = 1) -> None:
     """Stage 1 by the Gluon seesaw over an fp8 cache (unchecked; where
     ``runs_seesaw_over_fp8`` holds): a
     per-tensor cache with its ``kv_scale``, or a V3.2 cache (uint8 rows, ``kv_scale``
     None). The same grid, splits (64-token tiles), outputs and verify steps (``q_len``) as
-    ``launch_seesaw_stage1``: the merge combines its splits with ``block_n`` 64."""
+    ``launch_seesaw_stage1``: the merge combines its splits with ``block_n`` 64.
+    ``prefetch_ahead``: the converter's L2 prefetch distance in steps (under trial)."""
+    if not isinstance(prefetch_ahead, int) or prefetch_ahead < 1:
+        raise ValueError(f"prefetch_ahead must be an int >= 1 (steps), got {prefetch_ahead!r}")
     from graphbucket.kernels.seesaw_fp8 import seesaw_fp8_stage1_kernel
     from graphbucket.kernels.seesaw_layout import ROWS, TILE
 
@@ -403,7 +411,7 @@ def launch_seesaw_fp8_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_tabl
         PAGE_SIZE=TILE.value, ONE_SPLIT=not plan.use_stage2, WRITE_LSE=lse is not None,
         V32=kv_cache.dtype == torch.uint8,
         **({"Q_LEN": q_len, "rows_per_token": heads // q_len} if q_len > 1 else {}),
-        num_warps=4)
+        PREFETCH_AHEAD=prefetch_ahead, num_warps=4)
 
 
 def launch_merge(seq_lens: torch.Tensor, out: torch.Tensor, workspace: SplitWorkspace, *,

@@ -17,6 +17,7 @@ from graphbucket.kernels.balanced import (
 )
 from graphbucket.kernels.launch import (
     LOG2E,
+    SEESAW_TILE,
     SplitWorkspace,
     cache_stream_args,
     check_mla_decode_args,
@@ -54,9 +55,8 @@ def mla_decode_balanced(q: torch.Tensor, kv_cache: torch.Tensor, block_table: to
                               kv_scale)
     block_n = kv_tile_tokens(plan, kv_cache)
     seesaw = runs_seesaw(plan, q, kv_cache, kv_scale=kv_scale)
-    # Over an fp8 cache, the seesaw's tile ranges run with its converter (the item seesaw
-    # has none: those plans run on the Triton stage 1).
-    if not seesaw and plan.tile_ranges:
+    # Over an fp8 cache, the seesaw runs with its converter.
+    if not seesaw:
         seesaw = runs_seesaw_over_fp8(plan, q, kv_cache, kv_scale=kv_scale)
     if seesaw and plan.tile_ranges:
         if partition:
@@ -64,28 +64,30 @@ def mla_decode_balanced(q: torch.Tensor, kv_cache: torch.Tensor, block_table: to
         launch_seesaw_range_stage1(q, kv_cache, block_table, seq_lens, workspace, plan=plan,
                                    sm_scale=sm_scale, out=out, lse=lse, kv_scale=kv_scale)
     elif seesaw:
-        if partition:
-            launch_item_planner(seq_lens, workspace, plan=plan, block_n=block_n)
+        if partition:  # in the seesaw's tiles, whatever the cache's format
+            launch_item_planner(seq_lens, workspace, plan=plan, block_n=SEESAW_TILE)
         launch_seesaw_balanced_stage1(q, kv_cache, block_table, seq_lens, workspace,
-                                      plan=plan, sm_scale=sm_scale)
+                                      plan=plan, sm_scale=sm_scale, out=out, lse=lse,
+                                      kv_scale=kv_scale)
     else:  # the plan's chunks (of a range plan too) by the Triton stage 1
         if partition:
             launch_item_planner(seq_lens, workspace, plan=plan, block_n=block_n)
         launch_balanced_stage1(q, kv_cache, block_table, seq_lens, out, workspace, plan=plan,
                                sm_scale=sm_scale, lse=lse, block_n=block_n, kv_scale=kv_scale)
-    # The seesaw writes every item as a partial, but for the requests a charged cut leaves
-    # whole (their output is written already).
+    # The planner listed the requests to merge: stage 1 wrote the output of a request left
+    # whole (one item), but for equal tile ranges, which write every segment as a partial.
     charged = seesaw and plan.charged_ranges  # (a charged cut is a tile-range plan)
-    launch_balanced_merge(out, workspace, plan=plan, lse=lse, merge_single=seesaw and not charged,
+    launch_balanced_merge(out, workspace, plan=plan, lse=lse,
                           dependent=charged and pdl_capable(out.device))
     return out
 
 
 def launch_item_planner(seq_lens: torch.Tensor, workspace: SplitWorkspace, *,
                         plan: LaunchPlan, block_n: int) -> None:
-    """Writes ``item_indptr[:batch + 1]`` and ``chunk_tiles`` from the live lengths."""
+    """Writes ``item_indptr[:batch + 1]``, ``chunk_tiles`` and the merge's list
+    (``merge_rows``: the requests of other than one item) from the live lengths."""
     plan_work_items_kernel[(1,)](
-        seq_lens, workspace.item_indptr, workspace.chunk_tiles,
+        seq_lens, workspace.item_indptr, workspace.chunk_tiles, workspace.merge_rows,
         plan.batch_size, plan.persistent_programs,
         BLOCK_N=block_n, MIN_CHUNK_TILES=plan.min_chunk_tiles,
         BLOCK_B=scan_block(plan.batch_size), FIT_ITEMS=plan.fit_items,
@@ -123,13 +125,15 @@ def launch_balanced_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table:
 def launch_seesaw_balanced_stage1(q: torch.Tensor, kv_cache: torch.Tensor,
                                   block_table: torch.Tensor, seq_lens: torch.Tensor,
                                   workspace: SplitWorkspace, *, plan: LaunchPlan,
-                                  sm_scale: float, pv_cols: int | None = None,
+                                  sm_scale: float, out: torch.Tensor,
+                                  lse: torch.Tensor | None = None, pv_cols: int | None = None,
                                   kv_scale: torch.Tensor | None = None) -> None:
     """Stage 1 by the Gluon seesaw over the step's items (unchecked; where ``runs_seesaw``
-    holds): every item's partial into the workspace, for the merge to combine.
-    ``pv_cols``: the PV width (``kernels.seesaw_step``; default the kernel's). Under trial,
-    launched directly (``mla_decode_balanced`` does not route to it): an fp8 cache, read by
-    the fp8 seesaw's converter; its items must be planned in 64-token tiles."""
+    or ``runs_seesaw_over_fp8`` holds): a request of one item gets its output in ``out``
+    (and ``lse``), every other item its partial in the workspace, for the merge to combine.
+    ``pv_cols``: the PV width (``kernels.seesaw_step``; default the kernel's). An fp8 cache
+    (a per-tensor one with its ``kv_scale``) is read by the fp8 seesaw's converter; its
+    items must be planned in 64-token tiles."""
     # Imported here: Gluon's sm_90 modules load only where the seesaw runs.
     from graphbucket.kernels.seesaw import ROWS
     from graphbucket.kernels.seesaw_balanced import seesaw_balanced_stage1_kernel
@@ -139,10 +143,12 @@ def launch_seesaw_balanced_stage1(q: torch.Tensor, kv_cache: torch.Tensor,
     part_o, part_lse = workspace.item_o, workspace.item_lse
     seesaw_balanced_stage1_kernel[(-(-heads // ROWS.value), plan.max_work_items)](
         q_desc, kv_desc, block_table, seq_lens, workspace.item_indptr, workspace.chunk_tiles,
-        part_o, part_lse, batch, heads, sm_scale * LOG2E,
-        block_table.stride(0), part_o.stride(0), part_o.stride(1), part_lse.stride(0),
+        part_o, part_lse, out, part_lse if lse is None else lse, batch, heads,
+        sm_scale * LOG2E, block_table.stride(0), part_o.stride(0), part_o.stride(1),
+        part_lse.stride(0), out.stride(0), out.stride(1), 0 if lse is None else lse.stride(0),
         PAGE_SIZE=kv_cache.shape[1], BLOCK_B=max(128, scan_block(batch)),
-        **({"PV_COLS": pv_cols} if pv_cols is not None else {}), **fp8_args, num_warps=4)
+        WRITE_LSE=lse is not None, **({"PV_COLS": pv_cols} if pv_cols is not None else {}),
+        **fp8_args, num_warps=4)
 
 
 def _seesaw_inputs(q: torch.Tensor, kv_cache: torch.Tensor, kv_scale: torch.Tensor | None
@@ -163,17 +169,20 @@ def launch_range_planner(seq_lens: torch.Tensor, workspace: SplitWorkspace, *,
                          plan: LaunchPlan) -> None:
     """Writes ``tile_indptr`` and ``item_indptr`` (``[:batch + 1]``) and the tiles per range
     (``chunk_tiles``) from the live lengths: the seesaw's 64-token tiles; for a charged cut
-    the programs' bounds and the requests' first programs instead of the tiles per range."""
+    the programs' bounds and the requests' first programs instead of the tiles per range.
+    The merge's list (``merge_rows``): every request after equal ranges, whose seesaw
+    writes every segment as a partial; under a charged cut, those of other than one."""
     charged = plan.charged_ranges
     plan_tile_ranges_kernel[(1,)](
         seq_lens, workspace.tile_indptr, workspace.item_indptr, workspace.chunk_tiles,
         workspace.range_bounds if charged else workspace.chunk_tiles,
-        workspace.first_program if charged else workspace.chunk_tiles,
+        workspace.first_program if charged else workspace.chunk_tiles, workspace.merge_rows,
         plan.batch_size, plan.persistent_programs,
         BLOCK_N=64, MIN_RANGE_TILES=plan.min_chunk_tiles,
         BLOCK_B=scan_block(plan.batch_size),
         CHARGE=plan.range_charge_tiles if charged else 0,
         BLOCK_P=min(256, pow2_ceil(plan.persistent_programs + 1)), BOUNDS=charged,
+        MERGE_SINGLE=not charged,
     )
 
 
@@ -210,20 +219,22 @@ def launch_seesaw_range_stage1(q: torch.Tensor, kv_cache: torch.Tensor,
 
 
 def launch_balanced_merge(out: torch.Tensor, workspace: SplitWorkspace, *, plan: LaunchPlan,
-                          lse: torch.Tensor | None, merge_single: bool = False,
-                          dependent: bool = False) -> None:
-    """Merge alone (unchecked): requests of two or more items (every request with items
-    after a stage 1 that writes only partials: ``merge_single``), and zeros for padding.
+                          lse: torch.Tensor | None, dependent: bool = False) -> None:
+    """Merge alone (unchecked), by ``plan.merge_programs`` persistent programs: the
+    requests the planner listed in ``workspace.merge_rows`` (of two or more items, or
+    every one after equal tile ranges), and zeros for padding rows.
     ``dependent``: a programmatic dependent launch (sm_90+), after a stage 1 that lets it
     start early (the charged seesaw's)."""
     part_o, part_lse = workspace.item_o, workspace.item_lse
     balanced_merge_kernel[plan.merge_grid](
-        part_o, part_lse, workspace.item_indptr, out, out if lse is None else lse,
+        part_o, part_lse, workspace.item_indptr, workspace.merge_rows, out,
+        out if lse is None else lse, plan.num_heads,
         part_o.stride(0), part_o.stride(1),
         part_lse.stride(0),
         out.stride(0), out.stride(1),
         0 if lse is None else lse.stride(0),
         BLOCK_S=plan.merge_block_s, BLOCK_DV=plan.merge_block_dv,
-        WRITE_LSE=lse is not None, MERGE_SINGLE=merge_single, num_warps=plan.merge_num_warps,
+        DV_BLOCKS=-(-plan.kv_lora_rank // plan.merge_block_dv),
+        WRITE_LSE=lse is not None, num_warps=plan.merge_num_warps,
         **({"USE_GDC": True, "launch_pdl": True} if dependent else {}),
     )

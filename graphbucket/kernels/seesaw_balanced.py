@@ -1,7 +1,7 @@
 """The Gluon seesaw (``kernels/seesaw.py``) over balanced partitions of the step's tiles.
 
 Two partitions, both computed on the device per step and merged by the balanced merge
-(every work item writes a float32 partial, log2 LSE):
+(a work item writes a float32 partial, log2 LSE; a request's only item, its output):
 
 - ``seesaw_balanced_stage1_kernel``: one program per work item (``kernels/balanced.py``'s
   chunks of a request); the hardware hands the next item to the SM that frees first.
@@ -24,7 +24,7 @@ from triton.language.extra.cuda import gdc_launch_dependents
 from graphbucket.kernels.seesaw import tile_loader
 from graphbucket.kernels.seesaw_fp8 import fp8_shared_state, fp8_tile_converter
 from graphbucket.kernels.seesaw_layout import B_DESC, B_QFREE, ROWS, TILE, shared_state
-from graphbucket.kernels.seesaw_step import warpgroup_compute, warpgroup_even, warpgroup_odd
+from graphbucket.kernels.seesaw_step import warpgroup_compute
 
 
 @gluon.jit
@@ -41,18 +41,20 @@ def _item_owner(ITEM_INDPTR, item, batch, BLOCK_B: gl.constexpr):
 
 @gluon.jit
 def seesaw_balanced_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, ITEM_INDPTR,
-                                  CHUNK_TILES, PART_O, PART_LSE, batch, num_heads,
+                                  CHUNK_TILES, PART_O, PART_LSE, OUT, LSE, batch, num_heads,
                                   qk_scale_log2, stride_bt_b, stride_po_i, stride_po_h,
-                                  stride_pl_i, PAGE_SIZE: gl.constexpr,
-                                  BLOCK_B: gl.constexpr, PV_COLS: gl.constexpr = 256,
+                                  stride_pl_i, stride_o_b, stride_o_h, stride_lse_b,
+                                  PAGE_SIZE: gl.constexpr, BLOCK_B: gl.constexpr,
+                                  WRITE_LSE: gl.constexpr = False, PV_COLS: gl.constexpr = 256,
                                   KV_FP8: gl.constexpr = 0, Q=None, KV8=None, KV_SCALE=None,
                                   q_rows=0):
     """The seesaw over balanced work items (``kernels/balanced.py``'s partition of the
     step's tiles, computed on the device): grid (head blocks, most items), program i takes
-    item i when the step has that many. Every item writes a float32 partial (log2 LSE); the
-    balanced merge combines them, one-item requests included. ``PV_COLS``: the PV width
-    (``seesaw_step``). ``KV_FP8`` (under trial, not routed): an fp8 cache, as
-    ``seesaw_range_stage1_kernel`` takes it."""
+    item i when the step has that many. A request of one item gets its output in OUT (and
+    with ``WRITE_LSE`` its LSE in LSE) here, which the merge then leaves alone; every other
+    item writes a float32 partial (log2 LSE) for the balanced merge. ``PV_COLS``: the PV
+    width (``seesaw_step``). ``KV_FP8``: an fp8 cache, as ``seesaw_range_stage1_kernel``
+    takes it."""
     head_block = gl.program_id(0)
     item = gl.program_id(1)
     if item < gl.load(ITEM_INDPTR + batch):
@@ -65,19 +67,44 @@ def seesaw_balanced_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, ITEM_I
         o_ptr = PART_O + item * stride_po_i + h0 * stride_po_h
         lse_ptr = PART_LSE + item * stride_pl_i + h0
         num_rows = gl.minimum(num_heads - h0, ROWS)
+        whole = (gl.load(ITEM_INDPTR + bid + 1) - gl.load(ITEM_INDPTR + bid) == 1).to(gl.int32)
+        out_ptr = OUT + bid * stride_o_b + h0 * stride_o_h
+        out_lse_ptr = LSE + bid * stride_lse_b + h0
         q_s, kv_s, rope_s, stats_s, bars = _shared_state(q_desc, kv_desc, PV_COLS, KV_FP8)
         pv: gl.constexpr = 256 if KV_FP8 else PV_COLS
         gl.warp_specialize([
-            (warpgroup_even, (q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps,
-                               qk_scale_log2, o_ptr, lse_ptr, stride_po_h, 1, num_rows, False,
-                               False, False, False, 0, 0, 1, pv, KV_SCALE)),
-            (warpgroup_odd, (q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps,
-                              qk_scale_log2, o_ptr, lse_ptr, stride_po_h, 1, num_rows, False,
-                              False, False, False, 0, 0, 1, pv, KV_SCALE)),
+            (_item_even, (q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps,
+                          qk_scale_log2, o_ptr, lse_ptr, stride_po_h, num_rows, whole, out_ptr,
+                          out_lse_ptr, stride_o_h, WRITE_LSE, pv, KV_SCALE)),
+            (_item_odd, (q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps,
+                         qk_scale_log2, o_ptr, lse_ptr, stride_po_h, num_rows, whole, out_ptr,
+                         out_lse_ptr, stride_o_h, WRITE_LSE, pv, KV_SCALE)),
             (tile_source, (q_desc, kv_desc, Q, KV8, BLOCK_TABLE + bid * stride_bt_b, q_s,
                            kv_s, rope_s, bars, bid * num_heads + h0, q_rows, start, end,
                            num_steps, PAGE_SIZE, 0, pv, KV_FP8)),
         ], [4, 4], [208, 96] if KV_FP8 else [240, 24])  # fp8: the converter's registers
+
+
+@gluon.jit
+def _item_even(q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps, qk_scale_log2, o_ptr,
+               lse_ptr, stride_po_h, num_rows, whole, out_ptr, out_lse_ptr, stride_o_h,
+               WRITE_LSE: gl.constexpr, PV_COLS: gl.constexpr, kv_scale_ptr=None):
+    warpgroup_compute(q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
+                      o_ptr, lse_ptr, stride_po_h, 1, num_rows, False, False, 0, final=whole,
+                      out_ptr=out_ptr, out_lse_ptr=out_lse_ptr, stride_out_h=stride_o_h,
+                      FINAL=True, WRITE_OUT_LSE=WRITE_LSE, PV_COLS=PV_COLS,
+                      kv_scale_ptr=kv_scale_ptr)
+
+
+@gluon.jit
+def _item_odd(q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps, qk_scale_log2, o_ptr,
+              lse_ptr, stride_po_h, num_rows, whole, out_ptr, out_lse_ptr, stride_o_h,
+              WRITE_LSE: gl.constexpr, PV_COLS: gl.constexpr, kv_scale_ptr=None):
+    warpgroup_compute(q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
+                      o_ptr, lse_ptr, stride_po_h, 1, num_rows, False, False, 1, final=whole,
+                      out_ptr=out_ptr, out_lse_ptr=out_lse_ptr, stride_out_h=stride_o_h,
+                      FINAL=True, WRITE_OUT_LSE=WRITE_LSE, PV_COLS=PV_COLS,
+                      kv_scale_ptr=kv_scale_ptr)
 
 
 @gluon.jit

@@ -1,8 +1,8 @@
 """The Gluon seesaw over fp8 caches (sm_90; ``seesaw_route.runs_seesaw_over_fp8`` routes seesaw
 plans to it): stage 1 with a converting warpgroup in place of the TMA loader, over a
 per-tensor cache ("fp8-tensor") or a V3.2 one ("fp8-v32"), for split-KV (this module's
-kernel, verify steps included) and, through ``fp8_tile_converter``, for the tile ranges of
-``seesaw_balanced``.
+kernel, verify steps included) and, through ``fp8_tile_converter``, for the work items and
+tile ranges of ``seesaw_balanced``.
 
 fp8 wgmma reads only K-major operands. K (the tile's rows, contiguous per token) is one,
 but V (the tile's latent columns, token-major) is not, so the tiles are converted for a
@@ -14,8 +14,9 @@ the bf16 kernel's (``seesaw_step``) on float16 boxes. A per-tensor scale multipl
 scores and the output there (``kv_scale_ptr``), so those boxes hold the stored codes; a
 V3.2 tile's codes are multiplied by their group's scale in the converter, in float16 as the
 Triton kernels do, and its bf16 rope is converted. Register loads keep less in flight than
-TMA, so each step first asks L2 for the next step's two pages (one bulk prefetch of the
-whole contiguous page each): the converter's loads then wait on L2, not on HBM.
+TMA, so each step first asks L2 for a later step's two pages (``PREFETCH_AHEAD`` steps
+ahead, the next by default; one bulk prefetch of the whole contiguous page each): the
+converter's loads then wait on L2, not on HBM.
 
 Shared memory is the bf16 kernel's (the boxes hold float16). Registers: the converter holds
 up to two tile halves in flight and takes its registers from the compute warpgroups, which
@@ -75,6 +76,15 @@ def _prefetch_page(KV8, page, valid, V32: gl.constexpr):
         ptr = KV8 + page.to(gl.int64) * (TILE * ROW) + lane * 0
         gl.inline_asm_elementwise(PREFETCH_TENSOR, "=r,l,r,r", [ptr, lane, flag],
                                   dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _prefetch_step(KV8, bt_row, tok, end, PAGE_SIZE: gl.constexpr, V32: gl.constexpr):
+    """Ask L2 for the two pages of the step whose first tile starts at token ``tok``."""
+    _prefetch_page(KV8, gl.load(bt_row + tok // PAGE_SIZE, mask=tok < end, other=0), tok < end,
+                   V32)
+    _prefetch_page(KV8, gl.load(bt_row + (tok + TILE) // PAGE_SIZE, mask=tok + TILE < end,
+                                other=0), tok + TILE < end, V32)
 
 
 @gluon.jit
@@ -185,10 +195,13 @@ def fp8_shared_state():
 
 @gluon.jit
 def fp8_tile_converter(Q, KV8, bt_row, q_s, kv_s, rope_s, bars, q_row, q_rows, start, end,
-                       num_steps, PAGE_SIZE: gl.constexpr, V32: gl.constexpr, g0=0):
+                       num_steps, PAGE_SIZE: gl.constexpr, V32: gl.constexpr, g0=0,
+                       PREFETCH_AHEAD: gl.constexpr = 1):
     """Q, then the tiles of tokens [start, end) in steps of two, converted in the order and
     under the barriers of ``seesaw.tile_loader`` (``g0``: the steps this program ran
-    before, a range's earlier segments, which set the barrier phases)."""
+    before, a range's earlier segments, which set the barrier phases). Each step asks L2
+    for the pages ``PREFETCH_AHEAD`` steps ahead (the first step, for every step up to
+    there)."""
     _convert_q(Q, q_s, bars, q_row, q_rows)
     for step in range(num_steps):
         g = g0 + step
@@ -198,12 +211,11 @@ def fp8_tile_converter(Q, KV8, bt_row, q_s, kv_s, rope_s, bars, q_row, q_rows, s
         tok_b = tok_a + TILE
         page_a = gl.load(bt_row + tok_a // PAGE_SIZE)
         page_b = gl.load(bt_row + tok_b // PAGE_SIZE, mask=tok_b < end, other=0)
-        next_a = tok_a + 2 * TILE
-        next_b = next_a + TILE
-        _prefetch_page(KV8, gl.load(bt_row + next_a // PAGE_SIZE, mask=next_a < end, other=0),
-                       next_a < end, V32)
-        _prefetch_page(KV8, gl.load(bt_row + next_b // PAGE_SIZE, mask=next_b < end, other=0),
-                       next_b < end, V32)
+        if PREFETCH_AHEAD > 1:
+            if step == 0:
+                for d in gl.static_range(1, PREFETCH_AHEAD):
+                    _prefetch_step(KV8, bt_row, tok_a + 2 * d * TILE, end, PAGE_SIZE, V32)
+        _prefetch_step(KV8, bt_row, tok_a + 2 * PREFETCH_AHEAD * TILE, end, PAGE_SIZE, V32)
         row_a = page_a.to(gl.int64) * PAGE_SIZE
         row_b = page_b.to(gl.int64) * PAGE_SIZE
         # At most two halves in registers (a third spills); each rope box is loaded once
@@ -234,7 +246,7 @@ def _partitions(Q, KV8, KV_SCALE, bt_row, q_s, kv_s, rope_s, stats_s, bars, star
                 num_steps, qk_scale_log2, o_ptr, lse_ptr, stride_rows, stride_lse_rows,
                 num_rows, q_row, q_rows, WRITE_LSE: gl.constexpr, ONE_SPLIT: gl.constexpr,
                 PAGE_SIZE: gl.constexpr, V32: gl.constexpr, MULTI_TOKEN: gl.constexpr,
-                first_limit, row0, rows_per_token):
+                first_limit, row0, rows_per_token, PREFETCH_AHEAD: gl.constexpr):
     """The two compute warpgroups and the converter of one program."""
     gl.warp_specialize([
         (warpgroup_even, (q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps,
@@ -246,7 +258,7 @@ def _partitions(Q, KV8, KV_SCALE, bt_row, q_s, kv_s, rope_s, stats_s, bars, star
                           num_rows, WRITE_LSE, ONE_SPLIT, False, MULTI_TOKEN, first_limit,
                           row0, rows_per_token, 256, KV_SCALE)),
         (fp8_tile_converter, (Q, KV8, bt_row, q_s, kv_s, rope_s, bars, q_row, q_rows, start,
-                              end, num_steps, PAGE_SIZE, V32)),
+                              end, num_steps, PAGE_SIZE, V32, 0, PREFETCH_AHEAD)),
     ], [4, 4], [208, 96])  # the converter's registers come from the compute warpgroups
 
 
@@ -257,11 +269,13 @@ def seesaw_fp8_stage1_kernel(Q, KV8, KV_SCALE, BLOCK_TABLE, SEQ_LENS, OUT, LSE, 
                              stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h,
                              PAGE_SIZE: gl.constexpr, ONE_SPLIT: gl.constexpr,
                              WRITE_LSE: gl.constexpr, V32: gl.constexpr = False,
-                             Q_LEN: gl.constexpr = 1, rows_per_token=1):
+                             Q_LEN: gl.constexpr = 1, rows_per_token=1,
+                             PREFETCH_AHEAD: gl.constexpr = 1):
     """``seesaw.seesaw_stage1_kernel`` over an fp8 cache (module docstring): same grid,
     splits, outputs and verify steps (``Q_LEN``); ``q_rows``: q's rows (batch x rows).
     Per-tensor: KV_SCALE, the cache's scale; ``V32``: a V3.2 cache (bytes, KV_SCALE
-    None)."""
+    None). ``PREFETCH_AHEAD``: the converter's L2 prefetch distance in steps (under
+    trial)."""
     head_block = gl.program_id(0)
     bid = gl.program_id(1)
     split = gl.program_id(2)
@@ -281,12 +295,12 @@ def seesaw_fp8_stage1_kernel(Q, KV8, KV_SCALE, BLOCK_TABLE, SEQ_LENS, OUT, LSE, 
                         stats_s, bars, start, end, num_steps, qk_scale_log2, o_ptr, lse_ptr,
                         stride_rows, stride_lse_rows, num_rows, bid * num_heads + h0, q_rows,
                         WRITE_LSE, ONE_SPLIT, PAGE_SIZE, V32, True, seq_len - Q_LEN + 1, h0,
-                        rows_per_token)
+                        rows_per_token, PREFETCH_AHEAD)
         else:
             _partitions(Q, KV8, KV_SCALE, BLOCK_TABLE + bid * stride_bt_b, q_s, kv_s, rope_s,
                         stats_s, bars, start, end, num_steps, qk_scale_log2, o_ptr, lse_ptr,
                         stride_rows, stride_lse_rows, num_rows, bid * num_heads + h0, q_rows,
-                        WRITE_LSE, ONE_SPLIT, PAGE_SIZE, V32, False, 0, 0, 1)
+                        WRITE_LSE, ONE_SPLIT, PAGE_SIZE, V32, False, 0, 0, 1, PREFETCH_AHEAD)
     elif ONE_SPLIT:
         store_empty_request(OUT, LSE, bid, head_block, num_heads, stride_o_b, stride_o_h,
                             stride_lse_b, WRITE_LSE)

@@ -19,6 +19,16 @@ def _warpgroup_mma_capable(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
+def _seesaw_program(plan: LaunchPlan, q: torch.Tensor, q_len: int) -> bool:
+    """What every seesaw needs of the plan and device: a seesaw plan of 64-row programs
+    (rows: q_len tokens x heads) over 576-wide rows, on sm_90, compiled (not
+    interpreted)."""
+    return (plan.seesaw and plan.num_heads % q_len == 0 and plan.block_h == 64
+            and plan.kv_lora_rank + plan.qk_rope_dim == 576
+            and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+            and _warpgroup_mma_capable(q.device))
+
+
 def runs_seesaw(plan: LaunchPlan, q: torch.Tensor, kv_cache: torch.Tensor, *, q_len: int = 1,
                 kv_scale: torch.Tensor | None = None) -> bool:
     """Whether a ``plan.seesaw`` launch runs the Gluon seesaw stage 1: on sm_90 (compiled,
@@ -26,12 +36,9 @@ def runs_seesaw(plan: LaunchPlan, q: torch.Tensor, kv_cache: torch.Tensor, *, q_
     contiguous q with rows (q_len tokens x heads) a multiple of 64 or fewer than 64
     (64-row programs, ``block_h`` 64). Otherwise the Triton 64-row kernel runs the same
     plan. Static properties only: capture and replay take the same path."""
-    return (plan.seesaw and plan.num_heads % q_len == 0 and kv_scale is None
-            and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
-            and _warpgroup_mma_capable(q.device)
+    return (_seesaw_program(plan, q, q_len) and kv_scale is None
             and q.dtype == kv_cache.dtype == torch.bfloat16
-            and plan.kv_lora_rank + plan.qk_rope_dim == 576 == kv_cache.shape[2]
-            and kv_cache.shape[1] == 64 and plan.block_h == 64
+            and kv_cache.shape[2] == 576 and kv_cache.shape[1] == 64
             and (plan.num_heads % 64 == 0 or plan.num_heads < 64)
             and q.is_contiguous() and kv_cache.is_contiguous())
 
@@ -43,11 +50,8 @@ def runs_seesaw_over_fp8(plan: LaunchPlan, q: torch.Tensor, kv_cache: torch.Tens
     its ``kv_scale`` or a V3.2 cache, bf16 q, 64-token pages, 64-row programs (``block_h``
     64; rows: q_len tokens x heads). Otherwise the Triton 64-row kernel runs the plan.
     Static properties only: capture and replay take the same path."""
-    if not (plan.seesaw and plan.num_heads % q_len == 0 and plan.block_h == 64
-            and kv_cache.dtype in (torch.float8_e4m3fn, torch.uint8)
-            and plan.kv_lora_rank + plan.qk_rope_dim == 576
-            and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
-            and _warpgroup_mma_capable(q.device)):
+    if not (kv_cache.dtype in (torch.float8_e4m3fn, torch.uint8)
+            and _seesaw_program(plan, q, q_len)):
         return False
     from graphbucket.kernels.seesaw_fp8 import runs_seesaw_fp8
 

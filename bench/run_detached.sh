@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# usage: bash bench/run_detached.sh start SECONDS [VAR=VALUE | STEP] ...
+#        bash bench/run_detached.sh wait SECONDS
+#
+# run_gpu.sh's steps in a session of their own, so that they outlive a command that a remote
+# runner stops at its time limit: `start` launches them and waits up to SECONDS, `wait` waits
+# up to SECONDS more; both return early when the steps are done. Arguments run in order:
+# VAR=VALUE is exported for the steps after it, anything else is one run_gpu.sh step, e.g.
+#
+#   bash bench/run_detached.sh start 540 mergeab FP8_SEESAW_TESTS="lens1" fp8seesaw
+#
+# Work goes to $GB_DETACHED (default /tmp/graphbucket-detached): the log, the running steps'
+# results (out/r) and, packed after every step, out/gpu-results.tgz. Each call, when it
+# returns, copies that archive and the log into $OUT when OUT is set (the device tool's).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+W=${GB_DETACHED:-/tmp/graphbucket-detached}
+usage() { sed -n '2,/^set /{/^set /d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"; }
+verb=${1:-}; secs=${2:-}
+[[ "$verb" == -h || "$verb" == --help ]] && { usage; exit 0; }
+if [[ ! "$verb" =~ ^(start|wait)$ || ! "$secs" =~ ^[0-9]+$ ]]; then
+  usage >&2; exit 2
+fi
+shift 2
+running() { [ -f "$W/pid" ] && [ ! -f "$W/rc" ] && kill -0 "$(cat "$W/pid")" 2>/dev/null; }
+
+if [ "$verb" = start ]; then
+  if running; then
+    echo "run_detached.sh: steps already running (pid $(cat "$W/pid")); use wait" >&2; exit 2
+  fi
+  steps=()
+  for arg in "$@"; do
+    if [[ "$arg" =~ ^[A-Za-z_][A-Za-z0-9_]*= ]]; then steps+=("export $(printf %q "$arg");")
+    else steps+=("bash bench/run_gpu.sh $(printf %q "$arg");"); fi
+  done
+  rm -rf "$W"; mkdir -p "$W/out"
+  # One run_gpu.sh per step, all packing into the same folder ($W/out/r accumulates).
+  printf '%s\n' "export OUT=$(printf %q "$W/out")" "${steps[@]}" > "$W/queue.sh"
+  setsid bash -c "bash $(printf %q "$W/queue.sh") > $(printf %q "$W/log") 2>&1; echo \$? > $(printf %q "$W/rc")" \
+    < /dev/null > /dev/null 2>&1 &
+  echo $! > "$W/pid"
+  echo "started: $(grep -c run_gpu "$W/queue.sh") step(s), log $W/log"
+fi
+
+[ -f "$W/pid" ] || { echo "run_detached.sh: nothing started (start first)" >&2; exit 2; }
+end=$((SECONDS + secs)); shown=$(cat "$W/shown" 2>/dev/null || echo 0)  # log lines printed
+while running && ((SECONDS < end)); do
+  sleep 5
+  lines=$(wc -l < "$W/log" 2>/dev/null || echo 0)
+  if ((lines > shown)); then sed -n "$((shown + 1)),${lines}p" "$W/log"; shown=$lines; fi
+done
+lines=$(wc -l < "$W/log" 2>/dev/null || echo 0)
+((lines > shown)) && sed -n "$((shown + 1)),${lines}p" "$W/log"
+echo "$lines" > "$W/shown"
+if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then
+  [ -f "$W/out/gpu-results.tgz" ] && cp "$W/out/gpu-results.tgz" "$OUT/"
+  cp "$W/log" "$OUT/detached.log"
+fi
+if running; then echo "still running: bash bench/run_detached.sh wait SECONDS"
+else echo "done: rc $(cat "$W/rc" 2>/dev/null || echo '?')"; fi

@@ -1,0 +1,73 @@
+"""The balanced merge's persistent programs against a float64 merge of the same partials:
+requests of one item (left alone, or listed after equal tile ranges), of many items and of
+none (padding), in any order, with fewer programs than units (each program walks several)
+and long batches. The list of requests to merge is the planners' (their tests check it);
+here it is written from its definition. Small rows keep the interpreter quick."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from graphbucket.kernels import SplitWorkspace
+from graphbucket.kernels.launch_balanced import launch_balanced_merge
+from graphbucket.plan import plan_balanced_mla_decode
+
+RANK, HEADS = 64, 2
+SENTINEL = 7.0  # what stage 1 would have written for a request of one item
+
+
+def merge_case(items: list[int], gen: torch.Generator, *, merge_single: bool,
+               device: str = "cpu"):
+    """A workspace holding random partials (log2 LSEs, some -inf) for ``items`` per request,
+    and the float64 merge each request must get: (workspace, want out, want LSE)."""
+    batch, total = len(items), sum(items)
+    ws = SplitWorkspace.allocate(batch, HEADS, 1, RANK, device, max_items=total + 1)
+    ws.item_o[:total] = torch.randn(total, HEADS, RANK, generator=gen)
+    lse = torch.randn(total, HEADS, generator=gen) * 4
+    lse[torch.rand(total, HEADS, generator=gen) < 0.2] = float("-inf")  # empty partials
+    ws.item_lse[:total] = lse
+    indptr = torch.tensor([0] + items).cumsum(0)
+    ws.item_indptr[: batch + 1] = indptr.int()
+    listed = [b for b, n in enumerate(items) if n != 1 or merge_single]
+    ws.merge_rows[: len(listed) + 1] = torch.tensor([len(listed)] + listed, dtype=torch.int32)
+    want_o = torch.full((batch, HEADS, RANK), SENTINEL, dtype=torch.float64)
+    want_lse = torch.full((batch, HEADS), SENTINEL, dtype=torch.float64)
+    for b, n in enumerate(items):
+        if n == 1 and not merge_single:
+            continue
+        if n == 0:  # padding: the merge of nothing
+            want_o[b], want_lse[b] = 0.0, float("-inf")
+            continue
+        part_lse = ws.item_lse[indptr[b]:indptr[b + 1]].double().cpu()
+        weights = torch.exp2(part_lse - part_lse.amax(0).clamp(min=-1e30))  # [n, heads]
+        total_w = weights.sum(0)
+        merged = (weights[..., None] * ws.item_o[indptr[b]:indptr[b + 1]].double().cpu()).sum(0)
+        live = total_w > 0
+        want_o[b] = torch.where(live[:, None], merged / total_w.clamp(min=1e-300)[:, None], 0.0)
+        want_lse[b] = torch.where(
+            live, torch.log(total_w.clamp(min=1e-300)) + part_lse.amax(0).clamp(min=-1e30)
+            * torch.log(torch.tensor(2.0, dtype=torch.float64)), float("-inf"))
+    return ws, want_o, want_lse
+
+
+@pytest.mark.parametrize("items, programs, merge_single", [
+    ([3, 1, 0, 5, 1, 1, 2], None, False),  # one-item requests left alone
+    ([1, 1, 1, 1, 9, 1, 1, 0], 3, False),   # one long among short, 3 programs walk 18 units
+    ([2, 1, 0, 4], 2, True),                # every request merged (equal tile ranges)
+    ([1] * 150 + [3] + [0] * 60 + [1] * 50 + [2], 5, False),  # 262 rows
+])
+def test_persistent_merge_matches_float64(items, programs, merge_single, device):
+    gen = torch.Generator().manual_seed(len(items) * 31 + (programs or 0))
+    ws, want_o, want_lse = merge_case(items, gen, merge_single=merge_single, device=device)
+    plan = plan_balanced_mla_decode(len(items), HEADS, kv_lora_rank=RANK, qk_rope_dim=16,
+                                    programs=4, num_sms=2)
+    if programs is not None:
+        plan = replace(plan, merge_programs=programs)
+    out = torch.full((len(items), HEADS, RANK), SENTINEL, dtype=torch.float32, device=device)
+    lse = torch.full((len(items), HEADS), SENTINEL, dtype=torch.float32, device=device)
+    launch_balanced_merge(out, ws, plan=plan, lse=lse)
+    torch.testing.assert_close(out.double().cpu(), want_o, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double().cpu(), want_lse, rtol=1e-5, atol=1e-5)
