@@ -593,6 +593,9 @@ def test_launchers_refuse_the_other_topology_and_small_workspaces():
     too_few = SplitWorkspace.allocate(1, HEADS, 1, RANK, DEVICE, max_items=3)
     with pytest.raises(ValueError, match="work items"):
         mla_decode_balanced(*args, too_few, plan=balanced, sm_scale=SM_SCALE)
+    no_list = replace(workspace_for(balanced), merge_rows=None)  # the merge reads it
+    with pytest.raises(ValueError, match="work items"):
+        mla_decode_balanced(*args, no_list, plan=balanced, sm_scale=SM_SCALE)
     with pytest.raises(ValueError, match="dtypes"):
         mla_decode_balanced(c.q.float(), *args[1:], workspace_for(balanced), plan=balanced,
                             sm_scale=SM_SCALE)
@@ -609,14 +612,14 @@ def test_one_workspace_serves_split_and_balanced_plans():
     ws = spec.allocate(DEVICE)
     assert all(ws.fits(p) for p in plans)
     tensors = (ws.partial_o, ws.partial_lse, ws.item_o, ws.item_lse, ws.item_indptr,
-               ws.chunk_tiles, ws.tile_indptr)
+               ws.chunk_tiles, ws.tile_indptr, ws.merge_rows)
     assert spec.nbytes == sum(t.numel() * t.element_size() for t in tensors)
     balanced_only = balanced_backend.workspace_spec(plans[-2:])
     ws_b = balanced_only.allocate(DEVICE)
     assert ws_b.partial_o.numel() == 0 and all(ws_b.fits(p) for p in plans[-2:])
     assert balanced_only.nbytes == sum(t.numel() * t.element_size() for t in
                                        (ws_b.item_o, ws_b.item_lse, ws_b.item_indptr,
-                                        ws_b.chunk_tiles, ws_b.tile_indptr))
+                                        ws_b.chunk_tiles, ws_b.tile_indptr, ws_b.merge_rows))
 
     c = case([300, 0, 41])
     for plan in (p for p in plans if p.batch_size == 3):

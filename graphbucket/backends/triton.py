@@ -87,7 +87,8 @@ class SplitWorkspaceSpec:
         if self.max_items <= 0:
             return split
         items = 4 * self.max_items * self.num_heads * (self.kv_lora_rank + 1)
-        return split + items + 4 * (2 * self.max_batch + 3)  # + the indptrs, chunk_tiles
+        # + the indptrs, chunk_tiles and the merge's list
+        return split + items + 4 * (3 * self.max_batch + 4)
 
     def allocate(self, device: torch.device | str) -> SplitWorkspace | None:
         if self.max_splits <= 1 and self.max_items <= 0:

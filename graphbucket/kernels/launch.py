@@ -93,6 +93,7 @@ class SplitWorkspace:
         if plan.balanced:
             return self.item_o is not None and plan.max_work_items <= self.item_o.shape[0] \
                 and plan.batch_size < self.item_indptr.shape[0] \
+                and self.merge_rows is not None and plan.batch_size < self.merge_rows.shape[0] \
                 and (not plan.tile_ranges or self.tile_indptr is not None) \
                 and (not plan.charged_ranges or (
                     self.range_bounds is not None
