@@ -47,8 +47,9 @@
 #        timed against the bf16 seesaw and the Triton fp8 kernels,
 #        bench/experiments/seesaw_fp8_ab.py; FP8_SEESAW_TESTS="fp8_seesaw_matches" picks
 #        the split-KV tests alone)
-#        (mergeab: the balanced merge's tests, then whole balanced steps with the persistent
-#        merge against the row-grid merge it replaced, bench/experiments/merge_ab.py)
+#        (mergeab: the balanced merge's tests and every balanced path's GPU tests, then whole
+#        balanced steps with the persistent merge against the row-grid merge it replaced,
+#        bench/experiments/merge_ab.py)
 #        (ncu: Nsight Compute over bench/ncu_ragged.py, then the fp8 seesaw in bench/ncu_stage1.py)
 #        (fp8: FP8_AB="float-32x4 ..." adds stage-1 variants, bench/fp8_sweep.py --ab)
 #        (fisweep: the sweep with FlashInfer rows, wheels installed from .whl/ if present)
@@ -229,11 +230,14 @@ for step in $steps; do
                  timeout 240 python3 bench/experiments/seesaw_fp8_ab.py --out "$R" \
                    > "$R/seesaw-fp8-ab.log" 2>&1; tail -12 "$R/seesaw-fp8-ab.log"
                else tail -30 "$R/seesaw-fp8-first.log"; fi ;;
-    mergeab)      # The persistent balanced merge: its tests (the merge alone, then the balanced
-                  # paths on the GPU), then the A/B against the row-grid merge.
-                  timeout 300 python3 -m pytest -q tests/test_balanced_merge.py \
-                    tests/test_balanced.py -p no:cacheprovider \
-                    > "$R/merge-tests.log" 2>&1
+    mergeab)      # The persistent balanced merge: its tests (the merge alone, the balanced paths
+                  # and runners, the balanced seesaws over bf16 and fp8 caches, on the GPU),
+                  # then the A/B against the row-grid merge.
+                  workers=(); python3 -c "import xdist" 2>/dev/null && workers=(-n 8)
+                  timeout 420 python3 -m pytest -q "${workers[@]}" tests/test_balanced_merge.py \
+                    tests/test_balanced.py tests/test_balanced_kernels.py tests/test_seesaw.py \
+                    tests/test_seesaw_fp8.py -k "not test_seesaw or balanced or range or item \
+                    or runs_seesaw_plans" -p no:cacheprovider > "$R/merge-tests.log" 2>&1
                   tail -3 "$R/merge-tests.log"
                   timeout 420 python3 bench/experiments/merge_ab.py --out "$R" \
                     > "$R/merge-ab.log" 2>&1; tail -40 "$R/merge-ab.log" ;;
