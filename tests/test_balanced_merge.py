@@ -19,7 +19,7 @@ RANK, HEADS = 64, 2
 SENTINEL = 7.0  # what stage 1 would have written for a request of one item
 
 
-def merge_case(items: list[int], gen: torch.Generator, *, merge_single: bool,
+def merge_case(items: list[int], gen: torch.Generator, *, every: bool,
                device: str = "cpu"):
     """A workspace holding random partials (log2 LSEs, some -inf) for ``items`` per request,
     and the float64 merge each request must get: (workspace, want out, want LSE)."""
@@ -31,12 +31,12 @@ def merge_case(items: list[int], gen: torch.Generator, *, merge_single: bool,
     ws.item_lse[:total] = lse
     indptr = torch.tensor([0] + items).cumsum(0)
     ws.item_indptr[: batch + 1] = indptr.int()
-    listed = [b for b, n in enumerate(items) if n != 1 or merge_single]
+    listed = [b for b, n in enumerate(items) if n != 1 or every]
     ws.merge_rows[: len(listed) + 1] = torch.tensor([len(listed)] + listed, dtype=torch.int32)
     want_o = torch.full((batch, HEADS, RANK), SENTINEL, dtype=torch.float64)
     want_lse = torch.full((batch, HEADS), SENTINEL, dtype=torch.float64)
     for b, n in enumerate(items):
-        if n == 1 and not merge_single:
+        if n == 1 and not every:
             continue
         if n == 0:  # padding: the merge of nothing
             want_o[b], want_lse[b] = 0.0, float("-inf")
@@ -53,15 +53,15 @@ def merge_case(items: list[int], gen: torch.Generator, *, merge_single: bool,
     return ws, want_o, want_lse
 
 
-@pytest.mark.parametrize("items, programs, merge_single", [
+@pytest.mark.parametrize("items, programs, every", [
     ([3, 1, 0, 5, 1, 1, 2], None, False),  # one-item requests left alone
     ([1, 1, 1, 1, 9, 1, 1, 0], 3, False),   # one long among short, 3 programs walk 18 units
     ([2, 1, 0, 4], 2, True),                # every request merged (equal tile ranges)
     ([1] * 150 + [3] + [0] * 60 + [1] * 50 + [2], 5, False),  # 262 rows
 ])
-def test_persistent_merge_matches_float64(items, programs, merge_single, device):
+def test_persistent_merge_matches_float64(items, programs, every, device):
     gen = torch.Generator().manual_seed(len(items) * 31 + (programs or 0))
-    ws, want_o, want_lse = merge_case(items, gen, merge_single=merge_single, device=device)
+    ws, want_o, want_lse = merge_case(items, gen, every=every, device=device)
     plan = plan_balanced_mla_decode(len(items), HEADS, kv_lora_rank=RANK, qk_rope_dim=16,
                                     programs=4, num_sms=2)
     if programs is not None:
