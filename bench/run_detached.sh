@@ -36,9 +36,11 @@ if [ "$verb" = start ]; then
   rm -rf "$W"; mkdir -p "$W/out"
   # One run_gpu.sh per step, all packing into the same folder ($W/out/r accumulates).
   printf '%s\n' "export OUT=$(printf %q "$W/out")" "${steps[@]}" > "$W/queue.sh"
-  setsid bash -c "bash $(printf %q "$W/queue.sh") > $(printf %q "$W/log") 2>&1; echo \$? > $(printf %q "$W/rc")" \
-    < /dev/null > /dev/null 2>&1 &
-  echo $! > "$W/pid"
+  echo 0 > "$W/pid"
+  # The queue's shell writes its own pid (setsid may fork, and then $! is not the queue).
+  setsid bash -c "echo \$\$ > $(printf %q "$W/pid"); bash $(printf %q "$W/queue.sh") \
+    > $(printf %q "$W/log") 2>&1; echo \$? > $(printf %q "$W/rc")" < /dev/null > /dev/null 2>&1 &
+  for _ in 1 2 3 4 5 6 7 8 9 10; do [ "$(cat "$W/pid")" != 0 ] && break; sleep 0.2; done
   echo "started: $(grep -c run_gpu "$W/queue.sh") step(s), log $W/log"
 fi
 
@@ -46,10 +48,10 @@ fi
 end=$((SECONDS + secs)); shown=$(cat "$W/shown" 2>/dev/null || echo 0)  # log lines printed
 while running && ((SECONDS < end)); do
   sleep 5
-  lines=$(wc -l < "$W/log" 2>/dev/null || echo 0)
+  lines=$({ wc -l < "$W/log"; } 2>/dev/null || echo 0)
   if ((lines > shown)); then sed -n "$((shown + 1)),${lines}p" "$W/log"; shown=$lines; fi
 done
-lines=$(wc -l < "$W/log" 2>/dev/null || echo 0)
+lines=$({ wc -l < "$W/log"; } 2>/dev/null || echo 0)
 ((lines > shown)) && sed -n "$((shown + 1)),${lines}p" "$W/log"
 echo "$lines" > "$W/shown"
 if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then
