@@ -74,7 +74,7 @@ MERGE_BLOCK_DV = 32
 # Balanced merges over few items per request: whole rows per program (``whole_row_merge``).
 WHOLE_ROW_MERGE_DV = 512
 WHOLE_ROW_MERGE_MAX_PROGRAMS = 256
-MERGE_PROGRAMS_PER_SM = 16  # a balanced merge's persistent programs (a wave of 4 warps each)
+MERGE_PROGRAMS_PER_SM = 16  # a balanced merge's persistent programs per SM (at most one per unit)
 # A fused merge is done by one program per (request, head block), reading every partial
 # alone: cheap for a few splits, a serial tail for many.
 FUSED_MERGE_MAX_SPLITS = 4
