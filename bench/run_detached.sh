@@ -7,7 +7,7 @@
 # up to SECONDS more; both return early when the steps are done. Arguments run in order:
 # VAR=VALUE is exported for the steps after it, anything else is one run_gpu.sh step, e.g.
 #
-#   bash bench/run_detached.sh start 540 mergeab FP8_SEESAW_TESTS="lens1" fp8seesaw
+#   bash bench/run_detached.sh start 540 mergetiles FP8_SEESAW_TESTS="lens1" fp8seesaw
 #
 # Work goes to $GB_DETACHED (default /tmp/graphbucket-detached): the log, the running steps'
 # results (out/r) and, packed after every step, out/gpu-results.tgz. Each call, when it

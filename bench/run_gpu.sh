@@ -5,7 +5,7 @@
 # TPOT per policy, and the demo's GPU path. Run it on a CUDA machine.
 # steps: any of tests gputests balancedtests sweep fisweep capture tune tunefp8 tunemtp tunesparse
 #        tpot tpotfp8 tpotmtp ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp hostphases
-#        balancedseesaw tpotbatches tpothf stepkernels stepvariants seesawverify fp8seesaw mergeab ncu
+#        balancedseesaw tpotbatches tpothf stepkernels stepvariants seesawverify fp8seesaw mergetiles ncu
 #        (tpotdp: TPOT of the 128-head deepseek-v3-dp preset, the compute-bound decode)
 #        (balancedtests: the balanced kernels per capture size, the ragged switch and the
 #        oracle's host logic, on the GPU)
@@ -47,9 +47,9 @@
 #        timed against the bf16 seesaw and the Triton fp8 kernels,
 #        bench/experiments/seesaw_fp8_ab.py; FP8_SEESAW_TESTS="fp8_seesaw_matches" picks
 #        the split-KV tests alone)
-#        (mergeab: the balanced merge's tests and every balanced path's GPU tests, then whole
-#        balanced steps with the persistent merge against the row-grid merge it replaced,
-#        bench/experiments/merge_ab.py)
+#        (mergetiles: the balanced merge's tests and every balanced path's GPU tests, then
+#        whole balanced steps with the plan's merge tile against units of several heads,
+#        bench/experiments/merge_tiles.py)
 #        (ncu: Nsight Compute over bench/ncu_ragged.py, then the fp8 seesaw in bench/ncu_stage1.py)
 #        (fp8: FP8_AB="float-32x4 ..." adds stage-1 variants, bench/fp8_sweep.py --ab)
 #        (fisweep: the sweep with FlashInfer rows, wheels installed from .whl/ if present)
@@ -71,7 +71,7 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 STEPS="tests gputests balancedtests sweep fisweep capture tune tunefp8 tunemtp tunesparse retime tpot tpotfp8 tpotmtp
        ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp hostphases balancedseesaw tpotbatches
-       tpothf stepkernels stepvariants seesawverify threeway fp8seesaw mergeab ncu"
+       tpothf stepkernels stepvariants seesawverify threeway fp8seesaw mergetiles ncu"
 usage() { sed -n '2,/^set /{/^set /d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"; }
 for arg in "$@"; do
   case $arg in
@@ -230,17 +230,17 @@ for step in $steps; do
                  timeout 240 python3 bench/experiments/seesaw_fp8_ab.py --out "$R" \
                    > "$R/seesaw-fp8-ab.log" 2>&1; tail -12 "$R/seesaw-fp8-ab.log"
                else tail -30 "$R/seesaw-fp8-first.log"; fi ;;
-    mergeab)      # The persistent balanced merge: its tests (the merge alone, the balanced paths
-                  # and runners, the balanced seesaws over bf16 and fp8 caches, on the GPU),
-                  # then the A/B against the row-grid merge.
+    mergetiles)   # The balanced merge: its tests (the merge alone, the balanced paths and
+                  # runners, the balanced seesaws over bf16 and fp8 caches, on the GPU), then
+                  # the plan's merge tile against tiles of several heads per unit.
                   workers=(); python3 -c "import xdist" 2>/dev/null && workers=(-n 8)
                   timeout 420 python3 -m pytest -q "${workers[@]}" tests/test_balanced_merge.py \
                     tests/test_balanced.py tests/test_balanced_kernels.py tests/test_seesaw.py \
                     tests/test_seesaw_fp8.py -k "not test_seesaw or balanced or range or item \
                     or runs_seesaw_plans" -p no:cacheprovider > "$R/merge-tests.log" 2>&1
                   tail -3 "$R/merge-tests.log"
-                  timeout 420 python3 bench/experiments/merge_ab.py --out "$R" \
-                    > "$R/merge-ab.log" 2>&1; tail -40 "$R/merge-ab.log" ;;
+                  timeout 420 python3 bench/experiments/merge_tiles.py --out "$R" \
+                    > "$R/merge-tiles.log" 2>&1; tail -30 "$R/merge-tiles.log" ;;
     ncu)          # Nsight Compute: a ragged step split into its kernels (128 and 16 heads),
                   # then the fp8 seesaw's memory tables, warp stalls and instruction mix.
                   command -v ncu > /dev/null || { echo "ncu: not installed"; continue; }

@@ -180,8 +180,8 @@ def _ranges(tiles: np.ndarray, part: Partition, overhead: float, charge: int
             ) -> tuple[float, int]:
     """One program per range of tiles across request boundaries (equal ranges at ``charge``
     0, else a charged cut's), each (request, range) segment charged ``overhead``: (the
-    busiest range, the partials written: every segment, but under a charged cut those of
-    the requests it splits only, as a request left whole writes its output instead)."""
+    busiest range, the partials written: the segments of the requests the cut splits, as a
+    request left whole writes its output instead)."""
     live = tiles[tiles > 0].astype(np.int64)
     if not live.size:
         return 0.0, 0
@@ -192,19 +192,17 @@ def _ranges(tiles: np.ndarray, part: Partition, overhead: float, charge: int
     first = np.searchsorted(ends, lo, side="right")
     last = np.searchsorted(starts, hi, side="left") - 1
     segments = np.where(hi > lo, last - first + 1, 0)
-    partials = int(segments.sum())
-    if part.kind == CHARGED:  # a request no program bound falls inside is whole
-        inner = np.searchsorted(bounds, ends, "left") - np.searchsorted(bounds, starts, "right")
-        partials -= int(np.count_nonzero(inner == 0))
+    # A request no program bound falls inside is whole: no partial.
+    inner = np.searchsorted(bounds, ends, "left") - np.searchsorted(bounds, starts, "right")
+    partials = int(segments.sum()) - int(np.count_nonzero(inner == 0))
     return float(((hi - lo) + overhead * segments).max()), partials
 
 
 def makespan(lens: Sequence[int] | np.ndarray, part: Partition, overhead: float
              ) -> tuple[float, int]:
     """(the busiest program's load in 64-token tiles, the partials the merge reads: work
-    items or range segments of the requests cut in two or more; every segment of equal
-    ranges) of a step with host lengths ``lens`` under ``part``, each item or segment
-    charged ``overhead`` tiles."""
+    items or range segments of the requests cut in two or more) of a step with host lengths
+    ``lens`` under ``part``, each item or segment charged ``overhead`` tiles."""
     tiles = np.ceil(np.asarray(lens, dtype=np.float64) / part.block_n)
     scale = part.block_n / TILE
     if part.kind in (RANGES, CHARGED):

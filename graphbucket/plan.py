@@ -51,6 +51,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from graphbucket.merge_tile import (  # noqa: F401 (re-exported: the plan's merge tile)
+    MERGE_BLOCK_DV,
+    MERGE_BLOCK_S,
+    MERGE_BLOCK_S_SMALL,
+    MERGE_PROGRAMS_PER_SM,
+    WHOLE_ROW_MERGE_DV,
+    WHOLE_ROW_MERGE_MAX_PROGRAMS,
+    merge_block_s,
+    whole_row_merge,
+    with_merge_tile,
+)
 from graphbucket.plan_streams import (
     LONG_PAGE_AHEAD,
     LONG_STREAM,
@@ -65,16 +76,6 @@ from graphbucket.plan_streams import (
 
 MAX_KV_SPLITS = 512
 H200_NUM_SMS = 132
-# Stage 2 merges up to MERGE_BLOCK_S splits per step, in a tile just large enough for the
-# plan's split count (32-256 rows: four merge variants at most): a large tile over a few
-# splits is mostly masked work, a small one over many takes many dependent steps.
-MERGE_BLOCK_S = 256
-MERGE_BLOCK_S_SMALL = 32
-MERGE_BLOCK_DV = 32
-# Balanced merges over few items per request: whole rows per program (``whole_row_merge``).
-WHOLE_ROW_MERGE_DV = 512
-WHOLE_ROW_MERGE_MAX_PROGRAMS = 256
-MERGE_PROGRAMS_PER_SM = 16  # a balanced merge's persistent programs per SM (at most one per unit)
 # A fused merge is done by one program per (request, head block), reading every partial
 # alone: cheap for a few splits, a serial tail for many.
 FUSED_MERGE_MAX_SPLITS = 4
@@ -125,8 +126,9 @@ class LaunchPlan:
     merge_block_s: int
     merge_block_dv: int
     merge_num_warps: int = 4
-    # Balanced plans: the merge's persistent programs (over merged requests' units).
+    # Balanced plans: the merge's persistent programs over units of merge_block_h heads.
     merge_programs: int = 0
+    merge_block_h: int = 1
     # The merge waits for stage 1 on the device instead of at a kernel boundary
     # (programmatic dependent launch, where the GPU has it: sm_90 and later).
     dependent_merge: bool = False
@@ -225,8 +227,8 @@ class LaunchPlan:
                     f"{' seesaw' if self.seesaw else ''}{' ranges' if self.tile_ranges else ''}"
                     f"{f' charged={self.range_charge_tiles}' if self.charged_ranges else ''}"
                     f"{' fitted' if self.fit_items else ''}"
-                    f" min_chunk={self.min_chunk_tiles} "
-                    f"+merge(bs={self.merge_block_s}){fp8}")
+                    f" min_chunk={self.min_chunk_tiles} +merge(bs={self.merge_block_s}"
+                    f"{f' heads={self.merge_block_h}' if self.merge_block_h > 1 else ''}){fp8}")
         stage2 = f"+merge(bs={self.merge_block_s})" if self.use_stage2 else " one-split"
         if self.merges_in_stage1:
             chunks = f", {self.merge_chunks} column blocks" if self.merge_chunks > 1 else ""
@@ -270,10 +272,6 @@ def split_budget(rows: int, stream: StreamConfig, *, num_sms: int, max_splits: i
     """The largest power of two of splits that fits one wave of resident program slots
     (``max_splits``, the caller's cap, applies as given)."""
     return max(1, min(pow2_floor(stream.ctas_per_sm * num_sms // rows), max_splits))
-
-
-def merge_block_s(num_splits: int) -> int:
-    return min(MERGE_BLOCK_S, max(MERGE_BLOCK_S_SMALL, pow2_ceil(num_splits)))
 
 
 def head_block_size(num_heads: int) -> int:
@@ -434,17 +432,6 @@ def plan_balanced_mla_decode(
                  charged_ranges=charged_ranges,
                  range_charge_tiles=charge if charged_ranges else 0, fit_items=fit_items)
     if whole_row_merge(batch_size, num_heads, programs):
-        plan = replace(plan, merge_block_dv=min(WHOLE_ROW_MERGE_DV, kv_lora_rank),
-                       merge_num_warps=8)
-    units = batch_size * num_heads * cdiv(kv_lora_rank, plan.merge_block_dv)
-    return replace(plan, merge_programs=min(units, MERGE_PROGRAMS_PER_SM * num_sms))
-
-
-def whole_row_merge(batch_size: int, num_heads: int, programs: int) -> bool:
-    """Balanced merges of a few items per request read whole rows (one program per request
-    and head): at up to 5 programs per request, no request has more than
-    WHOLE_ROW_MERGE_MAX_PROGRAMS + 1 items to walk serially, and the column-blocked grid's
-    per-program cost (each block re-reads and re-weighs every LSE) dominates. Below 64
-    heads, where it was measured."""
-    return (num_heads < 64 and programs <= WHOLE_ROW_MERGE_MAX_PROGRAMS
-            and cdiv(programs, batch_size) <= 5)
+        return with_merge_tile(plan, num_sms, block_dv=min(WHOLE_ROW_MERGE_DV, kv_lora_rank),
+                               num_warps=8)
+    return with_merge_tile(plan, num_sms)

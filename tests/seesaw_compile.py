@@ -129,7 +129,7 @@ def compile_range_planner(charge: int, bounds: bool):
     from graphbucket.kernels.balanced import plan_tile_ranges_kernel as kernel
 
     constants = {"BLOCK_N": 64, "MIN_RANGE_TILES": 2, "BLOCK_B": 128, "CHARGE": charge,
-                 "BLOCK_P": 256, "BOUNDS": bounds, "MERGE_SINGLE": not bounds}
+                 "BLOCK_P": 256, "BOUNDS": bounds}
     signature = {p.name: "constexpr" if p.name in constants else
                  "i32" if p.name in ("batch", "num_programs") else "*i32"
                  for p in kernel.params}
@@ -167,15 +167,18 @@ def wide_view_matches_boxes() -> bool | None:
     return True
 
 
-def compile_balanced_merge():
+def compile_balanced_merge(block_h: int = 1):
     """The balanced merge as the charged seesaw launches it: a programmatic dependent that
-    waits on the device for stage 1's partials."""
+    waits on the device for stage 1's partials; with ``block_h`` > 1, units of that many
+    heads over 8 items and 64 columns per step."""
     from triton.compiler import ASTSource
 
     from graphbucket.kernels.balanced import balanced_merge_kernel as kernel
 
     constants = {"BLOCK_S": 32, "BLOCK_DV": 512, "DV_BLOCKS": 1, "WRITE_LSE": True,
-                 "USE_GDC": True}
+                 "USE_GDC": True, "BLOCK_HM": block_h}
+    if block_h > 1:
+        constants.update(BLOCK_S=8, BLOCK_DV=64, DV_BLOCKS=8)
     pointers = {"PART_O": "*fp32", "PART_LSE": "*fp32", "ITEM_INDPTR": "*i32",
                 "MERGE_ROWS": "*i32", "OUT": "*bf16", "LSE": "*fp32"}
     signature = {p.name: "constexpr" if p.name in constants else pointers.get(p.name, "i32")
@@ -226,6 +229,7 @@ def main() -> None:
     planners = {f"{c}{'-bounds' if b else ''}": compile_range_planner(c, b).metadata.shared
                 for c, b in ((0, False), (0, True), (5, True))}
     merge = compile_balanced_merge().asm["ptx"]
+    head_blocked_merge = compile_balanced_merge(block_h=8).asm["ptx"]
     print(json.dumps({**summary(compiled), "balanced": summary(balanced),
                       "ranges": summary(ranges), "charged": summary(charged),
                       "one_rescale": summary(one_rescale), "q_len_4": summary(verify),
@@ -241,7 +245,8 @@ def main() -> None:
                       "fp8_tensor_prefetch_2": summary(fp8_ahead),
                       "range_planner_shared_bytes": planners,
                       "wide_view_matches_boxes": wide_view_matches_boxes(),
-                      "dependent_merge_waits": merge.count("griddepcontrol.wait")}))
+                      "dependent_merge_waits": merge.count("griddepcontrol.wait"),
+                      "head_blocked_merge_spill_bytes": spill_bytes(head_blocked_merge)}))
 
 
 def spill_bytes(ptx: str) -> int | None:

@@ -227,14 +227,14 @@ def test_item_planner_matches_python(lens, programs, min_chunk, fit):
     launch_item_planner(seq_lens, ws, plan=plan, block_n=64)
     indptr, chunk = python_partition(lens, 64, programs, min_chunk, fit)
     assert ws.item_indptr.tolist() == indptr and int(ws.chunk_tiles.item()) == chunk
-    assert_merge_rows(ws, indptr, every=False)
+    assert_merge_rows(ws, indptr)
 
 
-def assert_merge_rows(ws: SplitWorkspace, item_indptr: list[int], *, every: bool) -> None:
+def assert_merge_rows(ws: SplitWorkspace, item_indptr: list[int]) -> None:
     """The planner's list of requests to merge: [count, b...], those of other than one item
-    in request order (``every``: all of them)."""
+    in request order."""
     items = [item_indptr[b + 1] - item_indptr[b] for b in range(len(item_indptr) - 1)]
-    want = [b for b, n in enumerate(items) if every or n != 1]
+    want = [b for b, n in enumerate(items) if n != 1]
     assert ws.merge_rows[:len(want) + 1].tolist() == [len(want)] + want
 
 
@@ -249,7 +249,7 @@ def test_item_planner_scans_batches_wider_than_one_block(fit):
                         block_n=32)
     indptr, chunk = python_partition(lens, 32, programs, 2, fit)
     assert ws.item_indptr.tolist() == indptr and int(ws.chunk_tiles.item()) == chunk
-    assert_merge_rows(ws, indptr, every=False)
+    assert_merge_rows(ws, indptr)
 
 
 def python_ranges(lens: list[int], programs: int, min_tiles: int
@@ -327,7 +327,7 @@ def test_range_planner_matches_python(lens, programs, min_tiles):
     tile_indptr, item_indptr, per = python_ranges(lens, programs, min_tiles)
     assert ws.tile_indptr.tolist() == tile_indptr and ws.item_indptr.tolist() == item_indptr
     assert int(ws.chunk_tiles.item()) == per
-    assert_merge_rows(ws, item_indptr, every=True)  # equal ranges: every segment a partial
+    assert_merge_rows(ws, item_indptr)
 
 
 def python_charged(lens: list[int], programs: int, min_tiles: int, charge: int
@@ -367,7 +367,7 @@ def test_charged_range_planner_matches_python(lens, programs, min_tiles, charge)
     tile_indptr, item_indptr, bounds, first = python_charged(lens, programs, min_tiles, charge)
     assert ws.tile_indptr.tolist() == tile_indptr and ws.item_indptr.tolist() == item_indptr
     assert ws.range_bounds[:programs + 1].tolist() == bounds
-    assert_merge_rows(ws, item_indptr, every=False)
+    assert_merge_rows(ws, item_indptr)
     live = [b for b, n in enumerate(lens) if n]
     assert [ws.first_program.tolist()[b] for b in live] == [first[b] for b in live]
 

@@ -1,7 +1,8 @@
 """The balanced merge's persistent programs against a float64 merge of the same partials:
-requests of one item (left alone, or listed after equal tile ranges), of many items and of
-none (padding), in any order, with fewer programs than units (each program walks several)
-and long batches. The list of requests to merge is the planners' (their tests check it);
+requests of one item (left alone, or listed), of many items and of none (padding), in any
+order, with fewer programs than units (each program walks several), long batches, and
+units of several heads (a head count the block does not divide) in steps of a few items.
+The list of requests to merge is the planners' (their tests check it);
 here it is written from its definition. Small rows keep the interpreter quick."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 
 from graphbucket.kernels import SplitWorkspace
 from graphbucket.kernels.launch_balanced import launch_balanced_merge
+from graphbucket.merge_tile import with_merge_tile
 from graphbucket.plan import plan_balanced_mla_decode
 
 RANK, HEADS = 64, 2
@@ -20,21 +22,21 @@ SENTINEL = 7.0  # what stage 1 would have written for a request of one item
 
 
 def merge_case(items: list[int], gen: torch.Generator, *, every: bool,
-               device: str = "cpu"):
+               device: str = "cpu", heads: int = HEADS):
     """A workspace holding random partials (log2 LSEs, some -inf) for ``items`` per request,
     and the float64 merge each request must get: (workspace, want out, want LSE)."""
     batch, total = len(items), sum(items)
-    ws = SplitWorkspace.allocate(batch, HEADS, 1, RANK, device, max_items=total + 1)
-    ws.item_o[:total] = torch.randn(total, HEADS, RANK, generator=gen)
-    lse = torch.randn(total, HEADS, generator=gen) * 4
-    lse[torch.rand(total, HEADS, generator=gen) < 0.2] = float("-inf")  # empty partials
+    ws = SplitWorkspace.allocate(batch, heads, 1, RANK, device, max_items=total + 1)
+    ws.item_o[:total] = torch.randn(total, heads, RANK, generator=gen)
+    lse = torch.randn(total, heads, generator=gen) * 4
+    lse[torch.rand(total, heads, generator=gen) < 0.2] = float("-inf")  # empty partials
     ws.item_lse[:total] = lse
     indptr = torch.tensor([0] + items).cumsum(0)
     ws.item_indptr[: batch + 1] = indptr.int()
     listed = [b for b, n in enumerate(items) if n != 1 or every]
     ws.merge_rows[: len(listed) + 1] = torch.tensor([len(listed)] + listed, dtype=torch.int32)
-    want_o = torch.full((batch, HEADS, RANK), SENTINEL, dtype=torch.float64)
-    want_lse = torch.full((batch, HEADS), SENTINEL, dtype=torch.float64)
+    want_o = torch.full((batch, heads, RANK), SENTINEL, dtype=torch.float64)
+    want_lse = torch.full((batch, heads), SENTINEL, dtype=torch.float64)
     for b, n in enumerate(items):
         if n == 1 and not every:
             continue
@@ -56,7 +58,7 @@ def merge_case(items: list[int], gen: torch.Generator, *, every: bool,
 @pytest.mark.parametrize("items, programs, every", [
     ([3, 1, 0, 5, 1, 1, 2], None, False),  # one-item requests left alone
     ([1, 1, 1, 1, 9, 1, 1, 0], 3, False),   # one long among short, 3 programs walk 18 units
-    ([2, 1, 0, 4], 2, True),                # every request merged (equal tile ranges)
+    ([2, 1, 0, 4], 2, True),                # one-item requests listed too: one partial each
     ([1] * 150 + [3] + [0] * 60 + [1] * 50 + [2], 5, False),  # 262 rows
 ])
 def test_persistent_merge_matches_float64(items, programs, every, device):
@@ -71,3 +73,29 @@ def test_persistent_merge_matches_float64(items, programs, every, device):
     launch_balanced_merge(out, ws, plan=plan, lse=lse)
     torch.testing.assert_close(out.double().cpu(), want_o, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse.double().cpu(), want_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("block_s, block_h, block_dv", [(2, 2, 32), (4, 4, 64), (32, 2, 16)])
+def test_head_blocked_merge_matches_float64(block_s, block_h, block_dv, device):
+    heads, items = 5, [3, 1, 0, 9, 1, 2, 1]
+    gen = torch.Generator().manual_seed(block_s * 100 + block_h * 10 + block_dv)
+    ws, want_o, want_lse = merge_case(items, gen, every=False, device=device, heads=heads)
+    plan = plan_balanced_mla_decode(len(items), heads, kv_lora_rank=RANK, qk_rope_dim=16,
+                                    programs=4, num_sms=2)
+    plan = with_merge_tile(plan, 1, block_s=block_s, block_h=block_h, block_dv=block_dv)
+    units = len(items) * -(-heads // block_h) * (RANK // block_dv)
+    assert plan.merge_block_h == block_h and plan.merge_programs == min(16, units)
+    out = torch.full((len(items), heads, RANK), SENTINEL, dtype=torch.float32, device=device)
+    lse = torch.full((len(items), heads), SENTINEL, dtype=torch.float32, device=device)
+    launch_balanced_merge(out, ws, plan=plan, lse=lse)
+    torch.testing.assert_close(out.double().cpu(), want_o, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double().cpu(), want_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tile", [dict(block_h=3), dict(block_s=6), dict(block_dv=48),
+                                  dict(block_dv=128)])
+def test_merge_tile_rejects_what_the_kernel_cannot_run(tile):
+    plan = plan_balanced_mla_decode(4, 3, kv_lora_rank=RANK, qk_rope_dim=16, programs=4,
+                                    num_sms=2)
+    with pytest.raises(ValueError, match="merge tile"):
+        with_merge_tile(plan, 2, **tile)

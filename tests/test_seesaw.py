@@ -198,6 +198,8 @@ def test_seesaw_compiles_for_sm90_within_shared_memory():
     # The charged seesaw lets the merge launch early; the merge waits for its partials.
     assert report["charged"]["dependent_launch"] and not report["ranges"]["dependent_launch"]
     assert report["dependent_merge_waits"] >= 1, report
+    # The merge over units of 8 heads compiles without spilling its [8, 8, 64] step.
+    assert report["head_blocked_merge_spill_bytes"] in (None, 0), report
     # The one-rescale step issues as many wgmma, with two fewer drains and one O rescale
     # per warpgroup and step instead of two.
     assert report["one_rescale"]["wgmma"] == report["wgmma"], report

@@ -28,9 +28,8 @@ among short ones sets the step time; here every work item has about the same siz
    writes a float32 partial (output, log2 LSE) to slot i.
 3. ``balanced_merge_kernel`` merges slots indptr[b] .. indptr[b + 1] of the requests in
    ``merge_rows``: those of two or more items, and padding rows (no items: zeros and LSE
-   -inf); a one-item request's output is written already, except after a stage 1 that
-   writes every item as a partial (the Gluon seesaw's equal tile ranges, whose planner
-   lists every request: ``MERGE_SINGLE``). Its programs are persistent over (listed
+   -inf); stage 1 wrote a one-item request's output already. Its programs are
+   persistent over (listed
    request, head, dv block) units, so a step whose requests are mostly whole costs no
    program time per idle row, and no unit searches for its request.
 
@@ -48,7 +47,12 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from graphbucket.kernels.attend import attend_tokens
-from graphbucket.kernels.merge import merge_partials, store_merged
+from graphbucket.kernels.merge import (
+    merge_partials,
+    merge_partials_heads,
+    store_merged,
+    store_merged_heads,
+)
 from graphbucket.kernels.tiles import load_q, store_final
 
 
@@ -106,11 +110,11 @@ def _fitted_chunk(SEQ_LENS, batch, num_programs, lo, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
-def _store_merge_rows(MERGE_ROWS, offs, mask, items, listed, MERGE_SINGLE: tl.constexpr):
-    """Appends this block's requests that the merge writes (every one with MERGE_SINGLE,
-    else those of other than one item) to MERGE_ROWS[1 + listed ...]; returns the new
-    count. MERGE_ROWS[0] takes the count once the last block is listed."""
-    merged = (mask & ((items != 1) | MERGE_SINGLE)).to(tl.int32)
+def _store_merge_rows(MERGE_ROWS, offs, mask, items, listed):
+    """Appends this block's requests that the merge writes (those of other than one item)
+    to MERGE_ROWS[1 + listed ...]; returns the new count. MERGE_ROWS[0] takes the count
+    once the last block is listed."""
+    merged = (mask & (items != 1)).to(tl.int32)
     tl.store(MERGE_ROWS + listed + tl.cumsum(merged, 0), offs, mask=merged != 0)
     return listed + tl.sum(merged, 0)
 
@@ -135,7 +139,7 @@ def plan_work_items_kernel(SEQ_LENS, ITEM_INDPTR, CHUNK_TILES, MERGE_ROWS, batch
         items = tl.cdiv(tl.cdiv(lens, BLOCK_N), chunk_tiles)
         tl.store(ITEM_INDPTR + 1 + offs, carry + tl.cumsum(items, 0), mask=mask)
         carry += tl.sum(items, 0)
-        listed = _store_merge_rows(MERGE_ROWS, offs, mask, items, listed, False)
+        listed = _store_merge_rows(MERGE_ROWS, offs, mask, items, listed)
     tl.store(MERGE_ROWS, listed)
 
 
@@ -144,8 +148,7 @@ def plan_tile_ranges_kernel(SEQ_LENS, TILE_INDPTR, ITEM_INDPTR, RANGE_TILES, RAN
                             FIRST_PROGRAM, MERGE_ROWS, batch, num_programs,
                             BLOCK_N: tl.constexpr, MIN_RANGE_TILES: tl.constexpr,
                             BLOCK_B: tl.constexpr, CHARGE: tl.constexpr = 0,
-                            BLOCK_P: tl.constexpr = 1, BOUNDS: tl.constexpr = False,
-                            MERGE_SINGLE: tl.constexpr = False):
+                            BLOCK_P: tl.constexpr = 1, BOUNDS: tl.constexpr = False):
     """The partition of the Gluon seesaw over tile ranges: the batch's tiles in request
     order, each live request b counting ``units_b = CHARGE + tiles_b`` (its charge first,
     then its tiles), program p taking units [p * per, (p + 1) * per) with per =
@@ -164,9 +167,8 @@ def plan_tile_ranges_kernel(SEQ_LENS, TILE_INDPTR, ITEM_INDPTR, RANGE_TILES, RAN
     CHARGE, clamped to the request; a boundary inside a charge falls on the request's first
     tile, and the program before it may be empty); program p runs tiles [RANGE_BOUNDS[p],
     RANGE_BOUNDS[p + 1]) and FIRST_PROGRAM[b] numbers b's segments. Each program boundary
-    inside a request's tiles adds one segment: at most G + (live requests) - 1.
-    ``MERGE_SINGLE``: every request goes to the merge's list (a stage 1 that writes every
-    segment as a partial)."""
+    inside a request's tiles adds one segment: at most G + (live requests) - 1. The
+    merge's list takes the requests of other than one segment."""
     total_tiles = 0
     live = 0
     for b0 in range(0, batch, BLOCK_B):
@@ -198,7 +200,7 @@ def plan_tile_ranges_kernel(SEQ_LENS, TILE_INDPTR, ITEM_INDPTR, RANGE_TILES, RAN
         tile_carry += tl.sum(tiles, 0)
         unit_carry += tl.sum(units, 0)
         item_carry += tl.sum(segments, 0)
-        listed = _store_merge_rows(MERGE_ROWS, offs, mask, segments, listed, MERGE_SINGLE)
+        listed = _store_merge_rows(MERGE_ROWS, offs, mask, segments, listed)
     tl.store(MERGE_ROWS, listed)
     if BOUNDS:
         # Programs x requests at once: a narrower scan keeps the tile in registers.
@@ -334,30 +336,43 @@ def balanced_merge_kernel(
     BLOCK_DV: tl.constexpr,
     DV_BLOCKS: tl.constexpr,
     WRITE_LSE: tl.constexpr,
+    BLOCK_HM: tl.constexpr = 1,
     USE_GDC: tl.constexpr = False,
 ):
     """Persistent programs over the step's merge units (a request of the planner's
-    ``MERGE_ROWS`` list, a head, a block of BLOCK_DV columns), unit u by program u mod G:
-    only requests with something to merge cost a program's time, however many rows the
-    graph was captured for."""
+    ``MERGE_ROWS`` list, a block of BLOCK_HM heads, a block of BLOCK_DV columns), unit u by
+    program u mod G: only requests with something to merge cost a program's time, however
+    many rows the graph was captured for. A unit is a chain of dependent loads (list,
+    indptr, LSEs, partials); BLOCK_HM > 1 lets one chain serve several heads."""
     if USE_GDC:
         # Stage 1's partials are complete and visible past this point. Every program waits,
         # those with nothing to merge too: the grid then ends after stage 1, whose outputs
         # the kernels after the merge read.
         gdc_wait()
-    per_request = num_heads * DV_BLOCKS
+    head_blocks = tl.cdiv(num_heads, BLOCK_HM)
+    per_request = head_blocks * DV_BLOCKS
     for unit in range(tl.program_id(0), tl.load(MERGE_ROWS) * per_request,
                       tl.num_programs(0)):
         bid = tl.load(MERGE_ROWS + 1 + unit // per_request)
-        head = (unit % per_request) // DV_BLOCKS
+        head = (unit % per_request) // DV_BLOCKS * BLOCK_HM
         dv_block = unit % DV_BLOCKS
         offs_dv = dv_block * BLOCK_DV + tl.arange(0, BLOCK_DV)
         first = tl.load(ITEM_INDPTR + bid)
+        items = tl.load(ITEM_INDPTR + bid + 1) - first
+        o_row = PART_O + first.to(tl.int64) * stride_po_i + head * stride_po_h
+        lse_row = PART_LSE + first.to(tl.int64) * stride_pl_i + head
         # No items (padding): the merge of nothing gives zeros and LSE -inf.
-        acc, l_i, m_i = merge_partials(
-            PART_O + first.to(tl.int64) * stride_po_i + head * stride_po_h,
-            PART_LSE + first.to(tl.int64) * stride_pl_i + head,
-            stride_po_i, stride_pl_i, tl.load(ITEM_INDPTR + bid + 1) - first, offs_dv,
-            BLOCK_S, BLOCK_DV)
-        store_merged(OUT + bid * stride_o_b + head * stride_o_h + offs_dv,
-                     LSE + bid * stride_lse_b + head, acc, l_i, m_i, dv_block, WRITE_LSE)
+        if BLOCK_HM == 1:
+            acc, l_i, m_i = merge_partials(o_row, lse_row, stride_po_i, stride_pl_i, items,
+                                           offs_dv, BLOCK_S, BLOCK_DV)
+            store_merged(OUT + bid * stride_o_b + head * stride_o_h + offs_dv,
+                         LSE + bid * stride_lse_b + head, acc, l_i, m_i, dv_block, WRITE_LSE)
+        else:
+            offs_h = tl.arange(0, BLOCK_HM)
+            mask_h = head + offs_h < num_heads
+            acc, l_i, m_i = merge_partials_heads(o_row, lse_row, stride_po_i, stride_po_h,
+                                                 stride_pl_i, items, offs_h, mask_h, offs_dv,
+                                                 BLOCK_S)
+            store_merged_heads(OUT + bid * stride_o_b + head * stride_o_h,
+                               LSE + bid * stride_lse_b + head, stride_o_h, acc, l_i, m_i,
+                               offs_h, mask_h, offs_dv, dv_block, WRITE_LSE)

@@ -75,7 +75,7 @@ def mla_decode_balanced(q: torch.Tensor, kv_cache: torch.Tensor, block_table: to
         launch_balanced_stage1(q, kv_cache, block_table, seq_lens, out, workspace, plan=plan,
                                sm_scale=sm_scale, lse=lse, block_n=block_n, kv_scale=kv_scale)
     # The planner listed the requests to merge: stage 1 wrote the output of a request left
-    # whole (one item), but for equal tile ranges, which write every segment as a partial.
+    # whole (one item or segment).
     charged = seesaw and plan.charged_ranges  # (a charged cut is a tile-range plan)
     launch_balanced_merge(out, workspace, plan=plan, lse=lse,
                           dependent=charged and pdl_capable(out.device))
@@ -170,8 +170,8 @@ def launch_range_planner(seq_lens: torch.Tensor, workspace: SplitWorkspace, *,
     """Writes ``tile_indptr`` and ``item_indptr`` (``[:batch + 1]``) and the tiles per range
     (``chunk_tiles``) from the live lengths: the seesaw's 64-token tiles; for a charged cut
     the programs' bounds and the requests' first programs instead of the tiles per range.
-    The merge's list (``merge_rows``): every request after equal ranges, whose seesaw
-    writes every segment as a partial; under a charged cut, those of other than one."""
+    The merge's list (``merge_rows``): the requests of other than one segment (stage 1
+    writes a whole request's output)."""
     charged = plan.charged_ranges
     plan_tile_ranges_kernel[(1,)](
         seq_lens, workspace.tile_indptr, workspace.item_indptr, workspace.chunk_tiles,
@@ -182,7 +182,6 @@ def launch_range_planner(seq_lens: torch.Tensor, workspace: SplitWorkspace, *,
         BLOCK_B=scan_block(plan.batch_size),
         CHARGE=plan.range_charge_tiles if charged else 0,
         BLOCK_P=min(256, pow2_ceil(plan.persistent_programs + 1)), BOUNDS=charged,
-        MERGE_SINGLE=not charged,
     )
 
 
@@ -221,8 +220,8 @@ def launch_seesaw_range_stage1(q: torch.Tensor, kv_cache: torch.Tensor,
 def launch_balanced_merge(out: torch.Tensor, workspace: SplitWorkspace, *, plan: LaunchPlan,
                           lse: torch.Tensor | None, dependent: bool = False) -> None:
     """Merge alone (unchecked), by ``plan.merge_programs`` persistent programs: the
-    requests the planner listed in ``workspace.merge_rows`` (of two or more items, or
-    every one after equal tile ranges), and zeros for padding rows.
+    requests the planner listed in ``workspace.merge_rows`` (of two or more items), and
+    zeros for padding rows.
     ``dependent``: a programmatic dependent launch (sm_90+), after a stage 1 that lets it
     start early (the charged seesaw's)."""
     part_o, part_lse = workspace.item_o, workspace.item_lse
@@ -235,6 +234,7 @@ def launch_balanced_merge(out: torch.Tensor, workspace: SplitWorkspace, *, plan:
         0 if lse is None else lse.stride(0),
         BLOCK_S=plan.merge_block_s, BLOCK_DV=plan.merge_block_dv,
         DV_BLOCKS=-(-plan.kv_lora_rank // plan.merge_block_dv),
-        WRITE_LSE=lse is not None, num_warps=plan.merge_num_warps,
+        WRITE_LSE=lse is not None, BLOCK_HM=plan.merge_block_h,
+        num_warps=plan.merge_num_warps,
         **({"USE_GDC": True, "launch_pdl": True} if dependent else {}),
     )

@@ -111,6 +111,49 @@ def merge_partials(o_row, lse_row, stride_o_s, stride_lse_s, num_active, offs_dv
 
 
 @triton.jit
+def merge_partials_heads(o_row, lse_row, stride_o_s, stride_o_h, stride_lse_s, num_active,
+                         offs_h, mask_h, offs_dv, BLOCK_S: tl.constexpr):
+    """``merge_partials`` for a block of heads at once: [BLOCK_S, heads, BLOCK_DV] partials
+    per step, so one chain of dependent loads serves every head of the block. Returns the
+    unnormalised (acc [heads, BLOCK_DV], l [heads], m [heads])."""
+    m_i = tl.full(offs_h.shape, float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros(offs_h.shape, dtype=tl.float32)
+    acc = tl.zeros([offs_h.shape[0], offs_dv.shape[0]], dtype=tl.float32)
+    for s0 in range(0, num_active, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        live = (offs_s < num_active)[:, None] & mask_h[None, :]
+        lse = tl.load(lse_row + offs_s[:, None] * stride_lse_s + offs_h[None, :], mask=live,
+                      other=float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(lse, 0))
+        # Guard -inf - -inf: a block of only masked splits must not produce NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        w = tl.exp2(lse - m_safe[None, :])
+        part = tl.load(o_row + offs_s[:, None, None] * stride_o_s
+                       + offs_h[None, :, None] * stride_o_h + offs_dv[None, None, :],
+                       mask=live[:, :, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * part, 0)
+        l_i = l_i * alpha + tl.sum(w, 0)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def store_merged_heads(o_ptr, lse_ptr, stride_o_h, acc, l_i, m_i, offs_h, mask_h, offs_dv,
+                       dv_block, WRITE_LSE: tl.constexpr):
+    """``store_merged`` for a block of heads (``o_ptr``, ``lse_ptr`` at its first head)."""
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    out = tl.where(l_i[:, None] > 0.0, acc / l_safe[:, None], 0.0)
+    tl.store(o_ptr + offs_h[:, None] * stride_o_h + offs_dv[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=mask_h[:, None])
+    if WRITE_LSE:
+        if dv_block == 0:
+            lse_out = tl.where(l_i > 0.0, (m_i + tl.log2(l_safe)) * 0.6931471805599453,
+                               float("-inf"))
+            tl.store(lse_ptr + offs_h, lse_out, mask=mask_h)
+
+
+@triton.jit
 def store_merged(o_ptr, lse_ptr, acc, l_i, m_i, dv_block, WRITE_LSE: tl.constexpr):
     """Normalise a merge into o_ptr (zeros when nothing was live); the LSE when asked
     (once per head: by the program of the first dv block)."""

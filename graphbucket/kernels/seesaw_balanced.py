@@ -171,8 +171,8 @@ D_END = gl.constexpr(1)
 D_STEPS = gl.constexpr(2)
 D_ITEM = gl.constexpr(3)
 D_G0 = gl.constexpr(4)
-D_FINAL = gl.constexpr(5)  # charged cuts: 1 where the segment is its request's only one
-D_BID = gl.constexpr(6)    # charged cuts: the segment's request
+D_FINAL = gl.constexpr(5)  # 1 where the segment is its request's only one
+D_BID = gl.constexpr(6)    # the segment's request
 DESC_WORDS = gl.constexpr(8)
 
 
@@ -197,10 +197,10 @@ def _range_loader(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDPTR, ITEM_INDP
         # Slot seg % 2 was last read at segment seg - 2, whose steps the loads below wait on.
         desc = gl.where(words == D_START, start, gl.where(words == D_END, end, gl.where(
             words == D_STEPS, num_steps, gl.where(words == D_ITEM, item, g0))))
-        if CHARGED:  # a request left whole gets its output here, not a partial
-            whole = (gl.load(ITEM_INDPTR + bid + 1) - gl.load(ITEM_INDPTR + bid) == 1)
-            desc = gl.where(words == D_FINAL, whole.to(gl.int32),
-                            gl.where(words == D_BID, bid, desc))
+        # A request left whole (one segment) gets its output here, not a partial.
+        whole = (gl.load(ITEM_INDPTR + bid + 1) - gl.load(ITEM_INDPTR + bid) == 1)
+        desc = gl.where(words == D_FINAL, whole.to(gl.int32),
+                        gl.where(words == D_BID, bid, desc))
         desc_s.index(seg % 2).store(desc)
         mbarrier.arrive(bars.index(B_DESC + seg % 2))
         if seg > 0:  # the next request's Q once both warpgroups' last QK has read this one
@@ -220,7 +220,7 @@ def _word(desc, words, which: gl.constexpr):
 @gluon.jit
 def _range_compute(q_s, kv_s, rope_s, stats_s, bars, desc_s, PART_O, PART_LSE, OUT, LSE, segments,
                    num_heads, qk_scale_log2, stride_po_i, stride_po_h, stride_pl_i, stride_o_b,
-                   stride_o_h, stride_lse_b, PARITY: gl.constexpr, CHARGED: gl.constexpr,
+                   stride_o_h, stride_lse_b, PARITY: gl.constexpr,
                    WRITE_LSE: gl.constexpr, PV_COLS: gl.constexpr, kv_scale_ptr):
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     words = gl.arange(0, DESC_WORDS, layout)
@@ -232,8 +232,7 @@ def _range_compute(q_s, kv_s, rope_s, stats_s, bars, desc_s, PART_O, PART_LSE, O
         o_ptr = PART_O + item * stride_po_i + h0 * stride_po_h
         lse_ptr = PART_LSE + item * stride_pl_i + h0
         num_rows = gl.minimum(num_heads - h0, ROWS)
-        # A charged cut's request left whole (D_FINAL): its output and LSE, not a partial.
-        # Without CHARGED the loader writes neither word and FINAL drops their use.
+        # A request left whole (D_FINAL): its output and LSE, not a partial.
         bid = _word(desc, words, D_BID)
         warpgroup_compute(q_s, kv_s, rope_s, stats_s, bars, _word(desc, words, D_START),
                           _word(desc, words, D_END), _word(desc, words, D_STEPS),
@@ -241,29 +240,29 @@ def _range_compute(q_s, kv_s, rope_s, stats_s, bars, desc_s, PART_O, PART_LSE, O
                           False, PARITY, _word(desc, words, D_G0), seg & 1, True,
                           _word(desc, words, D_FINAL),
                           OUT + bid * stride_o_b + h0 * stride_o_h,
-                          LSE + bid * stride_lse_b + h0, stride_o_h, CHARGED, WRITE_LSE,
+                          LSE + bid * stride_lse_b + h0, stride_o_h, True, WRITE_LSE,
                           PV_COLS=PV_COLS, kv_scale_ptr=kv_scale_ptr)
 
 
 @gluon.jit
 def _range_even(q_s, kv_s, rope_s, stats_s, bars, desc_s, PART_O, PART_LSE, OUT, LSE, segments,
                 num_heads, qk_scale_log2, stride_po_i, stride_po_h, stride_pl_i, stride_o_b,
-                stride_o_h, stride_lse_b, CHARGED: gl.constexpr, WRITE_LSE: gl.constexpr,
+                stride_o_h, stride_lse_b, WRITE_LSE: gl.constexpr,
                 PV_COLS: gl.constexpr, kv_scale_ptr=None):
     _range_compute(q_s, kv_s, rope_s, stats_s, bars, desc_s, PART_O, PART_LSE, OUT, LSE, segments,
                    num_heads, qk_scale_log2, stride_po_i, stride_po_h, stride_pl_i, stride_o_b,
-                   stride_o_h, stride_lse_b, 0, CHARGED, WRITE_LSE, PV_COLS,
+                   stride_o_h, stride_lse_b, 0, WRITE_LSE, PV_COLS,
                    kv_scale_ptr)
 
 
 @gluon.jit
 def _range_odd(q_s, kv_s, rope_s, stats_s, bars, desc_s, PART_O, PART_LSE, OUT, LSE, segments,
                num_heads, qk_scale_log2, stride_po_i, stride_po_h, stride_pl_i, stride_o_b,
-               stride_o_h, stride_lse_b, CHARGED: gl.constexpr, WRITE_LSE: gl.constexpr,
+               stride_o_h, stride_lse_b, WRITE_LSE: gl.constexpr,
                PV_COLS: gl.constexpr, kv_scale_ptr=None):
     _range_compute(q_s, kv_s, rope_s, stats_s, bars, desc_s, PART_O, PART_LSE, OUT, LSE, segments,
                    num_heads, qk_scale_log2, stride_po_i, stride_po_h, stride_pl_i, stride_o_b,
-                   stride_o_h, stride_lse_b, 1, CHARGED, WRITE_LSE, PV_COLS,
+                   stride_o_h, stride_lse_b, 1, WRITE_LSE, PV_COLS,
                    kv_scale_ptr)
 
 
@@ -280,13 +279,14 @@ def seesaw_range_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDP
     """The seesaw on persistent programs over equal ranges of the step's tiles
     (``kernels.balanced.plan_tile_ranges_kernel``): grid (head blocks, programs); program p
     takes the batch's 64-token tiles [p * per, (p + 1) * per) in request order, across
-    request boundaries, one partial per (request, program) segment. The loader brings the
-    next segment's tiles while the warpgroups finish the last one's, so the stream of pages
-    does not stop between requests; the balanced merge combines the partials. ``CHARGED``:
-    the ranges of a charged cut (``plan_tile_ranges_kernel`` with a ``CHARGE``), program
-    p's tiles [RANGE_BOUNDS[p], RANGE_BOUNDS[p + 1]) and a request's first program in
-    FIRST_PROGRAM; a request the cut leaves whole (one segment) gets its output in OUT (and
-    with ``WRITE_LSE`` its LSE in LSE) here, which the merge then leaves alone. ``PV_COLS``:
+    request boundaries, one partial per (request, program) segment; a request the cut
+    leaves whole (one segment) gets its output in OUT (and with ``WRITE_LSE`` its LSE in
+    LSE) here, which the merge then leaves alone. The loader brings the next segment's
+    tiles while the warpgroups finish the last one's, so the stream of pages does not stop
+    between requests; the balanced merge combines the partials. ``CHARGED``: the ranges of
+    a charged cut (``plan_tile_ranges_kernel`` with a ``CHARGE``), program p's tiles
+    [RANGE_BOUNDS[p], RANGE_BOUNDS[p + 1]) and a request's first program in
+    FIRST_PROGRAM. ``PV_COLS``:
     the PV width (``seesaw_step``). ``KV_FP8``: an fp8 cache, 1 per-tensor
     (KV_SCALE its scale), 2 V3.2, read by ``seesaw_fp8``'s converter from Q (bf16, q_rows
     rows) and KV8 instead of the descriptors (None), with 256-column PVs."""
@@ -314,12 +314,12 @@ def seesaw_range_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDP
         gl.warp_specialize([
             (_range_even, (q_s, kv_s, rope_s, stats_s, bars, desc_s, PART_O, PART_LSE, OUT, LSE,
                            segments, num_heads, qk_scale_log2, stride_po_i, stride_po_h,
-                           stride_pl_i, stride_o_b, stride_o_h, stride_lse_b, CHARGED,
-                           WRITE_LSE, pv, KV_SCALE)),
+                           stride_pl_i, stride_o_b, stride_o_h, stride_lse_b, WRITE_LSE,
+                           pv, KV_SCALE)),
             (_range_odd, (q_s, kv_s, rope_s, stats_s, bars, desc_s, PART_O, PART_LSE, OUT, LSE,
                           segments, num_heads, qk_scale_log2, stride_po_i, stride_po_h,
-                          stride_pl_i, stride_o_b, stride_o_h, stride_lse_b, CHARGED,
-                          WRITE_LSE, pv, KV_SCALE)),
+                          stride_pl_i, stride_o_b, stride_o_h, stride_lse_b, WRITE_LSE,
+                          pv, KV_SCALE)),
             (_range_loader, (q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDPTR, ITEM_INDPTR,
                              FIRST_PROGRAM, q_s, kv_s, rope_s, bars, desc_s, first, last,
                              segments, per, program, batch, num_heads, h0, stride_bt_b, PAGE_SIZE,

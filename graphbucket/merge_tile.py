@@ -1,0 +1,59 @@
+"""The merge's tile: how many partials, heads and latent columns one merge program takes
+per step, and how many persistent programs a balanced merge runs.
+
+Pure host code. The split-KV merge (stage 2) walks a request's splits in steps of
+``merge_block_s``; the balanced merge walks the items of the requests its planner listed,
+one unit (a request, ``merge_block_h`` heads, ``merge_block_dv`` columns) at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from graphbucket.plan import LaunchPlan
+
+# Stage 2 merges up to MERGE_BLOCK_S splits per step, in a tile just large enough for the
+# plan's split count (32-256 rows: four merge variants at most): a large tile over a few
+# splits is mostly masked work, a small one over many takes many dependent steps.
+MERGE_BLOCK_S = 256
+MERGE_BLOCK_S_SMALL = 32
+MERGE_BLOCK_DV = 32
+# Balanced merges over few items per request: whole rows per program (``whole_row_merge``).
+WHOLE_ROW_MERGE_DV = 512
+WHOLE_ROW_MERGE_MAX_PROGRAMS = 256
+MERGE_PROGRAMS_PER_SM = 16  # a balanced merge's persistent programs per SM (at most one per unit)
+
+
+def merge_block_s(num_splits: int) -> int:
+    return min(MERGE_BLOCK_S, max(MERGE_BLOCK_S_SMALL, 1 << (max(1, num_splits) - 1).bit_length()))
+
+
+def whole_row_merge(batch_size: int, num_heads: int, programs: int) -> bool:
+    """Balanced merges of a few items per request read whole rows (one program per request
+    and head): at up to 5 programs per request, no request has more than
+    WHOLE_ROW_MERGE_MAX_PROGRAMS + 1 items to walk serially, and the column-blocked grid's
+    per-program cost (each block re-reads and re-weighs every LSE) dominates. Below 64
+    heads, where it was measured."""
+    return (num_heads < 64 and programs <= WHOLE_ROW_MERGE_MAX_PROGRAMS
+            and -(-programs // batch_size) <= 5)
+
+
+def with_merge_tile(plan: LaunchPlan, num_sms: int, *, block_s: int | None = None,
+                    block_h: int | None = None, block_dv: int | None = None,
+                    num_warps: int | None = None) -> LaunchPlan:
+    """A balanced plan with another merge unit ([block_s items, block_h heads, block_dv
+    columns] per step; powers of two, block_dv dividing kv_lora_rank; unnamed ones kept)
+    and its persistent programs: MERGE_PROGRAMS_PER_SM per SM, at most one per unit."""
+    bs, bh, bdv = (block_s or plan.merge_block_s, block_h or plan.merge_block_h,
+                   block_dv or plan.merge_block_dv)
+    if not plan.balanced or any(v < 1 or v & (v - 1) for v in (bs, bh, bdv)) \
+            or plan.kv_lora_rank % bdv:
+        raise ValueError(f"a balanced plan's merge tile is powers of two with block_dv "
+                         f"dividing {plan.kv_lora_rank}; got (block_s, block_h, block_dv) = "
+                         f"{(bs, bh, bdv)} (balanced: {plan.balanced})")
+    units = plan.batch_size * -(-plan.num_heads // bh) * (plan.kv_lora_rank // bdv)
+    return replace(plan, merge_block_s=bs, merge_block_h=bh, merge_block_dv=bdv,
+                   merge_num_warps=num_warps or plan.merge_num_warps,
+                   merge_programs=min(units, MERGE_PROGRAMS_PER_SM * num_sms))
