@@ -193,8 +193,8 @@ def launch_seesaw_range_stage1(q: torch.Tensor, kv_cache: torch.Tensor,
                                pv_cols: int | None = None,
                                kv_scale: torch.Tensor | None = None) -> None:
     """Stage 1 by the Gluon seesaw on persistent programs over tile ranges (unchecked;
-    where ``runs_seesaw`` holds): one partial per (request, program) segment; under a
-    charged cut, a request left whole gets its output in ``out`` (and ``lse``) instead.
+    where ``runs_seesaw`` holds): one partial per (request, program) segment; a request
+    left whole gets its output in ``out`` (and ``lse``) instead.
     ``pv_cols``: the PV width (``kernels.seesaw_step``; default the kernel's). An fp8 cache
     (where ``runs_seesaw_over_fp8`` holds; a per-tensor one with its ``kv_scale``) is read
     by the fp8 seesaw's converter."""
