@@ -282,6 +282,7 @@ def summary(compiled) -> dict:
         "wgmma_waits": ptx.count("wgmma.wait_group"),
         "tma_copies": ptx.count("cp.async.bulk.tensor"),
         "dependent_launch": "griddepcontrol.launch_dependents" in ptx,
+        "global_stores": ptx.count("st.global"),
         "spill_bytes": spill_bytes(ptx),
     }
 

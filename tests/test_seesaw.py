@@ -197,6 +197,10 @@ def test_seesaw_compiles_for_sm90_within_shared_memory():
     assert set(report["range_planner_shared_bytes"]) == {"0", "0-bounds", "5-bounds"}, report
     # The charged seesaw lets the merge launch early; the merge waits for its partials.
     assert report["charged"]["dependent_launch"] and not report["ranges"]["dependent_launch"]
+    # Under either cut stage 1 writes a whole request's output (the partials' stores and the
+    # output's): equal ranges store as the charged cut does.
+    for ranges, charged in (("ranges", "charged"), ("wide_pv_ranges", "wide_pv_charged")):
+        assert report[ranges]["global_stores"] == report[charged]["global_stores"], report
     assert report["dependent_merge_waits"] >= 1, report
     # The merge over units of 8 heads compiles without spilling its [8, 8, 64] step.
     assert report["head_blocked_merge_spill_bytes"] in (None, 0), report
