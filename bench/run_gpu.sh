@@ -54,7 +54,10 @@
 #        (fp8: FP8_AB="float-32x4 ..." adds stage-1 variants, bench/fp8_sweep.py --ab)
 #        (fisweep: the sweep with FlashInfer rows, wheels installed from .whl/ if present)
 #        (threeway: the sweep with FlashInfer and FlashMLA rows: wheels from .whl/, FlashMLA
-#        built from its kit copied into .flashmla-kit/ (git-ignored; carry both))
+#        built from its kit copied into .flashmla-kit/ (git-ignored; carry both). The two
+#        wheels (36 MB) and the checkout can pass a 64 MiB carry limit: unzip them into one
+#        folder (`python3 -m zipfile -e WHEEL DIR` each) and carry `tar cJf
+#        .whl/site.tar.xz -C DIR .` alone (13 MB))
 #        (sparseab: the indexer and sparse-attention A/Bs, each checked against float64)
 #        (ragged: batches whose lengths differ, against the bytes they read)
 #        (tp needs 2 GPUs: TP=2 decode, numerics vs TP=1, TPOT ladder vs fixed-1)
