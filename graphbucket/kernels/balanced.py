@@ -29,9 +29,9 @@ among short ones sets the step time; here every work item has about the same siz
 3. ``balanced_merge_kernel`` merges slots indptr[b] .. indptr[b + 1] of the requests in
    ``merge_rows``: those of two or more items, and padding rows (no items: zeros and LSE
    -inf); stage 1 wrote a one-item request's output already. Its programs are
-   persistent over (listed
-   request, head, dv block) units, so a step whose requests are mostly whole costs no
-   program time per idle row, and no unit searches for its request.
+   persistent over (listed request, head block, dv block) units, so a step whose requests
+   are mostly whole costs no program time per idle row, and no unit searches for its
+   request.
 
 Plans with ``tile_ranges`` cut the batch differently for the Gluon seesaw
 (``plan_tile_ranges_kernel``): each persistent program takes an equal range of the
