@@ -9,10 +9,10 @@ one unit (a request, ``merge_block_h`` heads, ``merge_block_dv`` columns) at a t
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TypeVar
 
-if TYPE_CHECKING:
-    from graphbucket.plan import LaunchPlan
+# A LaunchPlan (``graphbucket.plan``, which imports this module).
+Plan = TypeVar("Plan")
 
 # Stage 2 merges up to MERGE_BLOCK_S splits per step, in a tile just large enough for the
 # plan's split count (32-256 rows: four merge variants at most): a large tile over a few
@@ -40,9 +40,9 @@ def whole_row_merge(batch_size: int, num_heads: int, programs: int) -> bool:
             and -(-programs // batch_size) <= 5)
 
 
-def with_merge_tile(plan: LaunchPlan, num_sms: int, *, block_s: int | None = None,
+def with_merge_tile(plan: Plan, num_sms: int, *, block_s: int | None = None,
                     block_h: int | None = None, block_dv: int | None = None,
-                    num_warps: int | None = None) -> LaunchPlan:
+                    num_warps: int | None = None) -> Plan:
     """A balanced plan with another merge unit ([block_s items, block_h heads, block_dv
     columns] per step; powers of two, block_dv dividing kv_lora_rank; unnamed ones kept)
     and its persistent programs: MERGE_PROGRAMS_PER_SM per SM, at most one per unit."""
