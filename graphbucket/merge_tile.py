@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TypeVar
 
+from graphbucket.intmath import cdiv, pow2_ceil
+
 # A LaunchPlan (``graphbucket.plan``, which imports this module).
 Plan = TypeVar("Plan")
 
@@ -27,7 +29,7 @@ MERGE_PROGRAMS_PER_SM = 16  # a balanced merge's persistent programs per SM (at 
 
 
 def merge_block_s(num_splits: int) -> int:
-    return min(MERGE_BLOCK_S, max(MERGE_BLOCK_S_SMALL, 1 << (max(1, num_splits) - 1).bit_length()))
+    return min(MERGE_BLOCK_S, max(MERGE_BLOCK_S_SMALL, pow2_ceil(num_splits)))
 
 
 def whole_row_merge(batch_size: int, num_heads: int, programs: int) -> bool:
@@ -37,7 +39,7 @@ def whole_row_merge(batch_size: int, num_heads: int, programs: int) -> bool:
     per-program cost (each block re-reads and re-weighs every LSE) dominates. Below 64
     heads, where it was measured."""
     return (num_heads < 64 and programs <= WHOLE_ROW_MERGE_MAX_PROGRAMS
-            and -(-programs // batch_size) <= 5)
+            and cdiv(programs, batch_size) <= 5)
 
 
 def with_merge_tile(plan: Plan, num_sms: int, *, block_s: int | None = None,
@@ -53,7 +55,7 @@ def with_merge_tile(plan: Plan, num_sms: int, *, block_s: int | None = None,
         raise ValueError(f"a balanced plan's merge tile is powers of two with block_dv "
                          f"dividing {plan.kv_lora_rank}; got (block_s, block_h, block_dv) = "
                          f"{(bs, bh, bdv)} (balanced: {plan.balanced})")
-    units = plan.batch_size * -(-plan.num_heads // bh) * (plan.kv_lora_rank // bdv)
+    units = plan.batch_size * cdiv(plan.num_heads, bh) * (plan.kv_lora_rank // bdv)
     return replace(plan, merge_block_s=bs, merge_block_h=bh, merge_block_dv=bdv,
                    merge_num_warps=num_warps or plan.merge_num_warps,
                    merge_programs=min(units, MERGE_PROGRAMS_PER_SM * num_sms))

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from graphbucket.intmath import cdiv, pow2_ceil, pow2_floor  # noqa: F401 (re-exported)
 from graphbucket.merge_tile import (  # noqa: F401 (re-exported: the plan's merge tile)
     MERGE_BLOCK_DV,
     MERGE_BLOCK_S,
@@ -85,18 +86,6 @@ FUSED_MERGE_MAX_SPLITS = 4
 RANGE_REQUEST_CHARGE_TILES = 5
 # The charge is a compile-time constant of the range planner: one variant per value.
 MAX_RANGE_CHARGE_TILES = 64
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def pow2_floor(x: int) -> int:
-    return 1 << (max(1, x).bit_length() - 1)
-
-
-def pow2_ceil(x: int) -> int:
-    return 1 << (max(1, x) - 1).bit_length()
 
 
 @dataclass(frozen=True, slots=True)
