@@ -26,6 +26,13 @@ MERGE_BLOCK_DV = 32
 WHOLE_ROW_MERGE_DV = 512
 WHOLE_ROW_MERGE_MAX_PROGRAMS = 256
 MERGE_PROGRAMS_PER_SM = 16  # a balanced merge's persistent programs per SM (at most one per unit)
+# From 64 heads a unit spans several heads and 64 columns: a one-head unit is a chain of
+# dependent loads over a few partials, and the step's units outnumber the programs many
+# times over. Tile ranges (few items per request) take 8 heads x 8 items; item plans, whose
+# long requests hold many items, 2 heads over the plan's item tile.
+MANY_HEADS = 64
+RANGES_MERGE_TILE = (8, 8, 64)  # (block_s, block_h, block_dv)
+ITEMS_MERGE_HEADS, MANY_HEADS_MERGE_DV = 2, 64
 
 
 def merge_block_s(num_splits: int) -> int:
@@ -40,6 +47,17 @@ def whole_row_merge(batch_size: int, num_heads: int, programs: int) -> bool:
     heads, where it was measured."""
     return (num_heads < 64 and programs <= WHOLE_ROW_MERGE_MAX_PROGRAMS
             and cdiv(programs, batch_size) <= 5)
+
+
+def many_heads_merge_tile(num_heads: int, tile_ranges: bool) -> dict[str, int]:
+    """The merge tile's overrides for ``with_merge_tile`` at ``num_heads``: none below
+    MANY_HEADS."""
+    if num_heads < MANY_HEADS:
+        return {}
+    if tile_ranges:
+        bs, bh, bdv = RANGES_MERGE_TILE
+        return {"block_s": bs, "block_h": bh, "block_dv": bdv}
+    return {"block_h": ITEMS_MERGE_HEADS, "block_dv": MANY_HEADS_MERGE_DV}
 
 
 def with_merge_tile(plan: Plan, num_sms: int, *, block_s: int | None = None,

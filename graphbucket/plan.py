@@ -59,6 +59,7 @@ from graphbucket.merge_tile import (  # noqa: F401 (re-exported: the plan's merg
     MERGE_PROGRAMS_PER_SM,
     WHOLE_ROW_MERGE_DV,
     WHOLE_ROW_MERGE_MAX_PROGRAMS,
+    many_heads_merge_tile,
     merge_block_s,
     whole_row_merge,
     with_merge_tile,
@@ -423,4 +424,4 @@ def plan_balanced_mla_decode(
     if whole_row_merge(batch_size, num_heads, programs):
         return with_merge_tile(plan, num_sms, block_dv=min(WHOLE_ROW_MERGE_DV, kv_lora_rank),
                                num_warps=8)
-    return with_merge_tile(plan, num_sms)
+    return with_merge_tile(plan, num_sms, **many_heads_merge_tile(num_heads, tile_ranges))

@@ -159,11 +159,18 @@ def test_merge_reads_whole_rows_only_for_few_items_per_request():
     seesaw = plan_balanced_mla_decode(64, 16, num_sms=132, stream=SEESAW_STREAM)
     assert seesaw.merge_block_dv == 512 and seesaw.merge_programs == 64 * 16
     assert seesaw.merge_num_warps == 8
-    # 528 programs: up to 529 items of one request walked serially; 128 heads: unmeasured
+    # 528 programs: up to 529 items of one request walked serially
     for plan in (plan_balanced_mla_decode(64, 16, num_sms=132),
-                 plan_balanced_mla_decode(8, 16, num_sms=132, stream=SEESAW_STREAM),
-                 plan_balanced_mla_decode(64, 128, num_sms=132)):
-        assert plan.merge_block_dv == 32, plan.describe()
+                 plan_balanced_mla_decode(8, 16, num_sms=132, stream=SEESAW_STREAM)):
+        assert plan.merge_block_dv == 32 and plan.merge_block_h == 1, plan.describe()
+    # From 64 heads units span several heads: 2 over item plans, 8 x 8 items over ranges.
+    items = plan_balanced_mla_decode(64, 128, num_sms=132)
+    assert (items.merge_block_s, items.merge_block_h, items.merge_block_dv) == (32, 2, 64)
+    assert items.merge_programs == 16 * 132
+    ranges = plan_balanced_mla_decode(64, 128, num_sms=132, tile_ranges=True)
+    assert (ranges.merge_block_s, ranges.merge_block_h, ranges.merge_block_dv) == (8, 8, 64)
+    assert ranges.merge_programs == 16 * 132  # 64 x 16 x 8 units, more than a wave
+    assert plan_balanced_mla_decode(8, 32, num_sms=132).merge_block_h == 1
     small = balanced_plan(8, 6)  # rank 64: one block of the whole row
     assert small.merge_block_dv == RANK and small.merge_programs == 8 * HEADS
 
