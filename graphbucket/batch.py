@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from operator import gt
 from typing import Any
 
 import numpy as np
@@ -71,15 +72,18 @@ class DecodeBatch:
 class CheckedBatch:
     """A validated ``DecodeBatch`` as numpy integer arrays.
 
-    seq_lens [B]; block_table [B, need] (only the columns the longest request uses, every
-    entry inside the cache), or None when ``paged`` (the runner's ``BlockTable``, every
-    row long enough for its length) carries it; positions [B * q_len] or None (then
-    ``seq_len - q_len + j``);
+    seq_lens [B] (``lens_array``, made on first use where the caller passed a list: a
+    step of the runner reads ``lens_list`` instead); block_table [B, need]
+    (only the columns the longest request uses, every entry inside the cache), or None
+    when ``paged`` (the runner's ``BlockTable``, every row long enough for its length)
+    carries it; positions [B * q_len] or None (then ``seq_len - q_len + j``);
     inputs as given ([B * q_len, ...]), split into ``host_inputs`` (name, numpy view in
-    ``numpy_view_dtype``) and ``device_inputs`` (name, tensor on the buffers' device).
+    ``numpy_view_dtype``) and ``device_inputs`` (name, tensor on the buffers' device);
+    ``host_copies``: (name, bytes) of every host input where each is contiguous (then a
+    stage copies bytes), else None.
     """
 
-    seq_lens: np.ndarray
+    lens_array: np.ndarray | None
     block_table: np.ndarray | None
     positions: np.ndarray | None
     inputs: Mapping[str, torch.Tensor]
@@ -91,6 +95,17 @@ class CheckedBatch:
     q_len: int = 1
     paged: BlockTable | None = None
     lens_list: list | None = None  # seq_lens as the caller's list, when it passed one
+    # lens_list holds plain ints (a q_len 1 step): staged item by item, without numpy,
+    # whose calls cost more (on a host's cold caches many times more) at a batch's sizes.
+    plain: bool = False
+    host_copies: tuple[tuple[str, memoryview], ...] | None = None
+
+    @property
+    def seq_lens(self) -> np.ndarray:
+        """[B] integer lengths."""
+        if self.lens_array is None:
+            self.lens_array = np.asarray(self.lens_list)
+        return self.lens_array
 
     @property
     def lengths(self) -> list | np.ndarray:
@@ -142,7 +157,7 @@ class BatchValidator:
     """
 
     __slots__ = ("spec", "max_q_len", "block_table", "_max_len", "_max_pages", "_num_pages",
-                 "_page", "_device", "_inputs", "_views")
+                 "_page", "_device", "_inputs", "_views", "_last")
 
     def __init__(self, spec: BufferSpec, *, max_q_len: int = 1,
                  block_table: BlockTable | None = None) -> None:
@@ -153,14 +168,57 @@ class BatchValidator:
         self._inputs = tuple((s.name, s.dtype, tuple(s.shape),
                               None if s.dtype in _NUMPY_DTYPES else numpy_view_dtype(s.dtype))
                              for s in spec.inputs)
-        # name -> (host tensor, its data_ptr, its numpy view, rows, shape): an engine that
-        # passes the same persistent tensor every step skips its checks and .numpy(), the
-        # dearest call of a check.
-        self._views: dict[str, tuple[torch.Tensor, int, np.ndarray, int, torch.Size]] = {}
+        # name -> (host tensor, its data_ptr, its numpy view, rows, shape, the view's bytes
+        # or None where not contiguous): an engine that passes the same persistent tensor
+        # every step skips its checks and .numpy(), the dearest call of a check.
+        self._views: dict[str, tuple[torch.Tensor, int, np.ndarray, int, torch.Size,
+                                     memoryview | None]] = {}
+        # (rows, _split_inputs' result) of the last step whose inputs were all on the host:
+        # a step with the same tensors again reuses it (a tensor keeps its dtype and device
+        # while its storage and shape stay, so their checks hold still).
+        self._last: tuple[int, tuple] | None = None
 
     def __call__(self, batch: DecodeBatch) -> CheckedBatch:
         if type(batch) is not DecodeBatch and not isinstance(batch, DecodeBatch):
             raise TypeError(f"expected a DecodeBatch, got {type(batch).__name__}")
+        raw, table = batch.seq_lens_cpu, batch.block_table_cpu
+        if (type(raw) is list and type(table) is BlockTable and table is self.block_table
+                and batch.q_len == 1 and type(batch.q_len) is int
+                and batch.positions_cpu is None and raw):
+            # An engine's usual step (a list of lengths, the runner's table, one token per
+            # request) checked in this one function by builtins: on the cold caches of a
+            # host that waited on a GPU step every call costs, numpy's the most. A float
+            # makes the sum a float, bools alone make min and max bools, numpy scalars make
+            # them numpy's: those lists go the general way, which reports what is wrong.
+            try:
+                lo, hi, total = min(raw), max(raw), sum(raw)
+            except TypeError:
+                lo = hi = total = None
+            bs = len(raw)
+            if (type(lo) is int and type(hi) is int and type(total) is int and lo >= 0
+                    and hi <= self._max_len and bs <= table.num_rows
+                    and not any(map(gt, raw, table._tokens))):
+                inputs = batch.inputs
+                last = self._last
+                if (last is not None and last[0] == bs and type(inputs) is dict
+                        and len(inputs) == len(self._inputs)):
+                    views = self._views
+                    for name, dtype, _, _ in self._inputs:
+                        t, seen = inputs.get(name), views[name]
+                        if (seen[0] is not t or t.dtype is not dtype
+                                or t.data_ptr() != seen[1] or t.shape != seen[4]):
+                            break
+                    else:  # the last step's host tensors, unchanged: their checks hold
+                        host, device, copies = last[1]
+                        return CheckedBatch(None, None, None, inputs, lo, hi, bs, host,
+                                            device, 1, table, raw, True, copies)
+                host, device, copies = self._split_inputs(inputs, bs)
+                return CheckedBatch(None, None, None, inputs, lo, hi, bs, host, device, 1,
+                                    table, raw, True, copies)
+        return self._check(batch)
+
+    def _check(self, batch: DecodeBatch) -> CheckedBatch:
+        """Every check of a batch, raising for a bad one (numpy where it is an array)."""
         q_len = batch.q_len
         if q_len != 1 or type(q_len) is not int:
             self._q_len(q_len)
@@ -184,9 +242,9 @@ class BatchValidator:
             positions = self._positions(_host_ints("positions_cpu", positions, 1), lens, q_len)
         bs = lens.shape[0]
         inputs = batch.inputs
-        host, device = self._split_inputs(inputs, bs * q_len)
+        host, device, copies = self._split_inputs(inputs, bs * q_len)
         return CheckedBatch(lens, table, positions, inputs, min_len, max_len, bs, host, device,
-                            q_len, paged, raw if type(raw) is list else None)
+                            q_len, paged, raw if type(raw) is list else None, False, copies)
 
     def _q_len(self, q_len: Any) -> None:
         if isinstance(q_len, bool) or not isinstance(q_len, int) or q_len < 1:
@@ -253,23 +311,18 @@ class BatchValidator:
 
     def _split_inputs(self, inputs: Mapping[str, torch.Tensor], rows: int
                       ) -> tuple[tuple[tuple[str, np.ndarray], ...],
-                                 tuple[tuple[str, torch.Tensor], ...]]:
+                                 tuple[tuple[str, torch.Tensor], ...],
+                                 tuple[tuple[str, memoryview], ...] | None]:
         if type(inputs) is not dict and not isinstance(inputs, Mapping):
             raise TypeError(f"inputs is a {type(inputs).__name__}; expected a mapping of name "
                             f"-> tensor with keys {sorted(i[0] for i in self._inputs)}")
         if len(inputs) != len(self._inputs):
             raise self._keys_error(inputs)
-        host, device = [], []
         views = self._views
+        host, device, copies = [], [], []
         for name, dtype, shape, view in self._inputs:
             t = inputs.get(name)
             seen = views.get(name)
-            # The host tensor of the last step, unchanged: its checks hold still (a tensor
-            # keeps its dtype and device while its storage and shape stay).
-            if (seen is not None and seen[0] is t and t.dtype is dtype and seen[3] == rows
-                    and t.data_ptr() == seen[1] and t.shape == seen[4]):
-                host.append((name, seen[2]))
-                continue
             ndim = 1 + len(shape)
             if t is None and name not in inputs:
                 raise self._keys_error(inputs)
@@ -289,14 +342,19 @@ class BatchValidator:
             if on_host:
                 if (seen is not None and seen[0] is t and seen[1] == t.data_ptr()
                         and seen[4] == t_shape):
-                    arr = seen[2]
+                    arr, raw = seen[2], seen[5]
                 else:
                     arr = t.numpy() if view is None else t.view(view).numpy()
-                views[name] = (t, t.data_ptr(), arr, rows, t_shape)
+                    raw = memoryview(arr).cast("B") if arr.flags.c_contiguous else None
+                views[name] = (t, t.data_ptr(), arr, rows, t_shape, raw)
                 host.append((name, arr))
+                copies.append((name, raw))
             else:
                 device.append((name, t))
-        return tuple(host), tuple(device)
+        result = (tuple(host), tuple(device),
+                  None if any(raw is None for _, raw in copies) else tuple(copies))
+        self._last = None if device else (rows, result)
+        return result
 
     def _keys_error(self, inputs: Mapping[str, torch.Tensor]) -> ValueError:
         return ValueError(f"inputs has keys {sorted(inputs)}; expected "

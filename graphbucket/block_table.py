@@ -45,7 +45,8 @@ class BlockTable:
     """
 
     __slots__ = ("num_rows", "max_pages", "num_cache_pages", "page_size", "table", "counts",
-                 "_tokens", "_lo", "_hi", "_dirty_rows", "_marks", "_counts_view")
+                 "_tokens", "_lo", "_hi", "_dirty_rows", "_marks", "_counts_view", "_flat",
+                 "_n")
 
     def __init__(self, spec: BufferSpec, num_rows: int) -> None:
         if isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows < 1:
@@ -54,10 +55,15 @@ class BlockTable:
         self.num_cache_pages, self.page_size = spec.num_pages, spec.page_size
         self.table = np.zeros((num_rows, self.max_pages), np.int32)
         self.counts = np.zeros(num_rows, np.int64)
-        # counts x page_size, the lengths rows hold: a list, so that a step's check of its
-        # lengths is one pass of builtins (numpy's calls cost more, on cold caches many times
-        # more, than comparing a batch's lengths one by one).
-        self._tokens: list[int] = [0] * num_rows
+        # The table (flat, row-major) and the counts as memoryviews: a verb's item reads and
+        # writes through them cost a fraction of numpy's, most of all on the cold caches a
+        # host has after waiting on a GPU step.
+        self._flat = memoryview(self.table).cast("B").cast("i")
+        self._n = memoryview(self.counts).cast("B").cast("q")
+        # counts x page_size, the lengths rows hold, so that a step's check of its lengths
+        # is one pass of builtins; contiguous (an array, not a list of int objects), so that
+        # pass reads a few cache lines.
+        self._tokens = [0] * num_rows
         # Changed columns of row r: [_lo[r], _hi[r]); clean rows have lo = max_pages, hi = 0.
         # Rows that turned dirty since the last staged step, so that draining the changes
         # costs what changed, not the table's height (a listed row may be clean again, or
@@ -107,9 +113,39 @@ class BlockTable:
 
     def append(self, row: int, pages: Any) -> None:
         """Pages added at the end of row ``row`` (a growing request)."""
+        # A decode step's append (a few pages, as ints) in this one function: on the cold
+        # caches of a host that waited on a GPU step every call costs, numpy's the most.
+        # Anything else, or anything wrong, takes the general path, which reports it.
+        new = pages.tolist() if type(pages) is np.ndarray and pages.size <= _FEW else pages
+        if (type(new) is list and 0 < len(new) <= _FEW and type(row) is int
+                and 0 <= row < self.num_rows):
+            start = self._n[row]
+            end = start + len(new)
+            limit = self.num_cache_pages
+            for value in new:
+                if type(value) is not int or not 0 <= value < limit:
+                    break
+            else:
+                if end <= self.max_pages:
+                    flat, at = self._flat, row * self.max_pages + start
+                    for value in new:
+                        flat[at] = value
+                        at += 1
+                    self._n[row] = end
+                    self._tokens[row] = end * self.page_size
+                    if self._hi[row] == 0:  # clean until now (``_mark``)
+                        self._dirty_rows.append(row)
+                        self._lo[row] = start
+                    elif self._lo[row] > start:
+                        self._lo[row] = start
+                    self._hi[row] = end
+                    return
+        self._append(row, pages)  # the general path; it raises for a bad call
+
+    def _append(self, row: Any, pages: Any) -> None:
         row = self._row(row)
         new = self._pages(pages, "pages")
-        start, n = int(self.counts[row]), new.shape[0]
+        start, n = self._n[row], new.shape[0]
         if start + n > self.max_pages:
             raise ValueError(f"append(row={row}) of {n} pages: the row holds {start} of at "
                              f"most max_pages_per_seq={self.max_pages}; release finished "
@@ -124,21 +160,15 @@ class BlockTable:
     def append_rows(self, rows: Any, pages: Any) -> None:
         """One page added at the end of each of ``rows`` (distinct): ``pages[i]`` to row
         ``rows[i]``, the appends of one decode step in one call."""
+        if self._append_few_fast(rows, pages):
+            return
         rows = _ints(rows, "rows")
-        new = _ints(pages, "pages")
+        new = self._check_pages(_ints(pages, "pages"), "pages")
         k = rows.shape[0]
-        if k <= _FEW:
-            pages_in = new.tolist()
-            self._check_few_pages(pages_in)
-        else:
-            self._check_pages(new, "pages")
         if new.shape[0] != k:
             raise ValueError(f"append_rows got {k} rows and {new.shape[0]} pages; expected one "
                              "page per row")
         if k == 0:
-            return
-        if k <= _FEW:
-            self._append_few(rows.tolist(), pages_in)
             return
         if _any_outside(rows, self.num_rows):
             bad = int(rows[(rows < 0) | (rows >= self.num_rows)][0])
@@ -158,25 +188,39 @@ class BlockTable:
             tokens[row] += page
             mark(row, start, start + 1)
 
-    def _append_few(self, rows: list[int], pages: list[int]) -> None:
-        # The usual decode step appends a few pages: scalar work beats a dozen numpy calls.
-        limit = self.num_rows
+    def _append_few_fast(self, rows: Any, pages: Any) -> bool:
+        """``append_rows`` of a few pages (ints inside the cache) to distinct rows, given
+        as lists or arrays of ints, none full: done in this one function (item writes);
+        else False and nothing changed (the general path reports what is wrong)."""
+        if type(rows) is np.ndarray and rows.size <= _FEW:
+            rows = rows.tolist()
+        if type(pages) is np.ndarray and pages.size <= _FEW:
+            pages = pages.tolist()
+        if type(rows) is not list or type(pages) is not list or len(rows) != len(pages):
+            return False
+        limit, full, counts = self.num_rows, self.max_pages, self._n
         for row in rows:
-            if not 0 <= row < limit:
-                raise self._row_error("append_rows", row)
-        if len(rows) > 1 and len(set(rows)) != len(rows):
-            raise _repeated_row_error()
-        counts = self.counts
-        starts = [int(counts[row]) for row in rows]
-        for row, start in zip(rows, starts, strict=True):
-            if start >= self.max_pages:
-                raise self._full_row_error(row)
-        table, tokens, page = self.table, self._tokens, self.page_size
-        for row, start, value in zip(rows, starts, pages, strict=True):
-            table[row, start] = value
+            if type(row) is not int or not 0 <= row < limit or counts[row] >= full:
+                return False
+        limit = self.num_cache_pages
+        for value in pages:
+            if type(value) is not int or not 0 <= value < limit:
+                return False
+        if len(rows) > _FEW or len(rows) > 1 and len(set(rows)) != len(rows):
+            return False
+        flat, tokens, page, lo, hi = self._flat, self._tokens, self.page_size, self._lo, self._hi
+        for row, value in zip(rows, pages, strict=True):
+            start = counts[row]
+            flat[row * full + start] = value
             counts[row] = start + 1
             tokens[row] += page
-            self._mark(row, start, start + 1)
+            if hi[row] == 0:  # clean until now (``_mark``)
+                self._dirty_rows.append(row)
+                lo[row] = start
+            elif lo[row] > start:
+                lo[row] = start
+            hi[row] = start + 1
+        return True
 
     def release(self, row: int) -> None:
         """The request in slot ``row`` retired: the row holds no pages (a step then passes
@@ -214,21 +258,31 @@ class BlockTable:
                 ) -> tuple[int, list[tuple[int, int, int]]]:
         """Drain the changes since the last call: up to ``len(index_out)`` entries written
         as (flat index ``row x row_width + column``, page) into ``index_out`` /
-        ``value_out``; rows whose changes do not fit come back as (row, lo, hi) column
-        ranges to copy whole. Returns (entries written, ranges)."""
+        ``value_out`` (1-D int64 / int32 numpy arrays, or memoryviews of them: a step's few
+        entries are then item writes that cost less); rows whose changes do not fit come
+        back as (row, lo, hi) column ranges to copy whole. Returns (entries written,
+        ranges)."""
         listed = self._dirty_rows
         if not listed:
             return 0, []
         self._dirty_rows = []
         lo, hi, empty = self._lo, self._hi, self.max_pages
         if len(listed) <= _FEW:
-            spans = []
+            spans, total = [], 0
             for row in listed:
-                start, end = int(lo[row]), int(hi[row])
+                start, end = lo[row], hi[row]
                 if end > start:
                     spans.append((row, start, end))
+                    total += end - start
                     lo[row], hi[row] = empty, 0
-            if sum(end - start for _, start, end in spans) <= index_out.shape[0]:
+            if total == len(spans) and total <= len(index_out):
+                # One entry per row (a decode step's appends): item writes, here.
+                flat, width = self._flat, self.max_pages
+                for n, (row, start, _) in enumerate(spans):
+                    index_out[n] = row * row_width + start
+                    value_out[n] = flat[row * width + start]
+                return total, []
+            if total <= len(index_out):
                 return self._list_spans(spans, index_out, value_out, row_width), []
             rows = np.array([r for r, _, _ in spans], np.int64)
             starts = np.array([a for _, a, _ in spans], np.int64)
@@ -245,6 +299,7 @@ class BlockTable:
                 lo[r], hi[r] = empty, 0
         if rows.size == 0:
             return 0, []
+        index_out, value_out = np.asarray(index_out), np.asarray(value_out)
         widths = ends - starts
         capacity = index_out.shape[0]
         copied: list[tuple[int, int, int]] = []
@@ -270,20 +325,21 @@ class BlockTable:
         value_out[:n] = self.table[flat_rows, cols]
         return n, copied
 
-    def _list_spans(self, spans: list[tuple[int, int, int]], index_out: np.ndarray,
-                    value_out: np.ndarray, row_width: int) -> int:
-        """Entries of a few (row, lo, hi) spans that fit the list, scalar where one wide."""
-        n, table = 0, self.table
+    def _list_spans(self, spans: list[tuple[int, int, int]], index_out: Any,
+                    value_out: Any, row_width: int) -> int:
+        """Entries of a few (row, lo, hi) spans that fit the list: item writes (through
+        memoryviews where the caller passes them), numpy where a span is wide."""
+        n, flat, width = 0, self._flat, self.max_pages
         for row, start, end in spans:
             if end - start == 1:
                 index_out[n] = row * row_width + start
-                value_out[n] = table[row, start]
+                value_out[n] = flat[row * width + start]
                 n += 1
             else:
                 m = n + end - start
-                flat = row * row_width
-                index_out[n:m] = np.arange(flat + start, flat + end)
-                value_out[n:m] = table[row, start:end]
+                first = row * row_width
+                np.asarray(index_out)[n:m] = np.arange(first + start, first + end)
+                np.asarray(value_out)[n:m] = self.table[row, start:end]
                 n = m
         return n
 
@@ -313,12 +369,6 @@ class BlockTable:
             i = int(np.flatnonzero((arr < 0) | (arr >= self.num_cache_pages))[0])
             raise self._page_error(name, i, int(arr[i]))
         return arr
-
-    def _check_few_pages(self, pages: list[int]) -> None:
-        limit = self.num_cache_pages
-        for i, value in enumerate(pages):
-            if not 0 <= value < limit:
-                raise self._page_error("pages", i, value)
 
     def _page_error(self, name: str, i: int, value: int) -> ValueError:
         return ValueError(f"{name}[{i}] = {value} points outside the KV cache (expected a "

@@ -221,7 +221,8 @@ class GraphBucketRunner:
         not captured, a live length below q_len). Consume the result (copy or use) before
         the next step: the next replay overwrites it.
         """
-        self._check_open()
+        if self._closed:  # _check_open(), without a call (each costs on cold caches)
+            self._check_open()
         if self.graphs is not None and self.graphs.summary is None:
             raise RuntimeError("call capture() before step() (or build an eager runner)")
         try:

@@ -88,6 +88,13 @@ class GraphSelector:
         self.q_ladders = checked_q_ladders(q_ladders or {}, ladder, self.q_lens)
         self._top = ladder.max_model_len
         self._bounds = {q: self.ladder_for(q).bounds for q in self.q_lens}
+        # A length's bucket from a table by length >> _shift, then a step or two up the
+        # bounds: a step's bucket without the bisect module (each module a step touches
+        # costs on the cold caches of a host that waited on a GPU step).
+        self._shift = max(0, self._top.bit_length() - 12)
+        coarse = {q: [bisect_left(b, c << self._shift)
+                      for c in range((self._top >> self._shift) + 1)]
+                  for q, b in self._bounds.items()}
         # Precomputed so that a step allocates nothing: padded size per batch size, and the
         # key of every (q_len, capture size, bucket).
         self._padded = [0] + [sizes[bisect_left(sizes, n)] for n in range(1, sizes[-1] + 1)]
@@ -119,6 +126,8 @@ class GraphSelector:
                 if alt and self._cost.covers(alt, bs) and self._cost.covers(main, bs):
                     self._alternates[bs, key.bucket] = (main, alt,
                                                         key._replace(alternate=True))
+        # q_len -> what a step reads (keys by capture size, bounds, coarse table): one lookup.
+        self._steps = {q: (self._keys[q], self._bounds[q], coarse[q]) for q in self.q_lens}
 
     def __repr__(self) -> str:
         q = "" if self.q_lens == (1,) else f", q_lens={list(self.q_lens)}"
@@ -204,8 +213,8 @@ class GraphSelector:
         rows, and by buckets with a balanced topology, to measure how ragged the batch is)."""
         if max_len > self._top:
             raise above_top_error(max_len, self._top)
-        by_size = self._keys.get(q_len)
-        if by_size is None:
+        found = self._steps.get(q_len)
+        if found is None:
             raise ValueError(f"q_len={q_len!r} has no graphs: this selector captures q_lens "
                              f"{list(self.q_lens)}. Build it (or the runner) with "
                              f"q_lens=(..., {q_len!r})")
@@ -214,7 +223,10 @@ class GraphSelector:
         length = max_len
         if self.rule == "min":
             length = min_len if min_len > 0 else _min_positive(lens)
-        bucket = bisect_left(self._bounds[q_len], length)
+        by_size, bounds, coarse = found
+        bucket = coarse[length >> self._shift]
+        while bounds[bucket] < length:  # bisect_left(bounds, length)
+            bucket += 1
         padded = self._padded[batch_size]
         if q_len != 1:  # balanced graphs decode one token per request
             return by_size[padded][bucket]
@@ -222,7 +234,10 @@ class GraphSelector:
         if threshold == 1 and q_len == 1:
             return self._balanced(padded, bucket, lens)
         if threshold and q_len == 1 and padded > 1 and lens is not None and min_len < max_len:
-            live, total = _live_and_total(lens, batch_size if min_len > 0 else None)
+            if type(lens) is list and min_len > 0:  # every row live: one builtin
+                live, total = batch_size, sum(lens)
+            else:
+                live, total = _live_and_total(lens, batch_size if min_len > 0 else None)
             if max_len * live >= threshold * total:
                 return self._balanced(padded, bucket, lens)
         return by_size[padded][bucket]

@@ -97,30 +97,43 @@ class StagingSlot:
     live_tokens: int = 0
     live_changes: int = 0
     first_rows: dict = field(default_factory=dict)  # n -> ``_first_rows(n)``
+    # Memoryviews of seq_lens (int32), positions (int64), the change list and each input's
+    # bytes: a step's writes through them are single copies or item writes, where numpy's
+    # calls cost more (on the cold caches of a host that waited on a GPU step, many times).
+    lens_view: memoryview | None = None
+    positions_view: memoryview | None = None
+    index_view: memoryview | None = None
+    value_view: memoryview | None = None
+    input_bytes: dict = field(default_factory=dict)
+    table_width: int = 0  # block_table.shape[1], the flat index's row width
 
     def fill(self, batch: CheckedBatch, padded_bs: int) -> None:
         """Rows [0, bs) from ``batch``; rows [bs, padded_bs) neutral (zero lengths). Per-token
         rows: [0, bs x q_len) from ``batch``, [bs x q_len, padded_bs x q_len) zero."""
-        bs, lens, q_len = batch.batch_size, batch.seq_lens, batch.q_len
+        bs, q_len = batch.batch_size, batch.q_len
         tokens = bs * q_len
-        cached = self.first_rows
-        rows = cached.get(bs) or self._first_rows(bs)
-        rows[0][...] = lens
-        per_token = rows if q_len == 1 else cached.get(tokens) or self._first_rows(tokens)
-        positions = per_token[1]
-        if batch.positions is not None:
-            positions[...] = batch.positions
-        elif q_len == 1:
-            np.subtract(lens, 1, out=positions, dtype=np.int64)
-            if batch.min_len == 0:
-                np.maximum(positions, 0, out=positions)
-        else:  # token j at seq_len - q_len + j; padding requests at 0
-            grid = positions.reshape(bs, q_len)
-            np.add(lens[:, None].astype(np.int64) - q_len, np.arange(q_len), out=grid)
-            np.maximum(grid, 0, out=grid)
-        inputs = per_token[2]
-        for name, arr in batch.host_inputs:
-            inputs[name][...] = arr
+        if batch.plain and batch.positions is None:  # a list of ints, q_len 1
+            lens_view, positions_view = self.lens_view, self.positions_view
+            if batch.min_len:
+                for i, n in enumerate(batch.lens_list):
+                    lens_view[i] = n
+                    positions_view[i] = n - 1
+            else:
+                for i, n in enumerate(batch.lens_list):
+                    lens_view[i] = n
+                    positions_view[i] = n - 1 if n else 0
+        else:
+            self._fill_lengths(batch)
+        copies = batch.host_copies
+        if copies is not None:
+            dst = self.input_bytes
+            for name, data in copies:
+                dst[name][:len(data)] = data
+        elif batch.host_inputs:
+            cached = self.first_rows
+            inputs = (cached.get(tokens) or self._first_rows(tokens))[2]
+            for name, arr in batch.host_inputs:
+                inputs[name][...] = arr
         live = self.live_rows
         top = padded_bs if padded_bs < live else live
         if top > bs:
@@ -138,6 +151,26 @@ class StagingSlot:
             self.block_table[:bs, :table.shape[1]] = table
             self._changed(0)
 
+    def _fill_lengths(self, batch: CheckedBatch) -> None:
+        """seq_lens and positions of rows [0, bs) by numpy (lengths not passed as a list,
+        given positions, or a verify step)."""
+        bs, lens, q_len = batch.batch_size, batch.seq_lens, batch.q_len
+        cached = self.first_rows
+        rows = cached.get(bs) or self._first_rows(bs)
+        rows[0][...] = lens
+        tokens = bs * q_len
+        positions = (rows if q_len == 1 else cached.get(tokens) or self._first_rows(tokens))[1]
+        if batch.positions is not None:
+            positions[...] = batch.positions
+        elif q_len == 1:
+            np.subtract(lens, 1, out=positions, dtype=np.int64)
+            if batch.min_len == 0:
+                np.maximum(positions, 0, out=positions)
+        else:  # token j at seq_len - q_len + j; padding requests at 0
+            grid = positions.reshape(bs, q_len)
+            np.add(lens[:, None].astype(np.int64) - q_len, np.arange(q_len), out=grid)
+            np.maximum(grid, 0, out=grid)
+
     def _first_rows(self, n: int) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
         # (seq_lens[:n], positions[:n], name -> inputs[name][:n]), cached per n so that a
         # step slices nothing: each slice is a numpy call, dear on a host's cold caches.
@@ -149,16 +182,22 @@ class StagingSlot:
     def fill_changes(self, table: BlockTable) -> list[tuple[int, int, int]]:
         """The table's changes: listed up to capacity, the rest written into this slot's
         rows; returns those rows' (row, lo, hi) column ranges to copy."""
-        n, whole = table.changes(self.change_index, self.change_value,
-                                 self.block_table.shape[1])
-        self._changed(n)
+        n, whole = table.changes(self.index_view, self.value_view, self.table_width)
+        if n != self.live_changes:
+            self._changed(n)
         for row, lo, hi in whole:
             self.block_table[row, lo:hi] = table.table[row, lo:hi]
         return whole
 
     def _changed(self, n: int) -> None:
-        if self.live_changes > n:
-            self.change_index[n:self.live_changes] = self.sink
+        live = self.live_changes
+        if live > n:
+            if live - n <= 8:  # the usual step: a few entries, item writes
+                index, sink = self.index_view, self.sink
+                for i in range(n, live):
+                    index[i] = sink
+            else:
+                self.change_index[n:live] = self.sink
         self.live_changes = n
 
 
@@ -173,13 +212,24 @@ def staging_slot(segments: dict[str, Segment], nbytes: int, device: torch.device
     table, _, sink = table_views(views["block_table"], segments["seq_lens"].shape[0])
     views["change_index"].fill_(sink)
     done = torch.zeros(1, dtype=torch.int64, pin_memory=pin)
-    return StagingSlot(arena, views["seq_lens"].numpy(), views["positions"].numpy(),
-                        table.numpy(), table, views["change_index"].numpy(),
-                        views["change_value"].numpy(), sink, inputs,
-                        torch.cuda.Event(external=True) if pin else None,
-                        torch.Event(device) if pin else None,
-                        ticket=memoryview(views["ticket"].numpy()), done=done,
-                        done_words=memoryview(done.numpy()))
+    slot = StagingSlot(arena, views["seq_lens"].numpy(), views["positions"].numpy(),
+                       table.numpy(), table, views["change_index"].numpy(),
+                       views["change_value"].numpy(), sink, inputs,
+                       torch.cuda.Event(external=True) if pin else None,
+                       torch.Event(device) if pin else None,
+                       ticket=memoryview(views["ticket"].numpy()), done=done,
+                       done_words=memoryview(done.numpy()))
+    slot.lens_view, slot.positions_view = _cast(slot.seq_lens, "i"), _cast(slot.positions, "q")
+    slot.index_view = _cast(slot.change_index, "q")
+    slot.value_view = _cast(slot.change_value, "i")
+    slot.input_bytes = {name: _cast(arr, "B") for name, arr in inputs.items()}
+    slot.table_width = slot.block_table.shape[1]
+    return slot
+
+
+def _cast(arr: np.ndarray, fmt: str) -> memoryview:
+    view = memoryview(arr).cast("B")
+    return view if fmt == "B" else view.cast(fmt)
 
 
 def table_views(flat: torch.Tensor, max_bs: int) -> tuple[torch.Tensor, torch.Tensor, int]:
