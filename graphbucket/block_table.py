@@ -60,9 +60,9 @@ class BlockTable:
         # host has after waiting on a GPU step.
         self._flat = memoryview(self.table).cast("B").cast("i")
         self._n = memoryview(self.counts).cast("B").cast("q")
-        # counts x page_size, the lengths rows hold, so that a step's check of its lengths
-        # is one pass of builtins; contiguous (an array, not a list of int objects), so that
-        # pass reads a few cache lines.
+        # counts x page_size, the lengths rows hold: a list, so that a step's check of its
+        # lengths is one pass of builtins (numpy's calls cost more, on cold caches many times
+        # more, than comparing a batch's lengths one by one).
         self._tokens = [0] * num_rows
         # Changed columns of row r: [_lo[r], _hi[r]); clean rows have lo = max_pages, hi = 0.
         # Rows that turned dirty since the last staged step, so that draining the changes

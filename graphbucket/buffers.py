@@ -239,12 +239,8 @@ class StaticBuffers:
             self.block_table.copy_(slot.table_tensor, non_blocking=non_blocking)
             self._mirror = table
             whole = []
-        else:  # slot.fill_changes(table), without the call
-            n, whole = table.changes(slot.index_view, slot.value_view, slot.table_width)
-            if n != slot.live_changes:
-                slot._changed(n)
-            for row, lo, hi in whole:
-                slot.block_table[row, lo:hi] = table.table[row, lo:hi]
+        else:
+            whole = slot.fill_changes(table)
         if not in_graph:
             views = self._prefixes.get(0) or self._prefix_views(0)
             views[0].copy_(views[1][index], non_blocking=non_blocking)
