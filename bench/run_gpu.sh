@@ -50,7 +50,8 @@
 #        (mergetiles: the balanced merge's tests and every balanced path's GPU tests, then
 #        whole balanced steps with the plan's merge tile against units of several heads,
 #        bench/experiments/merge_tiles.py)
-#        (ncu: Nsight Compute over bench/ncu_ragged.py, then the fp8 seesaw in bench/ncu_stage1.py)
+#        (ncu: Nsight Compute over bench/ncu_ragged.py, then the fp8 seesaw in bench/ncu_stage1.py;
+#        ncuseesaw: the bf16 seesaw at 128 heads, its warp stalls and pipes)
 #        (fp8: FP8_AB="float-32x4 ..." adds stage-1 variants, bench/fp8_sweep.py --ab)
 #        (fisweep: the sweep with FlashInfer rows, wheels installed from .whl/ if present)
 #        (threeway: the sweep with FlashInfer and FlashMLA rows: wheels from .whl/, FlashMLA
@@ -252,6 +253,15 @@ for step in $steps; do
                   timeout 240 ncu -k regex:seesaw_fp8 -c 4 --section MemoryWorkloadAnalysis_Tables \
                     --section WarpStateStats --section InstructionStats python3 bench/ncu_stage1.py \
                     > "$R/ncu-fp8.txt" 2>&1; grep -E "Duration|Hit Rate|Stall" "$R/ncu-fp8.txt" | head -30 ;;
+    ncuseesaw)    # Nsight Compute: the bf16 seesaw at 128 heads (8 x 64K): where its warps stall,
+                  # how busy the tensor pipe and the schedulers are.
+                  command -v ncu > /dev/null || { echo "ncu: not installed"; continue; }
+                  timeout 240 ncu -k regex:^seesaw_stage1 -c 2 --section SpeedOfLight \
+                    --section WarpStateStats --section ComputeWorkloadAnalysis \
+                    --section SchedulerStats --section InstructionStats --section Occupancy \
+                    python3 bench/ncu_stage1.py > "$R/ncu-seesaw-bf16.txt" 2>&1
+                  grep -E "Duration|Throughput|Stall|Issue|Pipe|Eligible|Active Warps|Registers" \
+                    "$R/ncu-seesaw-bf16.txt" | tail -60 ;;
     seesawverify) # Verify steps on the seesaw (under trial): float64 tests, then the timing
                   # against the Triton verify step and the q_len 1 step.
                   workers=(); python3 -c "import xdist" 2>/dev/null && workers=(-n 8)
