@@ -146,7 +146,8 @@ for step in $steps; do
                -p no:cacheprovider > "$R/tests-oom.log" 2>&1; tail -2 "$R/tests-oom.log"
            fi ;;
     gputests) workers=(); python3 -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-14}")
-              timeout 240 python3 -m pytest -q "${workers[@]}" -m gpu tests bench/test_tpot.py \
+              # About 330 s on 14 workers of an H100 (760 tests).
+              timeout 420 python3 -m pytest -q "${workers[@]}" -m gpu tests bench/test_tpot.py \
                 bench/test_tpot_sparse.py -p no:cacheprovider > "$R/tests.log" 2>&1
               tail -15 "$R/tests.log"
               if ((${#workers[@]})); then
