@@ -17,7 +17,8 @@ The balanced topology serves ragged batches only (the selector replays it where 
 imbalance, longest x live / total tokens, reaches the bucket's threshold; a uniform batch
 never does). After choosing the buckets the tuner times the chosen split-KV plan against
 the balanced one on ragged mixes of its own at every capture size from 2, in each length
-range of the longest request (the buckets above 4096 tokens cut at powers of two), and picks
+range of the longest request (from ``--balanced-from``, 1024 tokens, to 4096 at powers of
+two; the buckets above 4096 cut at powers of two), and picks
 a threshold per range and capture size (``graphbucket.tuning.ragged``; a bucket a range edge
 falls inside is cut there, with its hints; ``--balanced-imbalance X`` sets one threshold
 instead, 0 off); ``bench/ladder_oracle.py`` checks it on other mixes. ``--q-len N`` tunes for verify
@@ -57,6 +58,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from graphbucket.bucket import DEFAULT_BALANCED_KERNEL  # noqa: E402
 from graphbucket.ladder import (  # noqa: E402
     BALANCED_ABOVE,
+    BALANCED_FROM,
     DEFAULT_BALANCED_IMBALANCE,
     default_ladder,
 )
@@ -170,6 +172,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "never; auto (default): chosen from ragged mixes timed after the "
                          f"buckets (from the report's with --from-times; "
                          f"{DEFAULT_BALANCED_IMBALANCE} where none were timed)")
+    ap.add_argument("--balanced-from", type=int, default=BALANCED_FROM, metavar="TOKENS",
+                    help="choose the ragged switch for longest requests from this length "
+                         f"(default {BALANCED_FROM}; below {BALANCED_ABOVE} in power-of-two "
+                         "ranges, each with its own mixes, the uniform one included); "
+                         f"{BALANCED_ABOVE} times the mixes of the ladders tuned before it")
     ap.add_argument("--one-balanced-kernel", action="store_true",
                     help="one balanced graph per capture size and length range (default: a "
                          "second one where the fitted cost model's pick between the two "
@@ -208,6 +215,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             ap.error(f"--from-times {args.from_times}: not readable as JSON ({e}); pass "
                      f"{report}")
+    if args.balanced_from < 1:
+        ap.error(f"--balanced-from {args.balanced_from}: a length of at least 1 token")
     if args.retime_ragged and args.from_times is None:
         ap.error("--retime-ragged re-times the mixes of a saved report: pass --from-times "
                  f"({report}); without it every mix is timed anyway")
@@ -392,9 +401,10 @@ def measure_ragged(args: argparse.Namespace, ladder, meta: dict) -> list[RaggedS
 
     heads, num_sms = meta["num_heads"], meta["num_sms"]
     # Each length range the switch is chosen for gets its own mixes, longest request in it.
-    mixes = [(b, name, lens) for lo, hi in ragged_ranges(ladder.bounds, BALANCED_ABOVE)
+    meta["balanced_from"] = args.balanced_from
+    mixes = [(b, name, lens) for lo, hi in switch_ranges(ladder, meta)
              for b in meta["batches"]
-             for name, lens in tuner_mixes(b, hi, above=max(lo, BALANCED_ABOVE))]
+             for name, lens in tuner_mixes(b, hi, above=lo)]
     if not mixes:
         return []
     plan_for = hint_plans(heads, num_sms=num_sms)
@@ -425,6 +435,13 @@ def measure_ragged(args: argparse.Namespace, ladder, meta: dict) -> list[RaggedS
         print(f"balanced plans cannot run here ({e}); the balanced topology stays off",
               flush=True)
         return []
+
+
+def switch_ranges(ladder, meta: dict) -> list[tuple[int, int]]:
+    """The length ranges the switch is chosen for, from the length the mixes were timed
+    from (a report written before ``--balanced-from`` timed them from BALANCED_ABOVE)."""
+    return ragged_ranges(ladder.bounds, BALANCED_ABOVE,
+                         start=meta.get("balanced_from", BALANCED_ABOVE))
 
 
 def ragged_switch(args: argparse.Namespace, ladder, meta: dict, saved: list[RaggedSample]
@@ -459,7 +476,7 @@ def ragged_switch(args: argparse.Namespace, ladder, meta: dict, saved: list[Ragg
         print(f"no ragged mixes timed: balanced threshold {DEFAULT_BALANCED_IMBALANCE} "
               "(the default)")
         return ladder.with_balanced_topology(DEFAULT_BALANCED_IMBALANCE), None
-    ranges = ragged_ranges(ladder.bounds, BALANCED_ABOVE)
+    ranges = switch_ranges(ladder, meta)
     model = balanced_cost_model(samples, meta) if not args.one_balanced_kernel else None
     switches, summary = choose_switches(samples, ranges, model)
     samples = [s.with_kernel(replayed_kernel(switch_of(switches, s), s, model))
@@ -477,7 +494,7 @@ def ragged_switch(args: argparse.Namespace, ladder, meta: dict, saved: list[Ragg
         print("second balanced kernel by capture size (the cost model picks per step): "
               + "; ".join(f"({sw.lo}, {sw.hi}]: {dict(sw.alternates)}"
                           for sw in switches if sw.alternates), flush=True)
-    tuned = ladder.with_ragged_switches(switches, above=BALANCED_ABOVE)
+    tuned = ladder.with_ragged_switches(switches, above=ranges[0][0])
     if model is not None and any(b.alternate_kernels for b in tuned.buckets):
         tuned.meta["balanced_cost"] = model.to_dict()
         summary["balanced_cost"] = model.to_dict()

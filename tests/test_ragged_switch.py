@@ -266,6 +266,28 @@ def test_ragged_ranges_cut_the_balanced_buckets_at_powers_of_two():
     assert ragged_ranges((1024, 4096), 4096) == []
 
 
+def test_ragged_ranges_from_a_start_below_the_bound_cut_at_powers_of_two():
+    bounds = (128, 1879, 2048, 2657, 4096, 5313, 131072)
+    assert ragged_ranges(bounds, 4096, start=1024)[:4] == [(1024, 2048), (2048, 4096),
+                                                          (4096, 5313), (5313, 8192)]
+    assert ragged_ranges(bounds, 4096, start=4096) == ragged_ranges(bounds, 4096)
+    assert ragged_ranges(bounds, 4096, start=1500)[:2] == [(1500, 2048), (2048, 4096)]
+    # A ladder ending below the bound: the ranges stop at its end.
+    assert ragged_ranges((64, 3000), 4096, start=1024) == [(1024, 2048), (2048, 3000)]
+
+
+def test_mixes_of_a_short_range_keep_their_short_requests_below_the_long_one():
+    for lo, top in ((1024, 2048), (2048, 4096), (512, 1024)):
+        for batch in (2, 8, 64):
+            for name, lens in tuner_mixes(batch, top, above=lo):
+                assert lo < max(lens) <= top, (lo, top, name)
+                if name in ("one-long", "quarter-long", "half-long"):
+                    assert min(lens) < max(lens), (lo, top, name)
+    # Above the bound the mixes are the ones the shipped ladders were tuned with.
+    quarter = dict(tuner_mixes(8, 5313, above=4096))["quarter-long"]
+    assert sorted(set(quarter)) == [2048, 4705]
+
+
 def test_a_switch_per_length_range_separates_what_one_imbalance_cannot():
     # At the same imbalance (a spread from 1 token) split-KV wins at 8K (the balanced
     # planner and merge dominate short requests) and balanced wins at 128K.

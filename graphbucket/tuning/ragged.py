@@ -40,17 +40,23 @@ def tuner_mixes(batch: int, top: int, *, above: int) -> list[tuple[str, list[int
     """Ragged length mixes the tuner times at ``batch`` rows for the lengths ``(above,
     top]``, their longest request inside that range: at 3/4 of ``top``, or halfway between
     ``above`` and ``top`` where 3/4 falls below the range (a range cut at a bucket edge).
-    One long request among short ones, a quarter long, half long, a spread from 1
-    token, and every request long (uniform: where balanced beats split-KV even there, the
-    switch may send every batch of the range to it). None at one row, or when ``top`` is
-    not above ``above``."""
+    One long request among short ones (512 tokens), a quarter long (the rest 2048), half
+    long (the rest 4096), a spread from 1 token, and every request long (uniform: where
+    balanced beats split-KV even there, the switch may send every batch of the range to
+    it); a short length that would reach the
+    long one is a fraction of it instead (1/8, 1/4, 1/2). None at one row, or when ``top``
+    is not above ``above``."""
     if batch < 2 or top <= above:
         return []
     long = max(top * 3 // 4, (above + top + 1) // 2)
     few = max(1, batch // 4)
-    mixes = [("one-long", [long] + [512] * (batch - 1)),
-             ("quarter-long", [long] * few + [2048] * (batch - few)),
-             ("half-long", [long] * (batch // 2) + [4096] * (batch - batch // 2)),
+
+    def short(length: int, share: int) -> int:  # below the long request in short ranges
+        return length if length < long else max(1, long // share)
+
+    mixes = [("one-long", [long] + [short(512, 8)] * (batch - 1)),
+             ("quarter-long", [long] * few + [short(2048, 4)] * (batch - few)),
+             ("half-long", [long] * (batch // 2) + [short(4096, 2)] * (batch - batch // 2)),
              ("spread", [1 + (long - 1) * i // (batch - 1) for i in range(batch)]),
              ("uniform", [long] * batch)]
     seen, out = set(), []
@@ -62,13 +68,21 @@ def tuner_mixes(batch: int, top: int, *, above: int) -> list[tuple[str, list[int
     return out
 
 
-def ragged_ranges(bounds: Sequence[int], above: int) -> list[tuple[int, int]]:
+def ragged_ranges(bounds: Sequence[int], above: int, *, start: int | None = None
+                  ) -> list[tuple[int, int]]:
     """The length ranges ``(lo, hi]`` the ragged switch is chosen for: each bucket ending
     above ``above`` cut at the powers of two inside it, the ranges that end above ``above``.
     One bucket's hint may serve 6K to 128K, and whether balanced beats split-KV at one
     imbalance changes over that span (short requests: the planner and the merge are most of
-    the balanced step)."""
+    the balanced step). ``start`` below ``above``: the lengths ``(start, above]`` too, cut
+    at powers of two whatever the buckets (below ``above`` they are narrow, and a range
+    per bucket would multiply the mixes to time)."""
     out, lo = [], 0
+    top = bounds[-1] if bounds else 0
+    if start is not None and start < above:
+        edges = [start, *[1 << k for k in range(start.bit_length(), above.bit_length())
+                          if start < 1 << k < above], above]
+        out += [(a, min(b, top)) for a, b in zip(edges[:-1], edges[1:], strict=True) if a < top]
     for hi in bounds:
         if hi > above:
             cuts = [1 << k for k in range(lo.bit_length(), hi.bit_length()) if lo < 1 << k < hi]
