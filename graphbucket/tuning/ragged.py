@@ -43,9 +43,8 @@ def tuner_mixes(batch: int, top: int, *, above: int) -> list[tuple[str, list[int
     One long request among short ones (512 tokens), a quarter long (the rest 2048), half
     long (the rest 4096), a spread from 1 token, and every request long (uniform: where
     balanced beats split-KV even there, the switch may send every batch of the range to
-    it); a short length that would reach the
-    long one is a fraction of it instead (1/8, 1/4, 1/2). None at one row, or when ``top``
-    is not above ``above``."""
+    it); a short length that would reach the long one is a fraction of it instead (1/8,
+    1/4, 1/2). None at one row, or when ``top`` is not above ``above``."""
     if batch < 2 or top <= above:
         return []
     long = max(top * 3 // 4, (above + top + 1) // 2)
