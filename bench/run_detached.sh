@@ -9,8 +9,9 @@
 #
 #   bash bench/run_detached.sh start 540 mergetiles FP8_SEESAW_TESTS="lens1" fp8seesaw
 #
-# Work goes to $GB_DETACHED (default /tmp/graphbucket-detached): the log, the running steps'
-# results (out/r) and, packed after every step, out/gpu-results.tgz. Each call, when it
+# Work goes to $GB_DETACHED (default /tmp/graphbucket-detached): a copy of the checkout the
+# steps run in (tree/), the log, the running steps' results (out/r) and, packed after every
+# step, out/gpu-results.tgz. Each call, when it
 # returns, copies that archive and the log into $OUT when OUT is set (the device tool's).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -33,9 +34,16 @@ if [ "$verb" = start ]; then
     if [[ "$arg" =~ ^[A-Za-z_][A-Za-z0-9_]*= ]]; then steps+=("export $(printf %q "$arg");")
     else steps+=("bash bench/run_gpu.sh $(printf %q "$arg");"); fi
   done
-  rm -rf "$W"; mkdir -p "$W/out"
+  rm -rf "$W"; mkdir -p "$W/out" "$W/tree"
+  # The steps run in a copy of the checkout: a later device call re-sends the working tree,
+  # which would replace what a step wrote into it (the ladder `tune` copies into
+  # graphbucket/ladders/ for the steps after it) while they run.
+  tar -cf - --exclude=./.triton-cache --exclude=./.venv --exclude=./.git . \
+    | tar -xf - -C "$W/tree"
   # One run_gpu.sh per step, all packing into the same folder ($W/out/r accumulates).
-  printf '%s\n' "export OUT=$(printf %q "$W/out")" "${steps[@]}" > "$W/queue.sh"
+  printf '%s\n' "cd $(printf %q "$W/tree")" \
+    "export TRITON_CACHE_DIR=$(printf %q "${TRITON_CACHE_DIR:-$PWD/.triton-cache}")" \
+    "export OUT=$(printf %q "$W/out")" "${steps[@]}" > "$W/queue.sh"
   echo 0 > "$W/pid"
   # The queue's shell writes its own pid (setsid may fork, and then $! is not the queue).
   setsid bash -c "echo \$\$ > $(printf %q "$W/pid"); bash $(printf %q "$W/queue.sh") \
