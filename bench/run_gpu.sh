@@ -35,11 +35,11 @@
 #        (balancedseesaw: the seesaw's GPU tests, then the seesaw (split-KV and balanced)
 #        against the Triton stage 1 on ragged mixes and uniform batches, 128 heads, then 16
 #        heads on 64-row programs; SEESAW_HEADS="16" picks)
-#        (stepvariants: the seesaw's step variants under trial (one-rescale order,
-#        256-column PVs) against float64, then the split-KV seesaw with each on, and both,
-#        against off, bench/experiments/seesaw_variant_ab.py, each into its own folder; then the
-#        balanced kernels' PV width, bench/experiments/pv_cols_ab.py; STEP_VARIANTS="wide-pv"
-#        and STEP_VARIANT_TESTS="step_variants and False-256" pick; STEP_BALANCED=0 skips
+#        (stepvariants: the seesaw's step variants (lazy rescale, one-rescale order) against
+#        float64, then the split-KV seesaw with each on against off,
+#        bench/experiments/seesaw_variant_ab.py, each into its own folder; then the
+#        balanced kernels' PV width, bench/experiments/pv_cols_ab.py; STEP_VARIANTS="lazy"
+#        and STEP_VARIANT_TESTS="step_variants or row_max_jumps" pick; STEP_BALANCED=0 skips
 #        pv_cols_ab)
 #        (seesawverify: verify steps on the seesaw against float64, then timed against the
 #        Triton verify step and the q_len 1 step, bench/experiments/seesaw_verify.py)
@@ -188,22 +188,25 @@ for step in $steps; do
                         --out "$R" > "$R/balanced-seesaw-h$h.log" 2>&1
                       tail -36 "$R/balanced-seesaw-h$h.log"; pack
                     done ;;
-    stepvariants) # The seesaw's step variants under trial (one-rescale order, 256-column
-                  # PVs): their float64 tests, then the split-KV kernel with each on, and
-                  # with both, against the default, in one process (the A/B's other
-                  # version is this checkout's kernel with those defaults flipped).
+    stepvariants) # The seesaw's step variants (the lazy rescale under trial; the
+                  # one-rescale order and 64-column PVs kept to compare): their float64
+                  # tests, then the split-KV kernel with each on against the default, in one
+                  # process (the A/B's other version is this checkout's kernel with that
+                  # default flipped).
                   workers=(); python3 -c "import xdist" 2>/dev/null && workers=(-n 8)
                   timeout 420 python3 -m pytest -q "${workers[@]}" tests/test_seesaw.py -m gpu \
-                    -k "${STEP_VARIANT_TESTS:-step_variants}" -p no:cacheprovider \
+                    -k "${STEP_VARIANT_TESTS:-step_variants or row_max_jumps or False-None-True}" -p no:cacheprovider \
                     > "$R/step-variants-tests.log" 2>&1
                   tail -3 "$R/step-variants-tests.log"
                   rescale='s/ONE_RESCALE: gl.constexpr = False,/ONE_RESCALE: gl.constexpr = True,/'
                   wide='s/^                         PV_COLS: gl.constexpr = 64):/                         PV_COLS: gl.constexpr = 256):/'
-                  for variant in ${STEP_VARIANTS:-one-rescale wide-pv both}; do
+                  lazy='s/LAZY_RESCALE: gl.constexpr = False):/LAZY_RESCALE: gl.constexpr = True):/'
+                  for variant in ${STEP_VARIANTS:-lazy one-rescale}; do
                     case $variant in
                       one-rescale) edits=(-e "$rescale") ;;
                       wide-pv) edits=(-e "$wide") ;;
                       both) edits=(-e "$rescale" -e "$wide") ;;
+                      lazy) edits=(-e "$lazy") ;;
                     esac
                     sed "${edits[@]}" graphbucket/kernels/seesaw.py > "$R/seesaw_$variant.py"
                     changed=$(diff graphbucket/kernels/seesaw.py "$R/seesaw_$variant.py" | grep -c '^>')

@@ -41,11 +41,13 @@ POINTERS = {"BLOCK_TABLE": "*i32", "SEQ_LENS": "*i32", "OUT": "*bf16", "LSE": "*
 
 
 def compile_stage1(balanced: bool = False, ranges: bool = False, charged: bool = False,
-                   one_rescale: bool = False, q_len: int = 1, wide_pv: bool = False):
+                   one_rescale: bool = False, q_len: int = 1, wide_pv: bool = False,
+                   lazy_rescale: bool = False):
     """The split-KV seesaw (its step in the one-rescale order with ``one_rescale``; its PV
     as one 256-column wgmma with ``wide_pv``, the kernels' default, else as four 64-column
     ones, kept to compare), or the one over balanced work items (``balanced``) or over tile
-    ranges (``ranges``; a charged cut's with ``charged``)."""
+    ranges (``ranges``; a charged cut's with ``charged``). ``lazy_rescale``: the split-KV
+    step under trial (256-column PVs)."""
     q = torch.zeros(2, 128, 576, dtype=torch.bfloat16)
     cache = torch.zeros(8, 64, 576, dtype=torch.bfloat16)
     descriptors = dict(zip(("q_desc", "kv_desc"), seesaw.descriptors(q, cache), strict=True))
@@ -59,7 +61,8 @@ def compile_stage1(balanced: bool = False, ranges: bool = False, charged: bool =
     else:
         kernel = seesaw.seesaw_stage1_kernel
         constants = {"PAGE_SIZE": 64, "ONE_SPLIT": False, "WRITE_LSE": True,
-                     "ONE_RESCALE": one_rescale, "Q_LEN": q_len, **pv_cols}
+                     "ONE_RESCALE": one_rescale, "Q_LEN": q_len, **pv_cols,
+                     **({"LAZY_RESCALE": True} if lazy_rescale else {})}
     return _compile(kernel, constants, descriptors)
 
 
@@ -207,6 +210,8 @@ def main() -> None:
     wide_pv_ranges = compile_stage1(ranges=True, wide_pv=True)
     wide_pv_charged = compile_stage1(ranges=True, charged=True, wide_pv=True)
     wide_pv_verify = compile_stage1(q_len=4, wide_pv=True)
+    lazy = compile_stage1(wide_pv=True, lazy_rescale=True)
+    lazy_verify = compile_stage1(q_len=4, wide_pv=True, lazy_rescale=True)
     fp8_tensor = compile_fp8_stage1()
     fp8_v32 = compile_fp8_stage1(v32=True)
     fp8_ahead = compile_fp8_stage1(prefetch_ahead=2)
@@ -240,6 +245,7 @@ def main() -> None:
                       "wide_pv_ranges": summary(wide_pv_ranges),
                       "wide_pv_charged": summary(wide_pv_charged),
                       "wide_pv_q_len_4": summary(wide_pv_verify),
+                      "lazy_rescale": summary(lazy), "lazy_rescale_q_len_4": summary(lazy_verify),
                       "fp8_tensor": summary(fp8_tensor), "fp8_v32": summary(fp8_v32),
                       "fp8_charged": summary(fp8_charged), "fp8_items": summary(fp8_items),
                       "fp8_tensor_prefetch_2": summary(fp8_ahead),
@@ -280,6 +286,8 @@ def summary(compiled) -> dict:
         "wgmma": ptx.count("wgmma.mma_async"),
         "wgmma_n256": ptx.count("wgmma.mma_async.sync.aligned.m64n256k16"),
         "wgmma_waits": ptx.count("wgmma.wait_group"),
+        # Waits that leave one group in flight (a PV queued behind another).
+        "wgmma_waits_one_left": len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx)),
         "tma_copies": ptx.count("cp.async.bulk.tensor"),
         "dependent_launch": "griddepcontrol.launch_dependents" in ptx,
         "global_stores": ptx.count("st.global"),

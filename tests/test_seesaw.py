@@ -83,14 +83,17 @@ def test_gpu_seesaw_matches_float64(lens, heads, splits, seeded):
                                   [2048] * 8])
 @pytest.mark.parametrize("heads", [16, 128])
 @pytest.mark.parametrize("splits", [1, 3, 0])
-# The variants kept to compare: one-rescale order, 64-column PVs, both (256 is the default).
-@pytest.mark.parametrize("one_rescale, pv_cols", [(True, 64), (False, 64), (True, 256)])
-def test_gpu_seesaw_step_variants_match_float64(lens, heads, splits, one_rescale, pv_cols,
+# The variants kept to compare: one-rescale order, 64-column PVs, both (256 is the default);
+# the lazy rescale under trial.
+@pytest.mark.parametrize("one_rescale, pv_cols, lazy", [(True, 64, False), (False, 64, False),
+                                                        (True, 256, False), (False, None, True)])
+def test_gpu_seesaw_step_variants_match_float64(lens, heads, splits, one_rescale, pv_cols, lazy,
                                                 seeded):
     """The step variants kept to compare (``seesaw_step._one_rescale_step``: both tiles' P
     against the step's final max, one O rescale, the two PVs back to back; ``PV_COLS`` 64:
-    four m64n64k16 per 16 tokens, one per value box), stage 1 then the merge as
-    ``mla_decode`` launches them."""
+    four m64n64k16 per 16 tokens, one per value box) and under trial (``seesaw_lazy``: the
+    running max moves only past a bound, the rescale only when one does), stage 1 then the
+    merge as ``mla_decode`` launches them."""
     gen = torch.Generator().manual_seed(seeded)
     case = nan_tailed_case(lens, heads, gen)
     plan = plan_mla_decode(len(lens), heads, max(lens), stream=SEESAW_STREAM)
@@ -100,7 +103,30 @@ def test_gpu_seesaw_step_variants_match_float64(lens, heads, splits, one_rescale
     sm_scale = default_sm_scale()
     ws, out, lse = nan_outputs(len(lens), heads, plan)
     seesaw_then_merge(case, plan, ws, out, lse, sm_scale, one_rescale=one_rescale,
-                      pv_cols=pv_cols)
+                      pv_cols=pv_cols, lazy_rescale=lazy)
+    assert_matches_float64(case, lens, out, lse, sm_scale, plan)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("jumps", [[130], [700, 1500, 3900], [63, 64]])
+@pytest.mark.parametrize("lazy", [False, True])
+def test_gpu_seesaw_matches_float64_where_the_row_max_jumps(jumps, lazy, seeded):
+    """Keys far more aligned with q at a few positions (score jumps of tens in log2 units,
+    past the lazy step's bound): the running max must move there, O and l be rescaled, and
+    the output still match float64 (random caches rarely move the max past the first tile)."""
+    gen = torch.Generator().manual_seed(seeded)
+    lens = [4113, 2000]
+    case = nan_tailed_case(lens, 128, gen)
+    for b, n in enumerate(lens):
+        for pos in (p for p in jumps if p < n):
+            page, row = case.block_table[b, pos // 64], pos % 64
+            # The key part of the row (all 576 columns) along head 0's query, scaled up.
+            q0 = case.q[b, 0].float()
+            case.kv_cache[page, row] = (q0 / q0.norm() * 40 * (1 + pos / n)).to(torch.bfloat16)
+    plan = plan_mla_decode(len(lens), 128, max(lens), stream=SEESAW_STREAM).with_splits(2)
+    sm_scale = default_sm_scale()
+    ws, out, lse = nan_outputs(len(lens), 128, plan)
+    seesaw_then_merge(case, plan, ws, out, lse, sm_scale, lazy_rescale=lazy)
     assert_matches_float64(case, lens, out, lse, sm_scale, plan)
 
 
@@ -109,9 +135,10 @@ def test_gpu_seesaw_step_variants_match_float64(lens, heads, splits, one_rescale
 @pytest.mark.parametrize("heads, q_len", [(16, 2), (16, 4), (128, 2)])
 # "tile": one 64-token tile per split, up to 64 splits (short last splits).
 @pytest.mark.parametrize("splits", [1, 3, "tile"])
-@pytest.mark.parametrize("one_rescale, pv_cols", [(False, None), (False, 64), (True, 256)])
+@pytest.mark.parametrize("one_rescale, pv_cols, lazy", [(False, None, False), (False, 64, False),
+                                                        (True, 256, False), (False, None, True)])
 def test_gpu_seesaw_verify_step_matches_per_token_float64(lens, heads, q_len, splits,
-                                                           one_rescale, pv_cols, seeded):
+                                                           one_rescale, pv_cols, lazy, seeded):
     """A verify step on the seesaw: q_len tokens x heads rows, token j seeing the positions
     before seq_len - q_len + j + 1. One-tile splits leave a request's last split with rows
     that see no token (zeros, LSE -inf into the merge). The default step goes through
@@ -128,12 +155,12 @@ def test_gpu_seesaw_verify_step_matches_per_token_float64(lens, heads, q_len, sp
     assert plan.seesaw and runs_seesaw(plan, q, case.kv_cache, q_len=q_len), plan.describe()
     sm_scale = default_sm_scale()
     ws, out, lse = nan_outputs(len(lens), rows, plan)
-    if pv_cols is None and not one_rescale:
+    if pv_cols is None and not one_rescale and not lazy:
         mla_decode(q, case.kv_cache, case.block_table, case.seq_lens, out, ws, plan=plan,
                    sm_scale=sm_scale, lse=lse, q_len=q_len)
     else:
         seesaw_then_merge(case, plan, ws, out, lse, sm_scale, one_rescale=one_rescale,
-                          q_len=q_len, pv_cols=pv_cols)
+                          q_len=q_len, pv_cols=pv_cols, lazy_rescale=lazy)
     assert_matches(*reference(case, q_len), lens, out, lse, plan)
 
 
@@ -204,6 +231,13 @@ def test_seesaw_compiles_for_sm90_within_shared_memory():
     assert report["dependent_merge_waits"] >= 1, report
     # The merge over units of 8 heads compiles without spilling its [8, 8, 64] step.
     assert report["head_blocked_merge_spill_bytes"] in (None, 0), report
+    # The lazy step (under trial): within the budget, both of its second-PV paths (rescale
+    # due: drain, rescale, issue; else: queue behind the first PV, keep it in flight).
+    for kernel in (report["lazy_rescale"], report["lazy_rescale_q_len_4"]):
+        assert kernel["shared_bytes"] <= 227 * 1024, report
+        assert kernel["requested_registers"] == [240, 24], report
+        assert kernel["wgmma_waits_one_left"] > report["wide_pv"]["wgmma_waits_one_left"]
+        assert kernel["wgmma_n256"] > report["wide_pv"]["wgmma_n256"], report
     # The one-rescale step issues as many wgmma, with two fewer drains and one O rescale
     # per warpgroup and step instead of two.
     assert report["one_rescale"]["wgmma"] == report["wgmma"], report

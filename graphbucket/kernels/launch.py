@@ -359,14 +359,20 @@ def launch_seesaw_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
                          seq_lens: torch.Tensor, out: torch.Tensor,
                          workspace: SplitWorkspace | None, *, plan: LaunchPlan, sm_scale: float,
                          lse: torch.Tensor | None, one_rescale: bool = False,
-                         q_len: int = 1, pv_cols: int | None = None) -> None:
+                         q_len: int = 1, pv_cols: int | None = None,
+                         lazy_rescale: bool = False) -> None:
     """Stage 1 by the Gluon seesaw kernel (unchecked; where ``runs_seesaw`` holds). One
     split: writes ``out`` (and ``lse``); else the partials the merge kernel reads.
     ``one_rescale``: the step order kept for comparison (``seesaw_step._one_rescale_step``);
     ``pv_cols`` 64 or 256: the PV instructions' width (``seesaw_step``; 256 by default).
-    Either left out of the launch where not given, so the kernel's own default decides.
+    ``lazy_rescale``: the step under trial (``seesaw_lazy``; 256-column PVs, the default
+    order). Each left out of the launch where not given, so the kernel's own default
+    decides.
     ``q_len`` above 1: q's rows are q_len tokens x heads, each token with its causal
     limit."""
+    if lazy_rescale and (one_rescale or pv_cols == 64):
+        raise ValueError("lazy_rescale runs the default step order on 256-column PVs; "
+                         "leave one_rescale and pv_cols out")
     # Imported here: Gluon's sm_90 modules load only where the seesaw runs.
     from graphbucket.kernels.seesaw import ROWS, TILE, descriptors, seesaw_stage1_kernel
 
@@ -381,6 +387,7 @@ def launch_seesaw_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         PAGE_SIZE=TILE.value, ONE_SPLIT=not plan.use_stage2, WRITE_LSE=lse is not None,
         **({"ONE_RESCALE": True} if one_rescale else {}),
         **({"PV_COLS": pv_cols} if pv_cols is not None else {}),
+        **({"LAZY_RESCALE": True} if lazy_rescale else {}),
         **({"Q_LEN": q_len, "rows_per_token": heads // q_len} if q_len > 1 else {}),
         num_warps=4)
 

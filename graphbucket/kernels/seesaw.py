@@ -125,7 +125,7 @@ def seesaw_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, OUT, LSE, PART_
                          PAGE_SIZE: gl.constexpr, ONE_SPLIT: gl.constexpr,
                          WRITE_LSE: gl.constexpr, ONE_RESCALE: gl.constexpr = False,
                          Q_LEN: gl.constexpr = 1, rows_per_token=1,
-                         PV_COLS: gl.constexpr = 256):
+                         PV_COLS: gl.constexpr = 256, LAZY_RESCALE: gl.constexpr = False):
     # Grid (head blocks, batch, splits): the programs of one request's head blocks launch
     # together and read the same pages about together, the second from L2.
     head_block = gl.program_id(0)
@@ -146,11 +146,13 @@ def seesaw_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, OUT, LSE, PART_
             (warpgroup_even, (q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps,
                                qk_scale_log2, o_ptr, lse_ptr, stride_rows, stride_lse_rows,
                                num_rows, WRITE_LSE, ONE_SPLIT, ONE_RESCALE, Q_LEN > 1,
-                               seq_len - Q_LEN + 1, h0, rows_per_token, PV_COLS)),
+                               seq_len - Q_LEN + 1, h0, rows_per_token, PV_COLS, None,
+                               LAZY_RESCALE)),
             (warpgroup_odd, (q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps,
                               qk_scale_log2, o_ptr, lse_ptr, stride_rows, stride_lse_rows,
                               num_rows, WRITE_LSE, ONE_SPLIT, ONE_RESCALE, Q_LEN > 1,
-                              seq_len - Q_LEN + 1, h0, rows_per_token, PV_COLS)),
+                              seq_len - Q_LEN + 1, h0, rows_per_token, PV_COLS, None,
+                              LAZY_RESCALE)),
             (tile_loader, (q_desc, kv_desc, BLOCK_TABLE + bid * stride_bt_b, q_s, kv_s,
                            rope_s, bars, bid * num_heads + h0, start, end, num_steps,
                            PAGE_SIZE, 0, PV_COLS)),

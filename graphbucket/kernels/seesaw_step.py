@@ -45,8 +45,9 @@ from graphbucket.kernels.seesaw_layout import (
     VALUE_BOXES,
     rope_box,
     value_box,
-    value_halves,
 )
+from graphbucket.kernels.seesaw_lazy import lazy_step
+from graphbucket.kernels.seesaw_pv import finite_max, o_scale, pv, pv_pair
 
 
 @gluon.jit
@@ -109,13 +110,6 @@ def _scores(q_s, kv_s, rope_s, bars, phase, start, end, step, PARITY: gl.constex
 
 
 @gluon.jit
-def _finite(m):
-    """0 where a row's max is -inf (a verify step's row that saw no token yet), so the
-    exponentials give 0 there rather than NaN."""
-    return gl.where(m == float("-inf"), 0.0, m)
-
-
-@gluon.jit
 def _zero_tail(kv_s, slot, valid, PV_COLS: gl.constexpr):
     """Zero the value rows at and past ``valid`` of the tile in ``slot``: P is 0 there, but
     0 x NaN is NaN, and a cache's unwritten rows may hold anything. Whole 128-byte rows, so
@@ -138,59 +132,6 @@ def _o_zeros(mma_o: gl.constexpr, PV_COLS: gl.constexpr):
 
 
 @gluon.jit
-def _o_scale(o, alpha, mma_o: gl.constexpr, PV_COLS: gl.constexpr):
-    """O x alpha per row (alpha in the score rows' layout)."""
-    if PV_COLS == 256:
-        a = gl.convert_layout(alpha, gl.SliceLayout(1, mma_o))
-        return (o[0] * a[:, None],)
-    else:
-        return (o[0] * alpha[:, None], o[1] * alpha[:, None], o[2] * alpha[:, None],
-                o[3] * alpha[:, None])
-
-
-@gluon.jit
-def _pv_issue(p, kv_s, slot, o, FIRST_CHUNK: gl.constexpr, PV_COLS: gl.constexpr):
-    """O += P V over the tile in ``slot``'s value boxes from FIRST_CHUNK, issued, not
-    waited on; p: registers in the A-operand layout, or a shared-memory P."""
-    if PV_COLS == 256:
-        half = value_halves(kv_s).index(slot * 2 + FIRST_CHUNK // HALF_CHUNKS)
-        return (warpgroup_mma(p, half, o[0], is_async=True),)
-    else:
-        return (warpgroup_mma(p, value_box(kv_s, slot, FIRST_CHUNK + 0, PV_COLS), o[0],
-                              is_async=True),
-                warpgroup_mma(p, value_box(kv_s, slot, FIRST_CHUNK + 1, PV_COLS), o[1],
-                              is_async=True),
-                warpgroup_mma(p, value_box(kv_s, slot, FIRST_CHUNK + 2, PV_COLS), o[2],
-                              is_async=True),
-                warpgroup_mma(p, value_box(kv_s, slot, FIRST_CHUNK + 3, PV_COLS), o[3],
-                              is_async=True))
-
-
-@gluon.jit
-def _pv_wait(o, PV_COLS: gl.constexpr):
-    if PV_COLS == 256:
-        return (warpgroup_mma_wait(num_outstanding=0, deps=(o[0],)),)
-    else:
-        o0, o1, o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=(o[0], o[1], o[2], o[3]))
-        return (o0, o1, o2, o3)
-
-
-@gluon.jit
-def _pv(p, kv_s, slot, o, FIRST_CHUNK: gl.constexpr, PV_COLS: gl.constexpr):
-    """O += P V over the tile in ``slot`` (``_pv_issue``), then waited on."""
-    return _pv_wait(_pv_issue(p, kv_s, slot, o, FIRST_CHUNK, PV_COLS), PV_COLS)
-
-
-@gluon.jit
-def _pv_pair(p_a, p_b, kv_s, o, FIRST_CHUNK: gl.constexpr, PV_COLS: gl.constexpr):
-    """O += P_A V_A + P_B V_B over both tiles' value boxes from FIRST_CHUNK: issued back to
-    back and one wait, so the tensor pipe is not drained between the tiles."""
-    o = _pv_issue(p_a, kv_s, 0, o, FIRST_CHUNK, PV_COLS)
-    o = _pv_issue(p_b, kv_s, 1, o, FIRST_CHUNK, PV_COLS)
-    return _pv_wait(o, PV_COLS)
-
-
-@gluon.jit
 def _one_rescale_step(s, kv_s, rope_s, stats_s, bars, phase, st, m_i, l_i, o, qk_scale_log2,
                       PARITY: gl.constexpr, mma: gl.constexpr, mma_o: gl.constexpr,
                       MULTI_TOKEN: gl.constexpr = False, PV_COLS: gl.constexpr = 64):
@@ -208,11 +149,11 @@ def _one_rescale_step(s, kv_s, rope_s, stats_s, bars, phase, st, m_i, l_i, o, qk
         m_a = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale_log2)
         stats_s.index(st + S_MA).store(m_a)
         mbarrier.arrive(bars.index(B_MA))
-        m_ae = _finite(m_a) if MULTI_TOKEN else m_a
+        m_ae = finite_max(m_a) if MULTI_TOKEN else m_a
         p32 = gl.exp2(s * qk_scale_log2 - m_ae[:, None])
         mbarrier.wait(bars.index(B_MB), phase)
         m_b = stats_s.index(st + S_MB).load(rows)
-        m_e = _finite(m_b) if MULTI_TOKEN else m_b
+        m_e = finite_max(m_b) if MULTI_TOKEN else m_b
         p32 = p32 * gl.exp2(m_a - m_e)[:, None]
     else:
         mbarrier.wait(bars.index(B_MA), phase)
@@ -221,7 +162,7 @@ def _one_rescale_step(s, kv_s, rope_s, stats_s, bars, phase, st, m_i, l_i, o, qk
         m_b = gl.maximum(m_a, gl.max(s, axis=1) * qk_scale_log2)
         stats_s.index(st + S_MB).store(m_b)
         mbarrier.arrive(bars.index(B_MB))
-        m_e = _finite(m_b) if MULTI_TOKEN else m_b
+        m_e = finite_max(m_b) if MULTI_TOKEN else m_b
         p32 = gl.exp2(s * qk_scale_log2 - m_e[:, None])
     own_sum = gl.sum(p32, axis=1)
     p = p32.to(kv_s.dtype)
@@ -230,18 +171,18 @@ def _one_rescale_step(s, kv_s, rope_s, stats_s, bars, phase, st, m_i, l_i, o, qk
     fence_async_shared()
     mbarrier.arrive(bars.index(B_PA + PARITY * (B_PB - B_PA)))
     alpha = gl.exp2(m_i - m_e)
-    o = _o_scale(o, alpha, mma_o, PV_COLS)
+    o = o_scale(o, alpha, mma_o, PV_COLS)
     if PARITY == 0:
         mbarrier.wait(bars.index(B_PB), phase)
         other_sum = stats_s.index(st + S_SUM_B).load(rows)
-        o = _pv_pair(gl.convert_layout(p, a_op), rope_box(kv_s, rope_s, 1, PV_COLS), kv_s, o, 0,
+        o = pv_pair(gl.convert_layout(p, a_op), rope_box(kv_s, rope_s, 1, PV_COLS), kv_s, o, 0,
                      PV_COLS)
         mbarrier.arrive(bars.index(B_FREE_OWN + 0))
         mbarrier.arrive(bars.index(B_FREE_CROSS + 1))
     else:
         mbarrier.wait(bars.index(B_PA), phase)
         other_sum = stats_s.index(st + S_SUM_A).load(rows)
-        o = _pv_pair(rope_box(kv_s, rope_s, 0, PV_COLS), gl.convert_layout(p, a_op), kv_s, o,
+        o = pv_pair(rope_box(kv_s, rope_s, 0, PV_COLS), gl.convert_layout(p, a_op), kv_s, o,
                      HALF_CHUNKS, PV_COLS)
         mbarrier.arrive(bars.index(B_FREE_CROSS + 0))
         mbarrier.arrive(bars.index(B_FREE_OWN + 1))
@@ -257,13 +198,14 @@ def warpgroup_compute(q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps, q
              stride_out_h=0, FINAL: gl.constexpr = False, WRITE_OUT_LSE: gl.constexpr = False,
              ONE_RESCALE: gl.constexpr = False, MULTI_TOKEN: gl.constexpr = False,
              first_limit=0, row0=0, rows_per_token=1, PV_COLS: gl.constexpr = 64,
-             kv_scale_ptr=None):
+             kv_scale_ptr=None, LAZY_RESCALE: gl.constexpr = False):
     """One split, item or segment: tokens [start, end) against the Q in shared memory
     (its ``q_phase``-th load), after ``g0`` earlier steps of this program. ``RANGE``: the
     last QK releases Q for the next segment's request. ``FINAL``: where ``final`` holds (a
     request that is this one segment), the output goes to ``out_ptr`` (and, with
     ``WRITE_OUT_LSE``, the natural-log LSE to ``out_lse_ptr``) instead of a partial.
-    ``ONE_RESCALE``: each step in ``_one_rescale_step``'s order. ``MULTI_TOKEN``: the
+    ``ONE_RESCALE``: each step in ``_one_rescale_step``'s order; ``LAZY_RESCALE``: in
+    ``seesaw_lazy.lazy_step``'s (256-column PVs). ``MULTI_TOKEN``: the
     rows are a verify step's query tokens x heads from row ``row0`` of the request, token
     j's rows (``rows_per_token`` each) seeing the positions before ``first_limit`` + j; a
     row that sees none here gets zeros and LSE -inf. ``PV_COLS``: the width of O's
@@ -299,7 +241,10 @@ def warpgroup_compute(q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps, q
         st = phase * NUM_STATS  # this step's set of row statistics
         # Each tile's P goes to its rope box, free once its QK is done.
         p_box = rope_box(kv_s, rope_s, PARITY, PV_COLS)
-        if ONE_RESCALE:
+        if LAZY_RESCALE:
+            m_i, l_i, o = lazy_step(s, p_box, kv_s, rope_s, stats_s, bars, phase, st, m_i,
+                                    l_i, o, qk_scale_log2, PARITY, mma, mma_o, MULTI_TOKEN)
+        elif ONE_RESCALE:
             m_i, l_i, o = _one_rescale_step(
                 s, kv_s, rope_s, stats_s, bars, phase, st, m_i, l_i, o, qk_scale_log2,
                 PARITY, mma, mma_o, MULTI_TOKEN, PV_COLS)
@@ -308,7 +253,7 @@ def warpgroup_compute(q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps, q
             # so the scale folds into the exponent's multiply-add.
             # A holds a live token (for every row but a verify step's early ones).
             m_a = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale_log2)
-            m_ae = _finite(m_a) if MULTI_TOKEN else m_a
+            m_ae = finite_max(m_a) if MULTI_TOKEN else m_a
             alpha_a = gl.exp2(m_i - m_ae)
             stats_s.index(st + S_MA).store(m_a)
             stats_s.index(st + S_ALPHA_A).store(alpha_a)
@@ -322,15 +267,15 @@ def warpgroup_compute(q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps, q
             stats_s.index(st + S_SUM_A).store(sum_a)
             fence_async_shared()
             mbarrier.arrive(bars.index(B_PA))
-            o = _o_scale(o, alpha_a, mma_o, PV_COLS)
-            o = _pv(gl.convert_layout(p, a_op), kv_s, 0, o, 0, PV_COLS)
+            o = o_scale(o, alpha_a, mma_o, PV_COLS)
+            o = pv(gl.convert_layout(p, a_op), kv_s, 0, o, 0, PV_COLS)
             mbarrier.arrive(bars.index(B_FREE_OWN + 0))
             mbarrier.wait(bars.index(B_PB), phase)
             alpha_b = stats_s.index(st + S_ALPHA_B).load(rows)
             m_b = stats_s.index(st + S_MB).load(rows)
             sum_b = stats_s.index(st + S_SUM_B).load(rows)
-            o = _o_scale(o, alpha_b, mma_o, PV_COLS)
-            o = _pv(rope_box(kv_s, rope_s, 1, PV_COLS), kv_s, 1, o, 0, PV_COLS)
+            o = o_scale(o, alpha_b, mma_o, PV_COLS)
+            o = pv(rope_box(kv_s, rope_s, 1, PV_COLS), kv_s, 1, o, 0, PV_COLS)
             mbarrier.arrive(bars.index(B_FREE_CROSS + 1))
         else:
             mbarrier.wait(bars.index(B_MA), phase)
@@ -338,7 +283,7 @@ def warpgroup_compute(q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps, q
             alpha_a = stats_s.index(st + S_ALPHA_A).load(rows)
             # Tile B may lie past the end (all -inf): then m_b = m_a.
             m_b = gl.maximum(m_a, gl.max(s, axis=1) * qk_scale_log2)
-            m_be = _finite(m_b) if MULTI_TOKEN else m_b
+            m_be = finite_max(m_b) if MULTI_TOKEN else m_b
             alpha_b = gl.exp2(m_a - m_be)
             p32 = gl.exp2(s * qk_scale_log2 - m_be[:, None])
             sum_b = gl.sum(p32, axis=1)
@@ -351,13 +296,13 @@ def warpgroup_compute(q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps, q
             mbarrier.arrive(bars.index(B_PB))
             mbarrier.wait(bars.index(B_PA), phase)
             sum_a = stats_s.index(st + S_SUM_A).load(rows)
-            o = _o_scale(o, alpha_a, mma_o, PV_COLS)
-            o = _pv(rope_box(kv_s, rope_s, 0, PV_COLS), kv_s, 0, o, HALF_CHUNKS, PV_COLS)
+            o = o_scale(o, alpha_a, mma_o, PV_COLS)
+            o = pv(rope_box(kv_s, rope_s, 0, PV_COLS), kv_s, 0, o, HALF_CHUNKS, PV_COLS)
             mbarrier.arrive(bars.index(B_FREE_CROSS + 0))
-            o = _o_scale(o, alpha_b, mma_o, PV_COLS)
-            o = _pv(gl.convert_layout(p, a_op), kv_s, 1, o, HALF_CHUNKS, PV_COLS)
+            o = o_scale(o, alpha_b, mma_o, PV_COLS)
+            o = pv(gl.convert_layout(p, a_op), kv_s, 1, o, HALF_CHUNKS, PV_COLS)
             mbarrier.arrive(bars.index(B_FREE_OWN + 1))
-        if not ONE_RESCALE:
+        if not ONE_RESCALE and not LAZY_RESCALE:
             l_i = l_i * alpha_a * alpha_b + sum_a * alpha_b + sum_b
             m_i = m_b
     # This warpgroup's 256 columns of O / l, and (warpgroup 0) the LSE (a row that saw no
@@ -424,12 +369,13 @@ def warpgroup_even(q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps, qk_s
                     o_ptr, lse_ptr, stride_o_h, stride_lse_h, num_rows, WRITE_LSE: gl.constexpr,
                     ONE_SPLIT: gl.constexpr, ONE_RESCALE: gl.constexpr,
                     MULTI_TOKEN: gl.constexpr = False, first_limit=0, row0=0,
-                    rows_per_token=1, PV_COLS: gl.constexpr = 64, kv_scale_ptr=None):
+                    rows_per_token=1, PV_COLS: gl.constexpr = 64, kv_scale_ptr=None,
+                    LAZY_RESCALE: gl.constexpr = False):
     warpgroup_compute(q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
              o_ptr, lse_ptr, stride_o_h, stride_lse_h, num_rows, WRITE_LSE, ONE_SPLIT, 0,
              ONE_RESCALE=ONE_RESCALE, MULTI_TOKEN=MULTI_TOKEN, first_limit=first_limit,
              row0=row0, rows_per_token=rows_per_token, PV_COLS=PV_COLS,
-             kv_scale_ptr=kv_scale_ptr)
+             kv_scale_ptr=kv_scale_ptr, LAZY_RESCALE=LAZY_RESCALE)
 
 
 @gluon.jit
@@ -437,9 +383,10 @@ def warpgroup_odd(q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps, qk_sc
                    o_ptr, lse_ptr, stride_o_h, stride_lse_h, num_rows, WRITE_LSE: gl.constexpr,
                    ONE_SPLIT: gl.constexpr, ONE_RESCALE: gl.constexpr,
                    MULTI_TOKEN: gl.constexpr = False, first_limit=0, row0=0,
-                   rows_per_token=1, PV_COLS: gl.constexpr = 64, kv_scale_ptr=None):
+                   rows_per_token=1, PV_COLS: gl.constexpr = 64, kv_scale_ptr=None,
+                   LAZY_RESCALE: gl.constexpr = False):
     warpgroup_compute(q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
              o_ptr, lse_ptr, stride_o_h, stride_lse_h, num_rows, WRITE_LSE, ONE_SPLIT, 1,
              ONE_RESCALE=ONE_RESCALE, MULTI_TOKEN=MULTI_TOKEN, first_limit=first_limit,
              row0=row0, rows_per_token=rows_per_token, PV_COLS=PV_COLS,
-             kv_scale_ptr=kv_scale_ptr)
+             kv_scale_ptr=kv_scale_ptr, LAZY_RESCALE=LAZY_RESCALE)
