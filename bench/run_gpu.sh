@@ -51,7 +51,8 @@
 #        whole balanced steps with the plan's merge tile against units of several heads,
 #        bench/experiments/merge_tiles.py)
 #        (ncu: Nsight Compute over bench/ncu_ragged.py, then the fp8 seesaw in bench/ncu_stage1.py;
-#        ncuseesaw: the bf16 seesaw at 128 heads, its warp stalls and pipes)
+#        ncuseesaw: the bf16 seesaw at 128 heads, its warp stalls and pipes, every stall
+#        reason's share and the stalls per SASS instruction as CSV)
 #        (fp8: FP8_AB="float-32x4 ..." adds stage-1 variants, bench/fp8_sweep.py --ab)
 #        (fisweep: the sweep with FlashInfer rows, wheels installed from .whl/ if present)
 #        (threeway: the sweep with FlashInfer and FlashMLA rows: wheels from .whl/, FlashMLA
@@ -265,7 +266,19 @@ for step in $steps; do
                     --section SchedulerStats --section InstructionStats --section Occupancy \
                     python3 bench/ncu_stage1.py > "$R/ncu-seesaw-bf16.txt" 2>&1
                   grep -E "Duration|Throughput|Stall|Issue|Pipe|Eligible|Active Warps|Registers" \
-                    "$R/ncu-seesaw-bf16.txt" | tail -60 ;;
+                    "$R/ncu-seesaw-bf16.txt" | tail -60
+                  # Every stall reason's share, then the stalls per SASS instruction (the
+                  # source page of one profiled launch, as CSV).
+                  timeout 200 ncu -k regex:^seesaw_stage1 -c 1 --metrics \
+                    "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+                    python3 bench/ncu_stage1.py > "$R/ncu-seesaw-bf16-stalls.txt" 2>&1
+                  grep -E "stalled" "$R/ncu-seesaw-bf16-stalls.txt" | sort -k3 -g -r | head -25
+                  timeout 240 ncu -k regex:^seesaw_stage1 -c 1 --section SourceCounters \
+                    --section WarpStateStats -f -o "$R/ncu-seesaw-bf16" python3 bench/ncu_stage1.py \
+                    > /dev/null 2>&1 \
+                    && ncu -i "$R/ncu-seesaw-bf16.ncu-rep" --page source --csv --print-source sass \
+                      > "$R/ncu-seesaw-bf16-sass.csv" 2>&1
+                  rm -f "$R/ncu-seesaw-bf16.ncu-rep"; wc -l "$R/ncu-seesaw-bf16-sass.csv" ;;
     seesawverify) # Verify steps on the seesaw (under trial): float64 tests, then the timing
                   # against the Triton verify step and the q_len 1 step.
                   workers=(); python3 -c "import xdist" 2>/dev/null && workers=(-n 8)
