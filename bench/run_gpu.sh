@@ -38,9 +38,9 @@
 #        (stepvariants: the seesaw's step variants (lazy rescale, one-rescale order) against
 #        float64, then the split-KV seesaw with each on against off,
 #        bench/experiments/seesaw_variant_ab.py, each into its own folder; then the
-#        balanced kernels' PV width, bench/experiments/pv_cols_ab.py; STEP_VARIANTS="lazy"
-#        and STEP_VARIANT_TESTS="step_variants or row_max_jumps" pick; STEP_BALANCED=0 skips
-#        pv_cols_ab)
+#        balanced kernels with the lazy rescale against their default step,
+#        bench/experiments/balanced_variant_ab.py; STEP_VARIANTS="lazy" and
+#        STEP_VARIANT_TESTS="step_variants" pick; STEP_BALANCED=0 skips the balanced A/B)
 #        (seesawverify: verify steps on the seesaw against float64, then timed against the
 #        Triton verify step and the q_len 1 step, bench/experiments/seesaw_verify.py)
 #        (fp8seesaw: the seesaw over fp8 caches (per-tensor, V3.2) against float64, then
@@ -219,11 +219,12 @@ for step in $steps; do
                       > "$R/$variant-ab.log" 2>&1
                     tail -14 "$R/$variant-ab.log"
                   done
-                  # The balanced kernels (items, ranges, charged) with 256-column PVs
+                  # The balanced kernels (items, ranges, charged) with the lazy rescale
                   # (STEP_BALANCED=0 skips them).
                   if [ "${STEP_BALANCED:-1}" != 0 ]; then
-                    timeout 420 python3 bench/experiments/pv_cols_ab.py --out "$R" \
-                      > "$R/pv-cols-ab.log" 2>&1; tail -46 "$R/pv-cols-ab.log"
+                    timeout 420 python3 bench/experiments/balanced_variant_ab.py --variant lazy \
+                      --out "$R" > "$R/balanced-variant-ab.log" 2>&1
+                    tail -46 "$R/balanced-variant-ab.log"
                   fi ;;
     fp8seesaw) # The seesaw over fp8 caches (under trial): its float64 tests, then the A/B
                # against the bf16 seesaw and the Triton kernels on the same fp8 caches.

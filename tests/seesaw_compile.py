@@ -46,12 +46,13 @@ def compile_stage1(balanced: bool = False, ranges: bool = False, charged: bool =
     """The split-KV seesaw (its step in the one-rescale order with ``one_rescale``; its PV
     as one 256-column wgmma with ``wide_pv``, the kernels' default, else as four 64-column
     ones, kept to compare), or the one over balanced work items (``balanced``) or over tile
-    ranges (``ranges``; a charged cut's with ``charged``). ``lazy_rescale``: the split-KV
-    step under trial (256-column PVs)."""
+    ranges (``ranges``; a charged cut's with ``charged``). ``lazy_rescale``: the step under
+    trial (256-column PVs)."""
     q = torch.zeros(2, 128, 576, dtype=torch.bfloat16)
     cache = torch.zeros(8, 64, 576, dtype=torch.bfloat16)
     descriptors = dict(zip(("q_desc", "kv_desc"), seesaw.descriptors(q, cache), strict=True))
-    pv_cols = {"PV_COLS": 256 if wide_pv else 64}
+    pv_cols = {"PV_COLS": 256 if wide_pv else 64,
+               **({"LAZY_RESCALE": True} if lazy_rescale else {})}
     if ranges:
         kernel = seesaw_balanced.seesaw_range_stage1_kernel
         constants = {"PAGE_SIZE": 64, "BLOCK_B": 128, "CHARGED": charged, **pv_cols}
@@ -61,8 +62,7 @@ def compile_stage1(balanced: bool = False, ranges: bool = False, charged: bool =
     else:
         kernel = seesaw.seesaw_stage1_kernel
         constants = {"PAGE_SIZE": 64, "ONE_SPLIT": False, "WRITE_LSE": True,
-                     "ONE_RESCALE": one_rescale, "Q_LEN": q_len, **pv_cols,
-                     **({"LAZY_RESCALE": True} if lazy_rescale else {})}
+                     "ONE_RESCALE": one_rescale, "Q_LEN": q_len, **pv_cols}
     return _compile(kernel, constants, descriptors)
 
 
@@ -212,6 +212,8 @@ def main() -> None:
     wide_pv_verify = compile_stage1(q_len=4, wide_pv=True)
     lazy = compile_stage1(wide_pv=True, lazy_rescale=True)
     lazy_verify = compile_stage1(q_len=4, wide_pv=True, lazy_rescale=True)
+    lazy_balanced = compile_stage1(balanced=True, wide_pv=True, lazy_rescale=True)
+    lazy_charged = compile_stage1(ranges=True, charged=True, wide_pv=True, lazy_rescale=True)
     fp8_tensor = compile_fp8_stage1()
     fp8_v32 = compile_fp8_stage1(v32=True)
     fp8_ahead = compile_fp8_stage1(prefetch_ahead=2)
@@ -246,6 +248,8 @@ def main() -> None:
                       "wide_pv_charged": summary(wide_pv_charged),
                       "wide_pv_q_len_4": summary(wide_pv_verify),
                       "lazy_rescale": summary(lazy), "lazy_rescale_q_len_4": summary(lazy_verify),
+                      "lazy_rescale_balanced": summary(lazy_balanced),
+                      "lazy_rescale_charged": summary(lazy_charged),
                       "fp8_tensor": summary(fp8_tensor), "fp8_v32": summary(fp8_v32),
                       "fp8_charged": summary(fp8_charged), "fp8_items": summary(fp8_items),
                       "fp8_tensor_prefetch_2": summary(fp8_ahead),

@@ -233,11 +233,14 @@ def test_seesaw_compiles_for_sm90_within_shared_memory():
     assert report["head_blocked_merge_spill_bytes"] in (None, 0), report
     # The lazy step (under trial): within the budget, both of its second-PV paths (rescale
     # due: drain, rescale, issue; else: queue behind the first PV, keep it in flight).
-    for kernel in (report["lazy_rescale"], report["lazy_rescale_q_len_4"]):
+    for lazy, default in (("lazy_rescale", "wide_pv"), ("lazy_rescale_q_len_4", "wide_pv_q_len_4"),
+                          ("lazy_rescale_balanced", "wide_pv_balanced"),
+                          ("lazy_rescale_charged", "wide_pv_charged")):
+        kernel = report[lazy]
         assert kernel["shared_bytes"] <= 227 * 1024, report
         assert kernel["requested_registers"] == [240, 24], report
-        assert kernel["wgmma_waits_one_left"] > report["wide_pv"]["wgmma_waits_one_left"]
-        assert kernel["wgmma_n256"] > report["wide_pv"]["wgmma_n256"], report
+        assert kernel["wgmma_waits_one_left"] > report[default]["wgmma_waits_one_left"], lazy
+        assert kernel["wgmma_n256"] > report[default]["wgmma_n256"], lazy
     # The one-rescale step issues as many wgmma, with two fewer drains and one O rescale
     # per warpgroup and step instead of two.
     assert report["one_rescale"]["wgmma"] == report["wgmma"], report
@@ -291,15 +294,17 @@ def test_gpu_balanced_seesaw_matches_float64(lens, heads, ranges, seeded):
                                   [1, 31, 0, 4095, 128, 129], [100000] + [1024] * 31])
 @pytest.mark.parametrize("heads", [16, 128])
 @pytest.mark.parametrize("ranges", [None, 3, "charged-0", "charged-3"])
-def test_gpu_balanced_seesaw_step_variants_match_float64(lens, heads, ranges, seeded,
+@pytest.mark.parametrize("variant", [{"pv_cols": 64}, {"lazy_rescale": True}],
+                         ids=["pv64", "lazy"])
+def test_gpu_balanced_seesaw_step_variants_match_float64(lens, heads, ranges, variant, seeded,
                                                          monkeypatch):
     """The balanced seesaw kernels with 64-column PVs (kept to compare; 256 is the
-    default), through the whole balanced path."""
+    default) and with the lazy rescale (under trial), through the whole balanced path."""
     from graphbucket.kernels import launch_balanced
 
     for name in ("launch_seesaw_balanced_stage1", "launch_seesaw_range_stage1"):
         monkeypatch.setattr(launch_balanced, name,
-                            functools.partial(getattr(launch_balanced, name), pv_cols=64))
+                            functools.partial(getattr(launch_balanced, name), **variant))
     balanced_seesaw_matches_float64(lens, heads, ranges, seeded)
 
 

@@ -127,13 +127,15 @@ def launch_seesaw_balanced_stage1(q: torch.Tensor, kv_cache: torch.Tensor,
                                   workspace: SplitWorkspace, *, plan: LaunchPlan,
                                   sm_scale: float, out: torch.Tensor,
                                   lse: torch.Tensor | None = None, pv_cols: int | None = None,
-                                  kv_scale: torch.Tensor | None = None) -> None:
+                                  kv_scale: torch.Tensor | None = None,
+                                  lazy_rescale: bool = False) -> None:
     """Stage 1 by the Gluon seesaw over the step's items (unchecked; where ``runs_seesaw``
     or ``runs_seesaw_over_fp8`` holds): a request of one item gets its output in ``out``
     (and ``lse``), every other item its partial in the workspace, for the merge to combine.
-    ``pv_cols``: the PV width (``kernels.seesaw_step``; default the kernel's). An fp8 cache
-    (a per-tensor one with its ``kv_scale``) is read by the fp8 seesaw's converter; its
-    items must be planned in 64-token tiles."""
+    ``pv_cols``: the PV width (``kernels.seesaw_step``; default the kernel's);
+    ``lazy_rescale``: the step under trial (``kernels.seesaw_lazy``). An fp8 cache (a
+    per-tensor one with its ``kv_scale``) is read by the fp8 seesaw's converter; its items
+    must be planned in 64-token tiles."""
     # Imported here: Gluon's sm_90 modules load only where the seesaw runs.
     from graphbucket.kernels.seesaw import ROWS
     from graphbucket.kernels.seesaw_balanced import seesaw_balanced_stage1_kernel
@@ -147,8 +149,16 @@ def launch_seesaw_balanced_stage1(q: torch.Tensor, kv_cache: torch.Tensor,
         sm_scale * LOG2E, block_table.stride(0), part_o.stride(0), part_o.stride(1),
         part_lse.stride(0), out.stride(0), out.stride(1), 0 if lse is None else lse.stride(0),
         PAGE_SIZE=kv_cache.shape[1], BLOCK_B=max(128, scan_block(batch)),
-        WRITE_LSE=lse is not None, **({"PV_COLS": pv_cols} if pv_cols is not None else {}),
-        **fp8_args, num_warps=4)
+        WRITE_LSE=lse is not None, **_step_args(pv_cols, lazy_rescale), **fp8_args,
+        num_warps=4)
+
+
+def _step_args(pv_cols: int | None, lazy_rescale: bool) -> dict:
+    """The seesaw step's options that differ from the kernel's defaults."""
+    if lazy_rescale and pv_cols == 64:
+        raise ValueError("lazy_rescale runs on 256-column PVs; leave pv_cols out")
+    return {**({"PV_COLS": pv_cols} if pv_cols is not None else {}),
+            **({"LAZY_RESCALE": True} if lazy_rescale else {})}
 
 
 def _seesaw_inputs(q: torch.Tensor, kv_cache: torch.Tensor, kv_scale: torch.Tensor | None
@@ -191,11 +201,13 @@ def launch_seesaw_range_stage1(q: torch.Tensor, kv_cache: torch.Tensor,
                                sm_scale: float, out: torch.Tensor,
                                lse: torch.Tensor | None = None,
                                pv_cols: int | None = None,
-                               kv_scale: torch.Tensor | None = None) -> None:
+                               kv_scale: torch.Tensor | None = None,
+                               lazy_rescale: bool = False) -> None:
     """Stage 1 by the Gluon seesaw on persistent programs over tile ranges (unchecked;
     where ``runs_seesaw`` holds): one partial per (request, program) segment; a request
     left whole gets its output in ``out`` (and ``lse``) instead.
-    ``pv_cols``: the PV width (``kernels.seesaw_step``; default the kernel's). An fp8 cache
+    ``pv_cols``: the PV width (``kernels.seesaw_step``; default the kernel's);
+    ``lazy_rescale``: the step under trial (``kernels.seesaw_lazy``). An fp8 cache
     (where ``runs_seesaw_over_fp8`` holds; a per-tensor one with its ``kv_scale``) is read
     by the fp8 seesaw's converter."""
     from graphbucket.kernels.seesaw import ROWS
@@ -213,8 +225,8 @@ def launch_seesaw_range_stage1(q: torch.Tensor, kv_cache: torch.Tensor,
         block_table.stride(0), part_o.stride(0), part_o.stride(1), part_lse.stride(0),
         out.stride(0), out.stride(1), 0 if lse is None else lse.stride(0),
         PAGE_SIZE=kv_cache.shape[1], BLOCK_B=max(128, scan_block(batch)), CHARGED=charged,
-        WRITE_LSE=lse is not None, **({"PV_COLS": pv_cols} if pv_cols is not None else {}),
-        **fp8_args, num_warps=4)
+        WRITE_LSE=lse is not None, **_step_args(pv_cols, lazy_rescale), **fp8_args,
+        num_warps=4)
 
 
 def launch_balanced_merge(out: torch.Tensor, workspace: SplitWorkspace, *, plan: LaunchPlan,

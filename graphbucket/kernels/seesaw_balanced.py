@@ -47,14 +47,14 @@ def seesaw_balanced_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, ITEM_I
                                   PAGE_SIZE: gl.constexpr, BLOCK_B: gl.constexpr,
                                   WRITE_LSE: gl.constexpr = False, PV_COLS: gl.constexpr = 256,
                                   KV_FP8: gl.constexpr = 0, Q=None, KV8=None, KV_SCALE=None,
-                                  q_rows=0):
+                                  q_rows=0, LAZY_RESCALE: gl.constexpr = False):
     """The seesaw over balanced work items (``kernels/balanced.py``'s partition of the
     step's tiles, computed on the device): grid (head blocks, most items), program i takes
     item i when the step has that many. A request of one item gets its output in OUT (and
     with ``WRITE_LSE`` its LSE in LSE) here, which the merge then leaves alone; every other
     item writes a float32 partial (log2 LSE) for the balanced merge. ``PV_COLS``: the PV
-    width (``seesaw_step``). ``KV_FP8``: an fp8 cache, as ``seesaw_range_stage1_kernel``
-    takes it."""
+    width (``seesaw_step``); ``LAZY_RESCALE``: ``seesaw_lazy``'s step (under trial).
+    ``KV_FP8``: an fp8 cache, as ``seesaw_range_stage1_kernel`` takes it."""
     head_block = gl.program_id(0)
     item = gl.program_id(1)
     if item < gl.load(ITEM_INDPTR + batch):
@@ -75,10 +75,10 @@ def seesaw_balanced_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, ITEM_I
         gl.warp_specialize([
             (_item_even, (q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps,
                           qk_scale_log2, o_ptr, lse_ptr, stride_po_h, num_rows, whole, out_ptr,
-                          out_lse_ptr, stride_o_h, WRITE_LSE, pv, KV_SCALE)),
+                          out_lse_ptr, stride_o_h, WRITE_LSE, pv, KV_SCALE, LAZY_RESCALE)),
             (_item_odd, (q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps,
                          qk_scale_log2, o_ptr, lse_ptr, stride_po_h, num_rows, whole, out_ptr,
-                         out_lse_ptr, stride_o_h, WRITE_LSE, pv, KV_SCALE)),
+                         out_lse_ptr, stride_o_h, WRITE_LSE, pv, KV_SCALE, LAZY_RESCALE)),
             (tile_source, (q_desc, kv_desc, Q, KV8, BLOCK_TABLE + bid * stride_bt_b, q_s,
                            kv_s, rope_s, bars, bid * num_heads + h0, q_rows, start, end,
                            num_steps, PAGE_SIZE, 0, pv, KV_FP8)),
@@ -88,23 +88,25 @@ def seesaw_balanced_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, ITEM_I
 @gluon.jit
 def _item_even(q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps, qk_scale_log2, o_ptr,
                lse_ptr, stride_po_h, num_rows, whole, out_ptr, out_lse_ptr, stride_o_h,
-               WRITE_LSE: gl.constexpr, PV_COLS: gl.constexpr, kv_scale_ptr=None):
+               WRITE_LSE: gl.constexpr, PV_COLS: gl.constexpr, kv_scale_ptr=None,
+               LAZY_RESCALE: gl.constexpr = False):
     warpgroup_compute(q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
                       o_ptr, lse_ptr, stride_po_h, 1, num_rows, False, False, 0, final=whole,
                       out_ptr=out_ptr, out_lse_ptr=out_lse_ptr, stride_out_h=stride_o_h,
                       FINAL=True, WRITE_OUT_LSE=WRITE_LSE, PV_COLS=PV_COLS,
-                      kv_scale_ptr=kv_scale_ptr)
+                      kv_scale_ptr=kv_scale_ptr, LAZY_RESCALE=LAZY_RESCALE)
 
 
 @gluon.jit
 def _item_odd(q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps, qk_scale_log2, o_ptr,
               lse_ptr, stride_po_h, num_rows, whole, out_ptr, out_lse_ptr, stride_o_h,
-              WRITE_LSE: gl.constexpr, PV_COLS: gl.constexpr, kv_scale_ptr=None):
+              WRITE_LSE: gl.constexpr, PV_COLS: gl.constexpr, kv_scale_ptr=None,
+              LAZY_RESCALE: gl.constexpr = False):
     warpgroup_compute(q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps, qk_scale_log2,
                       o_ptr, lse_ptr, stride_po_h, 1, num_rows, False, False, 1, final=whole,
                       out_ptr=out_ptr, out_lse_ptr=out_lse_ptr, stride_out_h=stride_o_h,
                       FINAL=True, WRITE_OUT_LSE=WRITE_LSE, PV_COLS=PV_COLS,
-                      kv_scale_ptr=kv_scale_ptr)
+                      kv_scale_ptr=kv_scale_ptr, LAZY_RESCALE=LAZY_RESCALE)
 
 
 @gluon.jit
@@ -221,7 +223,8 @@ def _word(desc, words, which: gl.constexpr):
 def _range_compute(q_s, kv_s, rope_s, stats_s, bars, desc_s, PART_O, PART_LSE, OUT, LSE, segments,
                    num_heads, qk_scale_log2, stride_po_i, stride_po_h, stride_pl_i, stride_o_b,
                    stride_o_h, stride_lse_b, PARITY: gl.constexpr,
-                   WRITE_LSE: gl.constexpr, PV_COLS: gl.constexpr, kv_scale_ptr):
+                   WRITE_LSE: gl.constexpr, PV_COLS: gl.constexpr, kv_scale_ptr,
+                   LAZY_RESCALE: gl.constexpr = False):
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     words = gl.arange(0, DESC_WORDS, layout)
     for seg in range(segments):
@@ -241,29 +244,30 @@ def _range_compute(q_s, kv_s, rope_s, stats_s, bars, desc_s, PART_O, PART_LSE, O
                           _word(desc, words, D_FINAL),
                           OUT + bid * stride_o_b + h0 * stride_o_h,
                           LSE + bid * stride_lse_b + h0, stride_o_h, True, WRITE_LSE,
-                          PV_COLS=PV_COLS, kv_scale_ptr=kv_scale_ptr)
+                          PV_COLS=PV_COLS, kv_scale_ptr=kv_scale_ptr,
+                          LAZY_RESCALE=LAZY_RESCALE)
 
 
 @gluon.jit
 def _range_even(q_s, kv_s, rope_s, stats_s, bars, desc_s, PART_O, PART_LSE, OUT, LSE, segments,
                 num_heads, qk_scale_log2, stride_po_i, stride_po_h, stride_pl_i, stride_o_b,
                 stride_o_h, stride_lse_b, WRITE_LSE: gl.constexpr,
-                PV_COLS: gl.constexpr, kv_scale_ptr=None):
+                PV_COLS: gl.constexpr, kv_scale_ptr=None, LAZY_RESCALE: gl.constexpr = False):
     _range_compute(q_s, kv_s, rope_s, stats_s, bars, desc_s, PART_O, PART_LSE, OUT, LSE, segments,
                    num_heads, qk_scale_log2, stride_po_i, stride_po_h, stride_pl_i, stride_o_b,
                    stride_o_h, stride_lse_b, 0, WRITE_LSE, PV_COLS,
-                   kv_scale_ptr)
+                   kv_scale_ptr, LAZY_RESCALE)
 
 
 @gluon.jit
 def _range_odd(q_s, kv_s, rope_s, stats_s, bars, desc_s, PART_O, PART_LSE, OUT, LSE, segments,
                num_heads, qk_scale_log2, stride_po_i, stride_po_h, stride_pl_i, stride_o_b,
                stride_o_h, stride_lse_b, WRITE_LSE: gl.constexpr,
-               PV_COLS: gl.constexpr, kv_scale_ptr=None):
+               PV_COLS: gl.constexpr, kv_scale_ptr=None, LAZY_RESCALE: gl.constexpr = False):
     _range_compute(q_s, kv_s, rope_s, stats_s, bars, desc_s, PART_O, PART_LSE, OUT, LSE, segments,
                    num_heads, qk_scale_log2, stride_po_i, stride_po_h, stride_pl_i, stride_o_b,
                    stride_o_h, stride_lse_b, 1, WRITE_LSE, PV_COLS,
-                   kv_scale_ptr)
+                   kv_scale_ptr, LAZY_RESCALE)
 
 
 @gluon.jit
@@ -275,7 +279,7 @@ def seesaw_range_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDP
                                BLOCK_B: gl.constexpr, CHARGED: gl.constexpr = False,
                                WRITE_LSE: gl.constexpr = False, PV_COLS: gl.constexpr = 256,
                                KV_FP8: gl.constexpr = 0, Q=None, KV8=None, KV_SCALE=None,
-                               q_rows=0):
+                               q_rows=0, LAZY_RESCALE: gl.constexpr = False):
     """The seesaw on persistent programs over equal ranges of the step's tiles
     (``kernels.balanced.plan_tile_ranges_kernel``): grid (head blocks, programs); program p
     takes the batch's 64-token tiles [p * per, (p + 1) * per) in request order, across
@@ -286,10 +290,10 @@ def seesaw_range_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDP
     between requests; the balanced merge combines the partials. ``CHARGED``: the ranges of
     a charged cut (``plan_tile_ranges_kernel`` with a ``CHARGE``), program p's tiles
     [RANGE_BOUNDS[p], RANGE_BOUNDS[p + 1]) and a request's first program in
-    FIRST_PROGRAM. ``PV_COLS``:
-    the PV width (``seesaw_step``). ``KV_FP8``: an fp8 cache, 1 per-tensor
-    (KV_SCALE its scale), 2 V3.2, read by ``seesaw_fp8``'s converter from Q (bf16, q_rows
-    rows) and KV8 instead of the descriptors (None), with 256-column PVs."""
+    FIRST_PROGRAM. ``PV_COLS``: the PV width (``seesaw_step``); ``LAZY_RESCALE``:
+    ``seesaw_lazy``'s step (under trial). ``KV_FP8``: an fp8 cache, 1 per-tensor (KV_SCALE
+    its scale), 2 V3.2, read by ``seesaw_fp8``'s converter from Q (bf16, q_rows rows) and
+    KV8 instead of the descriptors (None), with 256-column PVs."""
     head_block = gl.program_id(0)
     program = gl.program_id(1)
     if CHARGED:
@@ -315,11 +319,11 @@ def seesaw_range_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDP
             (_range_even, (q_s, kv_s, rope_s, stats_s, bars, desc_s, PART_O, PART_LSE, OUT, LSE,
                            segments, num_heads, qk_scale_log2, stride_po_i, stride_po_h,
                            stride_pl_i, stride_o_b, stride_o_h, stride_lse_b, WRITE_LSE,
-                           pv, KV_SCALE)),
+                           pv, KV_SCALE, LAZY_RESCALE)),
             (_range_odd, (q_s, kv_s, rope_s, stats_s, bars, desc_s, PART_O, PART_LSE, OUT, LSE,
                           segments, num_heads, qk_scale_log2, stride_po_i, stride_po_h,
                           stride_pl_i, stride_o_b, stride_o_h, stride_lse_b, WRITE_LSE,
-                          pv, KV_SCALE)),
+                          pv, KV_SCALE, LAZY_RESCALE)),
             (_range_loader, (q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDPTR, ITEM_INDPTR,
                              FIRST_PROGRAM, q_s, kv_s, rope_s, bars, desc_s, first, last,
                              segments, per, program, batch, num_heads, h0, stride_bt_b, PAGE_SIZE,

@@ -1,15 +1,16 @@
-"""The balanced seesaw kernels with 64-column PVs (the default) against 256-column PVs (under
-trial, ``kernels/seesaw_step.py``), in one process on the same inputs: each checked against
-the Triton balanced stage 1, then timed as interleaved CUDA-graph replays with a cold L2
-(``time_replays_paired``), the step partitioned once per replay as a decode step's layers
-do. Ragged mixes at batch 32 and 64 and one uniform batch, 128 and 16 heads, over work
-items, equal tile ranges and the charged cut. (The split-KV kernel's A/B is
-``seesaw_variant_ab.py`` against a copy with ``PV_COLS`` flipped: ``run_gpu.sh
-stepvariants``.)
+"""The balanced seesaw kernels with a step variant against their default step, in one
+process on the same inputs: each checked against the Triton balanced stage 1, then timed as
+interleaved CUDA-graph replays with a cold L2 (``time_replays_paired``), the step
+partitioned once per replay as a decode step's layers do. Ragged mixes at batch 32 and 64
+and one uniform batch, 128 and 16 heads, over work items, equal tile ranges and the charged
+cut. Variants: ``lazy`` (``kernels/seesaw_lazy.py``, under trial) and ``pv-cols-64``
+(64-column PVs, kept to compare). (The split-KV kernel's A/B is ``seesaw_variant_ab.py``
+against a copy with a default flipped: ``run_gpu.sh stepvariants``.)
 
-    python3 bench/experiments/pv_cols_ab.py --out DIR
+    python3 bench/experiments/balanced_variant_ab.py --variant lazy --out DIR
 
-Writes DIR/pv-cols-ab.{json,md}; ``wide_over_narrow`` below 1 means 256-column PVs win.
+Writes DIR/balanced-variant-ab-VARIANT.{json,md}; ``variant_over_default`` below 1 means the
+variant wins.
 """
 
 from __future__ import annotations
@@ -34,11 +35,13 @@ TOP = 131072
 KERNELS = {"items": {}, "ranges": {"tile_ranges": True},
            "charged": {"tile_ranges": True, "charged_ranges": True}}
 STAGE1 = ("launch_seesaw_balanced_stage1", "launch_seesaw_range_stage1")
+VARIANTS = {"lazy": {"lazy_rescale": True}, "pv-cols-64": {"pv_cols": 64}}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_out_argument(p, "pv-cols-ab.{json,md}")
+    add_out_argument(p, "balanced-variant-ab-VARIANT.{json,md}")
+    p.add_argument("--variant", choices=sorted(VARIANTS), default="lazy")
     p.add_argument("--heads", type=int, nargs="+", default=[128, 16])
     p.add_argument("--reps", type=int, default=7, help="interleaved rounds per cell")
     return p.parse_args(argv)
@@ -51,7 +54,7 @@ def shapes() -> list[tuple[str, list[int]]]:
     return cells + [("64 x uniform-4096", [4096] * 64)]
 
 
-def measure(heads_list: list[int], reps: int) -> list[dict]:
+def measure(heads_list: list[int], reps: int, variant: str) -> list[dict]:
     import torch
 
     from bench.common import inputs, random_cache
@@ -62,9 +65,11 @@ def measure(heads_list: list[int], reps: int) -> list[dict]:
 
     originals = {name: getattr(launch_balanced, name) for name in STAGE1}
 
-    def use(pv_cols: int) -> None:  # the launchers mla_decode_balanced calls, by width
+    options = {"default": {}, "variant": VARIANTS[variant]}
+
+    def use(which: str) -> None:  # the launchers mla_decode_balanced calls
         for name, fn in originals.items():
-            setattr(launch_balanced, name, functools.partial(fn, pv_cols=pv_cols))
+            setattr(launch_balanced, name, functools.partial(fn, **options[which]))
 
     cells = shapes()
     cache = random_cache(max(sum(-(-n // 64) for n in lens) for _, lens in cells))
@@ -84,32 +89,32 @@ def measure(heads_list: list[int], reps: int) -> list[dict]:
                         q[0], cache, tables[0], seq_lens, ref, ws,
                         plan=replace(plan, seesaw=False), sm_scale=sm_scale)
                     errors = {}
-                    for cols in (64, 256):
-                        use(cols)
+                    for which in options:
+                        use(which)
                         launch_balanced.mla_decode_balanced(q[0], cache, tables[0], seq_lens,
                                                             out[0], ws, plan=plan,
                                                             sm_scale=sm_scale)
-                        errors[cols] = ((out[0].float() - ref.float()).norm()
-                                        / ref.float().norm()).item()
+                        errors[which] = ((out[0].float() - ref.float()).norm()
+                                         / ref.float().norm()).item()
 
-                    def calls(cols, tables=tables, q=q, out=out, seq_lens=seq_lens, plan=plan,
+                    def calls(which, tables=tables, q=q, out=out, seq_lens=seq_lens, plan=plan,
                               ws=ws):
                         def call() -> None:
-                            use(cols)
+                            use(which)
                             for r in range(tables.shape[0]):
                                 launch_balanced.mla_decode_balanced(
                                     q[r], cache, tables[r], seq_lens, out[r], ws, plan=plan,
                                     sm_scale=sm_scale, check=False, partition=r == 0)
                         return call
 
-                    us = time_replays_paired({c: calls(c) for c in (64, 256)},
+                    us = time_replays_paired({w: calls(w) for w in options},
                                              calls_per_graph=tables.shape[0], reps=reps)
-                    row = {"heads": heads, "mix": mix, "kernel": kernel,
-                           "plan": plan.describe(), "narrow_us": round(us[64], 2),
-                           "wide_us": round(us[256], 2),
-                           "wide_over_narrow": round(us[256] / us[64], 4),
-                           "rel_err_vs_triton": {str(c): float(f"{e:.3e}")
-                                                 for c, e in errors.items()}}
+                    row = {"heads": heads, "mix": mix, "kernel": kernel, "variant": variant,
+                           "plan": plan.describe(), "default_us": round(us["default"], 2),
+                           "variant_us": round(us["variant"], 2),
+                           "variant_over_default": round(us["variant"] / us["default"], 4),
+                           "rel_err_vs_triton": {w: float(f"{e:.3e}")
+                                                 for w, e in errors.items()}}
                     rows.append(row)
                     print(json.dumps(row), flush=True)
     finally:
@@ -119,18 +124,19 @@ def measure(heads_list: list[int], reps: int) -> list[dict]:
 
 
 def markdown(meta: dict, rows: list[dict]) -> str:
-    lines = [f"# The balanced seesaw's PV width: 256 against 64 columns ({meta['gpu']})", "",
+    variant = rows[0]["variant"] if rows else "?"
+    lines = [f"# The balanced seesaw's step: {variant} against the default ({meta['gpu']})", "",
              f"{run_line(meta)}. Interleaved CUDA-graph replays, cold L2, median "
              "microseconds per call (planner once per replay); the error of each against "
              "the Triton balanced stage 1 on the same plan (relative L2).", "",
-             "| heads | mix | kernel | 64 cols us | 256 cols us | 256 / 64 | error 64 "
-             "| error 256 |",
+             "| heads | mix | kernel | default us | variant us | variant / default "
+             "| error default | error variant |",
              "|---:|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         e = r["rel_err_vs_triton"]
-        lines.append(f"| {r['heads']} | {r['mix']} | {r['kernel']} | {r['narrow_us']} | "
-                     f"{r['wide_us']} | {r['wide_over_narrow']} | {e['64']:.1e} | "
-                     f"{e['256']:.1e} |")
+        lines.append(f"| {r['heads']} | {r['mix']} | {r['kernel']} | {r['default_us']} | "
+                     f"{r['variant_us']} | {r['variant_over_default']} | "
+                     f"{e['default']:.1e} | {e['variant']:.1e} |")
     return "\n".join(lines) + "\n"
 
 
@@ -139,9 +145,9 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     if not torch.cuda.is_available():
-        sys.exit("pv_cols_ab.py times the Gluon seesaw and needs a Hopper GPU")
-    rows = measure(args.heads, args.reps)
-    report_run(args.out, "pv-cols-ab", run_meta(), rows, markdown)
+        sys.exit("balanced_variant_ab.py times the Gluon seesaw and needs a Hopper GPU")
+    rows = measure(args.heads, args.reps, args.variant)
+    report_run(args.out, f"balanced-variant-ab-{args.variant}", run_meta(), rows, markdown)
 
 
 if __name__ == "__main__":
