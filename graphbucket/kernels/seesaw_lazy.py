@@ -15,28 +15,23 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    mbarrier,
-    warpgroup_mma_wait,
-)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma_wait
 
+from graphbucket.kernels.seesaw_handoff import (
+    publish_tile_a,
+    publish_tile_b,
+    tile_a_max,
+    tile_b_stats,
+)
 from graphbucket.kernels.seesaw_layout import (
     B_FREE_CROSS,
     B_FREE_OWN,
-    B_MA,
     B_PA,
-    B_PB,
     HALF_CHUNKS,
-    S_ALPHA_A,
-    S_ALPHA_B,
-    S_MA,
-    S_MB,
     S_SUM_A,
-    S_SUM_B,
     rope_box,
 )
-from graphbucket.kernels.seesaw_pv import finite_max, o_scale, pv_issue, pv_wait
+from graphbucket.kernels.seesaw_pv import o_scale, pv_issue, pv_wait
 
 # How far a tile's row max may pass the running one before the running one moves (log2
 # units): P and the accumulators grow by at most 2^8 meanwhile.
@@ -86,44 +81,20 @@ def lazy_step(s, p_box, kv_s, rope_s, stats_s, bars, phase, st, m_i, l_i, o, qk_
     rows: gl.constexpr = gl.SliceLayout(1, mma)
     if PARITY == 0:
         m_a = _lazy_max(m_i, s, qk_scale_log2)
-        m_ae = finite_max(m_a) if MULTI_TOKEN else m_a
-        alpha_a = gl.exp2(m_i - m_ae)
-        stats_s.index(st + S_MA).store(m_a)
-        stats_s.index(st + S_ALPHA_A).store(alpha_a)
-        mbarrier.arrive(bars.index(B_MA))
-        p32 = gl.exp2(s * qk_scale_log2 - m_ae[:, None])
-        sum_a = gl.sum(p32, axis=1)
-        p = p32.to(kv_s.dtype)
-        p_box.store(p)
-        stats_s.index(st + S_SUM_A).store(sum_a)
-        fence_async_shared()
-        mbarrier.arrive(bars.index(B_PA))
+        alpha_a, sum_a, p = publish_tile_a(s, m_i, m_a, p_box, stats_s, bars, st,
+                                           qk_scale_log2, MULTI_TOKEN)
         if _due(alpha_a):  # O is complete here: the last step waited on its PVs
             o = o_scale(o, alpha_a, mma_o, 256)
         o = pv_issue(gl.convert_layout(p, a_op), kv_s, 0, o, 0, 256)
-        mbarrier.wait(bars.index(B_PB), phase)
-        alpha_b = stats_s.index(st + S_ALPHA_B).load(rows)
-        m_b = stats_s.index(st + S_MB).load(rows)
-        sum_b = stats_s.index(st + S_SUM_B).load(rows)
+        alpha_b, m_b, sum_b = tile_b_stats(stats_s, bars, st, phase, rows)
         o = _second_pv(rope_box(kv_s, rope_s, 1, 256), kv_s, o, alpha_b,
                        bars.index(B_FREE_OWN + 0), 0, mma_o)
         mbarrier.arrive(bars.index(B_FREE_CROSS + 1))
     else:
-        mbarrier.wait(bars.index(B_MA), phase)
-        m_a = stats_s.index(st + S_MA).load(rows)
-        alpha_a = stats_s.index(st + S_ALPHA_A).load(rows)
+        m_a, alpha_a = tile_a_max(stats_s, bars, st, phase, rows)
         m_b = _lazy_max(m_a, s, qk_scale_log2)
-        m_be = finite_max(m_b) if MULTI_TOKEN else m_b
-        alpha_b = gl.exp2(m_a - m_be)
-        p32 = gl.exp2(s * qk_scale_log2 - m_be[:, None])
-        sum_b = gl.sum(p32, axis=1)
-        p = p32.to(kv_s.dtype)
-        p_box.store(p)
-        stats_s.index(st + S_ALPHA_B).store(alpha_b)
-        stats_s.index(st + S_MB).store(m_b)
-        stats_s.index(st + S_SUM_B).store(sum_b)
-        fence_async_shared()
-        mbarrier.arrive(bars.index(B_PB))
+        alpha_b, sum_b, p = publish_tile_b(s, m_a, m_b, p_box, stats_s, bars, st,
+                                           qk_scale_log2, MULTI_TOKEN)
         mbarrier.wait(bars.index(B_PA), phase)
         sum_a = stats_s.index(st + S_SUM_A).load(rows)
         if _due(alpha_a):

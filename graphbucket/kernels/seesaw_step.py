@@ -20,6 +20,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from graphbucket.kernels.seesaw_handoff import (
+    publish_tile_a,
+    publish_tile_b,
+    tile_a_max,
+    tile_b_stats,
+)
 from graphbucket.kernels.seesaw_layout import (
     B_FREE_CROSS,
     B_FREE_OWN,
@@ -35,8 +41,6 @@ from graphbucket.kernels.seesaw_layout import (
     HALF_CHUNKS,
     NUM_STATS,
     ROWS,
-    S_ALPHA_A,
-    S_ALPHA_B,
     S_MA,
     S_MB,
     S_SUM_A,
@@ -253,47 +257,21 @@ def warpgroup_compute(q_s, kv_s, rope_s, stats_s, bars, start, end, num_steps, q
             # so the scale folds into the exponent's multiply-add.
             # A holds a live token (for every row but a verify step's early ones).
             m_a = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale_log2)
-            m_ae = finite_max(m_a) if MULTI_TOKEN else m_a
-            alpha_a = gl.exp2(m_i - m_ae)
-            stats_s.index(st + S_MA).store(m_a)
-            stats_s.index(st + S_ALPHA_A).store(alpha_a)
-            mbarrier.arrive(bars.index(B_MA))
-            p32 = gl.exp2(s * qk_scale_log2 - m_ae[:, None])
-            sum_a = gl.sum(p32, axis=1)
-            p = p32.to(kv_s.dtype)
-            # P_A unscaled to WG1 at once (it rescales by alpha_B itself), so tile A is
-            # released after both warpgroups' first PV.
-            p_box.store(p)
-            stats_s.index(st + S_SUM_A).store(sum_a)
-            fence_async_shared()
-            mbarrier.arrive(bars.index(B_PA))
+            alpha_a, sum_a, p = publish_tile_a(s, m_i, m_a, p_box, stats_s, bars, st,
+                                               qk_scale_log2, MULTI_TOKEN)
             o = o_scale(o, alpha_a, mma_o, PV_COLS)
             o = pv(gl.convert_layout(p, a_op), kv_s, 0, o, 0, PV_COLS)
             mbarrier.arrive(bars.index(B_FREE_OWN + 0))
-            mbarrier.wait(bars.index(B_PB), phase)
-            alpha_b = stats_s.index(st + S_ALPHA_B).load(rows)
-            m_b = stats_s.index(st + S_MB).load(rows)
-            sum_b = stats_s.index(st + S_SUM_B).load(rows)
+            alpha_b, m_b, sum_b = tile_b_stats(stats_s, bars, st, phase, rows)
             o = o_scale(o, alpha_b, mma_o, PV_COLS)
             o = pv(rope_box(kv_s, rope_s, 1, PV_COLS), kv_s, 1, o, 0, PV_COLS)
             mbarrier.arrive(bars.index(B_FREE_CROSS + 1))
         else:
-            mbarrier.wait(bars.index(B_MA), phase)
-            m_a = stats_s.index(st + S_MA).load(rows)
-            alpha_a = stats_s.index(st + S_ALPHA_A).load(rows)
+            m_a, alpha_a = tile_a_max(stats_s, bars, st, phase, rows)
             # Tile B may lie past the end (all -inf): then m_b = m_a.
             m_b = gl.maximum(m_a, gl.max(s, axis=1) * qk_scale_log2)
-            m_be = finite_max(m_b) if MULTI_TOKEN else m_b
-            alpha_b = gl.exp2(m_a - m_be)
-            p32 = gl.exp2(s * qk_scale_log2 - m_be[:, None])
-            sum_b = gl.sum(p32, axis=1)
-            p = p32.to(kv_s.dtype)
-            p_box.store(p)
-            stats_s.index(st + S_ALPHA_B).store(alpha_b)
-            stats_s.index(st + S_MB).store(m_b)
-            stats_s.index(st + S_SUM_B).store(sum_b)
-            fence_async_shared()
-            mbarrier.arrive(bars.index(B_PB))
+            alpha_b, sum_b, p = publish_tile_b(s, m_a, m_b, p_box, stats_s, bars, st,
+                                               qk_scale_log2, MULTI_TOKEN)
             mbarrier.wait(bars.index(B_PA), phase)
             sum_a = stats_s.index(st + S_SUM_A).load(rows)
             o = o_scale(o, alpha_a, mma_o, PV_COLS)
