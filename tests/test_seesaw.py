@@ -200,6 +200,27 @@ def test_gpu_seesaw_plan_and_triton_plan_agree(seeded):
     assert rel_l2(outs[0], outs[1]) < 5e-3
 
 
+def test_lazy_rescale_asks_for_the_default_order_on_wide_pvs():
+    """The lazy step runs the default order on 256-column PVs: asked with the one-rescale
+    order or 64-column PVs, the launchers raise before anything is launched (no GPU)."""
+    from graphbucket.kernels.launch_balanced import (
+        launch_seesaw_balanced_stage1,
+        launch_seesaw_range_stage1,
+    )
+
+    plan = plan_mla_decode(2, 128, 4096, stream=SEESAW_STREAM)
+    t = torch.zeros(1)
+    for trial in ({"one_rescale": True}, {"pv_cols": 64}):
+        with pytest.raises(ValueError, match="lazy_rescale"):
+            launch_seesaw_stage1(t, t, t, t, t, None, plan=plan, sm_scale=1.0, lse=None,
+                                 lazy_rescale=True, **trial)
+    balanced = plan_balanced_mla_decode(2, 128, stream=SEESAW_STREAM)
+    for launch in (launch_seesaw_balanced_stage1, launch_seesaw_range_stage1):
+        with pytest.raises(ValueError, match="lazy_rescale"):
+            launch(torch.zeros(2, 128, 576), t, t, t, None, plan=balanced, sm_scale=1.0, out=t,
+                   pv_cols=64, lazy_rescale=True)
+
+
 def test_seesaw_compiles_for_sm90_within_shared_memory():
     """The Gluon kernel compiles for Hopper on any machine (no GPU needed): within the 227 KB
     of shared memory one program may use, with the registers its partitions ask for, and on

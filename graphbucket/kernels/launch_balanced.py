@@ -140,6 +140,7 @@ def launch_seesaw_balanced_stage1(q: torch.Tensor, kv_cache: torch.Tensor,
     from graphbucket.kernels.seesaw import ROWS
     from graphbucket.kernels.seesaw_balanced import seesaw_balanced_stage1_kernel
 
+    step = _step_args(pv_cols, lazy_rescale)
     batch, heads, _ = q.shape
     q_desc, kv_desc, fp8_args = _seesaw_inputs(q, kv_cache, kv_scale)
     part_o, part_lse = workspace.item_o, workspace.item_lse
@@ -149,7 +150,7 @@ def launch_seesaw_balanced_stage1(q: torch.Tensor, kv_cache: torch.Tensor,
         sm_scale * LOG2E, block_table.stride(0), part_o.stride(0), part_o.stride(1),
         part_lse.stride(0), out.stride(0), out.stride(1), 0 if lse is None else lse.stride(0),
         PAGE_SIZE=kv_cache.shape[1], BLOCK_B=max(128, scan_block(batch)),
-        WRITE_LSE=lse is not None, **_step_args(pv_cols, lazy_rescale), **fp8_args,
+        WRITE_LSE=lse is not None, **step, **fp8_args,
         num_warps=4)
 
 
@@ -213,6 +214,7 @@ def launch_seesaw_range_stage1(q: torch.Tensor, kv_cache: torch.Tensor,
     from graphbucket.kernels.seesaw import ROWS
     from graphbucket.kernels.seesaw_balanced import seesaw_range_stage1_kernel
 
+    step = _step_args(pv_cols, lazy_rescale)
     batch, heads, _ = q.shape
     q_desc, kv_desc, fp8_args = _seesaw_inputs(q, kv_cache, kv_scale)
     part_o, part_lse = workspace.item_o, workspace.item_lse
@@ -225,7 +227,7 @@ def launch_seesaw_range_stage1(q: torch.Tensor, kv_cache: torch.Tensor,
         block_table.stride(0), part_o.stride(0), part_o.stride(1), part_lse.stride(0),
         out.stride(0), out.stride(1), 0 if lse is None else lse.stride(0),
         PAGE_SIZE=kv_cache.shape[1], BLOCK_B=max(128, scan_block(batch)), CHARGED=charged,
-        WRITE_LSE=lse is not None, **_step_args(pv_cols, lazy_rescale), **fp8_args,
+        WRITE_LSE=lse is not None, **step, **fp8_args,
         num_warps=4)
 
 
