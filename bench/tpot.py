@@ -271,15 +271,18 @@ def time_tpot_rounds(steps: dict[str, Callable[[], object]], *, reps: int = 7,
 
 def tpot_row(policy: str, context: int, batch: int, *, step_ms: float, floor_ms: float,
              splits: int, q_len: int = 1, kv_cache: str = "bf16",
-             kv_mb: float | None = None) -> dict:
+             kv_mb: float | None = None, plan: str | None = None) -> dict:
     """One result row: ``tpot_ms`` is the time per token (step_ms / q_len); ``floor_ms``
     the step's floor (per token likewise); ``kv_cache`` the cache format and ``kv_mb`` the
-    context's KV megabytes the step reads (per step, not per token)."""
+    context's KV megabytes the step reads (per step, not per token); ``plan`` the decode
+    plan the policy's graph replays (two policies replaying one plan differ by noise)."""
     row = {"policy": policy, "context": context, "batch": batch, "q_len": q_len,
            "tpot_ms": round(step_ms / q_len, 4), "step_ms": round(step_ms, 4),
            "floor_ms": round(floor_ms / q_len, 4), "splits": splits, "kv_cache": kv_cache}
     if kv_mb is not None:
         row["kv_mb"] = round(kv_mb, 4)
+    if plan is not None:
+        row["plan"] = plan
     return row
 
 
@@ -320,7 +323,7 @@ def measure_row(bench: TpotBench, policy: str, context: int, batch: int,
     return tpot_row(policy, context, batch, step_ms=step_ms, floor_ms=floor_ms,
                     splits=plan.num_kv_splits, q_len=q_len,
                     kv_cache=bench.model.kv_cache_format,
-                    kv_mb=bench.kv_bytes(context, batch) / 1e6)
+                    kv_mb=bench.kv_bytes(context, batch) / 1e6, plan=plan.describe())
 
 
 def run(bench: TpotBench, *, policies, contexts, batches, copy_gbps: float,

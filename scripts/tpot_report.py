@@ -218,6 +218,14 @@ def ladder_over_best_paired(cells: dict[str, dict]) -> tuple[float, float, float
     return q[1], q[0], q[2]
 
 
+def same_plan_as_best(cells: dict[str, dict]) -> bool:
+    """Whether the ladder replays the plan of the fastest other policy (rows with ``plan``):
+    then their ratio is the harness's noise, not a choice of the ladder's."""
+    lad = cells.get("ladder", {}).get("plan")
+    others = [r for p, r in cells.items() if p != "ladder"]
+    return bool(lad and others and min(others, key=lambda r: r["tpot_ms"]).get("plan") == lad)
+
+
 def worst_short(by_ctx: dict[int, dict[str, dict]], limit: int = SHORT
                 ) -> tuple[int, float] | None:
     """(context, ladder TPOT / fixed-1 TPOT) at its largest over contexts <= ``limit``."""
@@ -271,7 +279,8 @@ def markdown_batch(batch: int, by_ctx: dict[int, dict[str, dict]], ladder) -> li
         floor = _floor(cells)
         rounds = ladder_over_best_paired(cells) if paired else None
         extra = [] if not paired else [
-            "-" if rounds is None else f"{rounds[0]:.3f} ({rounds[1]:.3f}-{rounds[2]:.3f})"]
+            "-" if rounds is None else f"{rounds[0]:.3f} ({rounds[1]:.3f}-{rounds[2]:.3f})"
+            + (" (same plan)" if same_plan_as_best(cells) else "")]
         lines.append("| " + " | ".join([fmt_context(context), bucket_label(ladder, context,
                                                                           splits, batch),
                                         *(_ms(cells.get(p)) for p in policies),

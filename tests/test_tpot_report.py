@@ -376,3 +376,20 @@ def test_the_ladder_over_the_best_policy_round_by_round(report):
     old = report.markdown_batch(8, {4096: {p: {"tpot_ms": r["tpot_ms"]} for p, r in
                                            cells.items()}}, None)
     assert "per round" not in old[2]
+
+
+def test_a_ratio_between_two_runs_of_one_plan_is_marked(report):
+    # The ladder replays fixed-max's plan: their ratio is the harness's noise.
+    rounds = [0.50, 0.52, 0.51]
+    cells = {"ladder": {"tpot_ms": 0.51, "step_ms_rounds": [0.51, 0.52, 0.52],
+                        "plan": "splits=2 seesaw"},
+             "fixed-max": {"tpot_ms": 0.50, "step_ms_rounds": rounds, "plan": "splits=2 seesaw"},
+             "fixed-1": {"tpot_ms": 0.9, "step_ms_rounds": [0.9] * 3, "plan": "splits=1"}}
+    assert report.same_plan_as_best(cells)
+    assert report.markdown_batch(8, {4096: cells}, None)[4].endswith("(same plan) |")
+    # Another plan, or rows without plans (files before the field): no mark.
+    cells["fixed-max"]["plan"] = "splits=4 seesaw"
+    assert not report.same_plan_as_best(cells)
+    assert not report.markdown_batch(8, {4096: cells}, None)[4].endswith("(same plan) |")
+    bare = {p: {k: v for k, v in r.items() if k != "plan"} for p, r in cells.items()}
+    assert not report.same_plan_as_best(bare)
