@@ -40,7 +40,8 @@
 #        bench/experiments/seesaw_variant_ab.py, each into its own folder; then the
 #        balanced kernels with the lazy rescale against their default step,
 #        bench/experiments/balanced_variant_ab.py; STEP_VARIANTS="lazy" and
-#        STEP_VARIANT_TESTS="step_variants" pick; STEP_BALANCED=0 skips the balanced A/B)
+#        STEP_VARIANT_TESTS="step_variants" pick (the tests default to the lazy step's);
+#        STEP_BALANCED=0 skips the balanced A/B)
 #        (seesawverify: verify steps on the seesaw against float64, then timed against the
 #        Triton verify step and the q_len 1 step, bench/experiments/seesaw_verify.py)
 #        (fp8seesaw: the seesaw over fp8 caches (per-tensor, V3.2) against float64, then
@@ -196,7 +197,7 @@ for step in $steps; do
                   # default flipped).
                   workers=(); python3 -c "import xdist" 2>/dev/null && workers=(-n 8)
                   timeout 420 python3 -m pytest -q "${workers[@]}" tests/test_seesaw.py -m gpu \
-                    -k "${STEP_VARIANT_TESTS:-step_variants or row_max_jumps or False-None-True}" -p no:cacheprovider \
+                    -k "${STEP_VARIANT_TESTS:-lazy or row_max_jumps or False-None-True}" -p no:cacheprovider \
                     > "$R/step-variants-tests.log" 2>&1
                   tail -3 "$R/step-variants-tests.log"
                   rescale='s/ONE_RESCALE: gl.constexpr = False,/ONE_RESCALE: gl.constexpr = True,/'
