@@ -203,7 +203,7 @@ for step in $steps; do
                   rescale='s/ONE_RESCALE: gl.constexpr = False,/ONE_RESCALE: gl.constexpr = True,/'
                   wide='s/^                         PV_COLS: gl.constexpr = 64):/                         PV_COLS: gl.constexpr = 256):/'
                   lazy='s/LAZY_RESCALE: gl.constexpr = False):/LAZY_RESCALE: gl.constexpr = True):/'
-                  for variant in ${STEP_VARIANTS:-lazy one-rescale}; do
+                  for variant in ${STEP_VARIANTS:-lazy}; do
                     case $variant in
                       one-rescale) edits=(-e "$rescale") ;;
                       wide-pv) edits=(-e "$wide") ;;
