@@ -355,6 +355,20 @@ def launch_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
     )
 
 
+def seesaw_step_args(pv_cols: int | None, lazy_rescale: bool, one_rescale: bool = False
+                     ) -> dict:
+    """A seesaw launch's step options that differ from the kernel's defaults (each left out
+    where not given, so the kernel's own default decides). The lazy step runs the default
+    order on 256-column PVs: asked with the one-rescale order or 64-column PVs, it raises
+    before anything is launched."""
+    if lazy_rescale and (one_rescale or pv_cols == 64):
+        raise ValueError("lazy_rescale runs the default step order on 256-column PVs; "
+                         "leave one_rescale and pv_cols out")
+    return {**({"ONE_RESCALE": True} if one_rescale else {}),
+            **({"PV_COLS": pv_cols} if pv_cols is not None else {}),
+            **({"LAZY_RESCALE": True} if lazy_rescale else {})}
+
+
 def launch_seesaw_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                          seq_lens: torch.Tensor, out: torch.Tensor,
                          workspace: SplitWorkspace | None, *, plan: LaunchPlan, sm_scale: float,
@@ -366,13 +380,10 @@ def launch_seesaw_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     ``one_rescale``: the step order kept for comparison (``seesaw_step._one_rescale_step``);
     ``pv_cols`` 64 or 256: the PV instructions' width (``seesaw_step``; 256 by default).
     ``lazy_rescale``: the step under trial (``seesaw_lazy``; 256-column PVs, the default
-    order). Each left out of the launch where not given, so the kernel's own default
-    decides.
+    order). Each left out where not given (``seesaw_step_args``).
     ``q_len`` above 1: q's rows are q_len tokens x heads, each token with its causal
     limit."""
-    if lazy_rescale and (one_rescale or pv_cols == 64):
-        raise ValueError("lazy_rescale runs the default step order on 256-column PVs; "
-                         "leave one_rescale and pv_cols out")
+    step = seesaw_step_args(pv_cols, lazy_rescale, one_rescale)
     # Imported here: Gluon's sm_90 modules load only where the seesaw runs.
     from graphbucket.kernels.seesaw import ROWS, TILE, descriptors, seesaw_stage1_kernel
 
@@ -385,10 +396,7 @@ def launch_seesaw_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         block_table.stride(0), out.stride(0), out.stride(1),
         0 if lse is None else lse.stride(0), *po_strides, *pl_strides,
         PAGE_SIZE=TILE.value, ONE_SPLIT=not plan.use_stage2, WRITE_LSE=lse is not None,
-        **({"ONE_RESCALE": True} if one_rescale else {}),
-        **({"PV_COLS": pv_cols} if pv_cols is not None else {}),
-        **({"LAZY_RESCALE": True} if lazy_rescale else {}),
-        **({"Q_LEN": q_len, "rows_per_token": heads // q_len} if q_len > 1 else {}),
+        **step, **({"Q_LEN": q_len, "rows_per_token": heads // q_len} if q_len > 1 else {}),
         num_warps=4)
 
 

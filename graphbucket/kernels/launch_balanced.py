@@ -23,6 +23,7 @@ from graphbucket.kernels.launch import (
     check_mla_decode_args,
     kv_tile_tokens,
     pdl_capable,
+    seesaw_step_args,
 )
 from graphbucket.kernels.seesaw_route import runs_seesaw, runs_seesaw_over_fp8
 from graphbucket.plan import LaunchPlan, pow2_ceil
@@ -140,7 +141,7 @@ def launch_seesaw_balanced_stage1(q: torch.Tensor, kv_cache: torch.Tensor,
     from graphbucket.kernels.seesaw import ROWS
     from graphbucket.kernels.seesaw_balanced import seesaw_balanced_stage1_kernel
 
-    step = _step_args(pv_cols, lazy_rescale)
+    step = seesaw_step_args(pv_cols, lazy_rescale)
     batch, heads, _ = q.shape
     q_desc, kv_desc, fp8_args = _seesaw_inputs(q, kv_cache, kv_scale)
     part_o, part_lse = workspace.item_o, workspace.item_lse
@@ -152,14 +153,6 @@ def launch_seesaw_balanced_stage1(q: torch.Tensor, kv_cache: torch.Tensor,
         PAGE_SIZE=kv_cache.shape[1], BLOCK_B=max(128, scan_block(batch)),
         WRITE_LSE=lse is not None, **step, **fp8_args,
         num_warps=4)
-
-
-def _step_args(pv_cols: int | None, lazy_rescale: bool) -> dict:
-    """The seesaw step's options that differ from the kernel's defaults."""
-    if lazy_rescale and pv_cols == 64:
-        raise ValueError("lazy_rescale runs on 256-column PVs; leave pv_cols out")
-    return {**({"PV_COLS": pv_cols} if pv_cols is not None else {}),
-            **({"LAZY_RESCALE": True} if lazy_rescale else {})}
 
 
 def _seesaw_inputs(q: torch.Tensor, kv_cache: torch.Tensor, kv_scale: torch.Tensor | None
@@ -214,7 +207,7 @@ def launch_seesaw_range_stage1(q: torch.Tensor, kv_cache: torch.Tensor,
     from graphbucket.kernels.seesaw import ROWS
     from graphbucket.kernels.seesaw_balanced import seesaw_range_stage1_kernel
 
-    step = _step_args(pv_cols, lazy_rescale)
+    step = seesaw_step_args(pv_cols, lazy_rescale)
     batch, heads, _ = q.shape
     q_desc, kv_desc, fp8_args = _seesaw_inputs(q, kv_cache, kv_scale)
     part_o, part_lse = workspace.item_o, workspace.item_lse
