@@ -13,12 +13,12 @@ measurement count and the estimated GPU time, and exits.
         --out OUT/h200-h16.json --report OUT/h200-ladder-tune.json \
         --plot OUT/h200-ladder-tune.png
 
-The balanced topology serves ragged batches only (the selector replays it where a batch's
-imbalance, longest x live / total tokens, reaches the bucket's threshold; a uniform batch
-never does). After choosing the buckets the tuner times the chosen split-KV plan against
-the balanced one on ragged mixes of its own at every capture size from 2, in each length
-range of the longest request (from ``--balanced-from``, 1024 tokens, to 4096 at powers of
-two; the buckets above 4096 cut at powers of two), and picks
+The balanced topology serves the batches whose imbalance, longest x live / total tokens,
+reaches the bucket's threshold (a threshold of 1 takes uniform batches too). After choosing
+the buckets the tuner times the chosen split-KV plan against the balanced one on ragged
+mixes of its own at every capture size from 2, in each length range of the longest request
+(from ``--balanced-from``, 1024 tokens, to 4096 at powers of two; the buckets above 4096
+cut at powers of two), and picks
 a threshold per range and capture size (``graphbucket.tuning.ragged``; a bucket a range edge
 falls inside is cut there, with its hints; ``--balanced-imbalance X`` sets one threshold
 instead, 0 off); ``bench/ladder_oracle.py`` checks it on other mixes. ``--q-len N`` tunes for verify
@@ -172,7 +172,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "never; auto (default): chosen from ragged mixes timed after the "
                          f"buckets (from the report's with --from-times; "
                          f"{DEFAULT_BALANCED_IMBALANCE} where none were timed)")
-    ap.add_argument("--balanced-from", type=int, default=BALANCED_FROM, metavar="TOKENS",
+    ap.add_argument("--balanced-from", type=int, default=None, metavar="TOKENS",
                     help="choose the ragged switch for longest requests from this length "
                          f"(default {BALANCED_FROM}; below {BALANCED_ABOVE} in power-of-two "
                          "ranges, each with its own mixes, the uniform one included); "
@@ -215,8 +215,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             ap.error(f"--from-times {args.from_times}: not readable as JSON ({e}); pass "
                      f"{report}")
-    if args.balanced_from < 1:
-        ap.error(f"--balanced-from {args.balanced_from}: a length of at least 1 token")
+    if args.balanced_from is not None:
+        if args.balanced_from < 1:
+            ap.error(f"--balanced-from {args.balanced_from}: a length of at least 1 token")
+        if args.from_times is not None and not args.retime_ragged:
+            ap.error("--balanced-from sets where the mixes are timed; a saved report's mixes "
+                     "keep their ranges: add --retime-ragged to time them again")
     if args.retime_ragged and args.from_times is None:
         ap.error("--retime-ragged re-times the mixes of a saved report: pass --from-times "
                  f"({report}); without it every mix is timed anyway")
@@ -401,7 +405,7 @@ def measure_ragged(args: argparse.Namespace, ladder, meta: dict) -> list[RaggedS
 
     heads, num_sms = meta["num_heads"], meta["num_sms"]
     # Each length range the switch is chosen for gets its own mixes, longest request in it.
-    meta["balanced_from"] = args.balanced_from
+    meta["balanced_from"] = args.balanced_from or BALANCED_FROM
     mixes = [(b, name, lens) for lo, hi in switch_ranges(ladder, meta)
              for b in meta["batches"]
              for name, lens in tuner_mixes(b, hi, above=lo)]

@@ -380,3 +380,18 @@ def test_a_range_where_balanced_wins_uniform_batches_too_sends_every_batch_there
     selector = GraphSelector(ladder.with_ragged_switches([switch]), [1, 8, 32])
     assert selector.choose([100_000] * 8).balanced and selector.choose([100_000] * 32).balanced
     assert not selector.choose([100_000]).balanced
+
+
+def test_balanced_from_on_a_saved_reports_mixes_is_a_usage_error(tmp_path, capsys):
+    # A saved report's mixes were timed from its own length: re-choosing from them with
+    # another --balanced-from would silently keep the old ranges.
+    report = tmp_path / "r.json"
+    report.write_text(json.dumps({"meta": {}, "times": []}))
+    with pytest.raises(SystemExit) as exit_info:
+        load_script("tune_ladder").main(["--from-times", str(report), "--balanced-from",
+                                         "2048", "--max-model-len", "4096"])
+    assert exit_info.value.code == 2
+    assert "--retime-ragged" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        load_script("tune_ladder").main(["--balanced-from", "0", "--dry-run"])
+    assert "at least 1 token" in capsys.readouterr().err
