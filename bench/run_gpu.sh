@@ -5,7 +5,7 @@
 # TPOT per policy, and the demo's GPU path. Run it on a CUDA machine.
 # steps: any of tests gputests balancedtests sweep fisweep capture tune tunefp8 tunemtp tunesparse
 #        tpot tpotfp8 tpotmtp ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp hostphases
-#        balancedseesaw tpotbatches tpothf stepkernels stepvariants seesawverify fp8seesaw mergetiles ncu
+#        balancedseesaw tpotbatches tpothf stepkernels stepvariants seesawverify fp8seesaw mergetiles ncu ncuspread
 #        (tpotdp: TPOT of the 128-head deepseek-v3-dp preset, the compute-bound decode)
 #        (balancedtests: the balanced kernels per capture size, the ragged switch and the
 #        oracle's host logic, on the GPU)
@@ -260,6 +260,11 @@ for step in $steps; do
                   timeout 240 ncu -k regex:seesaw_fp8 -c 4 --section MemoryWorkloadAnalysis_Tables \
                     --section WarpStateStats --section InstructionStats python3 bench/ncu_stage1.py \
                     > "$R/ncu-fp8.txt" 2>&1; grep -E "Duration|Hit Rate|Stall" "$R/ncu-fp8.txt" | head -30 ;;
+    ncuspread)    # Nsight Compute: a 128-head batch spread over 1..8K, kernel by kernel.
+                  command -v ncu > /dev/null || { echo "ncu: not installed"; continue; }
+                  timeout 240 ncu --section SpeedOfLight python3 bench/ncu_ragged.py --heads 128 \
+                    --mix spread-8k > "$R/ncu-spread.txt" 2>&1
+                  grep -E "^[0-9]+ |^  [a-z_]+.*\(|Duration" "$R/ncu-spread.txt" | tail -40 ;;
     ncuseesaw)    # Nsight Compute: the bf16 seesaw at 128 heads (8 x 64K): where its warps stall,
                   # how busy the tensor pipe and the schedulers are.
                   command -v ncu > /dev/null || { echo "ncu: not installed"; continue; }
