@@ -137,12 +137,14 @@ class SparsePlanTimer:
         """``{label: us per call}`` of each plan at ``batch`` requests of ``context``."""
         return self.time_lens([context] * batch, plans)
 
-    def time_lens(self, lens: list[int], plans: Mapping[str, SparsePlan]) -> dict[str, float]:
-        """``{label: us per call}`` of each plan over requests of lengths ``lens``."""
+    def time_lens(self, lens: list[int], plans: Mapping[str, SparsePlan],
+                  reps: int | None = None) -> dict[str, float]:
+        """``{label: us per call}`` of each plan over requests of lengths ``lens`` (``reps``
+        samples each, default the tuner's)."""
         inputs = self._inputs(lens)
         return time_replays_paired({label: self._calls(inputs, plan)
                                     for label, plan in plans.items()},
-                                   calls_per_graph=len(inputs), reps=TUNE_REPS,
+                                   calls_per_graph=len(inputs), reps=reps or TUNE_REPS,
                                    min_ms=SAMPLE_MS)
 
     def _inputs(self, lens: list[int]) -> list[dict[str, torch.Tensor]]:
