@@ -35,13 +35,14 @@
 #        (balancedseesaw: the seesaw's GPU tests, then the seesaw (split-KV and balanced)
 #        against the Triton stage 1 on ragged mixes and uniform batches, 128 heads, then 16
 #        heads on 64-row programs; SEESAW_HEADS="16" picks)
-#        (stepvariants: the seesaw's step variants (lazy rescale, one-rescale order) against
-#        float64, then the split-KV seesaw with each on against off,
-#        bench/experiments/seesaw_variant_ab.py, each into its own folder; then the
-#        balanced kernels with the lazy rescale against their default step,
-#        bench/experiments/balanced_variant_ab.py; STEP_VARIANTS="lazy" and
+#        (stepvariants: the seesaw's step options (lazy rescale, the default over bf16; eager
+#        rescale; one-rescale order; 64-column PVs) against float64, then the split-KV
+#        seesaw with each variant against the default, bench/experiments/seesaw_variant_ab.py,
+#        and the balanced kernels likewise, bench/experiments/balanced_variant_ab.py;
+#        STEP_VARIANTS="eager-rescale one-rescale pv-cols-64" and
 #        STEP_VARIANT_TESTS="step_variants" pick (the tests default to the lazy step's);
 #        STEP_BALANCED=0 skips the balanced A/B)
+#        (ncuspread: Nsight Compute over a 128-head batch spread over 1..8K, kernel by kernel)
 #        (seesawverify: verify steps on the seesaw against float64, then timed against the
 #        Triton verify step and the q_len 1 step, bench/experiments/seesaw_verify.py)
 #        (fp8seesaw: the seesaw over fp8 caches (per-tensor, V3.2) against float64, then
@@ -77,7 +78,7 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 STEPS="tests gputests balancedtests sweep fisweep capture tune tunefp8 tunemtp tunesparse retime tpot tpotfp8 tpotmtp
        ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp hostphases balancedseesaw tpotbatches
-       tpothf stepkernels stepvariants seesawverify threeway fp8seesaw mergetiles ncu ncuseesaw"
+       tpothf stepkernels stepvariants seesawverify threeway fp8seesaw mergetiles ncu ncuspread ncuseesaw"
 usage() { sed -n '2,/^set /{/^set /d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"; }
 for arg in "$@"; do
   case $arg in
@@ -190,43 +191,24 @@ for step in $steps; do
                         --out "$R" > "$R/balanced-seesaw-h$h.log" 2>&1
                       tail -36 "$R/balanced-seesaw-h$h.log"; pack
                     done ;;
-    stepvariants) # The seesaw's step variants (the lazy rescale under trial; the
-                  # one-rescale order and 64-column PVs kept to compare): their float64
-                  # tests, then the split-KV kernel with each on against the default, in one
-                  # process (the A/B's other version is this checkout's kernel with that
-                  # default flipped).
+    stepvariants) # The seesaw's step options against the default (the lazy rescale): their
+                  # float64 tests, then the split-KV kernel and the balanced kernels (items,
+                  # ranges, charged) with each variant (STEP_VARIANTS: eager-rescale,
+                  # one-rescale, pv-cols-64) against the default, in one process each.
                   workers=(); python3 -c "import xdist" 2>/dev/null && workers=(-n 8)
                   timeout 420 python3 -m pytest -q "${workers[@]}" tests/test_seesaw.py -m gpu \
                     -k "${STEP_VARIANT_TESTS:-lazy or row_max_jumps or False-None-True}" -p no:cacheprovider \
                     > "$R/step-variants-tests.log" 2>&1
                   tail -3 "$R/step-variants-tests.log"
-                  rescale='s/ONE_RESCALE: gl.constexpr = False,/ONE_RESCALE: gl.constexpr = True,/'
-                  wide='s/^                         PV_COLS: gl.constexpr = 64):/                         PV_COLS: gl.constexpr = 256):/'
-                  lazy='s/LAZY_RESCALE: gl.constexpr = False):/LAZY_RESCALE: gl.constexpr = True):/'
-                  for variant in ${STEP_VARIANTS:-lazy}; do
-                    case $variant in
-                      one-rescale) edits=(-e "$rescale") ;;
-                      wide-pv) edits=(-e "$wide") ;;
-                      both) edits=(-e "$rescale" -e "$wide") ;;
-                      lazy) edits=(-e "$lazy") ;;
-                    esac
-                    sed "${edits[@]}" graphbucket/kernels/seesaw.py > "$R/seesaw_$variant.py"
-                    changed=$(diff graphbucket/kernels/seesaw.py "$R/seesaw_$variant.py" | grep -c '^>')
-                    [ "$changed" = $(( ${#edits[@]} / 2 )) ] || {
-                      echo "stepvariants: $variant's defaults were not found" >&2; continue; }
-                    mkdir -p "$R/$variant"
+                  for variant in ${STEP_VARIANTS:-eager-rescale}; do
                     timeout 240 python3 bench/experiments/seesaw_variant_ab.py \
-                      --other "$R/seesaw_$variant.py" --out "$R/$variant" \
-                      > "$R/$variant-ab.log" 2>&1
-                    tail -14 "$R/$variant-ab.log"
-                  done
-                  # The balanced kernels (items, ranges, charged) with the lazy rescale
-                  # (STEP_BALANCED=0 skips them).
-                  if [ "${STEP_BALANCED:-1}" != 0 ]; then
-                    timeout 420 python3 bench/experiments/balanced_variant_ab.py --variant lazy \
-                      --out "$R" > "$R/balanced-variant-ab.log" 2>&1
-                    tail -46 "$R/balanced-variant-ab.log"
-                  fi ;;
+                      --variant "$variant" --out "$R" > "$R/seesaw-variant-ab-$variant.log" 2>&1
+                    tail -14 "$R/seesaw-variant-ab-$variant.log"
+                    [ "${STEP_BALANCED:-1}" = 0 ] || [ "$variant" = one-rescale ] || {
+                      timeout 420 python3 bench/experiments/balanced_variant_ab.py \
+                        --variant "$variant" --out "$R" > "$R/balanced-variant-ab-$variant.log" 2>&1
+                      tail -46 "$R/balanced-variant-ab-$variant.log"; }
+                  done ;;
     fp8seesaw) # The seesaw over fp8 caches (under trial): its float64 tests, then the A/B
                # against the bf16 seesaw and the Triton kernels on the same fp8 caches.
                workers=(); python3 -c "import xdist" 2>/dev/null && workers=(-n 8)

@@ -83,17 +83,18 @@ def test_gpu_seesaw_matches_float64(lens, heads, splits, seeded):
                                   [2048] * 8])
 @pytest.mark.parametrize("heads", [16, 128])
 @pytest.mark.parametrize("splits", [1, 3, 0])
-# The variants kept to compare: one-rescale order, 64-column PVs, both (256 is the default);
-# the lazy rescale under trial.
+# The variants kept to compare: one-rescale order, 64-column PVs, both, the eager rescale
+# (256 columns is the default); the lazy rescale (the default over bf16) asked for.
 @pytest.mark.parametrize("one_rescale, pv_cols, lazy", [(True, 64, False), (False, 64, False),
-                                                        (True, 256, False), (False, None, True)])
+                                                        (True, 256, False), (False, None, False),
+                                                        (False, None, True)])
 def test_gpu_seesaw_step_variants_match_float64(lens, heads, splits, one_rescale, pv_cols, lazy,
                                                 seeded):
     """The step variants kept to compare (``seesaw_step._one_rescale_step``: both tiles' P
     against the step's final max, one O rescale, the two PVs back to back; ``PV_COLS`` 64:
-    four m64n64k16 per 16 tokens, one per value box) and under trial (``seesaw_lazy``: the
-    running max moves only past a bound, the rescale only when one does), stage 1 then the
-    merge as ``mla_decode`` launches them."""
+    four m64n64k16 per 16 tokens, one per value box; the eager rescale, every step) and the
+    default (``seesaw_lazy``: the running max moves only past a bound, the rescale only when
+    one does), stage 1 then the merge as ``mla_decode`` launches them."""
     gen = torch.Generator().manual_seed(seeded)
     case = nan_tailed_case(lens, heads, gen)
     plan = plan_mla_decode(len(lens), heads, max(lens), stream=SEESAW_STREAM)
@@ -135,8 +136,9 @@ def test_gpu_seesaw_matches_float64_where_the_row_max_jumps(jumps, lazy, seeded)
 @pytest.mark.parametrize("heads, q_len", [(16, 2), (16, 4), (128, 2)])
 # "tile": one 64-token tile per split, up to 64 splits (short last splits).
 @pytest.mark.parametrize("splits", [1, 3, "tile"])
-@pytest.mark.parametrize("one_rescale, pv_cols, lazy", [(False, None, False), (False, 64, False),
-                                                        (True, 256, False), (False, None, True)])
+@pytest.mark.parametrize("one_rescale, pv_cols, lazy", [(False, None, None), (False, 64, False),
+                                                        (True, 256, False), (False, 256, False),
+                                                        (False, None, True)])
 def test_gpu_seesaw_verify_step_matches_per_token_float64(lens, heads, q_len, splits,
                                                            one_rescale, pv_cols, lazy, seeded):
     """A verify step on the seesaw: q_len tokens x heads rows, token j seeing the positions
@@ -155,7 +157,7 @@ def test_gpu_seesaw_verify_step_matches_per_token_float64(lens, heads, q_len, sp
     assert plan.seesaw and runs_seesaw(plan, q, case.kv_cache, q_len=q_len), plan.describe()
     sm_scale = default_sm_scale()
     ws, out, lse = nan_outputs(len(lens), rows, plan)
-    if pv_cols is None and not one_rescale and not lazy:
+    if lazy is None:  # the default (the lazy step over bf16)
         mla_decode(q, case.kv_cache, case.block_table, case.seq_lens, out, ws, plan=plan,
                    sm_scale=sm_scale, lse=lse, q_len=q_len)
     else:
@@ -198,6 +200,21 @@ def test_gpu_seesaw_plan_and_triton_plan_agree(seeded):
                    sm_scale=default_sm_scale())
         outs.append(out.float())
     assert rel_l2(outs[0], outs[1]) < 5e-3
+
+
+def test_the_lazy_step_is_the_default_wherever_it_runs():
+    """Over a bf16 cache the launchers ask for the lazy step unless told otherwise; the
+    one-rescale order, 64-column PVs and fp8 caches (whose converter it was not measured
+    with) keep the eager rescale, the kernels' own default."""
+    from graphbucket.kernels.seesaw_route import seesaw_step_args
+
+    assert seesaw_step_args(None, None) == {"LAZY_RESCALE": True}
+    assert seesaw_step_args(256, None) == {"PV_COLS": 256, "LAZY_RESCALE": True}
+    assert seesaw_step_args(None, False) == {}
+    assert seesaw_step_args(64, None) == {"PV_COLS": 64}
+    assert seesaw_step_args(None, None, one_rescale=True) == {"ONE_RESCALE": True}
+    assert seesaw_step_args(None, None, fp8=True) == {}
+    assert seesaw_step_args(None, True, fp8=True) == {"LAZY_RESCALE": True}
 
 
 def test_lazy_rescale_asks_for_the_default_order_on_wide_pvs():

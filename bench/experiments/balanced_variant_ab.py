@@ -3,11 +3,11 @@ process on the same inputs: each checked against the Triton balanced stage 1, th
 interleaved CUDA-graph replays with a cold L2 (``time_replays_paired``), the step
 partitioned once per replay as a decode step's layers do. Ragged mixes at batch 32 and 64
 and one uniform batch, 128 and 16 heads, over work items, equal tile ranges and the charged
-cut. Variants: ``lazy`` (``kernels/seesaw_lazy.py``, under trial) and ``pv-cols-64``
-(64-column PVs, kept to compare). (The split-KV kernel's A/B is ``seesaw_variant_ab.py``
-against a copy with a default flipped: ``run_gpu.sh stepvariants``.)
+cut. The default step over a bf16 cache is the lazy rescale (``kernels/seesaw_lazy.py``).
+Variants: ``eager-rescale`` (O rescaled every step) and ``pv-cols-64`` (64-column PVs,
+eager), kept to compare. (The split-KV kernel's A/B is ``seesaw_variant_ab.py``.)
 
-    python3 bench/experiments/balanced_variant_ab.py --variant lazy --out DIR
+    python3 bench/experiments/balanced_variant_ab.py --variant eager-rescale --out DIR
 
 Writes DIR/balanced-variant-ab-VARIANT.{json,md}; ``variant_over_default`` below 1 means the
 variant wins.
@@ -35,13 +35,13 @@ TOP = 131072
 KERNELS = {"items": {}, "ranges": {"tile_ranges": True},
            "charged": {"tile_ranges": True, "charged_ranges": True}}
 STAGE1 = ("launch_seesaw_balanced_stage1", "launch_seesaw_range_stage1")
-VARIANTS = {"lazy": {"lazy_rescale": True}, "pv-cols-64": {"pv_cols": 64}}
+VARIANTS = {"eager-rescale": {"lazy_rescale": False}, "pv-cols-64": {"pv_cols": 64}}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_out_argument(p, "balanced-variant-ab-VARIANT.{json,md}")
-    p.add_argument("--variant", choices=sorted(VARIANTS), default="lazy")
+    p.add_argument("--variant", choices=sorted(VARIANTS), default="eager-rescale")
     p.add_argument("--heads", type=int, nargs="+", default=[128, 16])
     p.add_argument("--reps", type=int, default=7, help="interleaved rounds per cell")
     return p.parse_args(argv)

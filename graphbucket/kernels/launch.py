@@ -16,7 +16,7 @@ import torch
 
 from graphbucket import fp8
 from graphbucket.kernels.merge import mla_decode_merge_kernel
-from graphbucket.kernels.seesaw_route import runs_seesaw, runs_seesaw_over_fp8
+from graphbucket.kernels.seesaw_route import runs_seesaw, runs_seesaw_over_fp8, seesaw_step_args
 from graphbucket.kernels.stage1 import mla_decode_stage1_kernel
 from graphbucket.plan import LaunchPlan
 
@@ -355,32 +355,18 @@ def launch_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
     )
 
 
-def seesaw_step_args(pv_cols: int | None, lazy_rescale: bool, one_rescale: bool = False
-                     ) -> dict:
-    """A seesaw launch's step options that differ from the kernel's defaults (each left out
-    where not given, so the kernel's own default decides). The lazy step runs the default
-    order on 256-column PVs: asked with the one-rescale order or 64-column PVs, it raises
-    before anything is launched."""
-    if lazy_rescale and (one_rescale or pv_cols == 64):
-        raise ValueError("lazy_rescale runs the default step order on 256-column PVs; "
-                         "leave one_rescale and pv_cols out")
-    return {**({"ONE_RESCALE": True} if one_rescale else {}),
-            **({"PV_COLS": pv_cols} if pv_cols is not None else {}),
-            **({"LAZY_RESCALE": True} if lazy_rescale else {})}
-
-
 def launch_seesaw_stage1(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                          seq_lens: torch.Tensor, out: torch.Tensor,
                          workspace: SplitWorkspace | None, *, plan: LaunchPlan, sm_scale: float,
                          lse: torch.Tensor | None, one_rescale: bool = False,
                          q_len: int = 1, pv_cols: int | None = None,
-                         lazy_rescale: bool = False) -> None:
+                         lazy_rescale: bool | None = None) -> None:
     """Stage 1 by the Gluon seesaw kernel (unchecked; where ``runs_seesaw`` holds). One
     split: writes ``out`` (and ``lse``); else the partials the merge kernel reads.
     ``one_rescale``: the step order kept for comparison (``seesaw_step._one_rescale_step``);
     ``pv_cols`` 64 or 256: the PV instructions' width (``seesaw_step``; 256 by default).
-    ``lazy_rescale``: the step under trial (``seesaw_lazy``; 256-column PVs, the default
-    order). Each left out where not given (``seesaw_step_args``).
+    ``lazy_rescale``: the lazy step (``seesaw_lazy``; 256-column PVs, the default order),
+    by default wherever it runs; False: the eager rescale (``seesaw_step_args``).
     ``q_len`` above 1: q's rows are q_len tokens x heads, each token with its causal
     limit."""
     step = seesaw_step_args(pv_cols, lazy_rescale, one_rescale)

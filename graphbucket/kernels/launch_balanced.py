@@ -23,9 +23,8 @@ from graphbucket.kernels.launch import (
     check_mla_decode_args,
     kv_tile_tokens,
     pdl_capable,
-    seesaw_step_args,
 )
-from graphbucket.kernels.seesaw_route import runs_seesaw, runs_seesaw_over_fp8
+from graphbucket.kernels.seesaw_route import runs_seesaw, runs_seesaw_over_fp8, seesaw_step_args
 from graphbucket.plan import LaunchPlan, pow2_ceil
 
 # Requests scanned per step by the planner and by each item's owner search: batches up
@@ -129,19 +128,19 @@ def launch_seesaw_balanced_stage1(q: torch.Tensor, kv_cache: torch.Tensor,
                                   sm_scale: float, out: torch.Tensor,
                                   lse: torch.Tensor | None = None, pv_cols: int | None = None,
                                   kv_scale: torch.Tensor | None = None,
-                                  lazy_rescale: bool = False) -> None:
+                                  lazy_rescale: bool | None = None) -> None:
     """Stage 1 by the Gluon seesaw over the step's items (unchecked; where ``runs_seesaw``
     or ``runs_seesaw_over_fp8`` holds): a request of one item gets its output in ``out``
     (and ``lse``), every other item its partial in the workspace, for the merge to combine.
     ``pv_cols``: the PV width (``kernels.seesaw_step``; default the kernel's);
-    ``lazy_rescale``: the step under trial (``kernels.seesaw_lazy``). An fp8 cache (a
-    per-tensor one with its ``kv_scale``) is read by the fp8 seesaw's converter; its items
-    must be planned in 64-token tiles."""
+    ``lazy_rescale``: the lazy step (``kernels.seesaw_lazy``; by default over a bf16
+    cache). An fp8 cache (a per-tensor one with its ``kv_scale``) is read by the fp8
+    seesaw's converter; its items must be planned in 64-token tiles."""
     # Imported here: Gluon's sm_90 modules load only where the seesaw runs.
     from graphbucket.kernels.seesaw import ROWS
     from graphbucket.kernels.seesaw_balanced import seesaw_balanced_stage1_kernel
 
-    step = seesaw_step_args(pv_cols, lazy_rescale)
+    step = seesaw_step_args(pv_cols, lazy_rescale, fp8=kv_cache.dtype != torch.bfloat16)
     batch, heads, _ = q.shape
     q_desc, kv_desc, fp8_args = _seesaw_inputs(q, kv_cache, kv_scale)
     part_o, part_lse = workspace.item_o, workspace.item_lse
@@ -196,18 +195,18 @@ def launch_seesaw_range_stage1(q: torch.Tensor, kv_cache: torch.Tensor,
                                lse: torch.Tensor | None = None,
                                pv_cols: int | None = None,
                                kv_scale: torch.Tensor | None = None,
-                               lazy_rescale: bool = False) -> None:
+                               lazy_rescale: bool | None = None) -> None:
     """Stage 1 by the Gluon seesaw on persistent programs over tile ranges (unchecked;
     where ``runs_seesaw`` holds): one partial per (request, program) segment; a request
     left whole gets its output in ``out`` (and ``lse``) instead.
     ``pv_cols``: the PV width (``kernels.seesaw_step``; default the kernel's);
-    ``lazy_rescale``: the step under trial (``kernels.seesaw_lazy``). An fp8 cache
-    (where ``runs_seesaw_over_fp8`` holds; a per-tensor one with its ``kv_scale``) is read
-    by the fp8 seesaw's converter."""
+    ``lazy_rescale``: the lazy step (``kernels.seesaw_lazy``; by default over a bf16
+    cache). An fp8 cache (where ``runs_seesaw_over_fp8`` holds; a per-tensor one with its
+    ``kv_scale``) is read by the fp8 seesaw's converter."""
     from graphbucket.kernels.seesaw import ROWS
     from graphbucket.kernels.seesaw_balanced import seesaw_range_stage1_kernel
 
-    step = seesaw_step_args(pv_cols, lazy_rescale)
+    step = seesaw_step_args(pv_cols, lazy_rescale, fp8=kv_cache.dtype != torch.bfloat16)
     batch, heads, _ = q.shape
     q_desc, kv_desc, fp8_args = _seesaw_inputs(q, kv_cache, kv_scale)
     part_o, part_lse = workspace.item_o, workspace.item_lse

@@ -53,7 +53,8 @@ def seesaw_balanced_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, ITEM_I
     item i when the step has that many. A request of one item gets its output in OUT (and
     with ``WRITE_LSE`` its LSE in LSE) here, which the merge then leaves alone; every other
     item writes a float32 partial (log2 LSE) for the balanced merge. ``PV_COLS``: the PV
-    width (``seesaw_step``); ``LAZY_RESCALE``: ``seesaw_lazy``'s step (under trial).
+    width (``seesaw_step``); ``LAZY_RESCALE``: ``seesaw_lazy``'s step (the launchers' default
+    over bf16).
     ``KV_FP8``: an fp8 cache, as ``seesaw_range_stage1_kernel`` takes it."""
     head_block = gl.program_id(0)
     item = gl.program_id(1)
@@ -291,9 +292,9 @@ def seesaw_range_stage1_kernel(q_desc, kv_desc, BLOCK_TABLE, SEQ_LENS, TILE_INDP
     a charged cut (``plan_tile_ranges_kernel`` with a ``CHARGE``), program p's tiles
     [RANGE_BOUNDS[p], RANGE_BOUNDS[p + 1]) and a request's first program in
     FIRST_PROGRAM. ``PV_COLS``: the PV width (``seesaw_step``); ``LAZY_RESCALE``:
-    ``seesaw_lazy``'s step (under trial). ``KV_FP8``: an fp8 cache, 1 per-tensor (KV_SCALE
-    its scale), 2 V3.2, read by ``seesaw_fp8``'s converter from Q (bf16, q_rows rows) and
-    KV8 instead of the descriptors (None), with 256-column PVs."""
+    ``seesaw_lazy``'s step (the launchers' default over bf16). ``KV_FP8``: an fp8 cache, 1
+    per-tensor (KV_SCALE its scale), 2 V3.2, read by ``seesaw_fp8``'s converter from Q (bf16,
+    q_rows rows) and KV8 instead of the descriptors (None), with 256-column PVs."""
     head_block = gl.program_id(0)
     program = gl.program_id(1)
     if CHARGED:

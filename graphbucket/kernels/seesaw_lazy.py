@@ -1,7 +1,7 @@
-"""The seesaw's step with lazy rescaling (``kernels/seesaw_step.py``, under trial): a row's
-running max moves only when a tile's max passes it by more than ``LAZY_BOUND`` (log2
-units), so in a long request most steps leave every row's max where it was and skip the O
-rescale, and a warpgroup then issues its two PVs back to back.
+"""The seesaw's step with lazy rescaling (``kernels/seesaw_step.py``; the launchers' default
+over bf16 caches): a row's running max moves only when a tile's max passes it by more than
+``LAZY_BOUND`` (log2 units), so in a long request most steps leave every row's max where it
+was and skip the O rescale, and a warpgroup then issues its two PVs back to back.
 
 Exact, not an approximation: P = 2^(S - m) against a stale max is at most 2^LAZY_BOUND, which
 the float32 row sums and accumulators hold, and O / l and the LSE m + log2 l do not depend on

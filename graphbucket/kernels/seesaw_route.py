@@ -1,7 +1,7 @@
 """Which stage 1 runs a plan on given inputs: the Gluon seesaws (sm_90, 64-row programs)
-where their kernels apply, else the Triton kernels the plan also describes. Decided from
-static properties only (shapes, dtypes, device, the interpreter), so capture and replay
-take the same path."""
+where their kernels apply, else the Triton kernels the plan also describes; and the step
+options a seesaw launch passes (``seesaw_step_args``). Decided from static properties only
+(shapes, dtypes, device, the interpreter), so capture and replay take the same path."""
 
 from __future__ import annotations
 
@@ -56,3 +56,20 @@ def runs_seesaw_over_fp8(plan: LaunchPlan, q: torch.Tensor, kv_cache: torch.Tens
     from graphbucket.kernels.seesaw_fp8 import runs_seesaw_fp8
 
     return runs_seesaw_fp8(q, kv_cache, kv_scale, plan.num_heads)
+
+
+def seesaw_step_args(pv_cols: int | None, lazy_rescale: bool | None, one_rescale: bool = False,
+                     fp8: bool = False) -> dict:
+    """A seesaw launch's step options that differ from the kernel's defaults (each left out
+    where not given, so the kernel's own default decides). ``lazy_rescale`` None: the lazy
+    step (``seesaw_lazy``) wherever it runs, a bf16 cache's default order on 256-column
+    PVs. The lazy step asked with the one-rescale order or 64-column PVs raises before
+    anything is launched."""
+    if lazy_rescale is None:
+        lazy_rescale = not (one_rescale or fp8) and pv_cols in (None, 256)
+    if lazy_rescale and (one_rescale or pv_cols == 64):
+        raise ValueError("lazy_rescale runs the default step order on 256-column PVs; "
+                         "leave one_rescale and pv_cols out")
+    return {**({"ONE_RESCALE": True} if one_rescale else {}),
+            **({"PV_COLS": pv_cols} if pv_cols is not None else {}),
+            **({"LAZY_RESCALE": True} if lazy_rescale else {})}
