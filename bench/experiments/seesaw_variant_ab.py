@@ -5,22 +5,27 @@ on the same plan, then timed as interleaved CUDA-graph replays with a cold L2
 Variants (``launch_seesaw_stage1``'s options): ``eager-rescale`` (O rescaled every step,
 the default before the lazy step), ``one-rescale`` (one rescale per step) and ``pv-cols-64``
 (64-column PVs); the last two run the eager rescale (the lazy step needs the default order
-on 256-column PVs).
+on 256-column PVs). ``--other FILE``: another version of ``kernels/seesaw.py`` (``git show
+REV:graphbucket/kernels/seesaw.py > FILE``) as the variant, launched with the default
+options.
 
     python3 bench/experiments/seesaw_variant_ab.py --variant eager-rescale --out DIR
+    python3 bench/experiments/seesaw_variant_ab.py --other old_seesaw.py --out DIR
 
-Writes DIR/seesaw-variant-ab-VARIANT.{json,md}; ``variant_over_default`` above 1 means the
-default is faster.
+Writes DIR/seesaw-variant-ab-VARIANT.{json,md} (VARIANT ``other`` for a file);
+``variant_over_default`` above 1 means the default is faster.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import json
 import os
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -43,25 +48,46 @@ VARIANTS = {"eager-rescale": {"lazy_rescale": False}, "one-rescale": {"one_resca
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variant", choices=sorted(VARIANTS), default="eager-rescale")
+    p.add_argument("--other", type=Path,
+                   help="another version of graphbucket/kernels/seesaw.py as the variant")
     add_out_argument(p, "seesaw-variant-ab-VARIANT.{json,md}")
     p.add_argument("--reps", type=int, default=9, help="interleaved rounds per shape")
     return p.parse_args(argv)
 
 
-def measure(variant: str, reps: int) -> list[dict]:
+def load_other(path: Path):
+    """``path`` as a module beside the checkout's kernels (its imports resolve the same)."""
+    spec = importlib.util.spec_from_file_location("graphbucket.kernels.seesaw_other", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def measure(variant: str, reps: int, other: Path | None = None) -> list[dict]:
     import torch
 
     from bench.common import inputs, random_cache
     from graphbucket.kernels import SplitWorkspace, default_sm_scale, launch, mla_decode
+    from graphbucket.kernels import seesaw as checkout
     from graphbucket.plan import plan_mla_decode
     from graphbucket.plan_streams import SEESAW_STREAM
     from graphbucket.tuning.measure import time_replays_paired
 
-    # mla_decode looks the launcher up in its module on every call: swapping the attribute
-    # chooses the options a call (and a graph captured around it) runs.
-    original = launch.launch_seesaw_stage1
-    launchers = {"default": original,
-                 "variant": functools.partial(original, **VARIANTS[variant])}
+    # mla_decode looks the launcher up in its module on every call, and the launcher the
+    # kernel in ``kernels.seesaw``: swapping either attribute chooses what a call (and a
+    # graph captured around it) runs.
+    original, kernel = launch.launch_seesaw_stage1, checkout.seesaw_stage1_kernel
+
+    def with_kernel(k):
+        def launch_with(*args, **kwargs) -> None:
+            checkout.seesaw_stage1_kernel = k
+            original(*args, **kwargs)
+        return launch_with
+
+    launchers = ({"default": with_kernel(kernel),
+                  "variant": with_kernel(load_other(other).seesaw_stage1_kernel)} if other
+                 else {"default": original,
+                       "variant": functools.partial(original, **VARIANTS[variant])})
     cache = random_cache(max(b * -(-c // 64) for _, b, c in SHAPES))
     sm_scale = default_sm_scale()
     rows = []
@@ -101,7 +127,7 @@ def measure(variant: str, reps: int) -> list[dict]:
             rows.append(row)
             print(json.dumps(row), flush=True)
     finally:
-        launch.launch_seesaw_stage1 = original
+        launch.launch_seesaw_stage1, checkout.seesaw_stage1_kernel = original, kernel
     return rows
 
 
@@ -128,8 +154,10 @@ def main(argv: list[str] | None = None) -> None:
 
     if not torch.cuda.is_available():
         sys.exit("seesaw_variant_ab.py times the Gluon seesaw and needs a Hopper GPU")
-    rows = measure(args.variant, args.reps)
-    report_run(args.out, f"seesaw-variant-ab-{args.variant}", run_meta(), rows, markdown)
+    variant = "other" if args.other else args.variant
+    rows = measure(variant, args.reps, args.other)
+    meta = {**run_meta(), **({"other": str(args.other)} if args.other else {})}
+    report_run(args.out, f"seesaw-variant-ab-{variant}", meta, rows, markdown)
 
 
 if __name__ == "__main__":
