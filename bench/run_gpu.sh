@@ -5,6 +5,7 @@
 # TPOT per policy, and the demo's GPU path. Run it on a CUDA machine.
 # steps: any of tests gputests balancedtests sweep fisweep capture tune tunefp8 tunemtp tunesparse
 #        tpot tpotfp8 tpotmtp ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp hostphases
+#        selectcost
 #        balancedseesaw tpotbatches tpothf stepkernels stepvariants seesawverify fp8seesaw mergetiles ncu ncuspread
 #        (tpotdp: TPOT of the 128-head deepseek-v3-dp preset, the compute-bound decode)
 #        (balancedtests: the balanced kernels per capture size, the ragged switch and the
@@ -22,6 +23,8 @@
 #        (tpotmtp: TPOT of verify steps at q_len 1, 2, 4 on fewer contexts)
 #        (l2: decode time with the KV in HBM against L2-resident, 16 and 128 heads)
 #        (hostphases: where a BlockTable host step's time goes, batch 1 and 64 x 128K)
+#        (selectcost: the selector's host cost with the shipped ladders' second balanced
+#        graphs against one, bench/experiments/select_cost.py; host only)
 #        (stepkernels: fixed-max, the ladder and a fixed-max control at 32-128 x 32K-128K,
 #        16 heads: interleaved step rounds, each kernel's time inside the step, the plans
 #        alone, the clocks; STEPKERNELS_ARGS="--preset deepseek-v3-dp --cells 8:131072
@@ -77,7 +80,7 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 STEPS="tests gputests balancedtests sweep fisweep capture tune tunefp8 tunemtp tunesparse retime tpot tpotfp8 tpotmtp
-       ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp hostphases balancedseesaw tpotbatches
+       ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp hostphases selectcost balancedseesaw tpotbatches
        tpothf stepkernels stepvariants seesawverify threeway fp8seesaw mergetiles ncu ncuspread ncuseesaw"
 usage() { sed -n '2,/^set /{/^set /d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"; }
 for arg in "$@"; do
@@ -293,6 +296,10 @@ for step in $steps; do
                  tail -14 "$R/step-kernels.log" ;;
     hostphases) timeout 200 python3 bench/experiments/host_phases.py --out "$R" \
                   > "$R/host-phases.log" 2>&1; tail -30 "$R/host-phases.log" ;;
+    selectcost) # The selector's host cost with the shipped ladders' two balanced graphs
+                # against one, on this machine's host (no GPU work).
+                timeout 200 python3 bench/experiments/select_cost.py --out "$R" \
+                  > "$R/select-cost.log" 2>&1; tail -40 "$R/select-cost.log" ;;
     l2) timeout 200 python3 bench/l2_resident.py --out "$R" > "$R/l2.log" 2>&1
         tail -12 "$R/l2.log" ;;
     mtp) timeout 200 python3 bench/mtp_sweep.py --out "$R" > "$R/mtp.log" 2>&1
