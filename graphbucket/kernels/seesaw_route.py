@@ -60,10 +60,10 @@ def runs_seesaw_over_fp8(plan: LaunchPlan, q: torch.Tensor, kv_cache: torch.Tens
 
 def seesaw_step_args(pv_cols: int | None, lazy_rescale: bool | None, one_rescale: bool = False,
                      fp8: bool = False) -> dict:
-    """A seesaw launch's step options that differ from the kernel's defaults (each left out
-    where not given, so the kernel's own default decides). ``lazy_rescale`` None: the lazy
-    step (``seesaw_lazy``) wherever it runs, a bf16 cache's default order on 256-column
-    PVs. The lazy step asked with the one-rescale order or 64-column PVs raises before
+    """A seesaw launch's step options that differ from the kernel's defaults (the eager
+    step on 256-column PVs). ``lazy_rescale`` None: the lazy step (``seesaw_lazy``)
+    wherever it runs, a bf16 cache's default order on 256-column PVs; False: the eager
+    step. The lazy step asked with the one-rescale order or 64-column PVs raises before
     anything is launched."""
     if lazy_rescale is None:
         lazy_rescale = not (one_rescale or fp8) and pv_cols in (None, 256)
