@@ -25,7 +25,9 @@ query token, one row included (the ``balanced-only`` policy). Where the bucket h
 balanced kernel at that capture size (``Bucket.alternate_kernels``), a batch sent to the
 balanced graph replays the key with ``alternate=True`` instead when the ladder's cost
 model predicts that kernel faster for these lengths (``graphbucket.balanced_cost``: a host
-replay of both kernels' partitions, numpy over the batch's work items, only on such steps).
+replay of both kernels' partitions, numpy over the batch's work items, only on such steps;
+the pick is remembered for batches of the same live count whose total and longest length
+agree to 7 significant bits, so a run of decode steps pays for it now and then).
 A capture size the model has no partition for keeps one balanced graph.
 
 Multi-token steps (MTP / speculative verification, ``q_len`` query tokens per request):
@@ -63,12 +65,14 @@ class GraphSelector:
     a batch above the largest one has no graph (``choose`` returns None: the eager path).
     ``q_lens``: the query tokens per request graphs exist for (default: 1, plain decode).
     ``q_ladders``: ladders for some q_lens above 1 (same max_model_len); the others use
-    ``ladder``.
+    ``ladder``. ``remember_picks=False`` runs the two-kernel cost model on every step that
+    weighs one (``_balanced``), for measuring it.
     """
 
     def __init__(self, ladder: BucketLadder, capture_sizes: Iterable[int], *,
                  rule: SelectRule = "max", q_lens: Iterable[int] = (1,),
-                 q_ladders: Mapping[int, BucketLadder] | None = None) -> None:
+                 q_ladders: Mapping[int, BucketLadder] | None = None,
+                 remember_picks: bool = True) -> None:
         if not isinstance(ladder, BucketLadder):
             raise TypeError(f"ladder must be a BucketLadder, got {type(ladder).__name__}")
         given = list(capture_sizes)
@@ -107,6 +111,8 @@ class GraphSelector:
         self._cost = ladder.balanced_cost
         # (capture size, bucket) -> (primary kernel, alternate kernel, alternate key).
         self._alternates: dict[tuple[int, int], tuple[str, str, GraphKey]] = {}
+        self._picks: dict[tuple[int, ...], GraphKey] = {}  # see _balanced
+        self._remember = bool(remember_picks)
         for q in self.q_lens:
             keys = {bs: tuple(GraphKey(bs, i, h, False, q)
                               for i, h in enumerate(self.ladder_for(q).hints_for(bs)))
@@ -232,25 +238,44 @@ class GraphSelector:
             return by_size[padded][bucket]
         threshold = self._imbalance[padded][bucket]
         if threshold == 1 and q_len == 1:
-            return self._balanced(padded, bucket, lens)
+            return self._balanced(padded, bucket, lens, batch_size, min_len, max_len)
         if threshold and q_len == 1 and padded > 1 and lens is not None and min_len < max_len:
-            if type(lens) is list and min_len > 0:  # every row live: one builtin
-                live, total = batch_size, sum(lens)
-            else:
-                live, total = _live_and_total(lens, batch_size if min_len > 0 else None)
+            live, total = _stats(lens, batch_size, min_len)
             if max_len * live >= threshold * total:
-                return self._balanced(padded, bucket, lens)
+                return self._balanced(padded, bucket, lens, batch_size, min_len, max_len,
+                                      live, total)
         return by_size[padded][bucket]
 
-    def _balanced(self, padded: int, bucket: int, lens: Any) -> GraphKey:
-        """The balanced key, or its alternate where the cost model predicts it faster."""
+    def _balanced(self, padded: int, bucket: int, lens: Any, batch_size: int,
+                  min_len: int, max_len: int, live: int = -1, total: int = -1) -> GraphKey:
+        """The balanced key, or its alternate where the cost model predicts it faster.
+
+        The model's pick is remembered per (capture size, bucket, live requests, and total
+        and longest length to 7 significant bits): decode steps grow each length by one
+        token, so consecutive steps share the pick and only a step whose batch changed by
+        more than 1/128 to 1/64 pays for the model."""
         alternate = self._alternates.get((padded, bucket))
-        if alternate is not None and lens is not None:
+        if alternate is None or lens is None:
+            return self._balanced_keys[1][padded][bucket]
+        if live < 0:
+            live, total = _stats(lens, batch_size, min_len)
+        memo = (padded, bucket, live, _coarse(total), _coarse(max_len))
+        picked = self._picks.get(memo)
+        if picked is None:
             main, alt, key = alternate
-            if (self._cost.predict(alt, padded, lens)
-                    < self._cost.predict(main, padded, lens)):
-                return key
-        return self._balanced_keys[1][padded][bucket]
+            faster = (self._cost.predict(alt, padded, lens)
+                      < self._cost.predict(main, padded, lens))
+            picked = key if faster else self._balanced_keys[1][padded][bucket]
+            if self._remember:
+                if len(self._picks) >= _MAX_PICKS:
+                    self._picks.clear()
+                self._picks[memo] = picked
+        return picked
+
+    @property
+    def remembered_picks(self) -> int:
+        """How many two-kernel picks the selector holds (each one cost-model run)."""
+        return len(self._picks)
 
     def alternate_kernels(self, key: GraphKey) -> tuple[str, str] | None:
         """(balanced kernel, alternate kernel) weighed for ``key``'s capture size and bucket,
@@ -314,6 +339,23 @@ def _as_length(value: Any) -> int:
     if isinstance(value, (bool, float)) or not hasattr(value, "__index__"):
         raise TypeError(f"sequence lengths must be ints, got {type(value).__name__} {value!r}")
     return int(value)
+
+
+_MAX_PICKS = 4096  # remembered two-kernel picks; cleared when full
+
+
+def _coarse(n: int) -> tuple[int, int]:
+    """``n`` to 7 significant bits: (shift, top bits), steps of 1/128 to 1/64 of ``n``."""
+    shift = max(0, n.bit_length() - 7)
+    return shift, n >> shift
+
+
+def _stats(lens: Sequence[int] | np.ndarray, batch_size: int, min_len: int
+           ) -> tuple[int, int]:
+    """(live requests, total length) of a step's lengths."""
+    if type(lens) is list and min_len > 0:  # every row live: one builtin
+        return batch_size, sum(lens)
+    return _live_and_total(lens, batch_size if min_len > 0 else None)
 
 
 def _live_and_total(lens: Sequence[int] | np.ndarray, live: int | None = None

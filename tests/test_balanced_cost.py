@@ -320,6 +320,50 @@ def test_the_selector_replays_the_alternate_the_model_predicts_faster(tmp_path: 
         sel.key(8, 1, alternate=True)
 
 
+def model_pick(sel: GraphSelector, lens) -> bool:
+    """Whether the cost model predicts the alternate faster for ``lens``."""
+    key = sel.choose(list(lens))
+    main, alt = sel.alternate_kernels(key)
+    model = sel.ladder.balanced_cost
+    return model.predict(alt, key.batch_size, lens) < model.predict(main, key.batch_size, lens)
+
+
+def test_the_two_kernel_pick_is_remembered_across_decode_steps():
+    ladder = ladder_with_alternates(synthetic_samples())
+    weighed = [list(s.lens) for s in synthetic_samples()
+               if GraphSelector(ladder, [32, 64]).choose(list(s.lens)).balanced]
+    assert weighed
+    for lens in weighed:
+        sel = GraphSelector(ladder, [32, 64])
+        first = sel.choose(lens)
+        assert first.alternate == model_pick(sel, lens) and sel.remembered_picks == 1
+        # Fifty decode steps (every length one token longer): a model run only where the
+        # total or the longest length crosses one of its 1/128 steps.
+        steps = [[n + t for n in lens] for t in range(1, 51)]
+        assert all(sel.choose(step).balanced for step in steps)
+        crossings = 50 * len(lens) * 128 // sum(lens) + 1 + 50 * 128 // max(lens) + 1
+        assert 1 <= sel.remembered_picks <= 1 + crossings < 26
+        # Another live count is another batch: the model runs again.
+        runs, shorter = sel.remembered_picks, lens[:-1] + [0]
+        assert sel.choose(shorter).alternate == model_pick(sel, shorter)
+        assert sel.remembered_picks == runs + 1
+
+
+def test_without_remembering_every_weighed_step_runs_the_model():
+    ladder = ladder_with_alternates(synthetic_samples())
+    sel = GraphSelector(ladder, [32, 64], remember_picks=False)
+    picks = set()
+    for s in synthetic_samples():
+        for t in range(0, 400, 37):
+            lens = [n + t for n in s.lens] if max(s.lens) + t <= 131072 else list(s.lens)
+            key = sel.choose(lens)
+            if key.balanced:
+                assert key.alternate == model_pick(sel, lens)
+                picks.add(key.alternate)
+        assert sel.remembered_picks == 0
+    assert picks == {False, True}
+
+
 def test_alternates_need_a_cost_model_and_another_kernel():
     bucket = Bucket(100, 100, balanced_imbalance=1.5, alternate_kernels={8: "seesaw"})
     assert bucket.alternate_kernel_for(4) is None and bucket.alternate_kernel_for(8) == "seesaw"

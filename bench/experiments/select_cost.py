@@ -1,12 +1,14 @@
 """What choosing between a bucket's two balanced graphs costs the host, per step.
 
 Times ``GraphSelector.key_for`` (the runner's selection call, lengths already validated)
-on ragged batches at the shipped ladders' capture sizes, with the ladder as shipped and
-with its alternate kernels dropped (one balanced graph per bucket), interleaved, pinned to
-one core; median microseconds. Only steps that replay a balanced graph of a bucket with an
-alternate run the cost model, so uniform batches are timed too (they must not move).
+per step of a decode run (every length one token longer each step, a request swapped
+every 16 steps) from ragged and uniform batches at the shipped ladders' capture sizes:
+the ladder as shipped with its picks remembered (the default), the same with the cost model
+run on every weighed step, and the ladder with its alternate kernels dropped (one balanced
+graph per bucket); pinned to one core; median, p99 and max microseconds, and how many
+steps the remembered pick differs from the model's.
 
-    python3 bench/experiments/select_cost.py --out DIR     # host only, about 20 s
+    python3 bench/experiments/select_cost.py --out DIR     # host only, about a minute
 """
 
 from __future__ import annotations
@@ -42,20 +44,54 @@ def one_graph(ladder: BucketLadder) -> BucketLadder:
                         ladder.max_model_len, meta=ladder.meta)
 
 
-def median_us(sel: GraphSelector, lens: np.ndarray, reps: int) -> tuple[float, object]:
-    lo, hi, n = int(lens.min()), int(lens.max()), len(lens)
-    times = []
-    for _ in range(reps):
+def decode_run(batch_lens: np.ndarray, steps: int, swap_every: int = 16) -> list[np.ndarray]:
+    """A run of decode steps from ``batch_lens``: every length grows one token a step, and
+    every ``swap_every`` steps one request retires and a 1000-token one takes its row."""
+    lens, run = batch_lens.astype(np.int64).copy(), []
+    for step in range(steps):
+        if step and step % swap_every == 0:
+            lens[(step // swap_every) % lens.size] = 1000
+        run.append(lens.copy())
+        lens += 1
+    return run
+
+
+def step_us(sel: GraphSelector, run: list[np.ndarray]) -> tuple[np.ndarray, list]:
+    """Per step, the microseconds of ``key_for`` and its key."""
+    times, keys = [], []
+    for lens in run:
+        lo, hi, n = int(lens.min()), int(lens.max()), len(lens)
         t0 = time.perf_counter_ns()
         key = sel.key_for(n, lo, hi, lens)
         times.append(time.perf_counter_ns() - t0)
-    return float(np.median(times)) / 1e3, key
+        keys.append(key)
+    return np.array(times) / 1e3, keys
+
+
+def worst_ratio(sel: GraphSelector, run: list[np.ndarray], picked: list, best: list
+                ) -> float:
+    """The cost model's time of the remembered pick over its own pick, worst step."""
+    worst = 1.0
+    for lens, a, b in zip(run, picked, best, strict=True):
+        if a != b:
+            kernels = dict(zip((False, True), sel.alternate_kernels(b), strict=True))
+            worst = max(worst, sel.ladder.balanced_cost.predict(kernels[a.alternate],
+                                                                 b.batch_size, lens)
+                        / sel.ladder.balanced_cost.predict(kernels[b.alternate],
+                                                           b.batch_size, lens))
+    return round(worst, 4)
+
+
+def summary(times: np.ndarray) -> dict[str, float]:
+    return {"median": round(float(np.median(times)), 2),
+            "p99": round(float(np.percentile(times, 99)), 2),
+            "max": round(float(times.max()), 2)}
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, help="directory for h200-select-cost.json")
-    p.add_argument("--reps", type=int, default=400)
+    p.add_argument("--steps", type=int, default=400, help="decode steps per mix")
     p.add_argument("--core", type=int, default=os.cpu_count() - 1)
     args = p.parse_args(argv)
     if hasattr(os, "sched_setaffinity"):
@@ -63,30 +99,53 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for heads, path in LADDERS.items():
         ladder = BucketLadder.load(path)
-        shipped, single = GraphSelector(ladder, SIZES), GraphSelector(one_graph(ladder), SIZES)
         for batch in (8, 32, 64, 128):
             for top in (16384, 98304):
                 for mix, lens in mixes(batch, top).items():
-                    pair = [median_us(s, lens, args.reps) for s in (shipped, single)] + \
-                           [median_us(s, lens, args.reps) for s in (single, shipped)]
-                    key = pair[0][1]
-                    rows.append({"heads": heads, "batch": batch, "context": top, "mix": mix,
-                                 "balanced": bool(key.balanced),
-                                 "alternate_weighed": shipped.alternate_kernels(key) is not None,
-                                 "alternate": bool(key.alternate),
-                                 "with_alternates_us": round((pair[0][0] + pair[3][0]) / 2, 2),
-                                 "one_graph_us": round((pair[1][0] + pair[2][0]) / 2, 2)})
-                    r = rows[-1]
-                    print(f"{heads:>3} heads b={batch:<3} {mix:<9} {top:>6}: "
-                          f"{r['with_alternates_us']:7.2f} us (one graph {r['one_graph_us']:6.2f})"
-                          f"{'  weighed' if r['alternate_weighed'] else ''}"
-                          f"{' -> alternate' if r['alternate'] else ''}", flush=True)
+                    run = decode_run(np.minimum(lens, top - args.steps), args.steps)
+                    # The three interleaved twice (warm code paths); the remembered picks
+                    # from a fresh selector each pass, as a run starts with none.
+                    make = {"remembered": lambda: GraphSelector(ladder, SIZES),
+                            "every_step": lambda: GraphSelector(ladder, SIZES,
+                                                                remember_picks=False),
+                            "one_graph": lambda: GraphSelector(one_graph(ladder), SIZES)}
+                    timed = {name: [] for name in make}
+                    for name in [*make, *reversed(make)]:
+                        sel = make[name]()
+                        times, keys = step_us(sel, run)
+                        timed[name].append(times)
+                        if name == "remembered":
+                            remembered, remembered_keys = sel, keys
+                        elif name == "every_step":
+                            model, model_keys = sel, keys
+                    weighed = [k for k in model_keys if model.alternate_kernels(k) is not None]
+                    row = {"heads": heads, "batch": batch, "context": top, "mix": mix,
+                           "steps": len(run), "steps_weighed": len(weighed),
+                           "steps_alternate": sum(bool(k.alternate) for k in model_keys),
+                           "picks_differing": sum(a != b for a, b in
+                                                  zip(remembered_keys, model_keys, strict=True)),
+                           "worst_predicted_ratio": worst_ratio(model, run, remembered_keys,
+                                                                model_keys),
+                           "model_runs_remembered": len(remembered._picks)}
+                    for name, runs in timed.items():
+                        # The second pass: warm code paths.
+                        row[f"{name}_us"] = summary(runs[1])
+                    rows.append(row)
+                    print(f"{heads:>3} heads b={batch:<3} {mix:<9} {top:>6}: weighed "
+                          f"{row['steps_weighed']:>3}/{len(run)}, remembered "
+                          f"{row['remembered_us']['median']:6.2f} / p99 "
+                          f"{row['remembered_us']['p99']:7.2f} us, every step "
+                          f"{row['every_step_us']['median']:7.2f}, one graph "
+                          f"{row['one_graph_us']['median']:5.2f}; picks differing "
+                          f"{row['picks_differing']} (predicted "
+                          f"{row['worst_predicted_ratio']:.3f}x at worst)", flush=True)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         from bench.gpu_timing import run_meta
 
         meta = {**run_meta(), "command": "python3 bench/experiments/select_cost.py "
-                                         f"--out {args.out}", "core": args.core}
+                                         f"--out {args.out}", "core": args.core,
+                "steps": args.steps}
         (args.out / "h200-select-cost.json").write_text(
             json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
 
