@@ -6,7 +6,7 @@
 # steps: any of tests gputests balancedtests sweep fisweep capture tune tunefp8 tunemtp tunesparse
 #        tpot tpotfp8 tpotmtp ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp hostphases
 #        selectcost
-#        balancedseesaw tpotbatches tpothf stepkernels stepvariants seesawverify fp8seesaw mergetiles ncu ncuspread
+#        balancedseesaw tpotbatches tpothf stepkernels stepvariants seesawverify fp8seesaw mergetiles mergesweep ncu ncuspread ncumerge
 #        (tpotdp: TPOT of the 128-head deepseek-v3-dp preset, the compute-bound decode)
 #        (balancedtests: the balanced kernels per capture size, the ragged switch and the
 #        oracle's host logic, on the GPU)
@@ -46,6 +46,8 @@
 #        STEP_VARIANT_TESTS="step_variants" pick (the tests default to the lazy step's);
 #        STEP_BALANCED=0 skips the balanced A/B)
 #        (ncuspread: Nsight Compute over a 128-head batch spread over 1..8K, kernel by kernel)
+#        (ncumerge: the same batch's balanced merge alone: memory, warp stalls, occupancy)
+#        (mergesweep: merge tiles at MERGE_HEADS (128) heads, MERGE_TILES='s4-h8-dv128-w4 ...')
 #        (seesawverify: verify steps on the seesaw against float64, then timed against the
 #        Triton verify step and the q_len 1 step, bench/experiments/seesaw_verify.py)
 #        (fp8seesaw: the seesaw over fp8 caches (per-tensor, V3.2) against float64, then
@@ -81,7 +83,7 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 STEPS="tests gputests balancedtests sweep fisweep capture tune tunefp8 tunemtp tunesparse retime tpot tpotfp8 tpotmtp
        ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp hostphases selectcost balancedseesaw tpotbatches
-       tpothf stepkernels stepvariants seesawverify threeway fp8seesaw mergetiles ncu ncuspread ncuseesaw"
+       tpothf stepkernels stepvariants seesawverify threeway fp8seesaw mergetiles mergesweep ncu ncuspread ncumerge ncuseesaw"
 usage() { sed -n '2,/^set /{/^set /d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"; }
 for arg in "$@"; do
   case $arg in
@@ -250,6 +252,20 @@ for step in $steps; do
                   timeout 240 ncu --section SpeedOfLight python3 bench/ncu_ragged.py --heads 128 \
                     --mix spread-8k > "$R/ncu-spread.txt" 2>&1
                   grep -E "^[0-9]+ |^  [a-z_]+.*\(|Duration" "$R/ncu-spread.txt" | tail -40 ;;
+    ncumerge)     # Nsight Compute: the balanced merge of a 128-head batch spread over 1..8K:
+                  # memory tables, warp stalls, occupancy (why it takes a third of the step).
+                  command -v ncu > /dev/null || { echo "ncu: not installed"; continue; }
+                  timeout 240 ncu -k regex:balanced_merge -c 8 --section SpeedOfLight \
+                    --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
+                    --section WarpStateStats --section Occupancy --section LaunchStats \
+                    --section SchedulerStats python3 bench/ncu_ragged.py --heads 128 \
+                    --mix spread-8k > "$R/ncu-merge.txt" 2>&1
+                  grep -E "^[0-9]+ |Duration|Throughput|Stall|Occupancy|Registers|Hit Rate|Eligible|Waves" \
+                    "$R/ncu-merge.txt" | tail -80 ;;
+    mergesweep)   # Merge tiles against the plan's (no tests): whole balanced steps.
+                  timeout 400 python3 bench/experiments/merge_tiles.py --heads ${MERGE_HEADS:-128} \
+                    ${MERGE_TILES:+--tiles $MERGE_TILES} --out "$R" > "$R/merge-sweep.log" 2>&1
+                  tail -20 "$R/merge-sweep.log" ;;
     ncuseesaw)    # Nsight Compute: the bf16 seesaw at 128 heads (8 x 64K): where its warps stall,
                   # how busy the tensor pipe and the schedulers are.
                   command -v ncu > /dev/null || { echo "ncu: not installed"; continue; }

@@ -49,7 +49,16 @@ def shapes() -> list[tuple[str, list[int]]]:
     return cells + [("64 x uniform-1024", [1024] * 64)]
 
 
-def measure(heads_list: list[int], reps: int) -> list[dict]:
+def parse_tile(text: str) -> tuple[int, int, int, int]:
+    """'s4-h8-dv128-w4' (or '4,8,128,4') -> (4, 8, 128, 4)."""
+    parts = text.replace("-", ",").replace("s", "").replace("h", "").replace("dv", "")
+    values = tuple(int(v) for v in parts.replace("w", "").split(","))
+    if len(values) != 4:
+        raise argparse.ArgumentTypeError(f"a tile is sS-hH-dvD-wW, got {text!r}")
+    return values
+
+
+def measure(heads_list: list[int], reps: int, tiles=TILES) -> list[dict]:
     import torch
 
     from bench.common import inputs, random_cache
@@ -73,7 +82,7 @@ def measure(heads_list: list[int], reps: int) -> list[dict]:
                 plans = {"plan": base}
                 plans.update({tile_name(t): with_merge_tile(base, num_sms, block_s=t[0],
                                                             block_h=t[1], block_dv=t[2],
-                                                            num_warps=t[3]) for t in TILES})
+                                                            num_warps=t[3]) for t in tiles})
                 ws = SplitWorkspace.allocate(batch, heads, 1, 512, "cuda",
                                              max_items=base.max_work_items)
                 results = {}
@@ -107,7 +116,7 @@ def measure(heads_list: list[int], reps: int) -> list[dict]:
 
 
 def markdown(meta: dict, rows: list[dict]) -> str:
-    names = ["plan"] + [tile_name(t) for t in TILES]
+    names = ["plan"] + list(dict.fromkeys(r["tile"] for r in rows if r["tile"] != "plan"))
     lines = [f"# The balanced merge's unit tile ({meta['gpu']})", "",
              f"{run_line(meta)}. Whole balanced steps (planner, stage 1, merge), interleaved "
              "CUDA-graph replays, cold L2, median microseconds per call for the plan's merge "
@@ -131,6 +140,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_out_argument(p, "merge-tiles.{json,md}")
     p.add_argument("--heads", type=int, nargs="+", default=[128, 16])
     p.add_argument("--reps", type=int, default=5, help="interleaved rounds per cell")
+    p.add_argument("--tiles", type=parse_tile, nargs="+", default=list(TILES),
+                   help="tiles to time against the plan's, e.g. s4-h8-dv128-w4")
     return p.parse_args(argv)
 
 
@@ -140,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if not torch.cuda.is_available():
         sys.exit("merge_tiles.py times CUDA graphs and needs a CUDA GPU")
-    rows = measure(args.heads, args.reps)
+    rows = measure(args.heads, args.reps, args.tiles)
     report_run(args.out, "merge-tiles", run_meta(), rows, markdown)
 
 
