@@ -264,7 +264,8 @@ for step in $steps; do
                     "$R/ncu-merge.txt" | tail -80 ;;
     mergesweep)   # Merge tiles against the plan's (no tests): whole balanced steps.
                   timeout 400 python3 bench/experiments/merge_tiles.py --heads ${MERGE_HEADS:-128} \
-                    ${MERGE_TILES:+--tiles $MERGE_TILES} --out "$R" > "$R/merge-sweep.log" 2>&1
+                    ${MERGE_TILES:+--tiles $MERGE_TILES} ${MERGE_MIXES:+--mixes $MERGE_MIXES} \
+                    --out "$R" > "$R/merge-sweep.log" 2>&1
                   tail -20 "$R/merge-sweep.log" ;;
     ncuseesaw)    # Nsight Compute: the bf16 seesaw at 128 heads (8 x 64K): where its warps stall,
                   # how busy the tensor pipe and the schedulers are.

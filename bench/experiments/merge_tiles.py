@@ -58,7 +58,7 @@ def parse_tile(text: str) -> tuple[int, int, int, int]:
     return values
 
 
-def measure(heads_list: list[int], reps: int, tiles=TILES) -> list[dict]:
+def measure(heads_list: list[int], reps: int, tiles=TILES, mixes=None) -> list[dict]:
     import torch
 
     from bench.common import inputs, random_cache
@@ -69,7 +69,8 @@ def measure(heads_list: list[int], reps: int, tiles=TILES) -> list[dict]:
 
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     backend = TritonBackend(num_sms=num_sms)
-    cells = shapes()
+    cells = [(m, lens) for m, lens in shapes()
+             if not mixes or any(m.endswith(" x " + x) or m == x for x in mixes)]
     cache = random_cache(max(sum(-(-n // 64) for n in lens) for _, lens in cells))
     sm_scale = default_sm_scale()
     rows = []
@@ -142,6 +143,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=5, help="interleaved rounds per cell")
     p.add_argument("--tiles", type=parse_tile, nargs="+", default=list(TILES),
                    help="tiles to time against the plan's, e.g. s4-h8-dv128-w4")
+    p.add_argument("--mixes", nargs="+", help="only these mixes (e.g. spread-8k, "
+                   "'64 x long-among-short'); default all")
     return p.parse_args(argv)
 
 
@@ -151,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if not torch.cuda.is_available():
         sys.exit("merge_tiles.py times CUDA graphs and needs a CUDA GPU")
-    rows = measure(args.heads, args.reps, args.tiles)
+    rows = measure(args.heads, args.reps, args.tiles, args.mixes)
     report_run(args.out, "merge-tiles", run_meta(), rows, markdown)
 
 
