@@ -6,7 +6,7 @@
 # steps: any of tests gputests balancedtests sweep fisweep capture tune tunefp8 tunemtp tunesparse
 #        tpot tpotfp8 tpotmtp ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp hostphases
 #        selectcost
-#        balancedseesaw tpotbatches tpothf stepkernels stepvariants seesawverify fp8seesaw mergetiles mergesweep ncu ncuspread ncumerge
+#        balancedseesaw tpotbatches tpothf stepkernels stepvariants seesawverify fp8seesaw mergetiles mergesweep rows32 ncu ncuspread ncumerge
 #        (tpotdp: TPOT of the 128-head deepseek-v3-dp preset, the compute-bound decode)
 #        (balancedtests: the balanced kernels per capture size, the ragged switch and the
 #        oracle's host logic, on the GPU)
@@ -48,6 +48,7 @@
 #        (ncuspread: Nsight Compute over a 128-head batch spread over 1..8K, kernel by kernel)
 #        (ncumerge: the same batch's balanced merge alone: memory, warp stalls, occupancy)
 #        (mergesweep: merge tiles at MERGE_HEADS (128) heads, MERGE_TILES='s4-h8-dv128-w4 ...')
+#        (rows32: 32 query rows on 32-row against 64-row programs, per cache format)
 #        (seesawverify: verify steps on the seesaw against float64, then timed against the
 #        Triton verify step and the q_len 1 step, bench/experiments/seesaw_verify.py)
 #        (fp8seesaw: the seesaw over fp8 caches (per-tensor, V3.2) against float64, then
@@ -83,7 +84,7 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 STEPS="tests gputests balancedtests sweep fisweep capture tune tunefp8 tunemtp tunesparse retime tpot tpotfp8 tpotmtp
        ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp hostphases selectcost balancedseesaw tpotbatches
-       tpothf stepkernels stepvariants seesawverify threeway fp8seesaw mergetiles mergesweep ncu ncuspread ncumerge ncuseesaw"
+       tpothf stepkernels stepvariants seesawverify threeway fp8seesaw mergetiles mergesweep rows32 ncu ncuspread ncumerge ncuseesaw"
 usage() { sed -n '2,/^set /{/^set /d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"; }
 for arg in "$@"; do
   case $arg in
@@ -267,6 +268,10 @@ for step in $steps; do
                     ${MERGE_TILES:+--tiles $MERGE_TILES} ${MERGE_MIXES:+--mixes $MERGE_MIXES} \
                     --out "$R" > "$R/merge-sweep.log" 2>&1
                   tail -20 "$R/merge-sweep.log" ;;
+    rows32)       # 32 query rows (32 heads, 16 heads x 2 tokens): 32-row against 64-row
+                  # programs, bf16 and both fp8 formats (whether the planner should switch).
+                  timeout 400 python3 bench/experiments/rows32_route.py --out "$R" \
+                    > "$R/rows32.log" 2>&1; tail -30 "$R/rows32.log" ;;
     ncuseesaw)    # Nsight Compute: the bf16 seesaw at 128 heads (8 x 64K): where its warps stall,
                   # how busy the tensor pipe and the schedulers are.
                   command -v ncu > /dev/null || { echo "ncu: not installed"; continue; }
