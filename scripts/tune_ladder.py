@@ -177,6 +177,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          f"(default {BALANCED_FROM}; below {BALANCED_ABOVE} in power-of-two "
                          "ranges, each with its own mixes, the uniform one included); "
                          f"{BALANCED_ABOVE} times the mixes of the ladders tuned before it")
+    ap.add_argument("--mix-lengths", type=int, choices=(1, 2), default=1,
+                    help="lengths of the longest request per range the ragged mixes are "
+                         "timed at: 1, at 3/4 of the range's top (default), or 2, also at "
+                         "15/16 of it (twice the mixes)")
     ap.add_argument("--one-balanced-kernel", action="store_true",
                     help="one balanced graph per capture size and length range (default: a "
                          "second one where the fitted cost model's pick between the two "
@@ -221,6 +225,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if args.from_times is not None and not args.retime_ragged:
             ap.error("--balanced-from sets where the mixes are timed; a saved report's mixes "
                      "keep their ranges: add --retime-ragged to time them again")
+    if args.mix_lengths != 1 and args.from_times is not None and not args.retime_ragged:
+        ap.error("--mix-lengths sets which mixes are timed; a saved report's mixes are kept: "
+                 "add --retime-ragged to time them again")
     if args.retime_ragged and args.from_times is None:
         ap.error("--retime-ragged re-times the mixes of a saved report: pass --from-times "
                  f"({report}); without it every mix is timed anyway")
@@ -406,9 +413,10 @@ def measure_ragged(args: argparse.Namespace, ladder, meta: dict) -> list[RaggedS
     heads, num_sms = meta["num_heads"], meta["num_sms"]
     # Each length range the switch is chosen for gets its own mixes, longest request in it.
     meta["balanced_from"] = args.balanced_from or BALANCED_FROM
+    meta["mix_lengths"] = args.mix_lengths
     mixes = [(b, name, lens) for lo, hi in switch_ranges(ladder, meta)
              for b in meta["batches"]
-             for name, lens in tuner_mixes(b, hi, above=lo)]
+             for name, lens in tuner_mixes(b, hi, above=lo, lengths=args.mix_lengths)]
     if not mixes:
         return []
     plan_for = hint_plans(heads, num_sms=num_sms)

@@ -395,3 +395,29 @@ def test_balanced_from_on_a_saved_reports_mixes_is_a_usage_error(tmp_path, capsy
     with pytest.raises(SystemExit):
         load_script("tune_ladder").main(["--balanced-from", "0", "--dry-run"])
     assert "at least 1 token" in capsys.readouterr().err
+    # Likewise --mix-lengths, which decides which mixes are timed.
+    with pytest.raises(SystemExit) as exit_info:
+        load_script("tune_ladder").main(["--from-times", str(report), "--mix-lengths", "2",
+                                         "--max-model-len", "4096"])
+    assert exit_info.value.code == 2
+    assert "--mix-lengths sets which mixes are timed" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("batch", [2, 8, 64])
+def test_tuner_mixes_at_two_lengths_add_the_same_mixes_near_the_range_top(batch):
+    one = tuner_mixes(batch, 8192, above=4468)
+    two = tuner_mixes(batch, 8192, above=4468, lengths=2)
+    assert two[:len(one)] == one
+    near = two[len(one):]
+    assert [name for name, _ in near] == [f"{name}@15/16" for name, _ in one]
+    assert {max(lens) for _, lens in one} == {6330}  # halfway through the range, above 3/4 of 8192
+    assert {max(lens) for _, lens in near} == {7680}  # inside the range, below its top
+    # Every mix keeps its shape, scaled to the longer request.
+    for (_, a), (_, b) in zip(one, near, strict=True):
+        assert len(a) == len(b) == batch and imbalance(b) == pytest.approx(
+            imbalance(a), rel=0.35)
+    # A range too narrow for a second length gets one.
+    assert tuner_mixes(batch, 4468, above=4400, lengths=2) == tuner_mixes(
+        batch, 4468, above=4400)
+    with pytest.raises(ValueError, match="lengths must be 1 or 2"):
+        tuner_mixes(batch, 8192, above=4468, lengths=3)

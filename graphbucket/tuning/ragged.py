@@ -36,7 +36,8 @@ def imbalance(lens: Sequence[int]) -> float:
     return max(live) * len(live) / sum(live) if live else 1.0
 
 
-def tuner_mixes(batch: int, top: int, *, above: int) -> list[tuple[str, list[int]]]:
+def tuner_mixes(batch: int, top: int, *, above: int, lengths: int = 1
+                ) -> list[tuple[str, list[int]]]:
     """Ragged length mixes the tuner times at ``batch`` rows for the lengths ``(above,
     top]``, their longest request inside that range: at 3/4 of ``top``, or halfway between
     ``above`` and ``top`` where 3/4 falls below the range (a range cut at a bucket edge).
@@ -44,10 +45,23 @@ def tuner_mixes(batch: int, top: int, *, above: int) -> list[tuple[str, list[int
     long (the rest 4096), a spread from 1 token, and every request long (uniform: where
     balanced beats split-KV even there, the switch may send every batch of the range to
     it); a short length that would reach the long one is a fraction of it instead (1/8,
-    1/4, 1/2). None at one row, or when ``top`` is not above ``above``."""
+    1/4, 1/2). ``lengths=2``: the same mixes again with the longest request at 15/16 of
+    ``top`` (named ``<mix>@15/16``; not where that is not above the first length), for a
+    range whose best balanced kernel changes between its middle and its top. None at one
+    row, or when ``top`` is not above ``above``."""
     if batch < 2 or top <= above:
         return []
+    if lengths not in (1, 2):
+        raise ValueError(f"lengths must be 1 or 2 (mixes per range), got {lengths!r}")
     long = max(top * 3 // 4, (above + top + 1) // 2)
+    out, second = _mixes_at(batch, long), top - top // 16
+    if lengths == 2 and second > long:  # a narrow range has one length
+        out += [(f"{name}@15/16", lens) for name, lens in _mixes_at(batch, second)]
+    return out
+
+
+def _mixes_at(batch: int, long: int) -> list[tuple[str, list[int]]]:
+    """``tuner_mixes``' five mixes with the longest request at ``long``."""
     few = max(1, batch // 4)
 
     def short(length: int, share: int) -> int:  # below the long request in short ranges
