@@ -12,7 +12,8 @@
 #        oracle's host logic, on the GPU)
 #        (tune: 16-, 128- and 12-head ladders (TUNE_HEADS) tuned at every capture size, each copied
 #        into graphbucket/ladders/ so that the TPOT steps after it run it, and checked by
-#        bench/ladder_oracle.py; TUNE_MIX_LENGTHS=2 times the ragged mixes at two lengths; tunefp8: ladders over fp8-tensor and fp8-v32 (TUNE_FP8)
+#        bench/ladder_oracle.py; TUNE_MIX_LENGTHS=2 times the ragged mixes at two lengths;
+#        tunefp8: ladders over fp8-tensor and fp8-v32 (TUNE_FP8)
 #        caches at 16 heads (TUNE_FP8_HEADS), likewise; tunemtp: 16- and 128-head ladders for q_len 2 and 4
 #        (TUNE_MTP="heads:q ..." picks some); retime: a saved report's split-KV table with
 #        its ragged mixes timed again (RETIME="heads:report ...", bf16), then the oracle; tunesparse: the 16-head sparse decoder's ladder
