@@ -266,7 +266,8 @@ for step in $steps; do
                     "$R/ncu-merge.txt" | tail -80 ;;
     mergesweep)   # Merge tiles against the plan's (no tests): whole balanced steps.
                   timeout 400 python3 bench/experiments/merge_tiles.py --heads ${MERGE_HEADS:-128} \
-                    ${MERGE_TILES:+--tiles $MERGE_TILES} ${MERGE_MIXES:+--mixes $MERGE_MIXES} \
+                    ${MERGE_TILES:+--tiles $MERGE_TILES} \
+                    --mixes ${MERGE_MIXES:-spread-8k long-among-short uniform-1024} \
                     --out "$R" > "$R/merge-sweep.log" 2>&1
                   tail -20 "$R/merge-sweep.log" ;;
     rows32)       # 32 query rows (32 heads, 16 heads x 2 tokens): 32-row against 64-row

@@ -62,10 +62,11 @@ def many_heads_merge_tile(num_heads: int, tile_ranges: bool) -> dict[str, int]:
 
 def with_merge_tile(plan: Plan, num_sms: int, *, block_s: int | None = None,
                     block_h: int | None = None, block_dv: int | None = None,
-                    num_warps: int | None = None) -> Plan:
+                    num_warps: int | None = None, prefetch: bool | None = None) -> Plan:
     """A balanced plan with another merge unit ([block_s items, block_h heads, block_dv
     columns] per step; powers of two, block_dv dividing kv_lora_rank; unnamed ones kept)
-    and its persistent programs: MERGE_PROGRAMS_PER_SM per SM, at most one per unit."""
+    and its persistent programs: MERGE_PROGRAMS_PER_SM per SM, at most one per unit.
+    ``prefetch``: each step's loads issued before the step ahead is weighed."""
     bs, bh, bdv = (block_s or plan.merge_block_s, block_h or plan.merge_block_h,
                    block_dv or plan.merge_block_dv)
     if not plan.balanced or any(v < 1 or v & (v - 1) for v in (bs, bh, bdv)) \
@@ -76,4 +77,5 @@ def with_merge_tile(plan: Plan, num_sms: int, *, block_s: int | None = None,
     units = plan.batch_size * cdiv(plan.num_heads, bh) * (plan.kv_lora_rank // bdv)
     return replace(plan, merge_block_s=bs, merge_block_h=bh, merge_block_dv=bdv,
                    merge_num_warps=num_warps or plan.merge_num_warps,
+                   merge_prefetch=plan.merge_prefetch if prefetch is None else bool(prefetch),
                    merge_programs=min(units, MERGE_PROGRAMS_PER_SM * num_sms))

@@ -119,6 +119,8 @@ class LaunchPlan:
     # Balanced plans: the merge's persistent programs over units of merge_block_h heads.
     merge_programs: int = 0
     merge_block_h: int = 1
+    # The balanced merge issues each step's loads before the one ahead is weighed.
+    merge_prefetch: bool = False
     # The merge waits for stage 1 on the device instead of at a kernel boundary
     # (programmatic dependent launch, where the GPU has it: sm_90 and later).
     dependent_merge: bool = False
@@ -218,7 +220,8 @@ class LaunchPlan:
                     f"{f' charged={self.range_charge_tiles}' if self.charged_ranges else ''}"
                     f"{' fitted' if self.fit_items else ''}"
                     f" min_chunk={self.min_chunk_tiles} +merge(bs={self.merge_block_s}"
-                    f"{f' heads={self.merge_block_h}' if self.merge_block_h > 1 else ''}){fp8}")
+                    f"{f' heads={self.merge_block_h}' if self.merge_block_h > 1 else ''}"
+                    f"{' prefetch' if self.merge_prefetch else ''}){fp8}")
         stage2 = f"+merge(bs={self.merge_block_s})" if self.use_stage2 else " one-split"
         if self.merges_in_stage1:
             chunks = f", {self.merge_chunks} column blocks" if self.merge_chunks > 1 else ""

@@ -170,18 +170,21 @@ def wide_view_matches_boxes() -> bool | None:
     return True
 
 
-def compile_balanced_merge(block_h: int = 1):
+def compile_balanced_merge(block_h: int = 1, prefetched: bool = False):
     """The balanced merge as the charged seesaw launches it: a programmatic dependent that
     waits on the device for stage 1's partials; with ``block_h`` > 1, units of that many
-    heads over 8 items and 64 columns per step."""
+    heads over 8 items and 64 columns per step (``prefetched``: 2 items and 256 columns per
+    step, the next step's loads issued first)."""
     from triton.compiler import ASTSource
 
     from graphbucket.kernels.balanced import balanced_merge_kernel as kernel
 
     constants = {"BLOCK_S": 32, "BLOCK_DV": 512, "DV_BLOCKS": 1, "WRITE_LSE": True,
-                 "USE_GDC": True, "BLOCK_HM": block_h}
+                 "USE_GDC": True, "BLOCK_HM": block_h, "MERGE_PREFETCH": False}
     if block_h > 1:
         constants.update(BLOCK_S=8, BLOCK_DV=64, DV_BLOCKS=8)
+    if prefetched:
+        constants.update(BLOCK_S=2, BLOCK_DV=256, DV_BLOCKS=2, MERGE_PREFETCH=True)
     pointers = {"PART_O": "*fp32", "PART_LSE": "*fp32", "ITEM_INDPTR": "*i32",
                 "MERGE_ROWS": "*i32", "OUT": "*bf16", "LSE": "*fp32"}
     signature = {p.name: "constexpr" if p.name in constants else pointers.get(p.name, "i32")
@@ -237,6 +240,7 @@ def main() -> None:
                 for c, b in ((0, False), (0, True), (5, True))}
     merge = compile_balanced_merge().asm["ptx"]
     head_blocked_merge = compile_balanced_merge(block_h=8).asm["ptx"]
+    prefetched_merge = compile_balanced_merge(block_h=8, prefetched=True).asm["ptx"]
     print(json.dumps({**summary(compiled), "balanced": summary(balanced),
                       "ranges": summary(ranges), "charged": summary(charged),
                       "one_rescale": summary(one_rescale), "q_len_4": summary(verify),
@@ -256,7 +260,8 @@ def main() -> None:
                       "range_planner_shared_bytes": planners,
                       "wide_view_matches_boxes": wide_view_matches_boxes(),
                       "dependent_merge_waits": merge.count("griddepcontrol.wait"),
-                      "head_blocked_merge_spill_bytes": spill_bytes(head_blocked_merge)}))
+                      "head_blocked_merge_spill_bytes": spill_bytes(head_blocked_merge),
+                      "prefetched_merge_spill_bytes": spill_bytes(prefetched_merge)}))
 
 
 def spill_bytes(ptx: str) -> int | None:

@@ -75,14 +75,20 @@ def test_persistent_merge_matches_float64(items, programs, every, device):
     torch.testing.assert_close(lse.double().cpu(), want_lse, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("block_s, block_h, block_dv", [(2, 2, 32), (4, 4, 64), (32, 2, 16)])
-def test_head_blocked_merge_matches_float64(block_s, block_h, block_dv, device):
-    heads, items = 5, [3, 1, 0, 9, 1, 2, 1]
+@pytest.mark.parametrize("block_s, block_h, block_dv, prefetch", [
+    (2, 2, 32, False), (4, 4, 64, False), (32, 2, 16, False),
+    # Prefetched: the next step's loads first, after a pass over the LSEs 16 at a time (the
+    # requests of 19 and 17 items take two).
+    (1, 4, 64, True), (1, 1, 32, True), (2, 8, 16, True), (8, 2, 32, True)])
+def test_head_blocked_merge_matches_float64(block_s, block_h, block_dv, prefetch, device):
+    heads, items = 5, [3, 1, 0, 9, 1, 2, 1] + ([19, 17] if prefetch else [])
     gen = torch.Generator().manual_seed(block_s * 100 + block_h * 10 + block_dv)
     ws, want_o, want_lse = merge_case(items, gen, every=False, device=device, heads=heads)
     plan = plan_balanced_mla_decode(len(items), heads, kv_lora_rank=RANK, qk_rope_dim=16,
                                     programs=4, num_sms=2)
-    plan = with_merge_tile(plan, 1, block_s=block_s, block_h=block_h, block_dv=block_dv)
+    plan = with_merge_tile(plan, 1, block_s=block_s, block_h=block_h, block_dv=block_dv,
+                           prefetch=prefetch)
+    assert plan.merge_prefetch == prefetch and ("prefetch" in plan.describe()) == prefetch
     units = len(items) * -(-heads // block_h) * (RANK // block_dv)
     assert plan.merge_block_h == block_h and plan.merge_programs == min(16, units)
     out = torch.full((len(items), heads, RANK), SENTINEL, dtype=torch.float32, device=device)

@@ -25,12 +25,16 @@ from bench.gpu_timing import add_out_argument, report_run, run_line, run_meta  #
 TOP = 131072
 KERNELS = ("default", "seesaw", "seesaw-ranges", "seesaw-charged")  # the seesaw's, per heads
 # (items per step, heads, columns, warps): one unit's step is 4096-8192 float32 partials.
-TILES = ((8, 8, 64, 4), (4, 8, 128, 4), (16, 4, 64, 4), (32, 2, 64, 4), (8, 16, 64, 8),
-         (32, 1, 64, 4))
+# The 128-head tiles and their prefetched twins (the prefetch alone, then wider columns with
+# fewer items per step: more live bytes per chain of dependent loads).
+TILES = ((8, 8, 64, 4), (4, 8, 128, 4), (32, 2, 64, 4), (8, 8, 64, 4, True),
+         (32, 2, 64, 4, True), (4, 8, 128, 4, True), (2, 8, 256, 4, True),
+         (2, 8, 256, 8, True), (1, 8, 512, 8, True), (2, 4, 512, 4, True))
 
 
-def tile_name(tile: tuple[int, int, int, int]) -> str:
-    return "s{}-h{}-dv{}-w{}".format(*tile)
+def tile_name(tile: tuple) -> str:
+    """(items, heads, columns, warps[, prefetch]) -> 's8-h8-dv64-w4' ('-p': prefetched)."""
+    return "s{}-h{}-dv{}-w{}".format(*tile[:4]) + ("-p" if len(tile) > 4 and tile[4] else "")
 
 
 def kernels_for(backend, heads: int) -> list[str]:
@@ -49,13 +53,16 @@ def shapes() -> list[tuple[str, list[int]]]:
     return cells + [("64 x uniform-1024", [1024] * 64)]
 
 
-def parse_tile(text: str) -> tuple[int, int, int, int]:
-    """'s4-h8-dv128-w4' (or '4,8,128,4') -> (4, 8, 128, 4)."""
-    parts = text.replace("-", ",").replace("s", "").replace("h", "").replace("dv", "")
+def parse_tile(text: str) -> tuple:
+    """'s4-h8-dv128-w4' (or '4,8,128,4') -> (4, 8, 128, 4); a '-p' suffix adds the
+    prefetched merge: (4, 8, 128, 4, True)."""
+    prefetch = text.endswith("-p")
+    body = text[:-2] if prefetch else text
+    parts = body.replace("-", ",").replace("dv", "").replace("s", "").replace("h", "")
     values = tuple(int(v) for v in parts.replace("w", "").split(","))
     if len(values) != 4:
-        raise argparse.ArgumentTypeError(f"a tile is sS-hH-dvD-wW, got {text!r}")
-    return values
+        raise argparse.ArgumentTypeError(f"a tile is sS-hH-dvD-wW[-p], got {text!r}")
+    return values + (True,) if prefetch else values
 
 
 def measure(heads_list: list[int], reps: int, tiles=TILES, mixes=None) -> list[dict]:
@@ -81,9 +88,9 @@ def measure(heads_list: list[int], reps: int, tiles=TILES, mixes=None) -> list[d
             for kernel in kernels_for(backend, heads):
                 base = backend.plan_balanced(batch, heads, kernel)
                 plans = {"plan": base}
-                plans.update({tile_name(t): with_merge_tile(base, num_sms, block_s=t[0],
-                                                            block_h=t[1], block_dv=t[2],
-                                                            num_warps=t[3]) for t in tiles})
+                plans.update({tile_name(t): with_merge_tile(
+                    base, num_sms, block_s=t[0], block_h=t[1], block_dv=t[2], num_warps=t[3],
+                    prefetch=len(t) > 4 and t[4]) for t in tiles})
                 ws = SplitWorkspace.allocate(batch, heads, 1, 512, "cuda",
                                              max_items=base.max_work_items)
                 results = {}
@@ -122,8 +129,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
              f"{run_line(meta)}. Whole balanced steps (planner, stage 1, merge), interleaved "
              "CUDA-graph replays, cold L2, median microseconds per call for the plan's merge "
              "tile, and each tile's time over it (items per step s, heads h, columns dv, "
-             "warps w); the largest relative L2 difference from the plan's output is "
-             f"{max((r['rel_diff'] for r in rows), default=0):.1e}.", "",
+             "warps w; -p: the prefetched merge); the largest relative L2 difference from "
+             f"the plan's output is {max((r['rel_diff'] for r in rows), default=0):.1e}.", "",
              "| heads | mix | kernel | plan us | " + " | ".join(names[1:]) + " |",
              "|---:|---|---|---:|" + "---:|" * (len(names) - 1)]
     cases: dict[tuple, dict] = {}

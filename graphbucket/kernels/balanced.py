@@ -50,6 +50,7 @@ from graphbucket.kernels.attend import attend_tokens
 from graphbucket.kernels.merge import (
     merge_partials,
     merge_partials_heads,
+    merge_partials_heads_prefetched,
     store_merged,
     store_merged_heads,
 )
@@ -338,12 +339,14 @@ def balanced_merge_kernel(
     WRITE_LSE: tl.constexpr,
     BLOCK_HM: tl.constexpr = 1,
     USE_GDC: tl.constexpr = False,
+    MERGE_PREFETCH: tl.constexpr = False,
 ):
     """Persistent programs over the step's merge units (a request of the planner's
     ``MERGE_ROWS`` list, a block of BLOCK_HM heads, a block of BLOCK_DV columns), unit u by
     program u mod G: only requests with something to merge cost a program's time, however
     many rows the graph was captured for. A unit is a chain of dependent loads (list,
-    indptr, LSEs, partials); BLOCK_HM > 1 lets one chain serve several heads."""
+    indptr, LSEs, partials); BLOCK_HM > 1 lets one chain serve several heads; MERGE_PREFETCH
+    issues each step's loads before the step ahead of it is weighed."""
     if USE_GDC:
         # Stage 1's partials are complete and visible past this point. Every program waits,
         # those with nothing to merge too: the grid then ends after stage 1, whose outputs
@@ -362,7 +365,16 @@ def balanced_merge_kernel(
         o_row = PART_O + first.to(tl.int64) * stride_po_i + head * stride_po_h
         lse_row = PART_LSE + first.to(tl.int64) * stride_pl_i + head
         # No items (padding): the merge of nothing gives zeros and LSE -inf.
-        if BLOCK_HM == 1:
+        if MERGE_PREFETCH:  # the next step's loads issued first, no rescale
+            offs_h = tl.arange(0, BLOCK_HM)
+            mask_h = head + offs_h < num_heads
+            acc, l_i, m_i = merge_partials_heads_prefetched(
+                o_row, lse_row, stride_po_i, stride_po_h, stride_pl_i, items, offs_h, mask_h,
+                offs_dv, BLOCK_S)
+            store_merged_heads(OUT + bid * stride_o_b + head * stride_o_h,
+                               LSE + bid * stride_lse_b + head, stride_o_h, acc, l_i, m_i,
+                               offs_h, mask_h, offs_dv, dv_block, WRITE_LSE)
+        elif BLOCK_HM == 1:
             acc, l_i, m_i = merge_partials(o_row, lse_row, stride_po_i, stride_pl_i, items,
                                            offs_dv, BLOCK_S, BLOCK_DV)
             store_merged(OUT + bid * stride_o_b + head * stride_o_h + offs_dv,

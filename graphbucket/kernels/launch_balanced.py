@@ -241,6 +241,6 @@ def launch_balanced_merge(out: torch.Tensor, workspace: SplitWorkspace, *, plan:
         BLOCK_S=plan.merge_block_s, BLOCK_DV=plan.merge_block_dv,
         DV_BLOCKS=-(-plan.kv_lora_rank // plan.merge_block_dv),
         WRITE_LSE=lse is not None, BLOCK_HM=plan.merge_block_h,
-        num_warps=plan.merge_num_warps,
+        MERGE_PREFETCH=plan.merge_prefetch, num_warps=plan.merge_num_warps,
         **({"USE_GDC": True, "launch_pdl": True} if dependent else {}),
     )

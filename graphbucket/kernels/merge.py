@@ -138,6 +138,51 @@ def merge_partials_heads(o_row, lse_row, stride_o_s, stride_o_h, stride_lse_s, n
     return acc, l_i, m_i
 
 
+# LSEs read per load of the prefetched merge's first pass (most requests have fewer items).
+PREFETCH_LSE_BLOCK = tl.constexpr(16)
+
+
+@triton.jit
+def merge_partials_heads_prefetched(o_row, lse_row, stride_o_s, stride_o_h, stride_lse_s,
+                                    num_active, offs_h, mask_h, offs_dv,
+                                    BLOCK_S: tl.constexpr):
+    """``merge_partials_heads`` with the next step's loads issued before this step is
+    weighed: the first BLOCK_S partials are requested with the LSEs, one pass over the
+    LSEs (PREFETCH_LSE_BLOCK per load) gives each head's max, and the weighted sum then
+    needs no rescale, so a unit's loads overlap instead of each waiting on the last.
+    Returns the unnormalised (acc [heads, BLOCK_DV], l [heads], m [heads]); l == 0 when
+    nothing was live."""
+    offs_s = tl.arange(0, BLOCK_S)
+    o_ptrs = (o_row + offs_s[:, None, None] * stride_o_s + offs_h[None, :, None] * stride_o_h
+              + offs_dv[None, None, :])
+    lse_ptrs = lse_row + offs_s[:, None] * stride_lse_s + offs_h[None, :]
+    live = (offs_s < num_active)[:, None] & mask_h[None, :]
+    part = tl.load(o_ptrs, mask=live[:, :, None], other=0.0)
+    lse = tl.load(lse_ptrs, mask=live, other=float("-inf"))
+    m_i = tl.full(offs_h.shape, float("-inf"), dtype=tl.float32)
+    for s0 in range(0, num_active, PREFETCH_LSE_BLOCK):
+        offs_l = s0 + tl.arange(0, PREFETCH_LSE_BLOCK)
+        block = tl.load(lse_row + offs_l[:, None] * stride_lse_s + offs_h[None, :],
+                        mask=(offs_l < num_active)[:, None] & mask_h[None, :],
+                        other=float("-inf"))
+        m_i = tl.maximum(m_i, tl.max(block, 0))
+    # A row whose every partial is empty (LSE -inf) keeps -inf out of the exponents.
+    m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+    acc = tl.zeros([offs_h.shape[0], offs_dv.shape[0]], dtype=tl.float32)
+    l_i = tl.zeros(offs_h.shape, dtype=tl.float32)
+    for s0 in range(0, num_active, BLOCK_S):
+        ahead = ((s0 + BLOCK_S + offs_s) < num_active)[:, None] & mask_h[None, :]
+        next_part = tl.load(o_ptrs + (s0 + BLOCK_S) * stride_o_s, mask=ahead[:, :, None],
+                            other=0.0)
+        next_lse = tl.load(lse_ptrs + (s0 + BLOCK_S) * stride_lse_s, mask=ahead,
+                           other=float("-inf"))
+        w = tl.exp2(lse - m_safe[None, :])
+        acc += tl.sum(w[:, :, None] * part, 0)
+        l_i += tl.sum(w, 0)
+        part, lse = next_part, next_lse
+    return acc, l_i, m_i
+
+
 @triton.jit
 def store_merged_heads(o_ptr, lse_ptr, stride_o_h, acc, l_i, m_i, offs_h, mask_h, offs_dv,
                        dv_block, WRITE_LSE: tl.constexpr):
