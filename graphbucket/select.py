@@ -346,6 +346,7 @@ _MAX_PICKS = 4096  # remembered two-kernel picks; cleared when full
 
 def _coarse(n: int) -> tuple[int, int]:
     """``n`` to 7 significant bits: (shift, top bits), steps of 1/128 to 1/64 of ``n``."""
+    n = int(n)  # a numpy integer has no bit_length
     shift = max(0, n.bit_length() - 7)
     return shift, n >> shift
 

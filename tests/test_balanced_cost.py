@@ -343,6 +343,9 @@ def test_the_two_kernel_pick_is_remembered_across_decode_steps():
         assert all(sel.choose(step).balanced for step in steps)
         crossings = 50 * len(lens) * 128 // sum(lens) + 1 + 50 * 128 // max(lens) + 1
         assert 1 <= sel.remembered_picks <= 1 + crossings < 26
+        # The same step as numpy lengths and numpy scalars: the same remembered pick.
+        arr = np.array(steps[-1])
+        assert sel.key_for(len(arr), arr.min(), arr.max(), arr) == sel.choose(steps[-1])
         # Another live count is another batch: the model runs again.
         runs, shorter = sel.remembered_picks, lens[:-1] + [0]
         assert sel.choose(shorter).alternate == model_pick(sel, shorter)
