@@ -55,17 +55,20 @@ def merge_case(items: list[int], gen: torch.Generator, *, every: bool,
     return ws, want_o, want_lse
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("items, programs, every", [
     ([3, 1, 0, 5, 1, 1, 2], None, False),  # one-item requests left alone
     ([1, 1, 1, 1, 9, 1, 1, 0], 3, False),   # one long among short, 3 programs walk 18 units
     ([2, 1, 0, 4], 2, True),                # one-item requests listed too: one partial each
     ([1] * 150 + [3] + [0] * 60 + [1] * 50 + [2], 5, False),  # 262 rows
 ])
-def test_persistent_merge_matches_float64(items, programs, every, device):
+def test_persistent_merge_matches_float64(items, programs, every, prefetch, device):
+    # prefetch: each program loads its next units' indices ahead (several units each here).
     gen = torch.Generator().manual_seed(len(items) * 31 + (programs or 0))
     ws, want_o, want_lse = merge_case(items, gen, every=every, device=device)
     plan = plan_balanced_mla_decode(len(items), HEADS, kv_lora_rank=RANK, qk_rope_dim=16,
                                     programs=4, num_sms=2)
+    plan = replace(plan, merge_prefetch=prefetch)
     if programs is not None:
         plan = replace(plan, merge_programs=programs)
     out = torch.full((len(items), HEADS, RANK), SENTINEL, dtype=torch.float32, device=device)

@@ -50,7 +50,7 @@ from graphbucket.kernels.attend import attend_tokens
 from graphbucket.kernels.merge import (
     merge_partials,
     merge_partials_heads,
-    merge_partials_heads_prefetched,
+    merge_units_prefetched,
     store_merged,
     store_merged_heads,
 )
@@ -346,12 +346,19 @@ def balanced_merge_kernel(
     program u mod G: only requests with something to merge cost a program's time, however
     many rows the graph was captured for. A unit is a chain of dependent loads (list,
     indptr, LSEs, partials); BLOCK_HM > 1 lets one chain serve several heads; MERGE_PREFETCH
-    issues each step's loads before the step ahead of it is weighed."""
+    loads the next unit's indices and each step's partials ahead of their use
+    (``merge.merge_units_prefetched``)."""
     if USE_GDC:
         # Stage 1's partials are complete and visible past this point. Every program waits,
         # those with nothing to merge too: the grid then ends after stage 1, whose outputs
         # the kernels after the merge read.
         gdc_wait()
+    if MERGE_PREFETCH:
+        merge_units_prefetched(PART_O, PART_LSE, ITEM_INDPTR, MERGE_ROWS, OUT, LSE, num_heads,
+                               stride_po_i, stride_po_h, stride_pl_i, stride_o_b, stride_o_h,
+                               stride_lse_b, BLOCK_S, BLOCK_DV, DV_BLOCKS, WRITE_LSE,
+                               BLOCK_HM)
+        return
     head_blocks = tl.cdiv(num_heads, BLOCK_HM)
     per_request = head_blocks * DV_BLOCKS
     for unit in range(tl.program_id(0), tl.load(MERGE_ROWS) * per_request,
@@ -365,16 +372,7 @@ def balanced_merge_kernel(
         o_row = PART_O + first.to(tl.int64) * stride_po_i + head * stride_po_h
         lse_row = PART_LSE + first.to(tl.int64) * stride_pl_i + head
         # No items (padding): the merge of nothing gives zeros and LSE -inf.
-        if MERGE_PREFETCH:  # the next step's loads issued first, no rescale
-            offs_h = tl.arange(0, BLOCK_HM)
-            mask_h = head + offs_h < num_heads
-            acc, l_i, m_i = merge_partials_heads_prefetched(
-                o_row, lse_row, stride_po_i, stride_po_h, stride_pl_i, items, offs_h, mask_h,
-                offs_dv, BLOCK_S)
-            store_merged_heads(OUT + bid * stride_o_b + head * stride_o_h,
-                               LSE + bid * stride_lse_b + head, stride_o_h, acc, l_i, m_i,
-                               offs_h, mask_h, offs_dv, dv_block, WRITE_LSE)
-        elif BLOCK_HM == 1:
+        if BLOCK_HM == 1:
             acc, l_i, m_i = merge_partials(o_row, lse_row, stride_po_i, stride_pl_i, items,
                                            offs_dv, BLOCK_S, BLOCK_DV)
             store_merged(OUT + bid * stride_o_b + head * stride_o_h + offs_dv,

@@ -184,6 +184,47 @@ def merge_partials_heads_prefetched(o_row, lse_row, stride_o_s, stride_o_h, stri
 
 
 @triton.jit
+def merge_units_prefetched(PART_O, PART_LSE, ITEM_INDPTR, MERGE_ROWS, OUT, LSE, num_heads,
+                           stride_po_i, stride_po_h, stride_pl_i, stride_o_b, stride_o_h,
+                           stride_lse_b, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+                           DV_BLOCKS: tl.constexpr, WRITE_LSE: tl.constexpr,
+                           BLOCK_HM: tl.constexpr):
+    """The balanced merge's unit loop (``balanced_merge_kernel``) with the index chain
+    loaded ahead: a unit's item range was requested one unit earlier and its request two
+    units earlier, so a unit starts with its partials' loads; each unit then merges by
+    ``merge_partials_heads_prefetched``."""
+    per_request = tl.cdiv(num_heads, BLOCK_HM) * DV_BLOCKS
+    units = tl.load(MERGE_ROWS) * per_request
+    stride = tl.num_programs(0)
+    start = tl.program_id(0)
+    bid = tl.load(MERGE_ROWS + 1 + start // per_request, mask=start < units, other=0)
+    first = tl.load(ITEM_INDPTR + bid, mask=start < units, other=0)
+    end = tl.load(ITEM_INDPTR + bid + 1, mask=start < units, other=0)
+    next_bid = tl.load(MERGE_ROWS + 1 + (start + stride) // per_request,
+                       mask=start + stride < units, other=0)
+    offs_h = tl.arange(0, BLOCK_HM)
+    for unit in range(start, units, stride):
+        # Requested now, used one and two units on.
+        later = unit + 2 * stride
+        after_bid = tl.load(MERGE_ROWS + 1 + later // per_request, mask=later < units,
+                            other=0)
+        next_first = tl.load(ITEM_INDPTR + next_bid, mask=unit + stride < units, other=0)
+        next_end = tl.load(ITEM_INDPTR + next_bid + 1, mask=unit + stride < units, other=0)
+        head = (unit % per_request) // DV_BLOCKS * BLOCK_HM
+        dv_block = unit % DV_BLOCKS
+        offs_dv = dv_block * BLOCK_DV + tl.arange(0, BLOCK_DV)
+        mask_h = head + offs_h < num_heads
+        acc, l_i, m_i = merge_partials_heads_prefetched(
+            PART_O + first.to(tl.int64) * stride_po_i + head * stride_po_h,
+            PART_LSE + first.to(tl.int64) * stride_pl_i + head, stride_po_i, stride_po_h,
+            stride_pl_i, end - first, offs_h, mask_h, offs_dv, BLOCK_S)
+        store_merged_heads(OUT + bid * stride_o_b + head * stride_o_h,
+                           LSE + bid * stride_lse_b + head, stride_o_h, acc, l_i, m_i, offs_h,
+                           mask_h, offs_dv, dv_block, WRITE_LSE)
+        bid, first, end, next_bid = next_bid, next_first, next_end, after_bid
+
+
+@triton.jit
 def store_merged_heads(o_ptr, lse_ptr, stride_o_h, acc, l_i, m_i, offs_h, mask_h, offs_dv,
                        dv_block, WRITE_LSE: tl.constexpr):
     """``store_merged`` for a block of heads (``o_ptr``, ``lse_ptr`` at its first head)."""
