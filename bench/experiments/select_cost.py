@@ -88,6 +88,44 @@ def summary(times: np.ndarray) -> dict[str, float]:
             "max": round(float(times.max()), 2)}
 
 
+def markdown(meta: dict, rows: list[dict]) -> str:
+    """The weighed runs as a table, and a line over all of them."""
+    weighed = [r for r in rows if r["steps_weighed"]]
+    lines = [f"# The selector's host cost with two balanced graphs per bucket: remembered "
+             f"picks ({meta.get('gpu', 'CPU')} host)", "",
+             f"{meta['date']}, torch {meta['torch']}, triton {meta['triton']}, one core "
+             f"({meta['core']}). Command: `{meta['command']}`.", "",
+             f"`GraphSelector.key_for` per step of a {meta['steps']}-step decode run from each "
+             "batch (every length one token longer each step, a request swapped for a "
+             "1000-token one every 16 steps), shipped H200 ladders, microseconds. "
+             "*remembered*: the default selector (a fresh one per run); *every step*: "
+             "`remember_picks=False`; *one graph*: the ladder without its alternate kernels. "
+             "*weighed*: steps whose key has a second balanced graph; *model runs*: steps the "
+             "remembered selector ran the model on; *differ*: steps whose remembered pick is "
+             "not the model's, and the model's predicted time of the remembered pick over its "
+             "own, worst step. Runs with no weighed step are left out.", "",
+             "| heads | batch | context | mix | weighed | model runs | remembered median / "
+             "p99 us | every step median us | one graph median us | differ | predicted, "
+             "worst |", "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in weighed:
+        lines.append(f"| {r['heads']} | {r['batch']} | {r['context']} | {r['mix']} | "
+                     f"{r['steps_weighed']} | {r['model_runs_remembered']} | "
+                     f"{r['remembered_us']['median']:.2f} / {r['remembered_us']['p99']:.1f} | "
+                     f"{r['every_step_us']['median']:.1f} | {r['one_graph_us']['median']:.2f} "
+                     f"| {r['picks_differing']} | {r['worst_predicted_ratio']:.3f} |")
+    if weighed:
+        med = [r["remembered_us"]["median"] for r in weighed]
+        every = [r["every_step_us"]["median"] for r in weighed]
+        lines += ["", f"Over the {len(weighed)} weighed runs: remembered median "
+                  f"{min(med):.2f}-{max(med):.2f} us, every step {min(every):.1f}-"
+                  f"{max(every):.1f} us; model runs "
+                  f"{sum(r['model_runs_remembered'] for r in weighed)} of "
+                  f"{sum(r['steps_weighed'] for r in weighed)} weighed steps; picks differing "
+                  f"{sum(r['picks_differing'] for r in weighed)}, predicted "
+                  f"{max(r['worst_predicted_ratio'] for r in weighed):.3f}x at worst."]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, help="directory for h200-select-cost.json")
@@ -148,6 +186,7 @@ def main(argv: list[str] | None = None) -> None:
                 "steps": args.steps}
         (args.out / "h200-select-cost.json").write_text(
             json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+        (args.out / "h200-select-cost.md").write_text(markdown(meta, rows))
 
 
 if __name__ == "__main__":
