@@ -26,13 +26,12 @@ MERGE_BLOCK_DV = 32
 WHOLE_ROW_MERGE_DV = 512
 WHOLE_ROW_MERGE_MAX_PROGRAMS = 256
 MERGE_PROGRAMS_PER_SM = 16  # a balanced merge's persistent programs per SM (at most one per unit)
-# From 64 heads a unit spans several heads and 64 columns: a one-head unit is a chain of
-# dependent loads over a few partials, and the step's units outnumber the programs many
-# times over. Tile ranges (few items per request) take 8 heads x 8 items; item plans, whose
-# long requests hold many items, 2 heads over the plan's item tile.
+# From 64 heads a unit spans several heads and whole rows, and its loads are prefetched: a
+# one-head unit is a chain of dependent loads over a few partials, and the step's units
+# outnumber the programs many times over. Units of 4 heads x 512 columns over 2 items per
+# step keep the most bytes in flight per chain for tile ranges and item plans alike.
 MANY_HEADS = 64
-RANGES_MERGE_TILE = (8, 8, 64)  # (block_s, block_h, block_dv)
-ITEMS_MERGE_HEADS, MANY_HEADS_MERGE_DV = 2, 64
+MANY_HEADS_MERGE_TILE = (2, 4, 512)  # (block_s, block_h, block_dv)
 
 
 def merge_block_s(num_splits: int) -> int:
@@ -49,15 +48,15 @@ def whole_row_merge(batch_size: int, num_heads: int, programs: int) -> bool:
             and cdiv(programs, batch_size) <= 5)
 
 
-def many_heads_merge_tile(num_heads: int, tile_ranges: bool) -> dict[str, int]:
+def many_heads_merge_tile(num_heads: int, kv_lora_rank: int) -> dict[str, int | bool]:
     """The merge tile's overrides for ``with_merge_tile`` at ``num_heads``: none below
-    MANY_HEADS."""
+    MANY_HEADS; from there MANY_HEADS_MERGE_TILE, prefetched, its columns the largest power
+    of two up to 512 that divides ``kv_lora_rank``."""
     if num_heads < MANY_HEADS:
         return {}
-    if tile_ranges:
-        bs, bh, bdv = RANGES_MERGE_TILE
-        return {"block_s": bs, "block_h": bh, "block_dv": bdv}
-    return {"block_h": ITEMS_MERGE_HEADS, "block_dv": MANY_HEADS_MERGE_DV}
+    bs, bh, bdv = MANY_HEADS_MERGE_TILE
+    return {"block_s": bs, "block_h": bh, "block_dv": min(bdv, kv_lora_rank & -kv_lora_rank),
+            "num_warps": 4, "prefetch": True}
 
 
 def with_merge_tile(plan: Plan, num_sms: int, *, block_s: int | None = None,

@@ -276,6 +276,15 @@ def head_block_size(num_heads: int) -> int:
     return 32 if num_heads < ROWS_STREAM.block_h else ROWS_STREAM.block_h
 
 
+def split_kv_block_size(num_heads: int) -> int:
+    """Query rows per split-KV program: from 32 rows (32 heads, 16 heads x 2 verify tokens),
+    64-row programs, whose stage 1 the Gluon seesaw runs on Hopper and which beat 32-row
+    programs there for every cache format; below that, ``head_block_size``."""
+    if num_heads >= ROWS32_STREAM.block_h:
+        return ROWS_STREAM.block_h
+    return head_block_size(num_heads)
+
+
 def _check_positive(**values: int) -> None:
     for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -303,7 +312,7 @@ def plan_mla_decode(
     _check_positive(batch_size=batch_size, num_heads=num_heads, hint=hint, num_sms=num_sms,
                     max_splits=max_splits)
     block_h = stream.block_h if stream is not None and stream.block_h else \
-        head_block_size(num_heads)
+        split_kv_block_size(num_heads)
     rows = batch_size * cdiv(num_heads, block_h)
     auto = stream is None
     stream = stream or stream_config(rows, num_sms, block_h)
@@ -427,4 +436,4 @@ def plan_balanced_mla_decode(
     if whole_row_merge(batch_size, num_heads, programs):
         return with_merge_tile(plan, num_sms, block_dv=min(WHOLE_ROW_MERGE_DV, kv_lora_rank),
                                num_warps=8)
-    return with_merge_tile(plan, num_sms, **many_heads_merge_tile(num_heads, tile_ranges))
+    return with_merge_tile(plan, num_sms, **many_heads_merge_tile(num_heads, kv_lora_rank))

@@ -173,24 +173,31 @@ def wide_view_matches_boxes() -> bool | None:
 def compile_balanced_merge(block_h: int = 1, prefetched: bool = False):
     """The balanced merge as the charged seesaw launches it: a programmatic dependent that
     waits on the device for stage 1's partials; with ``block_h`` > 1, units of that many
-    heads over 8 items and 64 columns per step (``prefetched``: 2 items and 256 columns per
-    step, the next step's loads issued first)."""
+    heads over 8 items and 64 columns per step; ``prefetched``: the plans' tile from 64
+    heads (``merge_tile.many_heads_merge_tile``), the next step's loads issued first."""
     from triton.compiler import ASTSource
 
     from graphbucket.kernels.balanced import balanced_merge_kernel as kernel
+    from graphbucket.merge_tile import many_heads_merge_tile
 
     constants = {"BLOCK_S": 32, "BLOCK_DV": 512, "DV_BLOCKS": 1, "WRITE_LSE": True,
                  "USE_GDC": True, "BLOCK_HM": block_h, "MERGE_PREFETCH": False}
+    num_warps = 8
     if block_h > 1:
         constants.update(BLOCK_S=8, BLOCK_DV=64, DV_BLOCKS=8)
     if prefetched:
-        constants.update(BLOCK_S=2, BLOCK_DV=256, DV_BLOCKS=2, MERGE_PREFETCH=True)
+        tile = many_heads_merge_tile(128, 512)
+        constants.update(BLOCK_S=tile["block_s"], BLOCK_HM=tile["block_h"],
+                         BLOCK_DV=tile["block_dv"], DV_BLOCKS=512 // tile["block_dv"],
+                         MERGE_PREFETCH=tile["prefetch"])
+        num_warps = tile["num_warps"]
     pointers = {"PART_O": "*fp32", "PART_LSE": "*fp32", "ITEM_INDPTR": "*i32",
                 "MERGE_ROWS": "*i32", "OUT": "*bf16", "LSE": "*fp32"}
     signature = {p.name: "constexpr" if p.name in constants else pointers.get(p.name, "i32")
                  for p in kernel.params}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps})
 
 
 def main() -> None:
@@ -240,7 +247,7 @@ def main() -> None:
                 for c, b in ((0, False), (0, True), (5, True))}
     merge = compile_balanced_merge().asm["ptx"]
     head_blocked_merge = compile_balanced_merge(block_h=8).asm["ptx"]
-    prefetched_merge = compile_balanced_merge(block_h=8, prefetched=True).asm["ptx"]
+    prefetched_merge = compile_balanced_merge(prefetched=True).asm["ptx"]
     print(json.dumps({**summary(compiled), "balanced": summary(balanced),
                       "ranges": summary(ranges), "charged": summary(charged),
                       "one_rescale": summary(one_rescale), "q_len_4": summary(verify),

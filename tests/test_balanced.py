@@ -163,13 +163,18 @@ def test_merge_reads_whole_rows_only_for_few_items_per_request():
     for plan in (plan_balanced_mla_decode(64, 16, num_sms=132),
                  plan_balanced_mla_decode(8, 16, num_sms=132, stream=SEESAW_STREAM)):
         assert plan.merge_block_dv == 32 and plan.merge_block_h == 1, plan.describe()
-    # From 64 heads units span several heads: 2 over item plans, 8 x 8 items over ranges.
-    items = plan_balanced_mla_decode(64, 128, num_sms=132)
-    assert (items.merge_block_s, items.merge_block_h, items.merge_block_dv) == (32, 2, 64)
-    assert items.merge_programs == 16 * 132
-    ranges = plan_balanced_mla_decode(64, 128, num_sms=132, tile_ranges=True)
-    assert (ranges.merge_block_s, ranges.merge_block_h, ranges.merge_block_dv) == (8, 8, 64)
-    assert ranges.merge_programs == 16 * 132  # 64 x 16 x 8 units, more than a wave
+    # From 64 heads units span 4 heads and whole rows over 2 items a step, prefetched,
+    # for item plans and tile ranges alike.
+    for plan in (plan_balanced_mla_decode(64, 128, num_sms=132),
+                 plan_balanced_mla_decode(64, 128, num_sms=132, tile_ranges=True),
+                 plan_balanced_mla_decode(8, 64, num_sms=132, charged_ranges=True,
+                                          tile_ranges=True)):
+        assert (plan.merge_block_s, plan.merge_block_h, plan.merge_block_dv,
+                plan.merge_num_warps, plan.merge_prefetch) == (2, 4, 512, 4, True)
+    assert plan_balanced_mla_decode(64, 128, num_sms=132).merge_programs == 64 * 32
+    assert plan_balanced_mla_decode(128, 128, num_sms=132).merge_programs == 16 * 132
+    # A rank without 512 columns: the largest power of two that divides it.
+    assert plan_balanced_mla_decode(8, 64, num_sms=132, kv_lora_rank=192).merge_block_dv == 64
     assert plan_balanced_mla_decode(8, 32, num_sms=132).merge_block_h == 1
     small = balanced_plan(8, 6)  # rank 64: one block of the whole row
     assert small.merge_block_dv == RANK and small.merge_programs == 8 * HEADS

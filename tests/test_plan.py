@@ -78,12 +78,14 @@ def test_partial_head_blocks_are_counted():
 def test_wide_query_rows_from_64_heads():
     from graphbucket.plan_streams import LONG_STREAM, ROWS_STREAM
 
-    for heads, rows in ((12, 16), (16, 16), (32, 32), (48, 32), (64, 64), (128, 64)):
+    # From 32 rows (32 heads, or 16 heads x 2 verify tokens) split-KV plans take 64 rows.
+    for heads, rows in ((12, 16), (16, 16), (31, 32), (32, 64), (48, 64), (64, 64),
+                        (128, 64)):
         plan = plan_mla_decode(8, heads, 4096)
         assert plan.block_h == rows, heads
         # 32 rows on a thin grid: 4 warps, two programs per SM (ROWS32_STREAM).
         assert plan.num_warps == (8 if rows == 64 else 4)
-    wider = plan_mla_decode(64, 32, 4096)
+    wider = plan_mla_decode(64, 31, 4096)
     assert wider.block_h == 32 and wider.num_warps == 8
     wide = plan_mla_decode(1, 128, 131072)
     assert (wide.block_n, wide.num_stages) == (ROWS_STREAM.block_n, ROWS_STREAM.num_stages)
@@ -98,14 +100,20 @@ def test_wide_query_rows_from_64_heads():
 
 def test_seesaw_planned_for_64_row_plans_only_balanced_ones_too():
     from graphbucket.plan import plan_balanced_mla_decode
-    from graphbucket.plan_streams import ROWS_STREAM
+    from graphbucket.plan_streams import ROWS_STREAM, SEESAW_STREAM
 
     for heads in (64, 128):
         for batch, context in ((1, 131072), (8, 65536), (64, 4096)):
             plan = plan_mla_decode(batch, heads, context)
             assert plan.seesaw and "seesaw" in plan.describe(), plan.describe()
     assert not plan_mla_decode(8, 16, 65536).seesaw
-    assert not plan_mla_decode(8, 32, 65536).seesaw
+    assert not plan_mla_decode(8, 31, 65536).seesaw
+    # 32 rows: the seesaw's plan for split-KV; balanced plans keep 32-row programs.
+    assert plan_mla_decode(8, 32, 65536) == plan_mla_decode(8, 32, 65536,
+                                                            stream=SEESAW_STREAM)
+    assert plan_mla_decode(8, 32, 65536).seesaw
+    assert plan_balanced_mla_decode(8, 32).block_h == 32
+    assert not plan_balanced_mla_decode(8, 32).seesaw
     balanced = plan_balanced_mla_decode(8, 128)
     assert balanced.seesaw and balanced.balanced and balanced.min_chunk_tiles == 2
     assert not plan_balanced_mla_decode(8, 128, stream=ROWS_STREAM).seesaw

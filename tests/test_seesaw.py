@@ -269,7 +269,8 @@ def test_seesaw_compiles_for_sm90_within_shared_memory():
     assert report["dependent_merge_waits"] >= 1, report
     # The merge over units of 8 heads compiles without spilling its [8, 8, 64] step.
     assert report["head_blocked_merge_spill_bytes"] in (None, 0), report
-    # So does the prefetched merge ([2, 8, 256] per step, the next step's loads in flight).
+    # So does the plans' prefetched merge from 64 heads ([2, 4, 512] per step, 4 warps, the
+    # next step's loads in flight).
     assert report["prefetched_merge_spill_bytes"] in (None, 0), report
     # The lazy step (under trial): within the budget, both of its second-PV paths (rescale
     # due: drain, rescale, issue; else: queue behind the first PV, keep it in flight).
