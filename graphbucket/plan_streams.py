@@ -90,7 +90,8 @@ ROWS_STREAM = StreamConfig(block_n=64, num_stages=2, ctas_per_sm=1, min_tiles_pe
 # Triton stage 1 at 128 heads; splits of at least one step (two tiles), which beat one-tile
 # splits (bench/NOTES.md, topic "128 heads").
 SEESAW_STREAM = replace(ROWS_STREAM, seesaw=True, min_tiles_per_split=2)
-# 32 query rows per program (17-63 heads; 16 heads x 2 query tokens) on thin grids:
+# 32 query rows per program on thin grids (17-31 rows of split-KV plans; balanced plans
+# of 17-63 heads; from 32 rows split-KV plans take 64, ``plan.split_kv_block_size``):
 # 32-token tiles with the pages looked up ahead and 4 warps, so two programs fit per SM
 # (sm_90 compile: 255 registers, 110 KB, no spills; 8 warps take 156-169 registers, one
 # program per SM; LONG_STREAM and WIDE_STREAM spill at 4 warps). Faster than 8 warps
