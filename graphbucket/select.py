@@ -27,7 +27,8 @@ balanced graph replays the key with ``alternate=True`` instead when the ladder's
 model predicts that kernel faster for these lengths (``graphbucket.balanced_cost``: a host
 replay of both kernels' partitions, numpy over the batch's work items, only on such steps;
 the pick is remembered for batches of the same live count whose total and longest length
-agree to 7 significant bits, so a run of decode steps pays for it now and then).
+agree to 7 significant bits and whose shortest requests hold as many 64-token tiles, so a
+run of decode steps pays for it now and then).
 A capture size the model has no partition for keeps one balanced graph.
 
 Multi-token steps (MTP / speculative verification, ``q_len`` query tokens per request):
@@ -250,16 +251,19 @@ class GraphSelector:
                   min_len: int, max_len: int, live: int = -1, total: int = -1) -> GraphKey:
         """The balanced key, or its alternate where the cost model predicts it faster.
 
-        The model's pick is remembered per (capture size, bucket, live requests, and total
-        and longest length to 7 significant bits): decode steps grow each length by one
-        token, so consecutive steps share the pick and only a step whose batch changed by
-        more than 1/128 to 1/64 pays for the model."""
+        The model's pick is remembered per (capture size, bucket, live requests, total and
+        longest length to 7 significant bits, and the shortest length's 64-token tiles):
+        decode steps grow each length by one token, so consecutive steps share the pick and
+        only a step whose batch changed by more than 1/128 to 1/64 pays for the model, or
+        one whose short requests (often of one length) crossed a tile together, which moves
+        the kernels' partitions by a step."""
         alternate = self._alternates.get((padded, bucket))
         if alternate is None or lens is None:
             return self._balanced_keys[1][padded][bucket]
         if live < 0:
             live, total = _stats(lens, batch_size, min_len)
-        memo = (padded, bucket, live, _coarse(total), _coarse(max_len))
+        memo = (padded, bucket, live, _coarse(total), _coarse(max_len),
+                (min_len + _TILE - 1) // _TILE)
         picked = self._picks.get(memo)
         if picked is None:
             main, alt, key = alternate
@@ -342,6 +346,7 @@ def _as_length(value: Any) -> int:
 
 
 _MAX_PICKS = 4096  # remembered two-kernel picks; cleared when full
+_TILE = 64  # tokens per tile of the balanced kernels' partitions
 
 
 def _coarse(n: int) -> tuple[int, int]:

@@ -338,10 +338,12 @@ def test_the_two_kernel_pick_is_remembered_across_decode_steps():
         first = sel.choose(lens)
         assert first.alternate == model_pick(sel, lens) and sel.remembered_picks == 1
         # Fifty decode steps (every length one token longer): a model run only where the
-        # total or the longest length crosses one of its 1/128 steps.
+        # total or the longest length crosses one of its 1/128 steps, or the shortest a
+        # 64-token tile.
         steps = [[n + t for n in lens] for t in range(1, 51)]
         assert all(sel.choose(step).balanced for step in steps)
-        crossings = 50 * len(lens) * 128 // sum(lens) + 1 + 50 * 128 // max(lens) + 1
+        crossings = (50 * len(lens) * 128 // sum(lens) + 1 + 50 * 128 // max(lens) + 1
+                     + 50 // 64 + 1)
         assert 1 <= sel.remembered_picks <= 1 + crossings < 26
         # The same step as numpy lengths and numpy scalars: the same remembered pick.
         arr = np.array(steps[-1])
@@ -350,6 +352,22 @@ def test_the_two_kernel_pick_is_remembered_across_decode_steps():
         runs, shorter = sel.remembered_picks, lens[:-1] + [0]
         assert sel.choose(shorter).alternate == model_pick(sel, shorter)
         assert sel.remembered_picks == runs + 1
+
+
+def test_a_shorter_request_crossing_a_tile_is_another_batch():
+    """Short requests of one length that cross a 64-token tile together move the kernels'
+    partitions (and the model's prediction) by a step; the same live count, total and
+    longest length do not tell those batches apart, the shortest length's tiles do."""
+    ladder = ladder_with_alternates(synthetic_samples())
+    sel = GraphSelector(ladder, [32, 64])
+    before = [832] * 62 + [900, 50000]  # the short ones hold 13 tiles
+    after = [833] * 62 + [838, 50000]  # 14 tiles; the same total and longest length
+    assert sum(before) == sum(after) and sel.choose(before).balanced
+    assert sel.alternate_kernels(sel.choose(before)) is not None
+    sel.choose(before)
+    assert sel.remembered_picks == 1
+    assert sel.choose(after).alternate == model_pick(sel, after)
+    assert sel.remembered_picks == 2
 
 
 def test_without_remembering_every_weighed_step_runs_the_model():
