@@ -51,6 +51,8 @@ from typing import Any, Literal, get_args
 
 import numpy as np
 
+from graphbucket.balanced_cost import TILE
+from graphbucket.intmath import cdiv
 from graphbucket.key import GraphKey
 from graphbucket.ladder import BucketLadder, above_top_error
 
@@ -262,8 +264,7 @@ class GraphSelector:
             return self._balanced_keys[1][padded][bucket]
         if live < 0:
             live, total = _stats(lens, batch_size, min_len)
-        memo = (padded, bucket, live, _coarse(total), _coarse(max_len),
-                (min_len + _TILE - 1) // _TILE)
+        memo = (padded, bucket, live, _coarse(total), _coarse(max_len), cdiv(min_len, TILE))
         picked = self._picks.get(memo)
         if picked is None:
             main, alt, key = alternate
@@ -346,7 +347,6 @@ def _as_length(value: Any) -> int:
 
 
 _MAX_PICKS = 4096  # remembered two-kernel picks; cleared when full
-_TILE = 64  # tokens per tile of the balanced kernels' partitions
 
 
 def _coarse(n: int) -> tuple[int, int]:
