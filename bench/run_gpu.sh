@@ -13,6 +13,7 @@
 #        (tune: 16-, 128- and 12-head ladders (TUNE_HEADS) tuned at every capture size, each copied
 #        into graphbucket/ladders/ so that the TPOT steps after it run it, and checked by
 #        bench/ladder_oracle.py; TUNE_MIX_LENGTHS=2 times the ragged mixes at two lengths;
+#        TUNE_LIMIT caps the tuning and the oracle, each (seconds; 330, sparse 450);
 #        tunefp8: ladders over fp8-tensor and fp8-v32 (TUNE_FP8)
 #        caches at 16 heads (TUNE_FP8_HEADS), likewise; tunemtp: 16- and 128-head ladders for q_len 2 and 4
 #        (TUNE_MTP="heads:q ..." picks some); retime: a saved report's split-KV table with
@@ -110,10 +111,10 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 # TPOT steps after it run it), then its out-of-sample oracle, appended to one file (the
 # sparse decoder's, with a 4th argument --sparse, to its own).
 tune_one() {
-  local heads=$1 fmt=$2 q=$3 sparse=${4:-} name oracle=h200-ladder-oracle limit=330
+  local heads=$1 fmt=$2 q=$3 sparse=${4:-} name oracle=h200-ladder-oracle limit=${TUNE_LIMIT:-330}
   # The grid's GPU time: tune_ladder.py --dry-run and ladder_oracle.py --dry-run (16 heads:
   # about 190 s each; the sparse layer's grid more).
-  [ -n "$sparse" ] && oracle=h200-ladder-oracle-sparse limit=450
+  [ -n "$sparse" ] && oracle=h200-ladder-oracle-sparse limit=${TUNE_LIMIT:-450}
   # Dense ladders re-rank their near-ties of long, wide cells in a decode step.
   local ties=--step-ties; [ -n "$sparse" ] && ties=""
   # Named after the GPU it runs on ('h200', 'h100'), so that the runner there finds it.
