@@ -7,6 +7,7 @@
 #        tpot tpotfp8 tpotmtp ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp hostphases
 #        selectcost
 #        balancedseesaw tpotbatches tpothf stepkernels stepvariants seesawverify fp8seesaw mergetiles mergesweep rows32 ncu ncuspread ncumerge
+#        (gputests: the GPU-marked tests; GPU_TESTS="tests/test_x.py ..." picks files)
 #        (tpotdp: TPOT of the 128-head deepseek-v3-dp preset, the compute-bound decode)
 #        (balancedtests: the balanced kernels per capture size, the ragged switch and the
 #        oracle's host logic, on the GPU)
@@ -158,8 +159,9 @@ for step in $steps; do
            fi ;;
     gputests) workers=(); python3 -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-14}")
               # About 330 s on 14 workers of an H100 (760 tests).
-              timeout 420 python3 -m pytest -q "${workers[@]}" -m gpu tests bench/test_tpot.py \
-                bench/test_tpot_sparse.py -p no:cacheprovider > "$R/tests.log" 2>&1
+              timeout 420 python3 -m pytest -q "${workers[@]}" -m gpu \
+                ${GPU_TESTS:-tests bench/test_tpot.py bench/test_tpot_sparse.py} \
+                -p no:cacheprovider > "$R/tests.log" 2>&1
               tail -15 "$R/tests.log"
               if ((${#workers[@]})); then
                 timeout 90 python3 -m pytest -q tests/test_runner.py -k "capture_fault and oom" \
