@@ -421,3 +421,21 @@ def test_tuner_mixes_at_two_lengths_add_the_same_mixes_near_the_range_top(batch)
         batch, 4468, above=4400)
     with pytest.raises(ValueError, match="lengths must be 1 or 2"):
         tuner_mixes(batch, 8192, above=4468, lengths=3)
+
+
+def test_the_kernel_is_chosen_with_the_threshold_not_before_it():
+    # Kernel "a" is the better balanced kernel on the near-uniform mixes, where split-KV
+    # beats both; "b" wins the skewed mixes, the only ones the switch sends to balanced.
+    # Ranked over the balanced times alone "a" comes first (and would lose 1.58x on the
+    # spread); chosen together with the threshold, "b" serves every mix at its best.
+    lens = {"uniform": [4000] * 8, "half-long": [4000] * 4 + [2000] * 4,
+            "spread": [1 + 3999 * i // 7 for i in range(8)], "one-long": [4000] + [512] * 7}
+    times = {"uniform": (80, 90, 200), "half-long": (80, 90, 200), "spread": (100, 95, 60),
+             "one-long": (100, 90, 50)}
+    samples = [RaggedSample(8, mix, tuple(lens[mix]), split, a, "a", (("a", a), ("b", b)))
+               for mix, (split, a, b) in times.items()]
+    (switch,), summary = choose_switches(samples, [(2048, 4096)])
+    assert switch.kernel_for(8) == "b"
+    threshold = switch.threshold or dict(switch.by_batch)[8]
+    assert imbalance(lens["half-long"]) < threshold <= imbalance(lens["spread"])
+    assert summary["worst_over_best"] == 1.0

@@ -9,8 +9,9 @@ two (0: balanced never pays), for all batch sizes at once or per capture size
 (``choose_by_batch``: which plan wins changes with the rows), and per length range of the
 longest request (``choose_switches`` over ``ragged_ranges``: at one imbalance balanced
 loses at 8K and wins at 128K). Where the backend offers more than one balanced kernel,
-each is timed on every mix and ``choose_balanced_kernels`` keeps one per capture size and
-length range (``Bucket.balanced_kernels``) before the switch is chosen. The mixes differ from
+each is timed on every mix, and per capture size and length range the kernel (or, with a
+cost model, the pair; ``Bucket.balanced_kernels``) is chosen together with the switch,
+against the fastest plan timed per mix. The mixes differ from
 ``bench/ladder_oracle.py``'s, which then checks the choice out of sample. Host arithmetic
 only.
 """
@@ -19,10 +20,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
+from itertools import combinations
 from typing import Any
 
 from graphbucket.bucket import DEFAULT_BALANCED_KERNEL, kernel_changes
-from graphbucket.tuning.kernel_pairs import choose_kernel_pairs
+from graphbucket.tuning.kernel_pairs import MIN_GAIN, choose_kernel_pairs, faster_kernel
 
 # Within the kernel timing's spread the decode step ranks a uniform batch's split-KV plan
 # ahead of the balanced one (bench/NOTES.md, "uniform batches in the step"): a uniform batch
@@ -147,22 +149,78 @@ class RaggedSwitch:
 
 def _choose_range(samples: Sequence[RaggedSample], model: Any = None
                   ) -> tuple[RaggedSwitch, list[float]]:
-    """Kernels per capture size (pairs, with a cost model), then the switch, over one
-    range's samples; the switch (with lo = hi = 0) and the ratio to the faster plan of
-    each sample under it."""
+    """Per capture size, the balanced kernel (a pair of them, with a cost model) and the
+    threshold chosen together (``_choose_batch``), over one range's samples; the switch
+    (with lo = hi = 0) and the ratio of each sample under it to the faster of split-KV and
+    the balanced kernel it replays."""
+    kernels: dict[int, str] = {}
     alternates: dict[int, str] = {}
-    if model is None:
-        kernels, timed = choose_balanced_kernels(samples)
-    else:
-        kernels, alternates, timed = choose_kernel_pairs(samples, model)
-    t, by = choose_by_batch(timed)[:2]
+    chosen: dict[int, float] = {}
+    ratios: list[float] = []
+    for batch in sorted({s.batch for s in samples}):
+        main, alt, threshold, replayed = _choose_batch(
+            [s for s in samples if s.batch == batch], batch, model)
+        kernels[batch], alternates[batch], chosen[batch] = main, alt, threshold
+        ratios += ratios_at(replayed, threshold)
+    batches = sorted(chosen)
+    t, by, last = chosen[batches[0]], {}, chosen[batches[0]]
+    for b in batches[1:]:
+        if chosen[b] != last:
+            by[b] = last = chosen[b]
     if t == 1.0:  # balanced for every batch, uniform ones too: from the smallest size timed
-        by = {min(s.batch for s in timed): 1.0, **by}  # (one row was not), not below it
+        by = {batches[0]: 1.0, **by}  # (one row was not), not below it
         t = 0.0
-    ratios = [r for b in sorted({s.batch for s in timed})
-              for r in ratios_at([s for s in timed if s.batch == b], _threshold_at(t, by, b))]
     return RaggedSwitch(0, 0, t, tuple(sorted(by.items())), kernel_changes(kernels),
                         kernel_changes(alternates, start="")), ratios
+
+
+def _choose_batch(samples: Sequence[RaggedSample], batch: int, model: Any = None
+                  ) -> tuple[str, str, float, list[RaggedSample]]:
+    """(kernel, alternate or "", threshold, the samples with the time of the kernel the
+    selector would replay) at one capture size. Every kernel alone and, with a cost model,
+    every pair (the selector replays whichever the model predicts faster) is scored with
+    its own best threshold against the fastest plan timed per mix, split-KV or any balanced
+    kernel: a kernel that is slower on the mixes balanced loses anyway may win where the
+    threshold sends batches to it. The best kernel alone is kept unless a pair lowers the
+    worst or the mean ratio by ``MIN_GAIN`` and raises neither; ties keep the kernel that
+    ranks better alone (``choose_kernel_pairs``' order)."""
+    times = [s.kernel_us() for s in samples]
+    names = [k for k in times[0] if all(k in t for t in times)]
+    if not names:
+        raise ValueError(f"no balanced kernel was timed on every mix at batch {batch}")
+    fastest = [min(s.split_us, *t.values()) for s, t in zip(samples, times, strict=True)]
+    summed = {k: sum(t[k] / f for t, f in zip(times, fastest, strict=True)) for k in names}
+    ranked = sorted(names, key=lambda k: (round(summed[k], 9), names.index(k)))
+
+    def option(main: str, alt: str) -> tuple[tuple[float, float], float, list[RaggedSample]]:
+        replayed = [s.with_kernel(faster_kernel(model, batch, s.lens, main, alt) if alt
+                                  else main) for s in samples]
+        threshold = choose_imbalance(replayed, best=fastest)[0]
+        ratios = [a / f for a, f in zip(replayed_us(replayed, threshold), fastest,
+                                        strict=True)]
+        return (round(max(ratios), 4), round(sum(ratios) / len(ratios), 4)), threshold, \
+            replayed
+
+    alone = {k: option(k, "") for k in ranked}
+    main = min(ranked, key=lambda k: alone[k][0])  # min keeps the first of equal scores
+    (worst, mean), threshold, replayed = alone[main]
+    best, pick = (worst, mean), (main, "", threshold, replayed)
+    if model is not None:
+        for a, b in combinations(ranked, 2):
+            if not (model.covers(a, batch) and model.covers(b, batch)):
+                continue
+            score, t, rep = option(a, b)
+            gains = (worst - score[0], mean - score[1])
+            if max(gains) >= MIN_GAIN and min(gains) >= 0 and score < best:
+                best, pick = score, (a, b, t, rep)
+    return pick
+
+
+def replayed_us(samples: Sequence[RaggedSample], threshold: float) -> list[float]:
+    """Each sample's time under ``threshold``: its balanced time where the switch sends it
+    there, else its split-KV time."""
+    return [s.balanced_us if threshold and s.imbalance >= threshold else s.split_us
+            for s in samples]
 
 
 def choose_switches(samples: Sequence[RaggedSample], ranges: Sequence[tuple[int, int]],
@@ -285,22 +343,25 @@ def threshold_candidates(samples: Iterable[RaggedSample]) -> list[float]:
     return [0.0] + [round((lo * hi) ** 0.5, 3) for lo, hi in zip(below, values, strict=True)]
 
 
-def ratios_at(samples: Sequence[RaggedSample], threshold: float) -> list[float]:
-    """Each sample's time with ``threshold`` over the faster of its two plans."""
-    out = []
-    for s in samples:
-        pick = s.balanced_us if threshold and s.imbalance >= threshold else s.split_us
-        out.append(pick / min(s.split_us, s.balanced_us))
-    return out
+def ratios_at(samples: Sequence[RaggedSample], threshold: float,
+              best: Sequence[float] | None = None) -> list[float]:
+    """Each sample's time with ``threshold`` over the faster of its two plans (or over
+    ``best``, one time per sample)."""
+    if best is None:
+        best = [min(s.split_us, s.balanced_us) for s in samples]
+    return [us / b for us, b in zip(replayed_us(samples, threshold), best, strict=True)]
 
 
 def choose_imbalance(samples: Sequence[RaggedSample], *,
-                     uniform_margin: float = UNIFORM_MARGIN) -> tuple[float, dict[str, Any]]:
+                     uniform_margin: float = UNIFORM_MARGIN,
+                     best: Sequence[float] | None = None) -> tuple[float, dict[str, Any]]:
     """The threshold with the smallest worst ratio over ``samples``, then the smallest mean;
     ties go to the higher threshold (0, off, highest of all: fewer balanced graphs replayed
     where they gain nothing). A uniform batch's balanced time is scored ``uniform_margin``
-    slower: it is sent to the balanced graph only where it wins by more than that. Returns
-    (threshold, summary; the summary's ratios are the measured ones)."""
+    slower: it is sent to the balanced graph only where it wins by more than that. Ratios
+    are to the faster of each sample's two plans, or to ``best`` (one time per sample: the
+    fastest of every plan timed). Returns (threshold, summary; the summary's ratios are the
+    measured ones, to the faster of the two plans)."""
     if not samples:
         raise ValueError("choose_imbalance needs at least one timed ragged mix")
 
@@ -308,7 +369,7 @@ def choose_imbalance(samples: Sequence[RaggedSample], *,
               else s for s in samples]
 
     def score(t: float) -> tuple[float, float, float]:
-        r = ratios_at(scored, t)
+        r = ratios_at(scored, t, best)
         return round(max(r), 4), round(sum(r) / len(r), 4), -(t or float("inf"))
 
     best = min(threshold_candidates(samples), key=score)
