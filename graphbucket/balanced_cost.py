@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -235,47 +235,69 @@ class KernelCost:
 class BalancedCostModel:
     """Per balanced kernel, its cost (``costs``) and its partition at each capture size
     (``partitions``: kernel -> capture size -> ``Partition``, as the tuner's backend
-    planned it; ``GraphTable`` checks its own plans against them)."""
+    planned it; ``GraphTable`` checks its own plans against them). ``by_batch``: kernel ->
+    capture size -> a cost fitted on that size's mixes alone, used there in place of the
+    kernel's (a kernel's time per makespan tile and per item changes with the rows)."""
 
     costs: Mapping[str, KernelCost]
     partitions: Mapping[str, Mapping[int, Partition]]
+    by_batch: Mapping[str, Mapping[int, KernelCost]] = field(default_factory=dict)
 
     def predict(self, kernel: str, batch_size: int, lens: Sequence[int] | np.ndarray
                 ) -> float:
         """Predicted us of ``kernel``'s balanced graph of ``batch_size`` (padded) rows."""
-        return self.costs[kernel].predict(lens, batch_size,
-                                          self.partitions[kernel][batch_size])
+        own = self.by_batch.get(kernel)
+        cost = (own.get(batch_size) if own else None) or self.costs[kernel]
+        return cost.predict(lens, batch_size, self.partitions[kernel][batch_size])
 
     def covers(self, kernel: str, batch_size: int) -> bool:
         return kernel in self.costs and batch_size in self.partitions.get(kernel, {})
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: {"overhead_tiles": c.overhead_tiles,
-                    "coefficients": [round(x, 6) for x in c.coefficients],
-                    "partitions": {str(b): p.to_list()
-                                   for b, p in sorted(self.partitions.get(k, {}).items())}}
-                for k, c in self.costs.items()}
+        out = {}
+        for k, c in self.costs.items():
+            entry = {**_cost_dict(c),
+                     "partitions": {str(b): p.to_list()
+                                    for b, p in sorted(self.partitions.get(k, {}).items())}}
+            if self.by_batch.get(k):
+                entry["by_batch"] = {str(b): _cost_dict(own)
+                                     for b, own in sorted(self.by_batch[k].items())}
+            out[k] = entry
+        return out
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> BalancedCostModel:
         if not isinstance(raw, Mapping) or not raw:
             raise ValueError(f"balanced_cost must map kernel names to their cost, got {raw!r}")
-        costs, partitions = {}, {}
+        costs, partitions, by_batch = {}, {}, {}
         for kernel, entry in raw.items():
             try:
-                coef = tuple(float(x) for x in entry["coefficients"])
-                if len(coef) != 4:
-                    raise ValueError("four coefficients")
-                costs[kernel] = KernelCost(float(entry["overhead_tiles"]), coef)
+                costs[kernel] = _cost_from(entry)
                 partitions[kernel] = {int(b): Partition.from_list(p)
                                       for b, p in entry["partitions"].items()}
-            except (KeyError, TypeError, ValueError) as err:
+                if entry.get("by_batch"):
+                    by_batch[kernel] = {int(b): _cost_from(own)
+                                        for b, own in entry["by_batch"].items()}
+            except (KeyError, TypeError, ValueError, AttributeError) as err:
                 raise ValueError(
                     f"balanced_cost[{kernel!r}] must have overhead_tiles, four coefficients "
-                    f"(constant, per makespan tile, per row, per item) and partitions "
-                    f"{{capture size: [kind, programs, block_n, min_chunk, per_sm]}}: {err}"
-                ) from None
-        return cls(costs, partitions)
+                    f"(constant, per makespan tile, per row, per item), partitions "
+                    f"{{capture size: [kind, programs, block_n, min_chunk, per_sm]}} and "
+                    f"optionally by_batch {{capture size: {{overhead_tiles, coefficients}}}}: "
+                    f"{err}") from None
+        return cls(costs, partitions, by_batch)
+
+
+def _cost_dict(cost: KernelCost) -> dict[str, Any]:
+    return {"overhead_tiles": cost.overhead_tiles,
+            "coefficients": [round(x, 6) for x in cost.coefficients]}
+
+
+def _cost_from(entry: Mapping[str, Any]) -> KernelCost:
+    coef = tuple(float(x) for x in entry["coefficients"])
+    if len(coef) != 4:
+        raise ValueError("four coefficients")
+    return KernelCost(float(entry["overhead_tiles"]), coef)
 
 
 def fit_kernel_cost(samples: Sequence[tuple[Sequence[int], int, float]], part_for: Any,

@@ -33,7 +33,12 @@ from graphbucket.graphs import GraphTable, balanced_kernel_of, check_cost_partit
 from graphbucket.ladder import Bucket, BucketLadder
 from graphbucket.plan import RANGE_REQUEST_CHARGE_TILES, cdiv
 from graphbucket.select import GraphSelector
-from graphbucket.tuning.kernel_pairs import MIN_GAIN, choose_kernel_pairs, fit_cost_model
+from graphbucket.tuning.kernel_pairs import (
+    MIN_BATCH_MIXES,
+    MIN_GAIN,
+    choose_kernel_pairs,
+    fit_cost_model,
+)
 from graphbucket.tuning.ragged import RaggedSample, choose_switches
 from tests.test_balanced import python_partition
 
@@ -231,6 +236,38 @@ def test_the_model_round_trips_and_names_bad_entries():
                                            "partitions": {}}})
     with pytest.raises(ValueError, match="must map kernel names"):
         BalancedCostModel.from_dict([])
+
+
+def test_each_capture_size_with_enough_mixes_gets_a_cost_of_its_own(tmp_path: Path):
+    # One kernel whose time per makespan tile grows with the rows (at 64 rows the programs
+    # share the SMs' bandwidth): one cost over both sizes misses both, one per size fits.
+    part = Partition(ITEMS, 132, 64, 2)
+    truth = {8: KernelCost(0.0, (4.0, 1.0, 0.1, 0.05)), 64: KernelCost(0.0, (9.0, 3.0, 0.1, 0.02)),
+             2: KernelCost(0.0, (3.0, 1.0, 0.1, 0.05))}
+    rng, samples = random.Random(3), []
+    for batch, count in ((8, MIN_BATCH_MIXES), (64, MIN_BATCH_MIXES + 5), (2, 4)):
+        for i in range(count):
+            lens = random_lens(rng, batch)
+            while not any(lens):
+                lens = random_lens(rng, batch)
+            us = truth[batch].predict(lens, batch, part)
+            samples.append(RaggedSample(batch, f"m{i}", tuple(lens), 1e4, us, "a",
+                                        (("a", us),)))
+    model = fit_cost_model(samples, lambda k, b: part, [2, 8, 64])
+    assert sorted(model.by_batch["a"]) == [8, 64]  # 2 has too few mixes: the shared cost
+    mine = [s for s in samples if s.batch in (8, 64)]
+    for s in mine:
+        assert model.predict("a", s.batch, s.lens) == pytest.approx(s.balanced_us, rel=1e-6)
+    shared = BalancedCostModel(model.costs, model.partitions)  # no per-size costs
+    assert max(abs(shared.predict("a", s.batch, s.lens) / s.balanced_us - 1)
+               for s in mine) > 0.05
+    again = BalancedCostModel.from_dict(json.loads(json.dumps(model.to_dict())))
+    assert again.by_batch["a"].keys() == model.by_batch["a"].keys()
+    for s in samples:
+        assert again.predict("a", s.batch, s.lens) == pytest.approx(
+            model.predict("a", s.batch, s.lens), rel=1e-5)
+    with pytest.raises(ValueError, match="by_batch"):
+        BalancedCostModel.from_dict({"a": {**model.to_dict()["a"], "by_batch": {"8": {}}}})
 
 
 # Two synthetic kernels with known costs: "plain" pays per item, "fitted" per tile of its

@@ -2,7 +2,8 @@
 
 The tuner times every balanced kernel on every ragged mix (``tuning.ragged``). From those
 times ``fit_cost_model`` fits one ``KernelCost`` per kernel over all mixes (each kernel's
-partition at each capture size planned by the backend), and ``choose_kernel_pairs`` keeps,
+partition at each capture size planned by the backend) and one per kernel and capture size
+that has enough mixes of its own, and ``choose_kernel_pairs`` keeps,
 per capture size, the kernel with the smallest summed ratio to the fastest per mix, plus a
 second kernel where replaying whichever of the two the model predicts faster lowers the
 worst or the mean ratio by ``MIN_GAIN`` (an extra graph per bucket must earn its capture).
@@ -19,22 +20,33 @@ from graphbucket.balanced_cost import BalancedCostModel, Partition, fit_kernel_c
 # Smallest drop in the worst (or mean) ratio to the fastest kernel per mix that adopts a
 # second balanced kernel; below it one graph serves as well within timing noise.
 MIN_GAIN = 0.005
+# Mixes a capture size needs for a cost of its own (four coefficients and the overhead;
+# fewer: the kernel's cost fitted over every size).
+MIN_BATCH_MIXES = 15
 
 
 def fit_cost_model(samples: Sequence, partition: Callable[[str, int], Partition],
                    capture_sizes: Sequence[int]) -> BalancedCostModel:
     """One cost per kernel timed on every sample (``RaggedSample.kernel_us``), its
-    partition at each of ``capture_sizes`` from ``partition(kernel, batch_size)``."""
+    partition at each of ``capture_sizes`` from ``partition(kernel, batch_size)``; and
+    one per kernel and capture size with at least ``MIN_BATCH_MIXES`` mixes of its own,
+    which the model uses at that size."""
     if not samples:
         raise ValueError("fitting the balanced cost model needs timed ragged mixes")
     timed = [s.kernel_us() for s in samples]
     kernels = [k for k in timed[0] if all(k in t for t in timed)]
     parts = {k: {b: partition(k, b) for b in capture_sizes} for k in kernels}
-    costs = {k: fit_kernel_cost([(s.lens, s.batch, t[k]) for s, t in zip(samples, timed,
-                                                                         strict=True)],
-                                lambda b, k=k: parts[k].get(b) or partition(k, b))
-             for k in kernels}
-    return BalancedCostModel(costs, parts)
+    costs, by_batch = {}, {}
+    for k in kernels:
+        def part_for(b: int, k: str = k) -> Partition:
+            return parts[k].get(b) or partition(k, b)
+
+        rows = [(s.lens, s.batch, t[k]) for s, t in zip(samples, timed, strict=True)]
+        costs[k] = fit_kernel_cost(rows, part_for)
+        own = {b: [r for r in rows if r[1] == b] for b in sorted({r[1] for r in rows})}
+        by_batch[k] = {b: fit_kernel_cost(mine, part_for) for b, mine in own.items()
+                       if len(mine) >= MIN_BATCH_MIXES}
+    return BalancedCostModel(costs, parts, {k: v for k, v in by_batch.items() if v})
 
 
 def _ratios(samples: Sequence, pick: Callable) -> list[float]:
