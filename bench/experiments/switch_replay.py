@@ -7,6 +7,10 @@ in sample: a choice that loses on the mixes it was chosen from loses out of samp
 while one that wins here still needs ``bench/ladder_oracle.py`` on a GPU.
 
     python3 bench/experiments/switch_replay.py --report REPORT.json --ladder A.json B.json
+
+``--cost-errors`` also fits the balanced cost model with each length range's mixes left
+out and predicts them: the relative error per kernel of one cost over every capture size
+against one cost per size (out of sample in the lengths).
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--report", required=True, help="a tune_ladder.py --report JSON")
-    p.add_argument("--ladder", nargs="+", required=True, help="ladder JSON files to replay")
+    p.add_argument("--ladder", nargs="*", default=[], help="ladder JSON files to replay")
     p.add_argument("--worst", type=int, default=8, help="mixes listed per ladder, worst first")
+    p.add_argument("--cost-errors", action="store_true",
+                   help="the cost model's error on each length range's mixes left out")
     return p.parse_args(argv)
 
 
@@ -53,12 +59,50 @@ def replay(ladder_path: str, samples: list) -> list[dict]:
     return out
 
 
+def cost_errors(report: dict, samples: list) -> dict[str, dict[str, list[float]]]:
+    """kernel -> {"shared": errors, "per size": errors}: each sample's relative error
+    when the costs are fitted without the mixes of its length range (powers of two)."""
+    import numpy as np
+
+    from graphbucket.backends.triton import TritonBackend
+    from graphbucket.balanced_cost import fit_kernel_cost, partition_of
+
+    meta = report["meta"]
+    backend = TritonBackend(num_sms=meta["num_sms"])
+    octave = {id(s): max(s.lens).bit_length() for s in samples}
+    out = {}
+    for kernel in samples[0].kernel_us():
+        parts = {b: partition_of(backend.plan_balanced(b, meta["num_heads"], kernel),
+                                 meta["num_sms"]) for b in {s.batch for s in samples}}
+        errors: dict[str, list[float]] = {"shared": [], "per size": []}
+        for left_out in sorted(set(octave.values())):
+            train = [(s.lens, s.batch, s.kernel_us()[kernel]) for s in samples
+                     if octave[id(s)] != left_out]
+            test = [s for s in samples if octave[id(s)] == left_out]
+            shared = fit_kernel_cost(train, parts.__getitem__)
+            own = {b: fit_kernel_cost(mine, parts.__getitem__) for b in parts
+                   if len(mine := [r for r in train if r[1] == b]) >= 15}
+            for s in test:
+                us = s.kernel_us()[kernel]
+                for name, cost in (("shared", shared), ("per size", own.get(s.batch, shared))):
+                    errors[name].append(cost.predict(s.lens, s.batch, parts[s.batch]) / us - 1)
+        out[kernel] = {k: [float(x) for x in np.abs(v)] for k, v in errors.items()}
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     from graphbucket.tuning.ragged import RaggedSample
 
     report = json.loads(Path(args.report).read_text())
     samples = [RaggedSample.from_dict(r) for r in report["ragged"]["samples"]]
+    if args.cost_errors:
+        print("cost model, each length range left out: |relative error| mean / worst / "
+              "above 0.1")
+        for kernel, by in cost_errors(report, samples).items():
+            text = ", ".join(f"{name} {sum(e) / len(e):.3f} / {max(e):.3f} / "
+                             f"{sum(x > 0.1 for x in e)} of {len(e)}" for name, e in by.items())
+            print(f"  {kernel}: {text}")
     for path in args.ladder:
         rows = replay(path, samples)
         ratios = sorted(r["ratio"] for r in rows)
