@@ -182,8 +182,8 @@ def _choose_batch(samples: Sequence[RaggedSample], batch: int, model: Any = None
     its own best threshold against the fastest plan timed per mix, split-KV or any balanced
     kernel: a kernel that is slower on the mixes balanced loses anyway may win where the
     threshold sends batches to it. The best kernel alone is kept unless a pair lowers the
-    worst or the mean ratio by ``MIN_GAIN`` and raises neither; ties keep the kernel that
-    ranks better alone (``choose_kernel_pairs``' order)."""
+    worst or the mean ratio by ``MIN_GAIN`` and raises neither; ties keep the kernel with
+    the smaller summed ratio to the fastest plan per mix (then the timing order)."""
     times = [s.kernel_us() for s in samples]
     names = [k for k in times[0] if all(k in t for t in times)]
     if not names:
@@ -198,8 +198,8 @@ def _choose_batch(samples: Sequence[RaggedSample], batch: int, model: Any = None
         threshold = choose_imbalance(replayed, best=fastest)[0]
         ratios = [a / f for a, f in zip(replayed_us(replayed, threshold), fastest,
                                         strict=True)]
-        return (round(max(ratios), 4), round(sum(ratios) / len(ratios), 4)), threshold, \
-            replayed
+        score = round(max(ratios), 4), round(sum(ratios) / len(ratios), 4)
+        return score, threshold, replayed
 
     alone = {k: option(k, "") for k in ranked}
     main = min(ranked, key=lambda k: alone[k][0])  # min keeps the first of equal scores
@@ -266,12 +266,6 @@ def choose_switches(samples: Sequence[RaggedSample], ranges: Sequence[tuple[int,
                "samples_in_ranges": len(covered),
                "switches": [sw.to_dict() for sw in switches]}
     return switches, summary
-
-
-def _threshold_at(threshold: float, by_batch: dict[int, float], batch: int) -> float:
-    """The threshold a capture size ``batch`` replays (the largest listed batch <= it)."""
-    listed = [b for b in by_batch if b <= batch]
-    return by_batch[max(listed)] if listed else threshold
 
 
 @dataclass(frozen=True, slots=True)
