@@ -60,33 +60,33 @@ def replay(ladder_path: str, samples: list) -> list[dict]:
 
 
 def cost_errors(report: dict, samples: list) -> dict[str, dict[str, list[float]]]:
-    """kernel -> {"shared": errors, "per size": errors}: each sample's relative error
-    when the costs are fitted without the mixes of its length range (powers of two)."""
-    import numpy as np
-
+    """kernel -> {"shared": errors, "per size": errors}: each sample's |relative error|
+    when the cost model is fitted without the mixes of its length range (powers of two)."""
     from graphbucket.backends.triton import TritonBackend
-    from graphbucket.balanced_cost import fit_kernel_cost, partition_of
+    from graphbucket.balanced_cost import BalancedCostModel, partition_of
+    from graphbucket.tuning.kernel_pairs import fit_cost_model
 
     meta = report["meta"]
     backend = TritonBackend(num_sms=meta["num_sms"])
+
+    def partition(kernel: str, batch: int):
+        return partition_of(backend.plan_balanced(batch, meta["num_heads"], kernel),
+                            meta["num_sms"])
+
+    sizes = sorted({s.batch for s in samples})
     octave = {id(s): max(s.lens).bit_length() for s in samples}
-    out = {}
-    for kernel in samples[0].kernel_us():
-        parts = {b: partition_of(backend.plan_balanced(b, meta["num_heads"], kernel),
-                                 meta["num_sms"]) for b in {s.batch for s in samples}}
-        errors: dict[str, list[float]] = {"shared": [], "per size": []}
-        for left_out in sorted(set(octave.values())):
-            train = [(s.lens, s.batch, s.kernel_us()[kernel]) for s in samples
-                     if octave[id(s)] != left_out]
-            test = [s for s in samples if octave[id(s)] == left_out]
-            shared = fit_kernel_cost(train, parts.__getitem__)
-            own = {b: fit_kernel_cost(mine, parts.__getitem__) for b in parts
-                   if len(mine := [r for r in train if r[1] == b]) >= 15}
-            for s in test:
-                us = s.kernel_us()[kernel]
-                for name, cost in (("shared", shared), ("per size", own.get(s.batch, shared))):
-                    errors[name].append(cost.predict(s.lens, s.batch, parts[s.batch]) / us - 1)
-        out[kernel] = {k: [float(x) for x in np.abs(v)] for k, v in errors.items()}
+    out: dict[str, dict[str, list[float]]] = {}
+    for left_out in sorted(set(octave.values())):
+        model = fit_cost_model([s for s in samples if octave[id(s)] != left_out], partition,
+                               sizes)
+        shared = BalancedCostModel(model.costs, model.partitions)
+        for s in samples:
+            if octave[id(s)] != left_out:
+                continue
+            for kernel, us in s.kernel_us().items():
+                errors = out.setdefault(kernel, {"shared": [], "per size": []})
+                for name, m in (("shared", shared), ("per size", model)):
+                    errors[name].append(abs(m.predict(kernel, s.batch, s.lens) / us - 1))
     return out
 
 

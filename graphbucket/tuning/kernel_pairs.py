@@ -89,19 +89,28 @@ def choose_kernel_pairs(samples: Sequence, model: BalancedCostModel | None = Non
 def _best_pair(samples: Sequence, batch: int, order: list[str], model: BalancedCostModel
                ) -> tuple[str, str]:
     """(kernel, alternate or "") at one capture size, ``order`` the kernels alone, best
-    first; a pair's kernel is the one of the two that ranks better alone."""
+    first, each option scored by its ratios to the fastest balanced kernel per mix."""
 
-    def score(ratios: list[float]) -> tuple[float, float]:
+    def score(main: str, alt: str) -> tuple[float, float]:
+        ratios = _ratios(samples, lambda s: faster_kernel(model, batch, s.lens, main, alt)
+                         if alt else main)
         return round(max(ratios), 4), round(sum(ratios) / len(ratios), 4)
 
-    alone = order[0]
-    best, chosen = score(_ratios(samples, lambda s: alone)), (alone, "")
-    worst_alone, mean_alone = best
+    return best_pair(order[0], order, batch, model, score)
+
+
+def best_pair(alone: str, order: Sequence[str], batch: int, model: BalancedCostModel,
+              score: Callable[[str, str], tuple[float, float]]) -> tuple[str, str]:
+    """(``alone``, "") or the pair of ``order`` (the model replaying whichever of the two
+    it predicts faster) with the smallest ``score(main, alt)`` (worst, mean), where that
+    beats ``alone``'s score by ``MIN_GAIN`` in one and loses in neither: an extra graph
+    per bucket must earn its capture. A pair's kernel is the one earlier in ``order``."""
+    best = worst_alone, mean_alone = score(alone, "")
+    chosen = (alone, "")
     for a, b in combinations(order, 2):
         if not (model.covers(a, batch) and model.covers(b, batch)):
             continue
-        pair = score(_ratios(samples, lambda s, a=a, b=b: faster_kernel(model, batch, s.lens,
-                                                                        a, b)))
+        pair = score(a, b)
         gains = (worst_alone - pair[0], mean_alone - pair[1])
         if max(gains) >= MIN_GAIN and min(gains) >= 0 and pair < best:
             best, chosen = pair, (a, b)

@@ -20,11 +20,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-from itertools import combinations
 from typing import Any
 
 from graphbucket.bucket import DEFAULT_BALANCED_KERNEL, kernel_changes
-from graphbucket.tuning.kernel_pairs import MIN_GAIN, choose_kernel_pairs, faster_kernel
+from graphbucket.tuning.kernel_pairs import best_pair, choose_kernel_pairs, faster_kernel
 
 # Within the kernel timing's spread the decode step ranks a uniform batch's split-KV plan
 # ahead of the balanced one (bench/NOTES.md, "uniform batches in the step"): a uniform batch
@@ -181,9 +180,9 @@ def _choose_batch(samples: Sequence[RaggedSample], batch: int, model: Any = None
     every pair (the selector replays whichever the model predicts faster) is scored with
     its own best threshold against the fastest plan timed per mix, split-KV or any balanced
     kernel: a kernel that is slower on the mixes balanced loses anyway may win where the
-    threshold sends batches to it. The best kernel alone is kept unless a pair lowers the
-    worst or the mean ratio by ``MIN_GAIN`` and raises neither; ties keep the kernel with
-    the smaller summed ratio to the fastest plan per mix (then the timing order)."""
+    threshold sends batches to it. The best kernel alone is kept unless a pair beats it
+    (``kernel_pairs.best_pair``); ties keep the kernel with the smaller summed ratio to the
+    fastest plan per mix (then the timing order)."""
     times = [s.kernel_us() for s in samples]
     names = [k for k in times[0] if all(k in t for t in times)]
     if not names:
@@ -201,19 +200,20 @@ def _choose_batch(samples: Sequence[RaggedSample], batch: int, model: Any = None
         score = round(max(ratios), 4), round(sum(ratios) / len(ratios), 4)
         return score, threshold, replayed
 
-    alone = {k: option(k, "") for k in ranked}
-    main = min(ranked, key=lambda k: alone[k][0])  # min keeps the first of equal scores
-    (worst, mean), threshold, replayed = alone[main]
-    best, pick = (worst, mean), (main, "", threshold, replayed)
+    options = {(k, ""): option(k, "") for k in ranked}
+    main = min(ranked, key=lambda k: options[k, ""][0])  # min keeps the first of equal scores
     if model is not None:
-        for a, b in combinations(ranked, 2):
-            if not (model.covers(a, batch) and model.covers(b, batch)):
-                continue
-            score, t, rep = option(a, b)
-            gains = (worst - score[0], mean - score[1])
-            if max(gains) >= MIN_GAIN and min(gains) >= 0 and score < best:
-                best, pick = score, (a, b, t, rep)
-    return pick
+
+        def score(a: str, b: str) -> tuple[float, float]:
+            if (a, b) not in options:
+                options[a, b] = option(a, b)
+            return options[a, b][0]
+
+        pick = best_pair(main, ranked, batch, model, score)
+    else:
+        pick = (main, "")
+    _, threshold, replayed = options[pick]
+    return pick[0], pick[1], threshold, replayed
 
 
 def replayed_us(samples: Sequence[RaggedSample], threshold: float) -> list[float]:
