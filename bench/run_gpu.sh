@@ -14,6 +14,7 @@
 #        (tune: 16-, 128- and 12-head ladders (TUNE_HEADS) tuned at every capture size, each copied
 #        into graphbucket/ladders/ so that the TPOT steps after it run it, and checked by
 #        bench/ladder_oracle.py; TUNE_MIX_LENGTHS=2 times the ragged mixes at two lengths;
+#        TUNE_BALANCED_FROM=N times them from N tokens (tune_ladder.py's default otherwise);
 #        TUNE_LIMIT caps the tuning and the oracle, each (seconds; 330, sparse 450);
 #        tunefp8: ladders over fp8-tensor and fp8-v32 (TUNE_FP8)
 #        caches at 16 heads (TUNE_FP8_HEADS), likewise; tunemtp: 16- and 128-head ladders for q_len 2 and 4
@@ -123,7 +124,8 @@ tune_one() {
 print(n(device_slugs(torch.cuda.get_device_name())[-1], $heads, '$fmt', q_len=$q, sparse=bool('$sparse')))")
   timeout $limit python3 scripts/tune_ladder.py --heads "$heads" --kv-cache "$fmt" --q-len "$q" \
     $sparse ${TUNE_FROM:+--from-times "$TUNE_FROM" --retime-ragged} $ties \
-    ${TUNE_MIX_LENGTHS:+--mix-lengths "$TUNE_MIX_LENGTHS"} --max-buckets 16 \
+    ${TUNE_MIX_LENGTHS:+--mix-lengths "$TUNE_MIX_LENGTHS"} \
+    ${TUNE_BALANCED_FROM:+--balanced-from "$TUNE_BALANCED_FROM"} --max-buckets 16 \
     --max-model-len 131072 --out "$R/$name" \
     --report "$R/tune-${name%.json}.json" --plot "$R/tune-${name%.json}.png" --force \
     > "$R/tune-${name%.json}.log" 2>&1; tail -2 "$R/tune-${name%.json}.log"

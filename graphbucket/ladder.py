@@ -50,9 +50,9 @@ DEFAULT_MAX_MODEL_LEN = 131072
 DEFAULT_BALANCED_IMBALANCE = 1.5
 BALANCED_ABOVE = 4096
 # The tuner times its ragged mixes from this length: at 128 heads balanced plans can beat
-# split-KV below BALANCED_ABOVE too, on short uniform batches (bench/NOTES.md 2026-12-06
-# 17:10), so the measurements decide there as well.
-BALANCED_FROM = 1024
+# split-KV below BALANCED_ABOVE too, on short uniform batches of a few hundred tokens
+# (bench/NOTES.md 2026-12-06 17:10, 2026-12-07 10:00), so the measurements decide there too.
+BALANCED_FROM = 128
 
 _JSON_KEYS = frozenset({"max_model_len", "buckets", "meta"})
 _BUCKET_KEYS = frozenset({"max_len", "hint"})
