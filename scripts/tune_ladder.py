@@ -494,10 +494,12 @@ def ragged_switch(args: argparse.Namespace, ladder, meta: dict, saved: list[Ragg
     samples = [s.with_kernel(replayed_kernel(switch_of(switches, s), s, model))
                for s in samples]
     print(f"ragged switch by length: {switches_text(summary)}: worst "
-          f"{summary['worst_over_best']} over the faster plan per mix (one switch for every "
-          f"length: {summary['one_switch_worst_over_best']}; off: "
-          f"{summary['off_worst_over_best']}, always: {summary['always_worst_over_best']})",
-          flush=True)
+          f"{summary['worst_over_best']} over the faster of split-KV and the balanced plan "
+          f"replayed per mix (one switch for every length: "
+          f"{summary['one_switch_worst_over_best']}; off: {summary['off_worst_over_best']}, "
+          f"always: {summary['always_worst_over_best']}); over the fastest plan timed, any "
+          f"balanced kernel: worst {summary['worst_over_fastest']}, mean "
+          f"{summary['mean_over_fastest']}", flush=True)
     if any(sw.kernels for sw in switches):
         print("balanced kernel by capture size: " + "; ".join(
             f"({sw.lo}, {sw.hi}]: {dict(sw.kernels) or DEFAULT_BALANCED_KERNEL}"

@@ -439,3 +439,20 @@ def test_the_kernel_is_chosen_with_the_threshold_not_before_it():
     threshold = switch.threshold or dict(switch.by_batch)[8]
     assert imbalance(lens["half-long"]) < threshold <= imbalance(lens["spread"])
     assert summary["worst_over_best"] == 1.0
+
+
+def test_the_summary_scores_the_kernel_choice_against_the_fastest_plan_timed():
+    # One capture size, two balanced kernels, no cost model: one kernel serves both mixes.
+    # A is 1.4x behind B on the skewed mix, B 1.2x behind A on the other, so B is kept;
+    # against split-KV and B alone every mix is on its faster plan, against every plan
+    # timed the first mix is 1.2x behind.
+    def timed(lens, split_us, a_us, b_us):
+        return RaggedSample(2, f"m-{max(lens)}", tuple(lens), split_us, a_us, "a",
+                            (("a", a_us), ("b", b_us)))
+
+    samples = [timed([6000, 2000], 100.0, 50.0, 60.0), timed([6000, 600], 100.0, 70.0, 50.0)]
+    switches, summary = choose_switches(samples, [(4096, 8192)])
+    assert switches[0].kernel_for(2) == "b"
+    assert summary["worst_over_best"] == 1.0
+    assert summary["worst_over_fastest"] == 1.2
+    assert summary["mean_over_fastest"] == 1.1

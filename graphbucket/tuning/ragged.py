@@ -147,20 +147,23 @@ class RaggedSwitch:
 
 
 def _choose_range(samples: Sequence[RaggedSample], model: Any = None
-                  ) -> tuple[RaggedSwitch, list[float]]:
+                  ) -> tuple[RaggedSwitch, list[float], list[float]]:
     """Per capture size, the balanced kernel (a pair of them, with a cost model) and the
     threshold chosen together (``_choose_batch``), over one range's samples; the switch
-    (with lo = hi = 0) and the ratio of each sample under it to the faster of split-KV and
-    the balanced kernel it replays."""
+    (with lo = hi = 0), the ratio of each sample under it to the faster of split-KV and
+    the balanced kernel it replays, and to the fastest plan timed on it (split-KV or any
+    balanced kernel)."""
     kernels: dict[int, str] = {}
     alternates: dict[int, str] = {}
     chosen: dict[int, float] = {}
     ratios: list[float] = []
+    to_fastest: list[float] = []
     for batch in sorted({s.batch for s in samples}):
-        main, alt, threshold, replayed = _choose_batch(
-            [s for s in samples if s.batch == batch], batch, model)
+        mine = [s for s in samples if s.batch == batch]
+        main, alt, threshold, replayed = _choose_batch(mine, batch, model)
         kernels[batch], alternates[batch], chosen[batch] = main, alt, threshold
         ratios += ratios_at(replayed, threshold)
+        to_fastest += ratios_at(replayed, threshold, [fastest_us(s) for s in mine])
     batches = sorted(chosen)
     t, by, last = chosen[batches[0]], {}, chosen[batches[0]]
     for b in batches[1:]:
@@ -170,7 +173,12 @@ def _choose_range(samples: Sequence[RaggedSample], model: Any = None
         by = {batches[0]: 1.0, **by}  # (one row was not), not below it
         t = 0.0
     return RaggedSwitch(0, 0, t, tuple(sorted(by.items())), kernel_changes(kernels),
-                        kernel_changes(alternates, start="")), ratios
+                        kernel_changes(alternates, start="")), ratios, to_fastest
+
+
+def fastest_us(sample: RaggedSample) -> float:
+    """The fastest plan timed on a mix: split-KV or any balanced kernel."""
+    return min(sample.split_us, *sample.kernel_us().values())
 
 
 def _choose_batch(samples: Sequence[RaggedSample], batch: int, model: Any = None
@@ -187,7 +195,7 @@ def _choose_batch(samples: Sequence[RaggedSample], batch: int, model: Any = None
     names = [k for k in times[0] if all(k in t for t in times)]
     if not names:
         raise ValueError(f"no balanced kernel was timed on every mix at batch {batch}")
-    fastest = [min(s.split_us, *t.values()) for s, t in zip(samples, times, strict=True)]
+    fastest = [fastest_us(s) for s in samples]
     summed = {k: sum(t[k] / f for t, f in zip(times, fastest, strict=True)) for k in names}
     ranked = sorted(names, key=lambda k: (round(summed[k], 9), names.index(k)))
 
@@ -230,8 +238,10 @@ def choose_switches(samples: Sequence[RaggedSample], ranges: Sequence[tuple[int,
     pair of them, ``kernel_pairs.choose_kernel_pairs``), then ``choose_by_batch``; a range
     with no samples takes the nearest range's choice (all samples' where none has any).
     Neighbouring ranges with the same choice are joined. Returns (switches, summary): the
-    summary has the worst and mean ratio to the faster plan per sample, and those of one
-    choice for every range."""
+    summary has the worst and mean ratio to the faster of each sample's split-KV and
+    replayed balanced plan (``*_over_best``), to the fastest plan timed on it
+    (``*_over_fastest``, the kernel choice's misses included), and those of one choice
+    for every range."""
     if not samples:
         raise ValueError("choose_switches needs at least one timed ragged mix")
     if not ranges:
@@ -240,11 +250,13 @@ def choose_switches(samples: Sequence[RaggedSample], ranges: Sequence[tuple[int,
     overall = choose_by_batch(timed)[2]
     chosen: dict[int, RaggedSwitch] = {}
     ratios: list[float] = []
+    to_fastest: list[float] = []
     for i, (lo, hi) in enumerate(ranges):
         mine = [s for s in samples if lo < max(s.lens) <= hi]
         if mine:
-            chosen[i], mine_ratios = _choose_range(mine, model)
+            chosen[i], mine_ratios, mine_fastest = _choose_range(mine, model)
             ratios += mine_ratios
+            to_fastest += mine_fastest
     fallback = _choose_range(samples, model)[0]
     switches: list[RaggedSwitch] = []
     for i, (lo, hi) in enumerate(ranges):
@@ -263,6 +275,9 @@ def choose_switches(samples: Sequence[RaggedSample], ranges: Sequence[tuple[int,
                "one_switch_kernels": {str(b): k for b, k in kernels.items()},
                "worst_over_best": round(max(ratios), 4) if ratios else 1.0,
                "mean_over_best": round(sum(ratios) / len(ratios), 4) if ratios else 1.0,
+               "worst_over_fastest": round(max(to_fastest), 4) if to_fastest else 1.0,
+               "mean_over_fastest": (round(sum(to_fastest) / len(to_fastest), 4)
+                                     if to_fastest else 1.0),
                "samples_in_ranges": len(covered),
                "switches": [sw.to_dict() for sw in switches]}
     return switches, summary

@@ -85,7 +85,10 @@ def report_markdown(report: dict) -> str:
             f"mixes: worst {best['worst_over_best']:.3f} over the faster of split-KV and "
             f"balanced per mix ({one}balanced off: "
             f"{best['off_worst_over_best']:.3f}, always: "
-            f"{best['always_worst_over_best']:.3f}).", "",
+            f"{best['always_worst_over_best']:.3f})"
+            + (f"; over the fastest plan timed per mix (any balanced kernel): worst "
+               f"{best['worst_over_fastest']:.3f}, mean {best['mean_over_fastest']:.4f}"
+               if "worst_over_fastest" in best else "") + ".", "",
             "| batch | mix | longest | imbalance | split-KV us | balanced us |",
             "|---|---|---|---|---|---|",
             *(f"| {r['batch']} | {r['mix']} | {max(r['lens'])} | {r['imbalance']:.2f} | "
