@@ -80,6 +80,7 @@ from graphbucket.tuning.grid import (  # noqa: E402
     tuning_contexts,
 )
 from graphbucket.tuning.ragged import (  # noqa: E402
+    KERNEL_NEIGHBOUR_RANGES,
     RaggedSample,
     choose_switches,
     ragged_ranges,
@@ -181,6 +182,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="lengths of the longest request per range the ragged mixes are "
                          "timed at: 1, at 3/4 of the range's top (default), or 2, also at "
                          "15/16 of it (twice the mixes)")
+    ap.add_argument("--kernel-neighbours", type=int, default=KERNEL_NEIGHBOUR_RANGES,
+                    metavar="N",
+                    help="choose each length range's balanced kernels over its own ragged "
+                         "mixes and those of N ranges on each side (default "
+                         f"{KERNEL_NEIGHBOUR_RANGES}; 0: its own alone); the threshold from "
+                         "its own")
     ap.add_argument("--one-balanced-kernel", action="store_true",
                     help="one balanced graph per capture size and length range (default: a "
                          "second one where the fitted cost model's pick between the two "
@@ -219,6 +226,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             ap.error(f"--from-times {args.from_times}: not readable as JSON ({e}); pass "
                      f"{report}")
+    if args.kernel_neighbours < 0:
+        ap.error(f"--kernel-neighbours {args.kernel_neighbours}: 0 ranges or more")
     if args.balanced_from is not None:
         if args.balanced_from < 1:
             ap.error(f"--balanced-from {args.balanced_from}: a length of at least 1 token")
@@ -490,7 +499,8 @@ def ragged_switch(args: argparse.Namespace, ladder, meta: dict, saved: list[Ragg
         return ladder.with_balanced_topology(DEFAULT_BALANCED_IMBALANCE), None
     ranges = switch_ranges(ladder, meta)
     model = balanced_cost_model(samples, meta) if not args.one_balanced_kernel else None
-    switches, summary = choose_switches(samples, ranges, model)
+    switches, summary = choose_switches(samples, ranges, model,
+                                        neighbours=args.kernel_neighbours)
     samples = [s.with_kernel(replayed_kernel(switch_of(switches, s), s, model))
                for s in samples]
     print(f"ragged switch by length: {switches_text(summary)}: worst "

@@ -456,3 +456,41 @@ def test_the_summary_scores_the_kernel_choice_against_the_fastest_plan_timed():
     assert summary["worst_over_best"] == 1.0
     assert summary["worst_over_fastest"] == 1.2
     assert summary["mean_over_fastest"] == 1.1
+
+
+def test_a_ranges_kernel_is_chosen_with_its_neighbours_mixes_and_its_threshold_alone():
+    # Kernel b leads by 25 % in the ranges on both sides; in the middle range a leads by
+    # 2 % on its own two mixes. Chosen over the three ranges, the middle range takes b too
+    # (a handful of mixes decides nothing at 2 %); its threshold still comes from its own.
+    def timed(longest, a_us, b_us, split_us=100.0):
+        lens = (longest, longest // 4)
+        return RaggedSample(2, f"m-{longest}", lens, split_us, a_us, "a",
+                            (("a", a_us), ("b", b_us)))
+
+    ranges = [(4096, 8192), (8192, 16384), (16384, 32768)]
+    samples = [timed(6000, 50.0, 40.0), timed(7000, 50.0, 40.0),
+               timed(12000, 50.0, 51.0), timed(14000, 50.0, 51.0),
+               timed(24000, 50.0, 40.0), timed(28000, 50.0, 40.0)]
+    switches, summary = choose_switches(samples, ranges)
+    middle = next(sw for sw in switches if sw.lo < 12000 <= sw.hi)
+    assert middle.kernel_for(2) == "b"
+    assert summary["worst_over_fastest"] == pytest.approx(51 / 50, abs=1e-4)
+    # Its threshold is its own: where split-KV wins there, it stays on split-KV.
+    samples[2:4] = [timed(12000, 50.0, 51.0, split_us=45.0),
+                    timed(14000, 50.0, 51.0, split_us=45.0)]
+    switches, _ = choose_switches(samples, ranges)
+    middle = next(sw for sw in switches if sw.lo < 12000 <= sw.hi)
+    assert middle.threshold == 0.0 and not middle.by_batch
+    assert all(sw.threshold or sw.by_batch for sw in switches if sw is not middle)
+    # With no neighbours each range chooses over its own mixes alone, as before.
+    switches, summary = choose_switches(samples, ranges, neighbours=0)
+    assert next(sw for sw in switches if sw.lo < 12000 <= sw.hi).kernel_for(2) == "a"
+    assert summary["kernel_neighbour_ranges"] == 0
+    with pytest.raises(ValueError, match="neighbours must be >= 0"):
+        choose_switches(samples, ranges, neighbours=-1)
+
+
+def test_kernel_neighbours_below_zero_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit):
+        load_script("tune_ladder").main(["--kernel-neighbours", "-1", "--dry-run"])
+    assert "--kernel-neighbours -1" in capsys.readouterr().err

@@ -146,24 +146,31 @@ class RaggedSwitch:
         return out
 
 
-def _choose_range(samples: Sequence[RaggedSample], model: Any = None
+def _choose_range(samples: Sequence[RaggedSample], model: Any = None,
+                  kernel_pool: Sequence[RaggedSample] | None = None
                   ) -> tuple[RaggedSwitch, list[float], list[float]]:
-    """Per capture size, the balanced kernel (a pair of them, with a cost model) and the
-    threshold chosen together (``_choose_batch``), over one range's samples; the switch
-    (with lo = hi = 0), the ratio of each sample under it to the faster of split-KV and
-    the balanced kernel it replays, and to the fastest plan timed on it (split-KV or any
-    balanced kernel)."""
+    """Per capture size, the balanced kernel (a pair of them, with a cost model) chosen
+    together with a threshold (``_choose_batch``) over ``kernel_pool``'s samples of that
+    size (default: this range's), then the threshold for that kernel over this range's
+    samples; the switch (with lo = hi = 0), the ratio of each sample under it to the faster
+    of split-KV and the balanced kernel it replays, and to the fastest plan timed on it
+    (split-KV or any balanced kernel)."""
     kernels: dict[int, str] = {}
     alternates: dict[int, str] = {}
     chosen: dict[int, float] = {}
     ratios: list[float] = []
     to_fastest: list[float] = []
+    pool = samples if kernel_pool is None else kernel_pool
     for batch in sorted({s.batch for s in samples}):
         mine = [s for s in samples if s.batch == batch]
-        main, alt, threshold, replayed = _choose_batch(mine, batch, model)
+        main, alt, _, _ = _choose_batch([s for s in pool if s.batch == batch], batch, model)
+        replayed = [s.with_kernel(faster_kernel(model, batch, s.lens, main, alt) if alt
+                                  else main) for s in mine]
+        fastest = [fastest_us(s) for s in mine]
+        threshold = choose_imbalance(replayed, best=fastest)[0]
         kernels[batch], alternates[batch], chosen[batch] = main, alt, threshold
         ratios += ratios_at(replayed, threshold)
-        to_fastest += ratios_at(replayed, threshold, [fastest_us(s) for s in mine])
+        to_fastest += ratios_at(replayed, threshold, fastest)
     batches = sorted(chosen)
     t, by, last = chosen[batches[0]], {}, chosen[batches[0]]
     for b in batches[1:]:
@@ -179,6 +186,14 @@ def _choose_range(samples: Sequence[RaggedSample], model: Any = None
 def fastest_us(sample: RaggedSample) -> float:
     """The fastest plan timed on a mix: split-KV or any balanced kernel."""
     return min(sample.split_us, *sample.kernel_us().values())
+
+
+# A range's balanced kernel (or pair) is chosen over its own mixes and those of this many
+# ranges on each side; its threshold over its own. A handful of mixes per range and
+# capture size decides between kernels a few per cent apart, and the choice made that way
+# alone loses more often on mixes it did not see (bench/experiments/switch_replay.py
+# --held-out).
+KERNEL_NEIGHBOUR_RANGES = 1
 
 
 def _choose_batch(samples: Sequence[RaggedSample], batch: int, model: Any = None
@@ -232,10 +247,12 @@ def replayed_us(samples: Sequence[RaggedSample], threshold: float) -> list[float
 
 
 def choose_switches(samples: Sequence[RaggedSample], ranges: Sequence[tuple[int, int]],
-                    model: Any = None) -> tuple[list[RaggedSwitch], dict[str, Any]]:
-    """Within each range, over the samples whose longest request falls in it: the balanced
-    kernel per capture size (``choose_balanced_kernels``; with a ``BalancedCostModel``, a
-    pair of them, ``kernel_pairs.choose_kernel_pairs``), then ``choose_by_batch``; a range
+                    model: Any = None, *, neighbours: int = KERNEL_NEIGHBOUR_RANGES
+                    ) -> tuple[list[RaggedSwitch], dict[str, Any]]:
+    """Within each range, over the samples whose longest request falls in it: per capture
+    size the balanced kernel (with a ``BalancedCostModel``, a pair of them) chosen over
+    those and the samples of ``neighbours`` ranges on each side, and the threshold for it
+    over the range's own (``_choose_range``); a range
     with no samples takes the nearest range's choice (all samples' where none has any).
     Neighbouring ranges with the same choice are joined. Returns (switches, summary): the
     summary has the worst and mean ratio to the faster of each sample's split-KV and
@@ -246,15 +263,20 @@ def choose_switches(samples: Sequence[RaggedSample], ranges: Sequence[tuple[int,
         raise ValueError("choose_switches needs at least one timed ragged mix")
     if not ranges:
         raise ValueError("choose_switches needs at least one length range")
+    if neighbours < 0:
+        raise ValueError(f"neighbours must be >= 0 ranges, got {neighbours}")
     kernels, timed = choose_balanced_kernels(samples)
     overall = choose_by_batch(timed)[2]
     chosen: dict[int, RaggedSwitch] = {}
     ratios: list[float] = []
     to_fastest: list[float] = []
-    for i, (lo, hi) in enumerate(ranges):
-        mine = [s for s in samples if lo < max(s.lens) <= hi]
+    where = {id(s): range_of(ranges, max(s.lens)) for s in samples}
+    for i in range(len(ranges)):
+        mine = [s for s in samples if where[id(s)] == i]
+        near = [s for s in samples if where[id(s)] is not None
+                and abs(where[id(s)] - i) <= neighbours]
         if mine:
-            chosen[i], mine_ratios, mine_fastest = _choose_range(mine, model)
+            chosen[i], mine_ratios, mine_fastest = _choose_range(mine, model, near)
             ratios += mine_ratios
             to_fastest += mine_fastest
     fallback = _choose_range(samples, model)[0]
@@ -279,6 +301,7 @@ def choose_switches(samples: Sequence[RaggedSample], ranges: Sequence[tuple[int,
                "mean_over_fastest": (round(sum(to_fastest) / len(to_fastest), 4)
                                      if to_fastest else 1.0),
                "samples_in_ranges": len(covered),
+               "kernel_neighbour_ranges": neighbours,
                "switches": [sw.to_dict() for sw in switches]}
     return switches, summary
 
