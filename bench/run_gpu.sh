@@ -15,6 +15,8 @@
 #        into graphbucket/ladders/ so that the TPOT steps after it run it, and checked by
 #        bench/ladder_oracle.py; TUNE_MIX_LENGTHS=2 times the ragged mixes at two lengths;
 #        TUNE_BALANCED_FROM=N times them from N tokens (tune_ladder.py's default otherwise);
+#        TUNE_KERNEL_AB=1 also re-chooses the switch with --kernel-neighbours 0 from the same
+#        report and runs its oracle into own-range/;
 #        TUNE_LIMIT caps the tuning and the oracle, each (seconds; 330, sparse 450);
 #        tunefp8: ladders over fp8-tensor and fp8-v32 (TUNE_FP8)
 #        caches at 16 heads (TUNE_FP8_HEADS), likewise; tunemtp: 16- and 128-head ladders for q_len 2 and 4
@@ -135,6 +137,18 @@ print(n(device_slugs(torch.cuda.get_device_name())[-1], $heads, '$fmt', q_len=$q
   timeout $limit python3 bench/ladder_oracle.py --heads "$heads" --kv-cache "$fmt" --q-len "$q" \
     $sparse --ladder "$R/$name" --out "$R" $append > "$R/oracle-${name%.json}.log" 2>&1
   grep -A12 "^Worst" "$R/oracle-${name%.json}.log" | tail -10
+  pack
+  [ -n "${TUNE_KERNEL_AB:-}" ] && [ -z "$sparse" ] || return 0
+  # The same report's switch with each range's kernel from its own mixes alone, and its
+  # oracle beside (into own-range/): the A/B of --kernel-neighbours.
+  local ab="$R/own-range"; mkdir -p "$ab"
+  python3 scripts/tune_ladder.py --heads "$heads" --kv-cache "$fmt" --q-len "$q" \
+    --from-times "$R/tune-${name%.json}.json" --kernel-neighbours 0 --max-buckets 16 \
+    --max-model-len 131072 --out "$ab/$name" --force > "$ab/tune-${name%.json}.log" 2>&1
+  append=""; [ -f "$ab/$oracle.json" ] && append=--append
+  timeout $limit python3 bench/ladder_oracle.py --heads "$heads" --kv-cache "$fmt" --q-len "$q" \
+    --ladder "$ab/$name" --out "$ab" $append > "$ab/oracle-${name%.json}.log" 2>&1
+  grep -A12 "^Worst" "$ab/oracle-${name%.json}.log" | tail -10
   pack
 }
 # Packed after every step (to a temporary name, then moved), so that a call stopped at its
