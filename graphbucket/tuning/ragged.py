@@ -11,9 +11,9 @@ longest request (``choose_switches`` over ``ragged_ranges``: at one imbalance ba
 loses at 8K and wins at 128K). Where the backend offers more than one balanced kernel,
 each is timed on every mix, and per capture size and length range the kernel (or, with a
 cost model, the pair; ``Bucket.balanced_kernels``) is chosen together with the switch,
-against the fastest plan timed per mix. The mixes differ from
-``bench/ladder_oracle.py``'s, which then checks the choice out of sample. Host arithmetic
-only.
+against the fastest plan timed per mix, over the range's mixes and its neighbours'. The
+mixes differ from ``bench/ladder_oracle.py``'s, which then checks the choice out of sample.
+Host arithmetic only.
 """
 
 from __future__ import annotations
@@ -29,6 +29,13 @@ from graphbucket.tuning.kernel_pairs import best_pair, choose_kernel_pairs, fast
 # ahead of the balanced one (bench/NOTES.md, "uniform batches in the step"): a uniform batch
 # needs a balanced win larger than this to switch.
 UNIFORM_MARGIN = 1.03
+
+# A range's balanced kernel (or pair) is chosen over its own mixes and those of this many
+# ranges on each side; its threshold over its own. A handful of mixes per range and
+# capture size decides between kernels a few per cent apart, and the choice made that way
+# alone loses more often on mixes it did not see (bench/experiments/switch_replay.py
+# --held-out).
+KERNEL_NEIGHBOUR_RANGES = 1
 
 
 def imbalance(lens: Sequence[int]) -> float:
@@ -186,14 +193,6 @@ def _choose_range(samples: Sequence[RaggedSample], model: Any = None,
 def fastest_us(sample: RaggedSample) -> float:
     """The fastest plan timed on a mix: split-KV or any balanced kernel."""
     return min(sample.split_us, *sample.kernel_us().values())
-
-
-# A range's balanced kernel (or pair) is chosen over its own mixes and those of this many
-# ranges on each side; its threshold over its own. A handful of mixes per range and
-# capture size decides between kernels a few per cent apart, and the choice made that way
-# alone loses more often on mixes it did not see (bench/experiments/switch_replay.py
-# --held-out).
-KERNEL_NEIGHBOUR_RANGES = 1
 
 
 def _choose_batch(samples: Sequence[RaggedSample], batch: int, model: Any = None
