@@ -3,20 +3,15 @@ timed, and the steps it times are valid ones (the selector's key covers every le
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "experiments" / "host_path.py"
+from tests.script_modules import load_experiment
 
 pytestmark = pytest.mark.host
 
 
 def test_host_path_times_every_phase_of_valid_steps():
-    spec = importlib.util.spec_from_file_location("host_path", SCRIPT)
-    exp = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(exp)
+    exp = load_experiment("host_path")
     parts = exp.build("default")
     row = exp.cell(parts, 8, 122000, 128000, 30)
     med = row["us_median"]

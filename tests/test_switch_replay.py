@@ -3,23 +3,16 @@ replayed under the switch chosen without it (host arithmetic, no GPU)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from graphbucket.tuning.ragged import RaggedSample
-
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "experiments" / "switch_replay.py"
+from tests.script_modules import load_experiment
 
 pytestmark = pytest.mark.host
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("switch_replay", SCRIPT)
-    exp = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(exp)
-    return exp
+    return load_experiment("switch_replay")
 
 
 def timed(mix: str, longest: int, a_us: float, b_us: float) -> RaggedSample:
