@@ -176,14 +176,16 @@ def test_tune_ladder_writes_the_kernel_it_chose_per_length_range(tmp_path: Path)
 
     # At batch 8 the seesaw wins both mixes up to 16K; the switch is chosen on its times
     # (balanced on the one-long mix, split-KV on the half-long one). Over 16K the default
-    # kernel wins, so the buckets there keep it.
+    # kernel wins, so the buckets there keep it when each range chooses from its own mixes
+    # alone (with its neighbours' the seesaw's two wins outweigh it there too).
     samples = [_sample(8, "one-long", 45.0, 30.0),
                _sample(8, "half-long", 120.0, 110.0, lens=(9000,) * 4 + (3000,) * 4),
                _sample(8, "one-long", 45.0, 60.0, lens=(20000,) + (10,) * 7)]
     saved = _report_with_mixes(tmp_path, samples, top=32768)
     out, report = tmp_path / "ladder.json", tmp_path / "report.json"
     load_script("tune_ladder").main(["--from-times", str(saved), "--max-model-len", "32768",
-                                     "--out", str(out), "--report", str(report), "--quiet"])
+                                     "--out", str(out), "--report", str(report), "--quiet",
+                                     "--kernel-neighbours", "0"])
     ladder = BucketLadder.load(out)
     at = {n: ladder.balanced_kernel_for(ladder.bucket_for(n), 8) for n in (9000, 20000)}
     assert at == {9000: "seesaw", 20000: "default"}
