@@ -51,7 +51,7 @@ DEFAULT_BALANCED_IMBALANCE = 1.5
 BALANCED_ABOVE = 4096
 # The tuner times its ragged mixes from this length: at 128 heads balanced plans can beat
 # split-KV below BALANCED_ABOVE too, on short uniform batches of a few hundred tokens
-# (bench/NOTES.md 2026-12-06 17:10, 2026-12-07 09:50), so the measurements decide there too.
+# (bench/NOTES.md 2026-12-06 17:10, 2026-12-07 09:55), so the measurements decide there too.
 BALANCED_FROM = 128
 
 _JSON_KEYS = frozenset({"max_model_len", "buckets", "meta"})
