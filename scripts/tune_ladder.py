@@ -590,8 +590,8 @@ def replayed_kernel(switch, sample: RaggedSample, model) -> str:
     """The balanced kernel the selector replays for the sample under ``switch``."""
     from graphbucket.tuning.kernel_pairs import faster_kernel
 
-    main, alt = switch.kernel_for(sample.batch), switch.alternate_for(sample.batch)
-    return faster_kernel(model, sample.batch, sample.lens, main, alt) if alt else main
+    main, alt = switch.kernel_for(sample.batch), switch.alternate_for(sample.batch) or ""
+    return faster_kernel(model, sample.batch, sample.lens, main, alt)
 
 
 def switch_of(switches, sample: RaggedSample):

@@ -185,7 +185,7 @@ def held_out(report: dict, samples: list, by: str = "mix", *, pairs: bool = True
             main, alt, _, _ = _choose_batch(pool, s.batch, model)
 
             def kernel_of(o, main=main, alt=alt):
-                return faster_kernel(model, o.batch, o.lens, main, alt) if alt else main
+                return faster_kernel(model, o.batch, o.lens, main, alt)
             replayed = [o.with_kernel(kernel_of(o)) for o in own]
             threshold = choose_imbalance(replayed, best=[fastest_us(o) for o in own])[0]
             mine = s.with_kernel(kernel_of(s))

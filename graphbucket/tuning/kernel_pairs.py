@@ -81,7 +81,7 @@ def choose_kernel_pairs(samples: Sequence, model: BalancedCostModel | None = Non
         if model is not None:
             main, alt = _best_pair(mine, batch, order, model)
         kernels[batch], alternates[batch] = main, alt
-        out += [s.with_kernel(faster_kernel(model, batch, s.lens, main, alt) if alt else main)
+        out += [s.with_kernel(faster_kernel(model, batch, s.lens, main, alt))
                 for s in mine]
     return kernels, alternates, out
 
@@ -92,8 +92,7 @@ def _best_pair(samples: Sequence, batch: int, order: list[str], model: BalancedC
     first, each option scored by its ratios to the fastest balanced kernel per mix."""
 
     def score(main: str, alt: str) -> tuple[float, float]:
-        ratios = _ratios(samples, lambda s: faster_kernel(model, batch, s.lens, main, alt)
-                         if alt else main)
+        ratios = _ratios(samples, lambda s: faster_kernel(model, batch, s.lens, main, alt))
         return round(max(ratios), 4), round(sum(ratios) / len(ratios), 4)
 
     return best_pair(order[0], order, batch, model, score)
@@ -117,6 +116,10 @@ def best_pair(alone: str, order: Sequence[str], batch: int, model: BalancedCostM
     return chosen
 
 
-def faster_kernel(model: BalancedCostModel, batch: int, lens, main: str, alt: str) -> str:
-    """The kernel the selector replays: ``alt`` where predicted strictly faster."""
+def faster_kernel(model: BalancedCostModel | None, batch: int, lens, main: str, alt: str
+                  ) -> str:
+    """The kernel the selector replays: ``main``, or ``alt`` where there is one ("" for
+    none) and the model predicts it strictly faster."""
+    if not alt:
+        return main
     return alt if model.predict(alt, batch, lens) < model.predict(main, batch, lens) else main

@@ -171,8 +171,7 @@ def _choose_range(samples: Sequence[RaggedSample], model: Any = None,
     for batch in sorted({s.batch for s in samples}):
         mine = [s for s in samples if s.batch == batch]
         main, alt, _, _ = _choose_batch([s for s in pool if s.batch == batch], batch, model)
-        replayed = [s.with_kernel(faster_kernel(model, batch, s.lens, main, alt) if alt
-                                  else main) for s in mine]
+        replayed = [s.with_kernel(faster_kernel(model, batch, s.lens, main, alt)) for s in mine]
         fastest = [fastest_us(s) for s in mine]
         threshold = choose_imbalance(replayed, best=fastest)[0]
         kernels[batch], alternates[batch], chosen[batch] = main, alt, threshold
@@ -214,8 +213,7 @@ def _choose_batch(samples: Sequence[RaggedSample], batch: int, model: Any = None
     ranked = sorted(names, key=lambda k: (round(summed[k], 9), names.index(k)))
 
     def option(main: str, alt: str) -> tuple[tuple[float, float], float, list[RaggedSample]]:
-        replayed = [s.with_kernel(faster_kernel(model, batch, s.lens, main, alt) if alt
-                                  else main) for s in samples]
+        replayed = [s.with_kernel(faster_kernel(model, batch, s.lens, main, alt)) for s in samples]
         threshold = choose_imbalance(replayed, best=fastest)[0]
         ratios = [a / f for a, f in zip(replayed_us(replayed, threshold), fastest,
                                         strict=True)]
