@@ -81,6 +81,8 @@ from graphbucket.tuning.grid import (  # noqa: E402
 )
 from graphbucket.tuning.ragged import (  # noqa: E402
     KERNEL_NEIGHBOUR_RANGES,
+    KERNEL_SCORE,
+    KERNEL_SCORES,
     RaggedSample,
     choose_switches,
     ragged_ranges,
@@ -188,6 +190,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "mixes and those of N ranges on each side (default "
                          f"{KERNEL_NEIGHBOUR_RANGES}; 0: its own alone); the threshold from "
                          "its own")
+    ap.add_argument("--kernel-score", choices=KERNEL_SCORES, default=KERNEL_SCORE,
+                    help="rank each balanced kernel option over those mixes by its worst "
+                         "ratio to the fastest plan timed, then the mean, or the other way "
+                         f"round (default {KERNEL_SCORE})")
     ap.add_argument("--one-balanced-kernel", action="store_true",
                     help="one balanced graph per capture size and length range (default: a "
                          "second one where the fitted cost model's pick between the two "
@@ -500,7 +506,8 @@ def ragged_switch(args: argparse.Namespace, ladder, meta: dict, saved: list[Ragg
     ranges = switch_ranges(ladder, meta)
     model = balanced_cost_model(samples, meta) if not args.one_balanced_kernel else None
     switches, summary = choose_switches(samples, ranges, model,
-                                        neighbours=args.kernel_neighbours)
+                                        neighbours=args.kernel_neighbours,
+                                        score=args.kernel_score)
     samples = [s.with_kernel(replayed_kernel(switch_of(switches, s), s, model))
                for s in samples]
     print(f"ragged switch by length: {switches_text(summary)}: worst "

@@ -494,3 +494,33 @@ def test_kernel_neighbours_below_zero_is_a_usage_error(capsys):
     with pytest.raises(SystemExit):
         load_script("tune_ladder").main(["--kernel-neighbours", "-1", "--dry-run"])
     assert "--kernel-neighbours -1" in capsys.readouterr().err
+
+
+
+def test_kernel_options_are_ranked_by_their_worst_mix_or_their_mean_as_asked():
+    # Split-KV loses every mix. Kernel a is fastest on three mixes and 1.1x behind on the
+    # fourth (mean 1.025); b is 1.05x behind on those three and fastest on the fourth (mean
+    # 1.0375). Ranked by the worst mix first b wins, by the mean first a; an unknown
+    # ranking is refused before anything is chosen.
+    def timed(longest, a_us, b_us):
+        lens = (longest, longest // 4)
+        return RaggedSample(2, f"m-{longest}", lens, 500.0, a_us, "a",
+                            (("a", a_us), ("b", b_us)))
+
+    samples = [timed(5000, 100.0, 105.0), timed(5500, 100.0, 105.0),
+               timed(6000, 100.0, 105.0), timed(6500, 110.0, 100.0)]
+    ranges = [(4096, 8192)]
+    switches, summary = choose_switches(samples, ranges, score="worst")
+    assert switches[0].kernel_for(2) == "b" and summary["kernel_score"] == "worst"
+    assert summary["mean_over_fastest"] == pytest.approx(1.0375, abs=1e-4)
+    switches, summary = choose_switches(samples, ranges, score="mean")
+    assert switches[0].kernel_for(2) == "a" and summary["kernel_score"] == "mean"
+    assert summary["worst_over_fastest"] == pytest.approx(1.1, abs=1e-4)
+    with pytest.raises(ValueError, match="kernel score must be one of"):
+        choose_switches(samples, ranges, score="median")
+
+
+def test_kernel_score_outside_the_choices_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit):
+        load_script("tune_ladder").main(["--kernel-score", "median", "--dry-run"])
+    assert "--kernel-score" in capsys.readouterr().err

@@ -44,6 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the cost model's error on each length range's mixes left out")
     p.add_argument("--one-balanced-kernel", action="store_true",
                    help="with --held-out: one balanced kernel per capture size, no pairs")
+    p.add_argument("--kernel-score", choices=("worst", "mean"),
+                   help="with --held-out: rank the kernel options by this first (default: "
+                        "the tuner's, ragged.KERNEL_SCORE)")
     p.add_argument("--held-out", choices=("mix", "length"),
                    help="each mix replayed under the switch chosen without it, or without "
                         "every mix of its length")
@@ -140,12 +143,13 @@ def second_length(sample) -> bool:
     return sample.mix.endswith("@15/16")
 
 
-def held_out(report: dict, samples: list, by: str = "mix", *, pairs: bool = True
-             ) -> dict[str, list[tuple[float, object, str]]]:
+def held_out(report: dict, samples: list, by: str = "mix", *, pairs: bool = True,
+             score: str | None = None) -> dict[str, list[tuple[float, object, str]]]:
     """chooser -> (ratio to the fastest plan timed, sample, plan replayed) of each mix under
     the switch chosen without it (``by="mix"``) or without every mix of its length
     (``by="length"``); ``pairs=False``: one balanced kernel per capture size and range, no
-    cost model (``tune_ladder.py --one-balanced-kernel``)."""
+    cost model (``tune_ladder.py --one-balanced-kernel``); ``score`` as the tuner's
+    ``--kernel-score``."""
     from graphbucket.ladder import BALANCED_ABOVE, BucketLadder
     from graphbucket.tuning.kernel_pairs import faster_kernel
     from graphbucket.tuning.ragged import (
@@ -182,7 +186,7 @@ def held_out(report: dict, samples: list, by: str = "mix", *, pairs: bool = True
         for name, reach in CHOOSERS.items():
             pool = [o for o in rest if o.batch == s.batch and where[id(o)] is not None
                     and (reach is None or abs(where[id(o)] - r) <= reach)]
-            main, alt, _, _ = _choose_batch(pool, s.batch, model)
+            main, alt, _, _ = _choose_batch(pool, s.batch, model, score=score)
 
             def kernel_of(o, main=main, alt=alt):
                 return faster_kernel(model, o.batch, o.lens, main, alt)
@@ -212,7 +216,8 @@ def main(argv: list[str] | None = None) -> None:
         print("each mix left out of the choice, replayed under it: over the fastest plan "
               "timed, worst / mean / above 1.02")
         for name, rows in held_out(report, samples, args.held_out,
-                                       pairs=not args.one_balanced_kernel).items():
+                                   pairs=not args.one_balanced_kernel,
+                                   score=args.kernel_score).items():
             ratios = [r for r, _, _ in rows]
             print(f"  kernel from {name}: {max(ratios):.3f} / {sum(ratios) / len(ratios):.4f}"
                   f" / {sum(r > 1.02 for r in ratios)} of {len(ratios)}")

@@ -36,6 +36,12 @@ UNIFORM_MARGIN = 1.03
 # alone loses more often on mixes it did not see (bench/experiments/switch_replay.py
 # --held-out).
 KERNEL_NEIGHBOUR_RANGES = 1
+# What a kernel (or pair) is ranked by over those mixes, first: "mean" (the mean ratio to
+# the fastest plan timed, then the largest) or "worst" (the other way round). The worst of
+# a handful of mixes is one mix, a poorer guide to the mixes not timed than their mean
+# (switch_replay.py --held-out).
+KERNEL_SCORE = "mean"
+KERNEL_SCORES = ("worst", "mean")
 
 
 def imbalance(lens: Sequence[int]) -> float:
@@ -154,7 +160,7 @@ class RaggedSwitch:
 
 
 def _choose_range(samples: Sequence[RaggedSample], model: Any = None,
-                  kernel_pool: Sequence[RaggedSample] | None = None
+                  kernel_pool: Sequence[RaggedSample] | None = None, score: str | None = None
                   ) -> tuple[RaggedSwitch, list[float], list[float]]:
     """Per capture size, the balanced kernel (a pair of them, with a cost model) chosen
     together with a threshold (``_choose_batch``) over ``kernel_pool``'s samples of that
@@ -170,7 +176,8 @@ def _choose_range(samples: Sequence[RaggedSample], model: Any = None,
     pool = samples if kernel_pool is None else kernel_pool
     for batch in sorted({s.batch for s in samples}):
         mine = [s for s in samples if s.batch == batch]
-        main, alt, _, _ = _choose_batch([s for s in pool if s.batch == batch], batch, model)
+        main, alt, _, _ = _choose_batch([s for s in pool if s.batch == batch], batch, model,
+                                        score=score)
         replayed = [s.with_kernel(faster_kernel(model, batch, s.lens, main, alt)) for s in mine]
         fastest = [fastest_us(s) for s in mine]
         threshold = choose_imbalance(replayed, best=fastest)[0]
@@ -189,13 +196,20 @@ def _choose_range(samples: Sequence[RaggedSample], model: Any = None,
                         kernel_changes(alternates, start="")), ratios, to_fastest
 
 
+def _check_score(score: str | None) -> str:
+    score = KERNEL_SCORE if score is None else score
+    if score not in KERNEL_SCORES:
+        raise ValueError(f"kernel score must be one of {KERNEL_SCORES}, got {score!r}")
+    return score
+
+
 def fastest_us(sample: RaggedSample) -> float:
     """The fastest plan timed on a mix: split-KV or any balanced kernel."""
     return min(sample.split_us, *sample.kernel_us().values())
 
 
-def _choose_batch(samples: Sequence[RaggedSample], batch: int, model: Any = None
-                  ) -> tuple[str, str, float, list[RaggedSample]]:
+def _choose_batch(samples: Sequence[RaggedSample], batch: int, model: Any = None, *,
+                  score: str | None = None) -> tuple[str, str, float, list[RaggedSample]]:
     """(kernel, alternate or "", threshold, the samples with the time of the kernel the
     selector would replay) at one capture size. Every kernel alone and, with a cost model,
     every pair (the selector replays whichever the model predicts faster) is scored with
@@ -203,7 +217,9 @@ def _choose_batch(samples: Sequence[RaggedSample], batch: int, model: Any = None
     kernel: a kernel that is slower on the mixes balanced loses anyway may win where the
     threshold sends batches to it. The best kernel alone is kept unless a pair beats it
     (``kernel_pairs.best_pair``); ties keep the kernel with the smaller summed ratio to the
-    fastest plan per mix (then the timing order)."""
+    fastest plan per mix (then the timing order). ``score``: what an option is ranked by
+    first, "worst" or "mean" ratio to the fastest plan (default ``KERNEL_SCORE``)."""
+    mean_first = _check_score(score) == "mean"
     times = [s.kernel_us() for s in samples]
     names = [k for k in times[0] if all(k in t for t in times)]
     if not names:
@@ -217,8 +233,8 @@ def _choose_batch(samples: Sequence[RaggedSample], batch: int, model: Any = None
         threshold = choose_imbalance(replayed, best=fastest)[0]
         ratios = [a / f for a, f in zip(replayed_us(replayed, threshold), fastest,
                                         strict=True)]
-        score = round(max(ratios), 4), round(sum(ratios) / len(ratios), 4)
-        return score, threshold, replayed
+        worst, mean = round(max(ratios), 4), round(sum(ratios) / len(ratios), 4)
+        return ((mean, worst) if mean_first else (worst, mean)), threshold, replayed
 
     options = {(k, ""): option(k, "") for k in ranked}
     main = min(ranked, key=lambda k: options[k, ""][0])  # min keeps the first of equal scores
@@ -244,8 +260,8 @@ def replayed_us(samples: Sequence[RaggedSample], threshold: float) -> list[float
 
 
 def choose_switches(samples: Sequence[RaggedSample], ranges: Sequence[tuple[int, int]],
-                    model: Any = None, *, neighbours: int = KERNEL_NEIGHBOUR_RANGES
-                    ) -> tuple[list[RaggedSwitch], dict[str, Any]]:
+                    model: Any = None, *, neighbours: int = KERNEL_NEIGHBOUR_RANGES,
+                    score: str | None = None) -> tuple[list[RaggedSwitch], dict[str, Any]]:
     """Within each range, over the samples whose longest request falls in it: per capture
     size the balanced kernel (with a ``BalancedCostModel``, a pair of them) chosen over
     those and the samples of ``neighbours`` ranges on each side, and the threshold for it
@@ -255,7 +271,8 @@ def choose_switches(samples: Sequence[RaggedSample], ranges: Sequence[tuple[int,
     summary has the worst and mean ratio to the faster of each sample's split-KV and
     replayed balanced plan (``*_over_best``), to the fastest plan timed on it
     (``*_over_fastest``, the kernel choice's misses included), and those of one choice
-    for every range."""
+    for every range. ``score`` ranks each kernel option (``_choose_batch``)."""
+    score = _check_score(score)
     if not samples:
         raise ValueError("choose_switches needs at least one timed ragged mix")
     if not ranges:
@@ -273,10 +290,10 @@ def choose_switches(samples: Sequence[RaggedSample], ranges: Sequence[tuple[int,
         near = [s for s in samples if where[id(s)] is not None
                 and abs(where[id(s)] - i) <= neighbours]
         if mine:
-            chosen[i], mine_ratios, mine_fastest = _choose_range(mine, model, near)
+            chosen[i], mine_ratios, mine_fastest = _choose_range(mine, model, near, score)
             ratios += mine_ratios
             to_fastest += mine_fastest
-    fallback = _choose_range(samples, model)[0]
+    fallback = _choose_range(samples, model, score=score)[0]
     switches: list[RaggedSwitch] = []
     for i, (lo, hi) in enumerate(ranges):
         near = min(chosen, key=lambda j: (abs(j - i), j), default=None)
@@ -299,6 +316,7 @@ def choose_switches(samples: Sequence[RaggedSample], ranges: Sequence[tuple[int,
                                      if to_fastest else 1.0),
                "samples_in_ranges": len(covered),
                "kernel_neighbour_ranges": neighbours,
+               "kernel_score": score,
                "switches": [sw.to_dict() for sw in switches]}
     return switches, summary
 
