@@ -5,7 +5,7 @@
 # TPOT per policy, and the demo's GPU path. Run it on a CUDA machine.
 # steps: any of tests gputests balancedtests sweep fisweep capture tune tunefp8 tunemtp tunesparse
 #        tpot tpotfp8 tpotmtp ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp hostphases
-#        selectcost
+#        selectcost oracle
 #        balancedseesaw tpotbatches tpothf stepkernels stepvariants seesawverify fp8seesaw mergetiles mergesweep rows32 ncu ncuspread ncumerge
 #        (gputests: the GPU-marked tests; GPU_TESTS="tests/test_x.py ..." picks files)
 #        (tpotdp: TPOT of the 128-head deepseek-v3-dp preset, the compute-bound decode)
@@ -29,6 +29,10 @@
 #        (tpotmtp: TPOT of verify steps at q_len 1, 2, 4 on fewer contexts)
 #        (l2: decode time with the KV in HBM against L2-resident, 16 and 128 heads)
 #        (hostphases: where a BlockTable host step's time goes, batch 1 and 64 x 128K)
+#        (oracle: bench/ladder_oracle.py on each ladder of ORACLE_LADDERS="a.json b.json" in
+#        one call, each into oracle-<name>/, at ORACLE_HEADS (16) heads, ORACLE_KV (bf16),
+#        ORACLE_Q (1) and, where set, ORACLE_BATCHES="4 32" only; TUNE_LIMIT caps each: the
+#        A/B of two ladders chosen from one report)
 #        (selectcost: the selector's host cost with the shipped ladders' second balanced
 #        graphs against one, bench/experiments/select_cost.py; host only)
 #        (stepkernels: fixed-max, the ladder and a fixed-max control at 32-128 x 32K-128K,
@@ -89,7 +93,7 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 STEPS="tests gputests balancedtests sweep fisweep capture tune tunefp8 tunemtp tunesparse retime tpot tpotfp8 tpotmtp
-       ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp hostphases selectcost balancedseesaw tpotbatches
+       ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp hostphases selectcost oracle balancedseesaw tpotbatches
        tpothf stepkernels stepvariants seesawverify threeway fp8seesaw mergetiles mergesweep rows32 ncu ncuspread ncumerge ncuseesaw"
 usage() { sed -n '2,/^set /{/^set /d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"; }
 for arg in "$@"; do
@@ -359,6 +363,14 @@ for step in $steps; do
     tpotsparse) timeout 300 python3 bench/tpot_sparse.py --layers 2 --contexts 1024 16384 \
                   100000 131072 --policies fixed-1 fixed-max ladder seed-ladder --out "$R" \
                   > "$R/tpot-sparse.log" 2>&1; tail -30 "$R/tpot-sparse.log" ;;
+    oracle) for ladder in ${ORACLE_LADDERS:?ORACLE_LADDERS="a.json b.json" names the ladders}; do
+              name=$(basename "$ladder" .json); mkdir -p "$R/oracle-$name"
+              timeout "${TUNE_LIMIT:-330}" python3 bench/ladder_oracle.py \
+                --heads "${ORACLE_HEADS:-16}" --kv-cache "${ORACLE_KV:-bf16}" \
+                --q-len "${ORACLE_Q:-1}" ${ORACLE_BATCHES:+--batches $ORACLE_BATCHES} \
+                --ladder "$ladder" --out "$R/oracle-$name" > "$R/oracle-$name/oracle.log" 2>&1
+              grep -A12 "^Worst" "$R/oracle-$name/oracle.log" | tail -10; pack
+            done ;;
     capture) timeout 120 python3 bench/capture_dispatch.py --out "$R" > "$R/capture.log" 2>&1
              tail -20 "$R/capture.log" ;;
     tune) for h in ${TUNE_HEADS:-16 128 12}; do tune_one "$h" bf16 1; done ;;
