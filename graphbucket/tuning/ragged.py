@@ -31,15 +31,12 @@ from graphbucket.tuning.kernel_pairs import best_pair, choose_kernel_pairs, fast
 UNIFORM_MARGIN = 1.03
 
 # A range's balanced kernel (or pair) is chosen over its own mixes and those of this many
-# ranges on each side; its threshold over its own. A handful of mixes per range and
-# capture size decides between kernels a few per cent apart, and the choice made that way
-# alone loses more often on mixes it did not see (bench/experiments/switch_replay.py
-# --held-out).
+# ranges on each side (its threshold over its own), each option ranked first by its mean
+# ratio to the fastest plan timed ("mean"; then its worst) or by its worst ("worst"). A
+# handful of mixes per range and capture size decides between kernels a few per cent
+# apart: alone, or by their worst mix, the choice loses more often on mixes it did not see
+# (bench/experiments/switch_replay.py --held-out).
 KERNEL_NEIGHBOUR_RANGES = 1
-# What a kernel (or pair) is ranked by over those mixes, first: "mean" (the mean ratio to
-# the fastest plan timed, then the largest) or "worst" (the other way round). The worst of
-# a handful of mixes is one mix, a poorer guide to the mixes not timed than their mean
-# (switch_replay.py --held-out).
 KERNEL_SCORE = "mean"
 KERNEL_SCORES = ("worst", "mean")
 
@@ -217,8 +214,7 @@ def _choose_batch(samples: Sequence[RaggedSample], batch: int, model: Any = None
     kernel: a kernel that is slower on the mixes balanced loses anyway may win where the
     threshold sends batches to it. The best kernel alone is kept unless a pair beats it
     (``kernel_pairs.best_pair``); ties keep the kernel with the smaller summed ratio to the
-    fastest plan per mix (then the timing order). ``score``: what an option is ranked by
-    first, "worst" or "mean" ratio to the fastest plan (default ``KERNEL_SCORE``)."""
+    fastest plan per mix (then the timing order); ``score`` as ``KERNEL_SCORE``."""
     mean_first = _check_score(score) == "mean"
     times = [s.kernel_us() for s in samples]
     names = [k for k in times[0] if all(k in t for t in times)]
