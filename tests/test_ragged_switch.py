@@ -496,7 +496,6 @@ def test_kernel_neighbours_below_zero_is_a_usage_error(capsys):
     assert "--kernel-neighbours -1" in capsys.readouterr().err
 
 
-
 def test_kernel_options_are_ranked_by_their_worst_mix_or_their_mean_as_asked():
     # Split-KV loses every mix. Kernel a is fastest on three mixes and 1.1x behind on the
     # fourth (mean 1.025); b is 1.05x behind on those three and fastest on the fourth (mean

@@ -44,7 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the cost model's error on each length range's mixes left out")
     p.add_argument("--one-balanced-kernel", action="store_true",
                    help="with --held-out: one balanced kernel per capture size, no pairs")
-    p.add_argument("--kernel-score", choices=("worst", "mean"),
+    from graphbucket.tuning.ragged import KERNEL_SCORES
+
+    p.add_argument("--kernel-score", choices=KERNEL_SCORES,
                    help="with --held-out: rank the kernel options by this first (default: "
                         "the tuner's, ragged.KERNEL_SCORE)")
     p.add_argument("--held-out", choices=("mix", "length"),
