@@ -177,6 +177,9 @@ def held_out(report: dict, samples: list, by: str = "mix", *, pairs: bool = True
         models = {r: fit([o for o in samples if where[id(o)] != r])
                   for r in sorted({r for r in where.values() if r is not None})}
     out: dict[str, list[tuple[float, object, str]]] = {name: [] for name in CHOOSERS}
+    # Held out by length, every mix of one (capture size, range, length) sees the same
+    # choice: made once; held out by mix, once per mix.
+    chosen: dict[tuple, tuple] = {}
     for s in samples:
         r = where[id(s)]
         rest = [o for o in samples if o is not s and
@@ -186,15 +189,18 @@ def held_out(report: dict, samples: list, by: str = "mix", *, pairs: bool = True
             continue
         model = models[second_length(s) if by == "length" else r]
         for name, reach in CHOOSERS.items():
-            pool = [o for o in rest if o.batch == s.batch and where[id(o)] is not None
-                    and (reach is None or abs(where[id(o)] - r) <= reach)]
-            main, alt, _, _ = _choose_batch(pool, s.batch, model, score=score)
-
-            def kernel_of(o, main=main, alt=alt):
-                return faster_kernel(model, o.batch, o.lens, main, alt)
-            replayed = [o.with_kernel(kernel_of(o)) for o in own]
-            threshold = choose_imbalance(replayed, best=[fastest_us(o) for o in own])[0]
-            mine = s.with_kernel(kernel_of(s))
+            key = (name, s.batch, r, second_length(s) if by == "length" else id(s))
+            if key not in chosen:
+                pool = [o for o in rest if o.batch == s.batch and where[id(o)] is not None
+                        and (reach is None or abs(where[id(o)] - r) <= reach)]
+                main, alt, _, _ = _choose_batch(pool, s.batch, model, score=score)
+                replayed = [o.with_kernel(faster_kernel(model, o.batch, o.lens, main, alt))
+                            for o in own]
+                threshold = choose_imbalance(replayed,
+                                             best=[fastest_us(o) for o in own])[0]
+                chosen[key] = (main, alt, threshold)
+            main, alt, threshold = chosen[key]
+            mine = s.with_kernel(faster_kernel(model, s.batch, s.lens, main, alt))
             balanced = bool(threshold) and mine.imbalance >= threshold
             us = mine.balanced_us if balanced else mine.split_us
             out[name].append((us / fastest_us(s), s, mine.kernel if balanced else "split"))
