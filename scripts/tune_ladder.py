@@ -79,6 +79,13 @@ from graphbucket.tuning.grid import (  # noqa: E402
     times_to_rows,
     tuning_contexts,
 )
+from graphbucket.tuning.held_out import (  # noqa: E402
+    KERNEL_REACHES,
+    MISS,
+    choose_kernel_reach,
+    second_length,
+    switched_ladder,
+)
 from graphbucket.tuning.ragged import (  # noqa: E402
     KERNEL_NEIGHBOUR_RANGES,
     KERNEL_SCORE,
@@ -184,12 +191,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="lengths of the longest request per range the ragged mixes are "
                          "timed at: 1, at 3/4 of the range's top (default), or 2, also at "
                          "15/16 of it (twice the mixes)")
-    ap.add_argument("--kernel-neighbours", type=int, default=KERNEL_NEIGHBOUR_RANGES,
-                    metavar="N",
+    ap.add_argument("--kernel-neighbours", type=kernel_reach, default=KERNEL_NEIGHBOUR_RANGES,
+                    metavar="N|auto",
                     help="choose each length range's balanced kernels over its own ragged "
                          "mixes and those of N ranges on each side (default "
                          f"{KERNEL_NEIGHBOUR_RANGES}; 0: its own alone); the threshold from "
-                         "its own")
+                         "its own. auto: whichever of "
+                         f"{' and '.join(map(str, KERNEL_REACHES))} misses fewer mixes held "
+                         "out by length (mixes timed at two lengths; else the default)")
     ap.add_argument("--kernel-score", choices=KERNEL_SCORES, default=KERNEL_SCORE,
                     help="rank each balanced kernel option over those mixes by its worst "
                          "ratio to the fastest plan timed, then the mean, or the other way "
@@ -232,8 +241,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             ap.error(f"--from-times {args.from_times}: not readable as JSON ({e}); pass "
                      f"{report}")
-    if args.kernel_neighbours < 0:
-        ap.error(f"--kernel-neighbours {args.kernel_neighbours}: 0 ranges or more")
     if args.balanced_from is not None:
         if args.balanced_from < 1:
             ap.error(f"--balanced-from {args.balanced_from}: a length of at least 1 token")
@@ -505,9 +512,11 @@ def ragged_switch(args: argparse.Namespace, ladder, meta: dict, saved: list[Ragg
         return ladder.with_balanced_topology(DEFAULT_BALANCED_IMBALANCE), None
     ranges = switch_ranges(ladder, meta)
     model = balanced_cost_model(samples, meta) if not args.one_balanced_kernel else None
-    switches, summary = choose_switches(samples, ranges, model,
-                                        neighbours=args.kernel_neighbours,
+    reach, held_out = kernel_neighbours(args, ladder, samples, ranges, meta)
+    switches, summary = choose_switches(samples, ranges, model, neighbours=reach,
                                         score=args.kernel_score)
+    if held_out is not None:
+        summary["kernel_neighbours"] = {"chosen": reach, "held_out_by_length": held_out}
     samples = [s.with_kernel(replayed_kernel(switch_of(switches, s), s, model))
                for s in samples]
     print(f"ragged switch by length: {switches_text(summary)}: worst "
@@ -525,10 +534,9 @@ def ragged_switch(args: argparse.Namespace, ladder, meta: dict, saved: list[Ragg
         print("second balanced kernel by capture size (the cost model picks per step): "
               + "; ".join(f"({sw.lo}, {sw.hi}]: {dict(sw.alternates)}"
                           for sw in switches if sw.alternates), flush=True)
-    tuned = ladder.with_ragged_switches(switches, above=ranges[0][0])
-    if model is not None and any(b.alternate_kernels for b in tuned.buckets):
-        tuned.meta["balanced_cost"] = model.to_dict()
-        summary["balanced_cost"] = model.to_dict()
+    tuned = switched_ladder(ladder, switches, ranges[0][0], model)
+    if "balanced_cost" in tuned.meta:
+        summary["balanced_cost"] = tuned.meta["balanced_cost"]
     return tuned, {"samples": [s.to_dict() for s in samples], "summary": summary}
 
 
@@ -574,6 +582,40 @@ def step_ties(args: argparse.Namespace, ladder, times: dict, splits_for, meta: d
             timer.close()
     meta["step_ties_s"] = round(time.perf_counter() - start, 1)
     return ladder, records
+
+
+def kernel_reach(text: str) -> int | str:
+    """``--kernel-neighbours``: a number of ranges (0 or more) or "auto"."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: 0 ranges or more, or auto")
+    return value
+
+
+def kernel_neighbours(args: argparse.Namespace, ladder, samples: list[RaggedSample],
+                      ranges, meta: dict) -> tuple[int, dict | None]:
+    """(the ``neighbours`` for ``choose_switches``, the held-out counts behind an "auto"
+    choice or None)."""
+    if args.kernel_neighbours != "auto":
+        return args.kernel_neighbours, None
+    if len({second_length(s) for s in samples}) < 2:
+        print(f"--kernel-neighbours auto: the mixes were timed at one length, nothing to "
+              f"hold out: {KERNEL_NEIGHBOUR_RANGES} (the default)", flush=True)
+        return KERNEL_NEIGHBOUR_RANGES, None
+
+    def fit(mixes):
+        return None if args.one_balanced_kernel else balanced_cost_model(mixes, meta)
+    reach, found = choose_kernel_reach(ladder, samples, ranges, fit, score=args.kernel_score)
+    print("--kernel-neighbours auto, each length's mixes replayed under the switch chosen "
+          "from the other's: " + "; ".join(
+              f"{n}: {f['above']} of {f['mixes']} above {MISS}, mean {f['mean']}, worst "
+              f"{f['worst']}" for n, f in found.items()) + f" -> {reach}", flush=True)
+    return reach, {str(n): f for n, f in found.items()}
 
 
 def balanced_cost_model(samples: list[RaggedSample], meta: dict):

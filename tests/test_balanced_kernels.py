@@ -197,6 +197,41 @@ def test_tune_ladder_writes_the_kernel_it_chose_per_length_range(tmp_path: Path)
     assert ragged["summary"]["worst_over_best"] == 1.0
 
 
+def test_tune_ladder_auto_reach_keeps_a_ranges_own_kernel_where_pooling_misses_it(
+        tmp_path: Path, capsys):
+    from tests.test_ragged_switch import _report_with_mixes
+
+    # (8192, 16384]: the seesaw 1.5x ahead at both mix lengths; (16384, 32768]: the default
+    # 2x ahead on three mixes per length. Pooled with its neighbours the lower range would
+    # take the default and miss both of its mixes held out: auto keeps each range's own.
+    def at(longest):
+        return (longest,) + (10,) * 7
+    samples = [_sample(8, "one-long", 45.0, 30.0, lens=at(9000)),
+               _sample(8, "one-long@15/16", 45.0, 30.0, lens=at(11000))]
+    for name in ("x", "y", "z"):
+        samples += [_sample(8, name, 30.0, 60.0, lens=at(20000)),
+                    _sample(8, f"{name}@15/16", 30.0, 60.0, lens=at(24000))]
+    saved = _report_with_mixes(tmp_path, samples, top=32768)
+    out, report = tmp_path / "ladder.json", tmp_path / "report.json"
+    script = load_script("tune_ladder")
+    script.main(["--from-times", str(saved), "--max-model-len", "32768", "--out", str(out),
+                 "--report", str(report), "--kernel-neighbours", "auto", "--force"])
+    assert "--kernel-neighbours auto" in capsys.readouterr().out
+    ladder = BucketLadder.load(out)
+    at_len = {n: ladder.balanced_kernel_for(ladder.bucket_for(n), 8) for n in (9000, 20000)}
+    assert at_len == {9000: "seesaw", 20000: "default"}
+    chosen = json.loads(report.read_text())["ragged"]["summary"]["kernel_neighbours"]
+    assert chosen["chosen"] == 0
+    assert chosen["held_out_by_length"]["0"]["above"] == 0
+    assert chosen["held_out_by_length"]["1"]["above"] == 2
+    # Mixes timed at one length: nothing to hold out, the default reach.
+    saved = _report_with_mixes(tmp_path, [s for s in samples if "@" not in s.mix], top=32768)
+    script.main(["--from-times", str(saved), "--max-model-len", "32768", "--out", str(out),
+                 "--report", str(report), "--kernel-neighbours", "auto", "--force"])
+    assert "timed at one length, nothing to hold out" in capsys.readouterr().out
+    assert "kernel_neighbours" not in json.loads(report.read_text())["ragged"]["summary"]
+
+
 def test_the_runner_replays_the_alternate_kernel_the_cost_model_predicts_faster(device):
     # Batch 4's balanced graphs: the seesaw's plan, and the default one as the alternate.
     # The seesaw is predicted to take its busiest program's tiles (one program here: every

@@ -490,10 +490,12 @@ def test_a_ranges_kernel_is_chosen_with_its_neighbours_mixes_and_its_threshold_a
         choose_switches(samples, ranges, neighbours=-1)
 
 
-def test_kernel_neighbours_below_zero_is_a_usage_error(capsys):
+@pytest.mark.parametrize("value", ["-1", "two"])
+def test_kernel_neighbours_below_zero_or_not_a_number_is_a_usage_error(capsys, value):
     with pytest.raises(SystemExit):
-        load_script("tune_ladder").main(["--kernel-neighbours", "-1", "--dry-run"])
-    assert "--kernel-neighbours -1" in capsys.readouterr().err
+        load_script("tune_ladder").main(["--kernel-neighbours", value, "--dry-run"])
+    err = capsys.readouterr().err
+    assert "--kernel-neighbours" in err and f"{value!r}: 0 ranges or more, or auto" in err
 
 
 def test_kernel_options_are_ranked_by_their_worst_mix_or_their_mean_as_asked():

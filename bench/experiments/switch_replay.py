@@ -58,25 +58,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def replay(ladder_path: str, samples: list) -> list[dict]:
     """Per sample: the replayed plan's name and time, the fastest plan's, their ratio."""
     from graphbucket.ladder import BucketLadder
-    from graphbucket.select import GraphSelector
+    from graphbucket.tuning.held_out import replayed
 
-    ladder = BucketLadder.load(ladder_path)
-    sizes = sorted({s.batch for s in samples} | {1})
-    selector = GraphSelector(ladder, sizes, remember_picks=False)
     out = []
-    for s in samples:
+    for s, (plan, us) in zip(samples, replayed(BucketLadder.load(ladder_path), samples),
+                             strict=True):
         times = {"split": s.split_us, **s.kernel_us()}
-        key = selector.key_for(s.batch, min(s.lens), max(s.lens), list(s.lens), 1)
-        if not key.balanced:
-            plan = "split"
-        else:
-            bucket = ladder.buckets[key.bucket]
-            plan = (bucket.alternate_kernel_for(key.batch_size) if key.alternate
-                    else bucket.balanced_kernel_for(key.batch_size))
         fastest = min(times, key=times.get)
         out.append({"batch": s.batch, "mix": s.mix, "longest": max(s.lens), "plan": plan,
-                    "us": times[plan], "fastest": fastest, "fastest_us": times[fastest],
-                    "ratio": times[plan] / times[fastest]})
+                    "us": us, "fastest": fastest, "fastest_us": times[fastest],
+                    "ratio": us / times[fastest]})
     return out
 
 
@@ -140,11 +131,6 @@ def model_fitter(report: dict):
 CHOOSERS = {"own range": 0, "every range": None, "neighbours": 1}
 
 
-def second_length(sample) -> bool:
-    """Whether a mix was timed at the second length (``tuner_mixes(lengths=2)``)."""
-    return sample.mix.endswith("@15/16")
-
-
 def held_out(report: dict, samples: list, by: str = "mix", *, pairs: bool = True,
              score: str | None = None) -> dict[str, list[tuple[float, object, str]]]:
     """chooser -> (ratio to the fastest plan timed, sample, plan replayed) of each mix under
@@ -153,6 +139,7 @@ def held_out(report: dict, samples: list, by: str = "mix", *, pairs: bool = True
     cost model (``tune_ladder.py --one-balanced-kernel``); ``score`` as the tuner's
     ``--kernel-score``."""
     from graphbucket.ladder import BALANCED_ABOVE, BucketLadder
+    from graphbucket.tuning.held_out import second_length
     from graphbucket.tuning.kernel_pairs import faster_kernel
     from graphbucket.tuning.ragged import (
         _choose_batch,
