@@ -224,6 +224,9 @@ def test_tune_ladder_auto_reach_keeps_a_ranges_own_kernel_where_pooling_misses_i
     assert chosen["chosen"] == 0
     assert chosen["held_out_by_length"]["0"]["above"] == 0
     assert chosen["held_out_by_length"]["1"]["above"] == 2
+    text = report.with_suffix(".md").read_text()
+    assert "those of 0 range(s) on each side, the reach" in text
+    assert "1 range(s): 2 of 8 (mean" in text
     # Mixes timed at one length: nothing to hold out, the default reach.
     saved = _report_with_mixes(tmp_path, [s for s in samples if "@" not in s.mix], top=32768)
     script.main(["--from-times", str(saved), "--max-model-len", "32768", "--out", str(out),

@@ -52,6 +52,19 @@ def switches_text(summary: dict) -> str:
                      f"{by_batch_text(sw)}" for sw in summary["switches"])
 
 
+def reach_text(summary: dict) -> str:
+    """The sentence on the kernel reach ``--kernel-neighbours auto`` chose, or ""."""
+    chosen = summary.get("kernel_neighbours")
+    if not chosen:
+        return ""
+    counts = "; ".join(f"{n} range(s): {f['above']} of {f['mixes']} (mean {f['mean']})"
+                       for n, f in chosen["held_out_by_length"].items())
+    return (f" Each range's balanced kernel is chosen from its own mixes and those of "
+            f"{chosen['chosen']} range(s) on each side, the reach with the fewest mixes "
+            f"above 1.02 when each mix length is replayed under the switch chosen from the "
+            f"other (`--kernel-neighbours auto`): {counts}.")
+
+
 def report_markdown(report: dict) -> str:
     """The report as a short markdown table (written beside the report JSON)."""
     meta, summary = report["meta"], report["summary"]
@@ -88,7 +101,7 @@ def report_markdown(report: dict) -> str:
             f"{best['always_worst_over_best']:.3f})"
             + (f"; over the fastest plan timed per mix (any balanced kernel): worst "
                f"{best['worst_over_fastest']:.3f}, mean {best['mean_over_fastest']:.4f}"
-               if "worst_over_fastest" in best else "") + ".", "",
+               if "worst_over_fastest" in best else "") + "." + reach_text(best), "",
             "| batch | mix | longest | imbalance | split-KV us | balanced us |",
             "|---|---|---|---|---|---|",
             *(f"| {r['batch']} | {r['mix']} | {max(r['lens'])} | {r['imbalance']:.2f} | "
