@@ -191,7 +191,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="lengths of the longest request per range the ragged mixes are "
                          "timed at: 1, at 3/4 of the range's top (default), or 2, also at "
                          "15/16 of it (twice the mixes)")
-    ap.add_argument("--kernel-neighbours", type=kernel_reach, default=KERNEL_NEIGHBOUR_RANGES,
+    ap.add_argument("--kernel-neighbours", type=kernel_reach_arg, default=KERNEL_NEIGHBOUR_RANGES,
                     metavar="N|auto",
                     help="choose each length range's balanced kernels over its own ragged "
                          "mixes and those of N ranges on each side (default "
@@ -584,17 +584,13 @@ def step_ties(args: argparse.Namespace, ladder, times: dict, splits_for, meta: d
     return ladder, records
 
 
-def kernel_reach(text: str) -> int | str:
-    """``--kernel-neighbours``: a number of ranges (0 or more) or "auto"."""
+def kernel_reach_arg(text: str) -> int | str:
+    """argparse type: "auto" or a number of ranges (0 or more)."""
     if text == "auto":
         return text
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
+    if not text.isdigit():
         raise argparse.ArgumentTypeError(f"{text!r}: 0 ranges or more, or auto")
-    return value
+    return int(text)
 
 
 def kernel_neighbours(args: argparse.Namespace, ladder, samples: list[RaggedSample],
