@@ -15,6 +15,7 @@
 #        into graphbucket/ladders/ so that the TPOT steps after it run it, and checked by
 #        bench/ladder_oracle.py; TUNE_MIX_LENGTHS=2 times the ragged mixes at two lengths;
 #        TUNE_BALANCED_FROM=N times them from N tokens (tune_ladder.py's default otherwise);
+#        TUNE_KERNEL_NEIGHBOURS=N|auto passes --kernel-neighbours to the tuner;
 #        TUNE_KERNEL_AB=1 also re-chooses the switch with --kernel-neighbours 0 from the same
 #        report and runs its oracle into own-range/;
 #        TUNE_LIMIT caps the tuning and the oracle, each (seconds; 330, sparse 450);
@@ -131,7 +132,8 @@ print(n(device_slugs(torch.cuda.get_device_name())[-1], $heads, '$fmt', q_len=$q
   timeout $limit python3 scripts/tune_ladder.py --heads "$heads" --kv-cache "$fmt" --q-len "$q" \
     $sparse ${TUNE_FROM:+--from-times "$TUNE_FROM" --retime-ragged} $ties \
     ${TUNE_MIX_LENGTHS:+--mix-lengths "$TUNE_MIX_LENGTHS"} \
-    ${TUNE_BALANCED_FROM:+--balanced-from "$TUNE_BALANCED_FROM"} --max-buckets 16 \
+    ${TUNE_BALANCED_FROM:+--balanced-from "$TUNE_BALANCED_FROM"} \
+    ${TUNE_KERNEL_NEIGHBOURS:+--kernel-neighbours "$TUNE_KERNEL_NEIGHBOURS"} --max-buckets 16 \
     --max-model-len 131072 --out "$R/$name" \
     --report "$R/tune-${name%.json}.json" --plot "$R/tune-${name%.json}.png" --force \
     > "$R/tune-${name%.json}.log" 2>&1; tail -2 "$R/tune-${name%.json}.log"
