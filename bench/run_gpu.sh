@@ -5,7 +5,7 @@
 # TPOT per policy, and the demo's GPU path. Run it on a CUDA machine.
 # steps: any of tests gputests balancedtests sweep fisweep capture tune tunefp8 tunemtp tunesparse
 #        tpot tpotfp8 tpotmtp ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp hostphases
-#        selectcost oracle
+#        selectcost oracle stepahead
 #        balancedseesaw tpotbatches tpothf stepkernels stepvariants seesawverify fp8seesaw mergetiles mergesweep rows32 ncu ncuspread ncumerge
 #        (gputests: the GPU-marked tests; GPU_TESTS="tests/test_x.py ..." picks files)
 #        (tpotdp: TPOT of the 128-head deepseek-v3-dp preset, the compute-bound decode)
@@ -30,6 +30,8 @@
 #        (tpotmtp: TPOT of verify steps at q_len 1, 2, 4 on fewer contexts)
 #        (l2: decode time with the KV in HBM against L2-resident, 16 and 128 heads)
 #        (hostphases: where a BlockTable host step's time goes, batch 1 and 64 x 128K)
+#        (stepahead: steps issued after the last one finished against one ahead: the host
+#        step, the step period and the GPU idle issuing ahead removes; its GPU test first)
 #        (oracle: bench/ladder_oracle.py on each ladder of ORACLE_LADDERS="a.json b.json" in
 #        one call, each into oracle-<name>/, at ORACLE_HEADS (16) heads, ORACLE_KV (bf16),
 #        ORACLE_Q (1) and, where set, ORACLE_BATCHES="4 32" only; TUNE_LIMIT caps each: the
@@ -95,7 +97,7 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 STEPS="tests gputests balancedtests sweep fisweep capture tune tunefp8 tunemtp tunesparse retime tpot tpotfp8 tpotmtp
        ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp hostphases selectcost oracle balancedseesaw tpotbatches
-       tpothf stepkernels stepvariants seesawverify threeway fp8seesaw mergetiles mergesweep rows32 ncu ncuspread ncumerge ncuseesaw"
+       tpothf stepkernels stepvariants seesawverify threeway fp8seesaw mergetiles mergesweep rows32 ncu ncuspread ncumerge ncuseesaw stepahead"
 usage() { sed -n '2,/^set /{/^set /d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"; }
 for arg in "$@"; do
   case $arg in
@@ -407,6 +409,10 @@ for step in $steps; do
           tail -5 "$R/tpot-mtp.log"
           for q in 1 2 4; do python3 scripts/tpot_report.py --json "$R/h200-tpot-mtp.json" \
             --q-len "$q" --no-png --force; done ;;
+    stepahead) timeout 240 python3 -m pytest -q tests/test_step_ahead.py -p no:cacheprovider \
+                 > "$R/step-ahead-tests.log" 2>&1; tail -3 "$R/step-ahead-tests.log"
+               timeout 240 python3 bench/experiments/step_ahead.py --out "$R" \
+                 > "$R/step-ahead.log" 2>&1; tail -8 "$R/step-ahead.log" ;;
     tp) NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
           timeout 300 python3 scripts/tp_decode.py --world-size 2 --out "$R" > "$R/tp.log" 2>&1
         tail -12 "$R/tp.log" ;;
