@@ -5,7 +5,7 @@
 # TPOT per policy, and the demo's GPU path. Run it on a CUDA machine.
 # steps: any of tests gputests balancedtests sweep fisweep capture tune tunefp8 tunemtp tunesparse
 #        tpot tpotfp8 tpotmtp ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp hostphases
-#        selectcost oracle stepahead
+#        selectcost oracle stepahead splitflip
 #        balancedseesaw tpotbatches tpothf stepkernels stepvariants seesawverify fp8seesaw mergetiles mergesweep rows32 ncu ncuspread ncumerge
 #        (gputests: the GPU-marked tests; GPU_TESTS="tests/test_x.py ..." picks files)
 #        (tpotdp: TPOT of the 128-head deepseek-v3-dp preset, the compute-bound decode)
@@ -32,6 +32,8 @@
 #        (hostphases: where a BlockTable host step's time goes, batch 1 and 64 x 128K)
 #        (stepahead: steps issued after the last one finished against one ahead: the host
 #        step, the step period and the GPU idle issuing ahead removes; its GPU test first)
+#        (splitflip: 32 against 64 splits at 128 heads, batch 1, 11K-23K tokens, by the
+#        tuner's timer and the oracle's, alternating: do the two disagree by construction?)
 #        (oracle: bench/ladder_oracle.py on each ladder of ORACLE_LADDERS="a.json b.json" in
 #        one call, each into oracle-<name>/, at ORACLE_HEADS (16) heads, ORACLE_KV (bf16),
 #        ORACLE_Q (1) and, where set, ORACLE_BATCHES="4 32" only; TUNE_LIMIT caps each: the
@@ -97,7 +99,7 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 STEPS="tests gputests balancedtests sweep fisweep capture tune tunefp8 tunemtp tunesparse retime tpot tpotfp8 tpotmtp
        ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp hostphases selectcost oracle balancedseesaw tpotbatches
-       tpothf stepkernels stepvariants seesawverify threeway fp8seesaw mergetiles mergesweep rows32 ncu ncuspread ncumerge ncuseesaw stepahead"
+       tpothf stepkernels stepvariants seesawverify threeway fp8seesaw mergetiles mergesweep rows32 ncu ncuspread ncumerge ncuseesaw stepahead splitflip"
 usage() { sed -n '2,/^set /{/^set /d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"; }
 for arg in "$@"; do
   case $arg in
@@ -413,6 +415,8 @@ for step in $steps; do
                  > "$R/step-ahead-tests.log" 2>&1; tail -3 "$R/step-ahead-tests.log"
                timeout 240 python3 bench/experiments/step_ahead.py --out "$R" \
                  > "$R/step-ahead.log" 2>&1; tail -8 "$R/step-ahead.log" ;;
+    splitflip) timeout 200 python3 bench/experiments/split_flip.py --out "$R" \
+                 > "$R/split-flip.log" 2>&1; tail -9 "$R/split-flip.log" ;;
     tp) NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
           timeout 300 python3 scripts/tp_decode.py --world-size 2 --out "$R" > "$R/tp.log" 2>&1
         tail -12 "$R/tp.log" ;;
