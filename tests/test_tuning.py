@@ -663,6 +663,38 @@ def test_a_plan_keyed_report_rechooses_the_same_ladder(tmp_path: Path):
         script.main(["--from-times", str(saved), "--max-model-len", "4096"])
 
 
+def test_the_report_says_what_each_timing_phase_cost(tmp_path: Path):
+    from graphbucket.tuning.report import cost_lines
+
+    meta = {"measured_s": 157.4, "estimate_s": 251.6, "ragged_measured_s": 150.2,
+            "step_ties_s": 9.8}
+    text = cost_lines(meta)[0]
+    assert "split-KV table 157 s (estimated 252)" in text
+    assert "ragged mixes 150 s" in text and "step ties 10 s" in text
+    assert "317 s in all" in text
+    table_only = cost_lines({k: meta[k] for k in ("measured_s", "estimate_s")})[0]
+    assert "ragged" not in table_only and "157 s in all" in table_only
+    assert cost_lines({}) == []  # a report from before the cost was recorded
+    # Re-chosen from a saved report, the cost is the saved measurement's, written again.
+    script = _tune_script()
+    contexts = [64, 1024, 4096]
+    plans = plans_to_measure([1, 8], hint_plans(16, num_sms=132),
+                             hints_to_measure(contexts, 4096, ladders=[default_ladder(4096)]))
+    times = {(c, b, label): plan_toy_us(c, p) for c in contexts for b in (1, 8)
+             for label, p in plans[b].items()}
+    saved = tmp_path / "saved.json"
+    saved.write_text(json.dumps({"meta": {
+        "gpu": "NVIDIA H200", "num_sms": 132, "num_heads": 16, "batches": [1, 8],
+        "contexts": contexts, "command": "x", "date": "d", "torch": "t", "triton": "t",
+        "kv_cache": "bf16", "q_len": 1, "timed": "plans", "measured_s": 40.0,
+        "estimate_s": 50.0}, "times": times_to_rows(times)}))
+    script.main(["--from-times", str(saved), "--max-model-len", "4096", "--out",
+                 str(tmp_path / "h200-h16.json"), "--report", str(tmp_path / "r.json"),
+                 "--quiet"])
+    assert "Timing cost: split-KV table 40 s (estimated 50); 40 s in all" in (
+        tmp_path / "r.md").read_text()
+
+
 def test_ladder_file_names_for_128_heads_and_verify_steps_round_trip():
     assert ladder_file_name("h200", 128) == "h200-h128.json"
     assert ladder_file_name("h200", 16, "fp8-v32", q_len=2) == "h200-h16-fp8-v32-q2.json"

@@ -75,7 +75,8 @@ def report_markdown(report: dict) -> str:
              + ("" if fmt == "bf16" else f", {fmt} cache")
              + ("" if q_len == 1 else f", q_len {q_len}") + f" ({meta['gpu']})", "",
              f"{meta['date']}, torch {meta['torch']}, triton {meta['triton']}. "
-             f"Command: `{meta['command']}`", "", f"Tuned buckets: {bounds}", "",
+             f"Command: `{meta['command']}`", "", *cost_lines(meta), f"Tuned buckets: {bounds}",
+             "",
              f"Time over the best measured split count (mean / worst): tuned "
              f"{summary['tuned_mean_over_oracle']:.3f} / {summary['tuned_max_over_oracle']:.3f},"
              f" default ladder {summary['default_mean_over_oracle']:.3f} / "
@@ -113,6 +114,21 @@ def report_markdown(report: dict) -> str:
                      f"{r['tuned_over_oracle']:.3f} | {r['default_us']:.1f} "
                      f"({r['default_splits']}) | {r['default_over_oracle']:.3f} |")
     return "\n".join(lines) + "\n"
+
+
+def cost_lines(meta: dict) -> list[str]:
+    """What the tuning cost on the GPU (wall seconds of each timing phase, compiles
+    included), as a paragraph; none for a report that did not record it."""
+    if meta.get("measured_s") is None:
+        return []
+    parts = [f"split-KV table {meta['measured_s']:.0f} s (estimated {meta['estimate_s']:.0f})"]
+    total = meta["measured_s"]
+    for key, what in (("ragged_measured_s", "ragged mixes"), ("step_ties_s", "step ties")):
+        if meta.get(key) is not None:
+            parts.append(f"{what} {meta[key]:.0f} s")
+            total += meta[key]
+    return [f"Timing cost: {', '.join(parts)}; {total:.0f} s in all (goal: 300 s per "
+            "ladder).", ""]
 
 
 def decoder_text(meta: dict) -> str:
