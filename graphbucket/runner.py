@@ -220,8 +220,8 @@ class GraphBucketRunner:
         max_model_len, block table outside the cache, wrong dtype/device/shape, a q_len
         not captured, a live length below q_len). Consume the result (copy or use) before
         the next step: the next replay overwrites it. A step may be issued while earlier
-        ones still run on the GPU (nothing here waits on them, but a staging slot still
-        being read); consume each output on the stream before issuing the next step.
+        ones still run on the GPU (it waits only for a staging slot the GPU still reads);
+        then consume each output on the stream before issuing the next step.
         """
         if self._closed:  # _check_open(), without a call (each costs on cold caches)
             self._check_open()
