@@ -34,9 +34,11 @@ class Step:
 
 
 def schedule(rng: np.random.Generator, steps: int) -> list[Step]:
+    """Short requests alone for the first third of the steps (the lower buckets), then
+    short and long ones (the batch's longest request in the top buckets)."""
     rows: list[list] = []  # [pages, length of the next step]
     out = []
-    for _ in range(steps):
+    for k in range(steps):
         ops: list[tuple] = []
         for i, row in enumerate(rows):
             row[1] += 1
@@ -49,8 +51,8 @@ def schedule(rng: np.random.Generator, steps: int) -> list[Step]:
             rows.pop()
             ops.append(("release", len(rows)))
         elif draw < 0.4 or not rows:
-            short = rng.random() < 0.5
-            length = int(rng.integers(1, 200) if short else rng.integers(1000, MML - steps))
+            short = k < steps // 3 or rng.random() < 0.5
+            length = int(rng.integers(1, 60) if short else rng.integers(1000, MML - steps))
             pages = rng.integers(PAGES, size=-(-length // PAGE)).tolist()
             ops.append(("assign", len(rows), pages))
             rows.append([pages, length])
