@@ -80,9 +80,11 @@ def main(argv: list[str] | None = None) -> None:
                              **{k: round(v, 2) for k, v in us.items()},
                              "ratio": round(us[f"splits={b}"] / us[f"splits={a}"], 4)})
                 print(rows[-1], flush=True)
+    meta = run_meta()
     lines = [f"# {b} against {a} splits by the tuner's and the oracle's timers "
              f"({args.heads} heads, batch {args.batch})", "",
-             f"{run_meta()['date']}, {torch.cuda.get_device_name()}. Median over "
+             f"{meta['date']}, {meta['gpu']}, torch {meta['torch']}, triton "
+             f"{meta['triton']}. Command: `{meta['command']}`. Median over "
              f"{args.rounds} rounds of us({b}) / us({a}) (< 1: {b} splits faster); each "
              "round times both timers, alternating which goes first.", "",
              "| context | tuner | oracle | tuner rounds | oracle rounds |",
@@ -98,7 +100,6 @@ def main(argv: list[str] | None = None) -> None:
     print(text)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        meta = run_meta()
         (args.out / "split-flip.json").write_text(json.dumps({"meta": meta, "rows": rows},
                                                              indent=1))
         (args.out / "split-flip.md").write_text(text)

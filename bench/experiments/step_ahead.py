@@ -24,6 +24,7 @@ import os
 import statistics
 import sys
 import time
+from collections import deque
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -43,15 +44,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 class Loop:
-    """One cell's runner and trajectory, stepped by either loop; keeps the last step's done
-    marker (a CUDA event, None on the CPU) for the loop issued ahead."""
+    """One cell's runner and trajectory, stepped by either loop; the loop issued ahead
+    marks each step's end with one of two CUDA events (none on the CPU)."""
 
     def __init__(self, runner, traj, cuda: bool) -> None:
         import torch
 
         self.runner, self.traj, self.cuda = runner, traj, cuda
         self.events = [torch.cuda.Event() for _ in range(2)] if cuda else None
-        self.outputs: list = []
+        self.outputs: deque = deque(maxlen=4)  # the engine's consumers, in stream order
 
     def issue(self) -> float:
         """One step (the scheduler's bookkeeping outside the timing): host us."""
@@ -61,9 +62,7 @@ class Loop:
         traj.advance_table()
         out = self.runner.step(traj.table_batch(lens))
         t1 = time.perf_counter()
-        self.outputs.append(out.clone())  # the engine consumes it in stream order
-        if len(self.outputs) > 4:
-            self.outputs.pop(0)
+        self.outputs.append(out.clone())
         return (t1 - t0) * 1e6
 
     def round(self, loop: str, steps: int, k: int) -> tuple[list[float], float, int]:
@@ -144,6 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from bench.capture_dispatch import SMOKE, Config, MLADecoder, _pinned_core, make_runner
+    from bench.gpu_timing import run_meta
     from graphbucket import default_ladder
 
     cuda = torch.cuda.is_available() and not args.cpu_smoke
@@ -163,13 +163,7 @@ def main(argv: list[str] | None = None) -> None:
              cell(runner, cfg, big, short_hi // 2, short_hi, rounds, steps, cuda),
              cell(runner, cfg, big, hi - hi // 16, hi, rounds, steps, cuda)]
     runner.close()
-    if cuda:
-        from bench.gpu_timing import run_meta
-        meta = run_meta()
-    else:
-        import triton
-        meta = {"gpu": "cpu", "torch": torch.__version__, "triton": triton.__version__}
-    meta["command"] = "python3 " + " ".join(sys.argv)
+    meta = run_meta()
     text = markdown(meta, cells)
     print(text)
     if args.out:
