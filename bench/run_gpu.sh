@@ -7,7 +7,7 @@
 #        tpot tpotfp8 tpotmtp ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp hostphases
 #        selectcost oracle stepahead splitflip
 #        balancedseesaw tpotbatches tpothf stepkernels stepvariants seesawverify seesawrows fp8seesaw mergetiles mergesweep rows32 ncu ncuspread ncumerge
-#        (seesawrows: q_len 1, 2 and 4 on the same 16-head seesaw programs, and under ncu)
+#        (seesawrows: q_len 1, 2 and 4 on the same 16-head seesaw programs; ncurows: under ncu)
 #        (gputests: the GPU-marked tests; GPU_TESTS="tests/test_x.py ..." picks files)
 #        (tpotdp: TPOT of the 128-head deepseek-v3-dp preset, the compute-bound decode)
 #        (balancedtests: the balanced kernels per capture size, the ragged switch and the
@@ -100,7 +100,7 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 STEPS="tests gputests balancedtests sweep fisweep capture tune tunefp8 tunemtp tunesparse retime tpot tpotfp8 tpotmtp
        ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp hostphases selectcost oracle balancedseesaw tpotbatches
-       tpothf stepkernels stepvariants seesawverify seesawrows threeway fp8seesaw mergetiles mergesweep rows32 ncu ncuspread ncumerge ncuseesaw stepahead splitflip"
+       tpothf stepkernels stepvariants seesawverify seesawrows ncurows threeway fp8seesaw mergetiles mergesweep rows32 ncu ncuspread ncumerge ncuseesaw stepahead splitflip"
 usage() { sed -n '2,/^set /{/^set /d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"; }
 for arg in "$@"; do
   case $arg in
@@ -335,10 +335,10 @@ for step in $steps; do
                   timeout 240 python3 bench/experiments/seesaw_verify.py --out "$R" \
                     > "$R/seesaw-verify.log" 2>&1; tail -14 "$R/seesaw-verify.log" ;;
     seesawrows)   # Live rows on the 16-head seesaw (q_len 1, 2, 4 on the same programs): lazy and
-                  # eager rescale, L2-resident pages, stage 1 alone; then Nsight Compute over
-                  # q_len 1 and 4 at 64 x 4K (instructions, stalls, memory).
+                  # eager rescale, L2-resident pages, stage 1 alone.
                   timeout 240 python3 bench/experiments/seesaw_rows.py --out "$R" \
-                    > "$R/seesaw-rows.log" 2>&1; tail -8 "$R/seesaw-rows.log"
+                    > "$R/seesaw-rows.log" 2>&1; tail -8 "$R/seesaw-rows.log" ;;
+    ncurows)      # Nsight Compute over the seesaw at q_len 1 and 4, 16 heads, 64 x 4K.
                   command -v ncu > /dev/null || { echo "ncu: not installed"; continue; }
                   timeout 240 ncu -k regex:seesaw_stage1 -c 4 --section SpeedOfLight \
                     --section WarpStateStats --section InstructionStats --section SchedulerStats \
