@@ -336,7 +336,7 @@ for step in $steps; do
                     > "$R/seesaw-verify.log" 2>&1; tail -14 "$R/seesaw-verify.log" ;;
     seesawrows)   # Live rows on the 16-head seesaw (q_len 1, 2, 4 on the same programs): lazy and
                   # eager rescale, L2-resident pages, stage 1 alone.
-                  timeout 240 python3 bench/experiments/seesaw_rows.py --out "$R" \
+                  timeout 240 python3 bench/experiments/seesaw_rows.py ${SEESAW_ROWS_ARGS:-} --out "$R" \
                     > "$R/seesaw-rows.log" 2>&1; tail -8 "$R/seesaw-rows.log" ;;
     ncurows)      # Nsight Compute over the seesaw at q_len 1 and 4, 16 heads, 64 x 4K.
                   command -v ncu > /dev/null || { echo "ncu: not installed"; continue; }

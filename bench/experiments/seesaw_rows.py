@@ -46,6 +46,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_out_argument(p, "h200-seesaw-rows.{json,md}")
     p.add_argument("--reps", type=int, default=7, help="interleaved rounds per shape")
+    p.add_argument("--shapes", nargs="+", default=[f"{b}x{c}" for b, c in SHAPES],
+                   help="BATCHxCONTEXT shapes (default: %(default)s)")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS,
+                   help="variants to time (default: all; q1 is always timed)")
     p.add_argument("--ncu", action="store_true",
                    help="eager launches at 64 x 4K for Nsight Compute, no timing")
     return p.parse_args(argv)
@@ -83,7 +87,7 @@ def resident(tables, pages: int = 64):
     return tables[0, 0, idx].expand_as(tables).contiguous()
 
 
-def measure(reps: int) -> list[dict]:
+def measure(reps: int, shapes: list[tuple[int, int]], variants: list[str]) -> list[dict]:
 
     from bench.common import inputs, random_cache
     from graphbucket.kernels import SplitWorkspace, default_sm_scale
@@ -92,10 +96,11 @@ def measure(reps: int) -> list[dict]:
     from graphbucket.plan_streams import SEESAW_STREAM
     from graphbucket.tuning.measure import time_replays_paired
 
-    cache = random_cache(max(b * -(-c // 64) for b, c in SHAPES))
+    variants = ["q1"] + [v for v in variants if v != "q1"]
+    cache = random_cache(max(b * -(-c // 64) for b, c in shapes))
     scale = default_sm_scale()
     rows_out = []
-    for batch, context in SHAPES:
+    for batch, context in shapes:
         lens = [context] * batch
         plans = {q_len: plan_mla_decode(batch, HEADS * q_len, context, stream=SEESAW_STREAM)
                  for q_len in (1, 2, 4)}
@@ -127,8 +132,9 @@ def measure(reps: int) -> list[dict]:
                  "q1-l2": lambda r: call(r, 1, l2=True), "q4-l2": lambda r: call(r, 4, l2=True),
                  "q1-stage1": lambda r: call(r, 1, merge=False),
                  "q4-stage1": lambda r: call(r, 4, merge=False)}
+        calls = {v: calls[v] for v in variants}
         errors = {}
-        for q_len in (1, 4):
+        for q_len in (1, 4) if "q4-eager" in variants or "q1-eager" in variants else ():
             out = per_q[q_len][2]
             call(0, q_len)
             want = out[0].float().clone()
@@ -139,28 +145,35 @@ def measure(reps: int) -> list[dict]:
         us = time_replays_paired(fns, calls_per_graph=n, reps=reps)
         row = {"heads": HEADS, "batch": batch, "context": context, "plan": plan.describe(),
                "plans_differ": len({p.describe() for p in plans.values()}) > 1,
-               **{f"{v}_us": round(us[v], 2) for v in VARIANTS},
+               **{f"{v}_us": round(us[v], 2) for v in variants},
                "rel_err_eager": {k: float(f"{e:.3e}") for k, e in errors.items()}}
         rows_out.append(row)
         print(json.dumps(row), flush=True)
     return rows_out
 
 
+def ratio(row: dict, num: str, den: str) -> str:
+    """``num`` over ``den`` of one row, or "-" where either was not timed."""
+    a, b = row.get(f"{num}_us"), row.get(f"{den}_us")
+    return f"{a / b:.3f}" if a and b else "-"
+
+
 def markdown(meta: dict, rows: list[dict]) -> str:
+    timed = [v for v in VARIANTS if any(f"{v}_us" in r for r in rows)]
     lines = [f"# Live rows on the 16-head seesaw: q_len 1, 2 and 4 on the same programs "
              f"({meta['gpu']})", "",
              f"{run_line(meta)}. Interleaved CUDA-graph replays, median microseconds per "
              "call, the seesaw planner's split count; `-eager`: the eager rescale; `-l2`: "
              "every request over the same pages (L2-resident); `-stage1`: without the "
              "merge.", "",
-             "| batch | context | plan | " + " | ".join(VARIANTS) + " | q4 / q1 | q4 / q1, L2 "
-             "| q4 / q1, eager |",
-             "|---:|---:|---|" + "---:|" * (len(VARIANTS) + 3)]
+             "| batch | context | plan | " + " | ".join(timed) + " | q4 / q1 | q4 / q1, L2 "
+             "| q4 / q1, eager | q1, L2 / DRAM |",
+             "|---:|---:|---|" + "---:|" * (len(timed) + 4)]
     for r in rows:
-        cells = " | ".join(str(r[f"{v}_us"]) for v in VARIANTS)
+        cells = " | ".join(str(r.get(f"{v}_us", "-")) for v in timed)
         lines.append(f"| {r['batch']} | {r['context']} | {r['plan']} | {cells} | "
-                     f"{r['q4_us'] / r['q1_us']:.3f} | {r['q4-l2_us'] / r['q1-l2_us']:.3f} | "
-                     f"{r['q4-eager_us'] / r['q1-eager_us']:.3f} |")
+                     f"{ratio(r, 'q4', 'q1')} | {ratio(r, 'q4-l2', 'q1-l2')} | "
+                     f"{ratio(r, 'q4-eager', 'q1-eager')} | {ratio(r, 'q1-l2', 'q1')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -175,7 +188,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     meta = run_meta()
     meta["command"] = "python3 " + " ".join(sys.argv)
-    rows = measure(args.reps)
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes]
+    rows = measure(args.reps, shapes, args.variants)
     report_run(args.out, "h200-seesaw-rows", meta, rows, markdown)
 
 
