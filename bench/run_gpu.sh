@@ -6,7 +6,7 @@
 # steps: any of tests gputests balancedtests sweep fisweep capture tune tunefp8 tunemtp tunesparse
 #        tpot tpotfp8 tpotmtp ragged demo tp fp8 mtp sparse sparseab tpotsparse l2 tpotdp hostphases
 #        selectcost oracle stepahead splitflip
-#        balancedseesaw tpotbatches tpothf stepkernels stepvariants seesawverify seesawrows fp8seesaw mergetiles mergesweep rows32 ncu ncuspread ncumerge
+#        balancedseesaw tpotbatches tpothf stepkernels stepvariants seesawverify seesawrows ncurows fp8seesaw mergetiles mergesweep rows32 ncu ncuspread ncumerge
 #        (seesawrows: q_len 1, 2 and 4 on the same 16-head seesaw programs; ncurows: under ncu)
 #        (gputests: the GPU-marked tests; GPU_TESTS="tests/test_x.py ..." picks files)
 #        (tpotdp: TPOT of the 128-head deepseek-v3-dp preset, the compute-bound decode)

@@ -113,6 +113,8 @@ def measure(reps: int, shapes: list[tuple[int, int]], variants: list[str]) -> li
         ws = SplitWorkspace.allocate(batch, 64, max(p.num_kv_splits for p in plans.values()),
                                      512, "cuda")
 
+        resident_tables = {k: resident(v[0]) for k, v in per_q.items()}
+
         def call(r: int, q_len: int, *, lazy: bool = True, l2: bool = False,
                  merge: bool = True) -> None:
             tables, q, out, seq_lens = per_q[q_len]
@@ -124,15 +126,13 @@ def measure(reps: int, shapes: list[tuple[int, int]], variants: list[str]) -> li
             if merge and p.merge_kernel:
                 launch_merge(seq_lens, out[r], ws, plan=p, lse=None, block_n=64)
 
-        resident_tables = {k: resident(v[0]) for k, v in per_q.items()}
-        calls = {"q1": lambda r: call(r, 1), "q2": lambda r: call(r, 2),
-                 "q4": lambda r: call(r, 4),
-                 "q1-eager": lambda r: call(r, 1, lazy=False),
-                 "q4-eager": lambda r: call(r, 4, lazy=False),
-                 "q1-l2": lambda r: call(r, 1, l2=True), "q4-l2": lambda r: call(r, 4, l2=True),
-                 "q1-stage1": lambda r: call(r, 1, merge=False),
-                 "q4-stage1": lambda r: call(r, 4, merge=False)}
-        calls = {v: calls[v] for v in variants}
+        def variant(name: str):
+            """``q<N>[-eager|-l2|-stage1]`` as one call over rotation r."""
+            q, _, mod = name.partition("-")
+            return lambda r: call(r, int(q[1:]), lazy=mod != "eager", l2=mod == "l2",
+                                  merge=mod != "stage1")
+
+        calls = {v: variant(v) for v in variants}
         errors = {}
         for q_len in (1, 4) if "q4-eager" in variants or "q1-eager" in variants else ():
             out = per_q[q_len][2]
